@@ -1,0 +1,35 @@
+"""Collectives built on ``torch.distributed`` point-to-point operations. No Lightning in here.
+
+- :func:`ring_allreduce_`: bandwidth-optimal pipelined ring, for large messages.
+- :func:`tree_allreduce_`: latency-optimal recursive doubling, for small messages.
+- :func:`native_allreduce_`: the backend's own ``all_reduce`` with the same contract.
+- :func:`allreduce_`: any of them by name, ``"auto"`` choosing by message size.
+- :class:`CommStats`: bytes sent/received and time per call.
+"""
+
+from lightning_dist.comm.dispatch import (
+    ALGORITHMS,
+    AUTO_TREE_MAX_BYTES,
+    allreduce_,
+    check_algorithm,
+    choose_algorithm,
+    native_allreduce_,
+)
+from lightning_dist.comm.ring import DEFAULT_SEGMENT_BYTES, ring_allreduce_, ring_bytes_sent
+from lightning_dist.comm.stats import CallRecord, CommStats
+from lightning_dist.comm.tree import tree_allreduce_
+
+__all__ = [
+    "ALGORITHMS",
+    "AUTO_TREE_MAX_BYTES",
+    "DEFAULT_SEGMENT_BYTES",
+    "CallRecord",
+    "CommStats",
+    "allreduce_",
+    "check_algorithm",
+    "choose_algorithm",
+    "native_allreduce_",
+    "ring_allreduce_",
+    "ring_bytes_sent",
+    "tree_allreduce_",
+]

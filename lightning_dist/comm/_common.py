@@ -1,0 +1,101 @@
+"""What the ring and the tree share: argument checks, the group's view of ranks, chunking, ``avg``."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+OPS = ("sum", "avg")
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_warned_nccl: set[str] = set()
+
+
+def check_op(op: str, dtype: torch.dtype) -> str:
+    """Validate ``op`` for ``dtype`` before any byte moves (a bad op on one rank only would deadlock)."""
+    if op not in OPS:
+        raise ValueError(f"op={op!r} is not supported; use one of {OPS}.")
+    if op == "avg" and (dtype in _INT_DTYPES or dtype == torch.bool):
+        raise ValueError(
+            f"op='avg' on a {dtype} tensor would truncate the mean; reduce with op='sum' and divide "
+            "in floating point, or cast the tensor to a float dtype first."
+        )
+    return op
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """This rank's place in ``group``: its group rank, the group size, and group rank -> global rank."""
+
+    group: Optional[dist.ProcessGroup]
+    rank: int
+    size: int
+    global_ranks: tuple[int, ...]
+    backend: str
+
+    def peer(self, group_rank: int) -> int:
+        """Global rank of ``group_rank`` (torch's point-to-point calls take global ranks)."""
+        return self.global_ranks[group_rank % self.size]
+
+
+def group_view(group: Optional[dist.ProcessGroup]) -> GroupView:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized: call torch.distributed.init_process_group() first "
+            "(Lightning does this in the strategy's setup)."
+        )
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this rank is not a member of the given process group; call the collective only there.")
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    return GroupView(group, rank, len(ranks), ranks, str(dist.get_backend(group)))
+
+
+def warn_if_experimental(view: GroupView, algorithm: str) -> None:
+    """Point-to-point rings over NCCL work but are not tested here (one GPU at most): say so once."""
+    if view.backend == "nccl" and algorithm not in _warned_nccl:
+        _warned_nccl.add(algorithm)
+        warnings.warn(
+            f"algorithm={algorithm!r} on the NCCL backend is experimental (its point-to-point path is not "
+            "covered by CI); algorithm='auto' uses NCCL's native all_reduce instead.",
+            stacklevel=3,
+        )
+
+
+def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
+    """Split ``range(numel)`` into ``parts`` contiguous chunks, sizes differing by at most one.
+
+    The first ``numel % parts`` chunks get the extra element; chunks are empty when ``numel < parts``.
+    """
+    base, extra = divmod(numel, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def flat_work_view(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+    """A 1-D contiguous view to reduce in, and a function that writes it back if it had to be a copy."""
+    if tensor.is_contiguous():
+        return tensor.view(-1), lambda: None
+    flat = tensor.contiguous().view(-1)
+    return flat, lambda: tensor.copy_(flat.view_as(tensor))
+
+
+def pre_divide(flat: torch.Tensor, op: str, world_size: int) -> bool:
+    """For ``avg`` on float16, divide before summing so the sum cannot overflow 65504; returns whether done."""
+    if op == "avg" and flat.dtype == torch.float16 and world_size > 1:
+        flat.div_(world_size)
+        return True
+    return False
+
+
+def post_divide(flat: torch.Tensor, op: str, world_size: int, already: bool) -> None:
+    """For ``avg`` on other floats, divide the sum once (more accurate than dividing every term)."""
+    if op == "avg" and not already and world_size > 1:
+        flat.div_(world_size)

@@ -1,0 +1,88 @@
+"""One entry point for every algorithm: ``allreduce_(tensor, algorithm="auto")``, and gloo/NCCL's native.
+
+``auto`` picks the tree below a fixed message size and the ring above it. The choice depends only on the
+tensor's byte size, which every rank shares, so every rank makes the same choice (two ranks choosing
+differently would each wait for messages the other never sends). The threshold is a constant measured by
+``python -m lightning_dist.benchmarks.allreduce``, never a timing taken at run time on each rank. On NCCL,
+``auto`` uses NCCL's own all_reduce: its ring and tree kernels beat Python point-to-point on GPUs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_dist.comm._common import check_op, flat_work_view, group_view, post_divide, pre_divide
+from lightning_dist.comm.ring import ring_allreduce_, ring_bytes_sent
+from lightning_dist.comm.stats import CallRecord, CommStats, _Timer
+from lightning_dist.comm.tree import tree_allreduce_
+
+ALGORITHMS = ("ring", "tree", "native", "auto")
+
+# Messages smaller than this go through the tree under ``auto``. Measured by the allreduce benchmark on
+# 2-core CPU machines with gloo at 2 ranks: the tree's latency wins up to tens of KiB, the pipelined ring's
+# bandwidth wins above (see README, "All-reduce benchmark").
+AUTO_TREE_MAX_BYTES = 64 * 1024
+
+
+def check_algorithm(algorithm: str) -> str:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r} is not one of {ALGORITHMS}; 'auto' is the usual choice.")
+    return algorithm
+
+
+def choose_algorithm(nbytes: int, backend: str, tree_max_bytes: int = AUTO_TREE_MAX_BYTES) -> str:
+    """What ``auto`` runs for a message of ``nbytes`` on ``backend``: a pure function of values all ranks share."""
+    if backend == "nccl":
+        return "native"
+    return "tree" if nbytes < tree_max_bytes else "ring"
+
+
+def native_allreduce_(
+    tensor: torch.Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    op: str = "sum",
+    *,
+    stats: Optional[CommStats] = None,
+) -> torch.Tensor:
+    """``torch.distributed.all_reduce`` with the same ``op``/``stats`` contract as the ring.
+
+    gloo has no ``ReduceOp.AVG``, so ``avg`` is a sum and a division (float16 divided first, as in the ring).
+    The bytes recorded are the ring's count, marked ``estimated``: the backend does not report its own.
+    """
+    check_op(op, tensor.dtype)
+    with _Timer() as timer:
+        view = group_view(group)
+        flat, write_back = flat_work_view(tensor)
+        divided = pre_divide(flat, op, view.size)
+        if view.size > 1 and flat.numel() > 0:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        post_divide(flat, op, view.size, divided)
+        write_back()
+    if stats is not None:
+        nbytes = ring_bytes_sent(tensor.numel(), view.size, view.rank, tensor.element_size())
+        stats.record(CallRecord("native", tensor.numel(), nbytes, nbytes, timer.seconds, estimated=True))
+    return tensor
+
+
+def allreduce_(
+    tensor: torch.Tensor,
+    algorithm: str = "auto",
+    group: Optional[dist.ProcessGroup] = None,
+    op: str = "sum",
+    *,
+    stats: Optional[CommStats] = None,
+    tree_max_bytes: int = AUTO_TREE_MAX_BYTES,
+) -> torch.Tensor:
+    """Reduce ``tensor`` in place across ``group`` with ``algorithm`` (``ring``, ``tree``, ``native``, ``auto``)."""
+    check_algorithm(algorithm)
+    if algorithm == "auto":
+        backend = str(dist.get_backend(group)) if dist.is_initialized() else "gloo"
+        algorithm = choose_algorithm(tensor.numel() * tensor.element_size(), backend, tree_max_bytes)
+    if algorithm == "ring":
+        return ring_allreduce_(tensor, group, op, stats=stats)
+    if algorithm == "tree":
+        return tree_allreduce_(tensor, group, op, stats=stats)
+    return native_allreduce_(tensor, group, op, stats=stats)

@@ -1,0 +1,75 @@
+"""Accounting for the collectives in :mod:`lightning_dist.comm`: bytes on the wire and time spent.
+
+Every collective takes an optional :class:`CommStats` and records one :class:`CallRecord` into it. The
+bytes are counted by the algorithm itself (the sum of the payloads it handed to ``isend``), not estimated
+from a formula, so a test can check the count against the algorithm's analysis. For ``native`` (gloo's or
+NCCL's own ``all_reduce``) the library does not say what it sent; we record the ring's count, which is what
+a bandwidth-optimal implementation sends, and mark the record ``estimated``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One collective call on one rank."""
+
+    algorithm: str  # "ring", "tree" or "native": what actually ran ("auto" resolves to one of them)
+    numel: int  # elements in the reduced tensor
+    bytes_sent: int  # payload bytes this rank handed to the transport
+    bytes_received: int  # payload bytes this rank received
+    seconds: float  # wall time of the whole call on this rank
+    estimated: bool = False  # True when the byte counts are the ring's formula, not a count
+
+
+@dataclass
+class CommStats:
+    """Running totals over many calls, plus the records since the last :meth:`reset`.
+
+    The strategy keeps one per training step: it reads the totals after backward and resets.
+    """
+
+    calls: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    records: list[CallRecord] = field(default_factory=list)
+    keep_records: bool = True  # turn off for long benchmarks where only the totals matter
+
+    def record(self, rec: CallRecord) -> None:
+        self.calls += 1
+        self.bytes_sent += rec.bytes_sent
+        self.bytes_received += rec.bytes_received
+        self.seconds += rec.seconds
+        if self.keep_records:
+            self.records.append(rec)
+
+    def reset(self) -> None:
+        self.calls = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.seconds = 0.0
+        self.records.clear()
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "calls": self.calls,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "seconds": self.seconds,
+        }
+
+
+class _Timer:
+    """``with _Timer() as t: ...; t.seconds`` using a monotonic clock."""
+
+    def __enter__(self) -> _Timer:
+        self._start = time.perf_counter()
+        self.seconds = 0.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self._start

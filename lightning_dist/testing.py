@@ -1,0 +1,107 @@
+"""Run a function on N local gloo ranks with a hard deadline: the harness behind the tests and benchmarks.
+
+This is not a training launcher (training is launched by Lightning, ``torchrun`` or SLURM). It is the
+small tool that ``torch/testing/_internal/common_distributed.py`` is for PyTorch: one process per rank,
+rendezvous through a file (no port to clash), and every child killed when one fails or the deadline passes,
+so a broken collective fails a test in seconds instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+class RanksFailed(RuntimeError):
+    """A rank raised, died, or the group ran past its deadline."""
+
+
+def _child(fn: Callable[..., Any], rank: int, world_size: int, store_path: str, deadline_s: float,
+           args: tuple, results: Any) -> None:
+    torch.set_num_threads(1)  # N ranks share the machine's cores; one intra-op thread each
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=deadline_s),
+        )
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    deadline_s: float = 120.0,
+    start_method: str = "fork",
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results in rank order.
+
+    ``fn`` runs after ``init_process_group`` and must return something picklable. Raises
+    :class:`RanksFailed` with every failing rank's traceback if any rank raises, exits without a result,
+    or the whole group has not finished within ``deadline_s`` seconds; all children are killed first.
+    ``fork`` starts in milliseconds; use ``spawn`` when the parent holds threads that must not be forked.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1.")
+    ctx = mp.get_context(start_method)
+    workdir = tempfile.mkdtemp(prefix="lightning_dist_ranks_")
+    store_path = os.path.join(workdir, "store")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_child, args=(fn, rank, world_size, store_path, deadline_s, args, results), daemon=True)
+        for rank in range(world_size)
+    ]
+    outputs: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    try:
+        for p in procs:
+            p.start()
+        end = time.monotonic() + deadline_s
+        while len(outputs) + len(errors) < world_size:
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                errors.setdefault(-1, f"deadline of {deadline_s:.0f}s passed; ranks that had not finished were killed")
+                break
+            try:
+                rank, status, payload = results.get(timeout=min(remaining, 0.2))
+            except queue.Empty:
+                # A rank that died without reporting (segfault, SIGKILL) would otherwise cost the whole deadline.
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)
+                        and i not in outputs and i not in errors]
+                for i in dead:
+                    errors[i] = f"rank {i} exited with code {procs[i].exitcode} without a result"
+                continue
+            (outputs if status == "ok" else errors)[rank] = payload
+            if status != "ok":
+                break  # peers are now blocked on the failed rank: stop waiting, kill them
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+        results.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    if errors:
+        text = "\n".join(f"--- rank {r} ---\n{msg}" for r, msg in sorted(errors.items()))
+        raise RanksFailed(f"{len(errors)} rank(s) failed in a group of {world_size}:\n{text}")
+    return [outputs[r] for r in range(world_size)]
