@@ -1,0 +1,76 @@
+"""Pure parts of lightning_dist.comm: no process group needed."""
+
+import pytest
+import torch
+
+from lightning_dist.comm import ALGORITHMS, AUTO_TREE_MAX_BYTES, CommStats, check_algorithm, choose_algorithm
+from lightning_dist.comm import ring_allreduce_, ring_bytes_sent
+from lightning_dist.comm._common import check_op, chunk_bounds
+from lightning_dist.comm.stats import CallRecord
+
+
+@pytest.mark.parametrize("numel,parts", [(0, 3), (1, 4), (2, 5), (10, 3), (13, 4), (1024, 4), (7, 1)])
+def test_chunk_bounds_cover_range_evenly(numel, parts):
+    bounds = chunk_bounds(numel, parts)
+    assert len(bounds) == parts
+    assert bounds[0][0] == 0 and bounds[-1][1] == numel
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    sizes = [e - s for s, e in bounds]
+    assert max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True)  # the longest chunk is first: staging buffers rely on it
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 8])
+def test_ring_bytes_is_2_n_minus_1_over_n_when_divisible(world_size):
+    numel = 840 * world_size
+    for rank in range(world_size):
+        assert ring_bytes_sent(numel, world_size, rank, 4) == 2 * (world_size - 1) * numel * 4 // world_size
+
+
+def test_ring_bytes_uneven_chunks_and_trivial_groups():
+    # 10 elements over 4 ranks: chunks 3,3,2,2; rank r skips chunks r+1 and r+2
+    assert [ring_bytes_sent(10, 4, r, 1) for r in range(4)] == [20 - 5, 20 - 4, 20 - 5, 20 - 6]
+    assert ring_bytes_sent(123, 1, 0, 4) == 0
+    assert ring_bytes_sent(0, 3, 1, 4) == 0
+
+
+def test_check_op_rejects_avg_on_integers_and_unknown_ops():
+    assert check_op("avg", torch.float16) == "avg"
+    with pytest.raises(ValueError, match=r"op='avg'.*torch.int64.*op='sum'"):
+        check_op("avg", torch.int64)
+    with pytest.raises(ValueError, match="'max'.*one of"):
+        check_op("max", torch.float32)
+
+
+def test_bad_arguments_fail_before_any_process_group():
+    # argument errors come first, so a bad call raises the same way on every rank instead of deadlocking
+    with pytest.raises(ValueError, match="int32"):
+        ring_allreduce_(torch.ones(3, dtype=torch.int32), op="avg")
+    with pytest.raises(ValueError, match="segment_bytes"):
+        ring_allreduce_(torch.ones(3), segment_bytes=0)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ring_allreduce_(torch.ones(3))
+
+
+def test_choose_algorithm_depends_only_on_size_and_backend():
+    assert check_algorithm("auto") == "auto"
+    with pytest.raises(ValueError, match="'rings'.*'auto'"):
+        check_algorithm("rings")
+    assert set(ALGORITHMS) == {"ring", "tree", "native", "auto"}
+    assert choose_algorithm(1024, "gloo") == "tree"
+    assert choose_algorithm(AUTO_TREE_MAX_BYTES - 1, "gloo") == "tree"
+    assert choose_algorithm(AUTO_TREE_MAX_BYTES, "gloo") == "ring"
+    assert choose_algorithm(64 << 20, "gloo") == "ring"
+    # on NCCL the experimental point-to-point paths are never auto-selected
+    assert choose_algorithm(1024, "nccl") == "native"
+    assert choose_algorithm(64 << 20, "nccl") == "native"
+
+
+def test_comm_stats_totals_and_reset():
+    stats = CommStats()
+    stats.record(CallRecord("ring", 10, 40, 40, 0.5))
+    stats.record(CallRecord("tree", 2, 8, 8, 0.25))
+    assert stats.as_dict() == {"calls": 2, "bytes_sent": 48, "bytes_received": 48, "seconds": 0.75}
+    assert [r.algorithm for r in stats.records] == ["ring", "tree"]
+    stats.reset()
+    assert stats.calls == 0 and stats.records == []

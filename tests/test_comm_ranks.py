@@ -1,0 +1,218 @@
+"""Ring, tree, native and auto all-reduce on 1 to 5 gloo ranks, checked against ``dist.all_reduce``.
+
+One group of ranks is launched per world size and runs every case; the tests below assert on its results.
+"""
+
+import hashlib
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_dist.comm import ALGORITHMS, CommStats, allreduce_, ring_allreduce_, ring_bytes_sent
+from lightning_dist.testing import RanksFailed, run_ranks
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64]
+# 0, 1, fewer than N, primes, and one larger than several 1 MiB pipeline segments
+SIZES = [0, 1, 2, 3, 13, 1021, 65537, (1 << 20) + 7]
+# (rtol, atol) against dist.all_reduce; atol is scaled by the result's largest magnitude, because float16's
+# avg divides every term before summing (each term rounds at its own scale). Integer-valued sums must be exact.
+TOLERANCE = {
+    torch.float16: (1e-2, 5e-3),
+    torch.bfloat16: (3e-2, 2e-2),
+    torch.float32: (1e-5, 1e-5),
+    torch.float64: (1e-12, 1e-12),
+}
+
+
+def _inputs(rank: int, numel: int, dtype: torch.dtype, integer_valued: bool) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * rank + numel)
+    if integer_valued or not dtype.is_floating_point:
+        return torch.randint(-50, 50, (numel,), generator=gen).to(dtype)
+    return torch.randn(numel, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _compare(ours: torch.Tensor, ref: torch.Tensor, exact: bool) -> float:
+    """Max violation of the tolerance (<= 0 means within it)."""
+    if ours.numel() == 0:
+        return 0.0
+    if exact:
+        return float((ours != ref).sum())
+    rtol, atol = TOLERANCE[ours.dtype]
+    o, r = ours.double(), ref.double()
+    scale = max(1.0, float(r.abs().max()))
+    return float(((o - r).abs() - (atol * scale + rtol * r.abs())).max())
+
+
+def _all_cases(rank, world_size):
+    """Every (algorithm, dtype, size, op) case; returns a list of result dicts."""
+    out = []
+    for algorithm in ALGORITHMS:
+        for dtype in DTYPES:
+            for numel in SIZES:
+                ops = ["sum", "avg"] if dtype.is_floating_point else ["sum"]
+                for op in ops:
+                    for integer_valued in ([True, False] if dtype.is_floating_point else [True]):
+                        x = _inputs(rank, numel, dtype, integer_valued)
+                        ref = x.clone()
+                        dist.all_reduce(ref)
+                        if op == "avg":
+                            ref = (ref.double() / world_size).to(dtype)
+                        stats = CommStats()
+                        allreduce_(x, algorithm, op=op, stats=stats)
+                        exact = integer_valued and op == "sum"
+                        rec = stats.records[0]
+                        out.append(dict(
+                            case=(algorithm, str(dtype), numel, op, integer_valued),
+                            violation=_compare(x, ref, exact),
+                            ran=rec.algorithm, bytes_sent=rec.bytes_sent, estimated=rec.estimated,
+                            seconds=rec.seconds, digest=_digest(x),
+                        ))
+    return out
+
+
+def _special_cases(rank, world_size):
+    """Subgroups, non-contiguous input, float16 overflow under avg, avg on ints, results of ``auto``."""
+    res = {}
+    # float16 avg of values whose sum overflows 65504: divided before summing, so finite and exact
+    for algorithm in ("ring", "tree", "native"):
+        x = torch.full((37,), 40000.0, dtype=torch.float16)
+        allreduce_(x, algorithm, op="avg")
+        res[f"fp16_avg_{algorithm}"] = (bool(torch.isfinite(x).all()), float(x.double().mean()))
+    # avg on integers is rejected on every rank before any message moves (so nobody deadlocks)
+    try:
+        ring_allreduce_(torch.ones(4, dtype=torch.int64), op="avg")
+        res["int_avg"] = "no error"
+    except ValueError as err:
+        res["int_avg"] = str(err)
+    # a non-contiguous tensor is reduced in place all the same
+    base = _inputs(rank, 6 * 5, torch.float32, True).view(6, 5)
+    x, ref = base.t(), base.t().contiguous()
+    dist.all_reduce(ref)
+    ring_allreduce_(x)
+    res["non_contiguous"] = bool(torch.equal(x, ref))
+    # a subgroup of odd ranks (new_group must be called by every rank)
+    members = list(range(1, world_size, 2))
+    sub = dist.new_group(members) if members else None
+    if rank in members:
+        for algorithm in ("ring", "tree", "auto"):
+            for numel in (1, 5, 1000, 100003):
+                x = _inputs(rank, numel, torch.float32, True)
+                ref = x.clone()
+                dist.all_reduce(ref, group=sub)
+                allreduce_(x, algorithm, group=sub)
+                res[f"sub_{algorithm}_{numel}"] = bool(torch.equal(x, ref))
+    # auto picks by size only: record what ran for sizes on both sides of the threshold
+    stats = CommStats()
+    for numel in (1, 100, 4000, 16383, 16384, 16385, 300000):
+        allreduce_(torch.ones(numel), "auto", stats=stats)
+    res["auto_choices"] = [r.algorithm for r in stats.records]
+    return res
+
+
+def _run(rank, world_size):
+    return {"cases": _all_cases(rank, world_size), "special": _special_cases(rank, world_size)}
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4, 5], ids=lambda n: f"world{n}")
+def group_results(request):
+    world_size = request.param
+    return world_size, run_ranks(_run, world_size, deadline_s=150)
+
+
+def test_every_case_matches_dist_all_reduce(group_results):
+    _, per_rank = group_results
+    bad = [(c["case"], c["violation"]) for rank in per_rank for c in rank["cases"] if c["violation"] > 0]
+    assert not bad, f"{len(bad)} cases outside tolerance, first ones: {bad[:5]}"
+
+
+def test_results_are_bit_identical_across_ranks(group_results):
+    _, per_rank = group_results
+    for i, case in enumerate(per_rank[0]["cases"]):
+        digests = {rank["cases"][i]["digest"] for rank in per_rank}
+        assert len(digests) == 1, f"ranks disagree on {case['case']}"
+
+
+def test_ring_sends_exactly_its_chunks(group_results):
+    world_size, per_rank = group_results
+    for rank, results in enumerate(per_rank):
+        for c in results["cases"]:
+            if c["ran"] == "ring":
+                algorithm, dtype, numel, _, _ = c["case"]
+                esize = torch.empty(0, dtype=getattr(torch, dtype.split(".")[1])).element_size()
+                assert c["bytes_sent"] == ring_bytes_sent(numel, world_size, rank, esize), c["case"]
+                if numel % world_size == 0:
+                    assert c["bytes_sent"] == 2 * (world_size - 1) * numel * esize // world_size
+
+
+def test_tree_sends_log2_rounds_plus_fold(group_results):
+    world_size, per_rank = group_results
+    pow2 = 1 << (world_size.bit_length() - 1)
+    rem = world_size - pow2
+    for rank, results in enumerate(per_rank):
+        folded_out = rank < 2 * rem and rank % 2 == 0
+        messages = 1 if folded_out else int(math.log2(pow2)) + (1 if rank < 2 * rem else 0)
+        for c in results["cases"]:
+            if c["ran"] == "tree":
+                _, dtype, numel, _, _ = c["case"]
+                esize = torch.empty(0, dtype=getattr(torch, dtype.split(".")[1])).element_size()
+                expected = messages * numel * esize if world_size > 1 else 0
+                assert c["bytes_sent"] == expected, (rank, c["case"])
+
+
+def test_native_bytes_are_marked_estimated(group_results):
+    _, per_rank = group_results
+    native = [c for c in per_rank[0]["cases"] if c["ran"] == "native"]
+    assert native and all(c["estimated"] for c in native)
+    assert all(not c["estimated"] for c in per_rank[0]["cases"] if c["ran"] != "native")
+
+
+def test_auto_makes_the_same_size_based_choice_on_every_rank(group_results):
+    world_size, per_rank = group_results
+    choices = [r["special"]["auto_choices"] for r in per_rank]
+    assert all(c == choices[0] for c in choices)
+    # 16384 float32 = 64 KiB: the threshold
+    assert choices[0] == ["tree"] * 4 + ["ring"] * 3
+
+
+def test_float16_avg_cannot_overflow(group_results):
+    _, per_rank = group_results
+    for algorithm in ("ring", "tree", "native"):
+        finite, mean = per_rank[0]["special"][f"fp16_avg_{algorithm}"]
+        assert finite and mean == 40000.0, algorithm
+
+
+def test_avg_on_integers_raises_a_clear_error(group_results):
+    _, per_rank = group_results
+    for r in per_rank:
+        assert "op='avg'" in r["special"]["int_avg"] and "op='sum'" in r["special"]["int_avg"]
+
+
+def test_non_contiguous_and_subgroups(group_results):
+    world_size, per_rank = group_results
+    for rank, r in enumerate(per_rank):
+        special = r["special"]
+        assert special["non_contiguous"]
+        sub = {k: v for k, v in special.items() if k.startswith("sub_")}
+        if rank % 2 == 1:
+            assert sub and all(sub.values()), sub
+        else:
+            assert not sub
+
+
+def _raise_on_rank_one(rank, world_size):
+    if rank == 1:
+        raise RuntimeError("boom on purpose")
+    x = torch.ones(10)
+    ring_allreduce_(x)  # rank 0 blocks here until the harness kills it
+    return x
+
+
+def test_a_failing_rank_fails_fast_and_never_hangs():
+    with pytest.raises(RanksFailed, match="boom on purpose"):
+        run_ranks(_raise_on_rank_one, 2, deadline_s=60)
