@@ -1,3 +1,17 @@
-"""lightning_dist: ring all-reduce, compression and heterogeneous batching for PyTorch Lightning DDP."""
+"""lightning_dist: ring all-reduce, compression and heterogeneous batching for PyTorch Lightning DDP.
+
+Importing the package registers ``"ring_ddp"`` (and its ``_spawn``, ``_fork``, ``_notebook`` and
+``_find_unused_parameters_true`` variants) in Lightning's strategy registry, so
+``Trainer(strategy="ring_ddp")`` works.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_dist.callbacks import DistMetricsCallback
+from lightning_dist.strategy import RingDDPStrategy
 
 __version__ = "0.1.0"
+
+RingDDPStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["DistMetricsCallback", "RingDDPStrategy", "__version__"]

@@ -1,0 +1,391 @@
+"""All-reduce benchmark: the ring, the tree and ``auto`` against gloo's native ``all_reduce``, side by side.
+
+Run ``python -m lightning_dist.benchmarks.allreduce`` (about two minutes on a 2-core machine); ``--quick``
+is a smoke run, ``--segment-sweep`` measures the ring's pipeline segment size instead of the main sweep.
+
+Method:
+
+1. Each world size is one group of local gloo ranks (:func:`lightning_dist.testing.run_ranks`, one intra-op
+   thread per rank). Inside it, for each message size (float32, 1 KiB to 64 MiB), the algorithms are
+   interleaved round-robin, ``native, ring, tree, auto, native, ring, ...``, after ``--warmup`` untimed
+   rounds, so that machine noise (another process, a thermal step) hits every algorithm alike.
+2. Before each call the tensor is refilled with ``rank + 1`` (untimed: a fresh gradient, and the sums never
+   overflow) and all ranks meet at a ``dist.barrier()``. Each rank times its own call; one repeat's time is
+   the maximum over ranks, the moment the collective is complete everywhere. After each call the result
+   is checked against ``N (N + 1) / 2``, so a fast but wrong collective cannot win.
+3. A measurement is the median over repeats, with quartiles. Messages of 16 MiB and more use a quarter of
+   ``--repeats`` (at least 5): they take long enough that a few repeats already give a stable median.
+
+Conventions, as in nccl-tests (``doc/PERFORMANCE.md``): ``algbw = bytes / time`` and, for all-reduce,
+``busbw = algbw * 2 (N - 1) / N``, the rate each rank's link carries in a bandwidth-optimal algorithm;
+busbw is comparable across world sizes and against the hardware's bandwidth. GB/s are 1e9 bytes/s.
+
+Outputs in ``--out`` (default ``bench_results/allreduce/``): ``allreduce.json`` (one record per world size,
+size and algorithm, plus the targets and the tree/ring crossover), ``allreduce.txt`` (the printed table) and
+``allreduce.png`` (busbw per algorithm, one panel per world size; latency for small messages). The segment
+sweep writes ``segment_sweep.{json,txt,png}``. The crossover justifies ``AUTO_TREE_MAX_BYTES`` and the sweep
+``DEFAULT_SEGMENT_BYTES``; each prints a one-line recommendation.
+
+Ranks beyond the core count share cores, so on a 2-core machine the 3- and 4-rank numbers measure the
+algorithms under oversubscription, not a network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from lightning_dist.benchmarks._common import (
+    completion_times,
+    environment,
+    format_table,
+    output_dir,
+    parse_size,
+    progress,
+    size_label,
+    summarize,
+    write_json,
+)
+from lightning_dist.comm import AUTO_TREE_MAX_BYTES, DEFAULT_SEGMENT_BYTES, allreduce_, choose_algorithm
+from lightning_dist.comm import ring_allreduce_
+from lightning_dist.testing import run_ranks
+
+KIB, MIB = 1 << 10, 1 << 20
+DEFAULT_WORLD_SIZES = (2, 3, 4)
+DEFAULT_SIZES = tuple(KIB * 4**k for k in range(9))  # 1K, 4K, ..., 64M
+QUICK_SIZES = (KIB, 64 * KIB, 4 * MIB)
+DEFAULT_REPEATS = 40  # per algorithm and size; messages >= LARGE_BYTES use a quarter of it
+QUICK_REPEATS = 5
+LARGE_BYTES = 16 * MIB
+MIN_LARGE_REPEATS = 5
+SWEEP_SIZES = (4 * MIB, 16 * MIB, 64 * MIB)
+SWEEP_SEGMENTS = (256 * KIB, MIB, 4 * MIB, 16 * MIB)
+
+# Targets from the issue, checked at 2 ranks: the ring must come close to gloo's C++ ring on large messages,
+# and the tree must not lose to gloo on small ones (else ``auto`` has no reason to exist).
+RING_TARGET_MIN_BYTES, RING_TARGET_BUSBW_RATIO = 4 * MIB, 0.9
+TREE_TARGET_MAX_BYTES, TREE_TARGET_LATENCY_RATIO = 16 * KIB, 1.1
+
+
+@dataclass(frozen=True)
+class Case:
+    """One column of the benchmark: what is called, under what name."""
+
+    label: str  # name in tables and records: "native", "ring", "ring/256K", ...
+    algorithm: str  # passed to ``allreduce_``: "native", "ring", "tree" or "auto"
+    segment_bytes: Optional[int] = None  # ring pipeline segment; None = DEFAULT_SEGMENT_BYTES
+
+
+MAIN_CASES = (Case("native", "native"), Case("ring", "ring"), Case("tree", "tree"), Case("auto", "auto"))
+
+
+def repeats_for(nbytes: int, repeats: int) -> int:
+    """Timed repeats for a message of ``nbytes``: fewer for large messages, but at least 5 (or ``repeats``)."""
+    if nbytes >= LARGE_BYTES:
+        return min(repeats, max(MIN_LARGE_REPEATS, repeats // 4))
+    return repeats
+
+
+def _call(case: Case, tensor: torch.Tensor) -> None:
+    if case.segment_bytes is not None:
+        ring_allreduce_(tensor, segment_bytes=case.segment_bytes)
+    else:
+        allreduce_(tensor, case.algorithm)
+
+
+def _measure_on_rank(
+    rank: int, world_size: int, cases: Sequence[Case], sizes: Sequence[int], repeats: int, warmup: int
+) -> dict[int, dict[str, list[float]]]:
+    """On one rank: ``{nbytes: {case label: [seconds per timed repeat]}}``, cases interleaved per repeat."""
+    expected = world_size * (world_size + 1) / 2  # sum over ranks of (rank + 1), exact in float32
+    results: dict[int, dict[str, list[float]]] = {}
+    for index, nbytes in enumerate(sizes):
+        timed = repeats_for(nbytes, repeats)
+        if rank == 0:
+            progress(f"  N={world_size} {size_label(nbytes):>4} ({index + 1}/{len(sizes)}): "
+                     f"{warmup} warmup + {timed} timed rounds of {len(cases)} cases")
+        tensor = torch.empty(nbytes // 4, dtype=torch.float32)
+        times: dict[str, list[float]] = {case.label: [] for case in cases}
+        for repeat in range(-warmup, timed):
+            for case in cases:
+                tensor.fill_(rank + 1)
+                dist.barrier()
+                start = time.perf_counter()
+                _call(case, tensor)
+                elapsed = time.perf_counter() - start
+                if tensor[0].item() != expected or tensor[-1].item() != expected:
+                    raise RuntimeError(
+                        f"{case.label} all-reduce of {size_label(nbytes)} at N={world_size} returned "
+                        f"{tensor[0].item()}..{tensor[-1].item()}, expected {expected}: the collective is wrong."
+                    )
+                if repeat >= 0:
+                    times[case.label].append(elapsed)
+        results[nbytes] = times
+    return results
+
+
+def measure(
+    world_size: int, cases: Sequence[Case], sizes: Sequence[int], repeats: int, warmup: int, deadline_s: float
+) -> list[dict[str, Any]]:
+    """Run every case at every size on ``world_size`` ranks; one record per (size, case)."""
+    per_rank = run_ranks(_measure_on_rank, world_size, tuple(cases), tuple(sizes), repeats, warmup,
+                         deadline_s=deadline_s)
+    bus_factor = 2 * (world_size - 1) / world_size
+    records = []
+    for nbytes in sizes:
+        medians = {}
+        for case in cases:
+            stats = summarize(completion_times([rank_result[nbytes][case.label] for rank_result in per_rank]))
+            medians[case.label] = stats["median_s"]
+            algbw = nbytes / stats["median_s"] / 1e9
+            # what actually ran: auto resolves to tree or ring by size, as every rank does in training
+            resolved = choose_algorithm(nbytes, "gloo") if case.algorithm == "auto" else case.algorithm
+            records.append({
+                "world_size": world_size,
+                "bytes": nbytes,
+                "algorithm": case.label,
+                "resolved_algorithm": resolved,
+                "segment_bytes": (case.segment_bytes or DEFAULT_SEGMENT_BYTES) if resolved == "ring" else None,
+                "repeats": repeats_for(nbytes, repeats),
+                **stats,
+                "algbw_GBps": algbw,
+                "busbw_GBps": algbw * bus_factor,
+            })
+        for record in records[-len(cases):]:
+            # busbw / native busbw, which is native time / this time: > 1 means faster than gloo
+            record["busbw_ratio_vs_native"] = medians["native"] / record["median_s"] if "native" in medians else None
+    return records
+
+
+def _lookup(records: Sequence[dict[str, Any]]) -> dict[tuple[int, int, str], dict[str, Any]]:
+    return {(r["world_size"], r["bytes"], r["algorithm"]): r for r in records}
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:,.0f}" if seconds >= 1e-4 else f"{seconds * 1e6:.1f}"
+
+
+def crossover(records: Sequence[dict[str, Any]], world_size: int) -> dict[str, Optional[int]]:
+    """Where the tree stops beating the ring: the largest size the tree wins below the ring's winning streak.
+
+    ``ring_wins_from`` is the smallest size from which the ring is faster at every larger measured size
+    (None if the tree wins at the largest); ``tree_wins_up_to`` the size just below it (None if none).
+    """
+    by_key = _lookup(records)
+    sizes = sorted({r["bytes"] for r in records if r["world_size"] == world_size})
+    ring_faster = [by_key[world_size, s, "ring"]["median_s"] < by_key[world_size, s, "tree"]["median_s"] for s in sizes]
+    start = len(sizes)
+    while start > 0 and ring_faster[start - 1]:
+        start -= 1
+    return {
+        "tree_wins_up_to": sizes[start - 1] if start > 0 else None,
+        "ring_wins_from": sizes[start] if start < len(sizes) else None,
+    }
+
+
+def check_targets(records: Sequence[dict[str, Any]], world_size: int = 2) -> dict[str, Any]:
+    """The issue's two targets at ``world_size`` ranks, with the worst ratio found and where."""
+    by_key = _lookup(records)
+    sizes = sorted({r["bytes"] for r in records if r["world_size"] == world_size})
+    ring = {s: by_key[world_size, s, "ring"]["busbw_ratio_vs_native"] for s in sizes if s >= RING_TARGET_MIN_BYTES}
+    tree = {s: 1 / by_key[world_size, s, "tree"]["busbw_ratio_vs_native"] for s in sizes if s <= TREE_TARGET_MAX_BYTES}
+    result = {}
+    for name, ratios, bound, better in (
+        ("ring_busbw_vs_native", ring, RING_TARGET_BUSBW_RATIO, "min"),
+        ("tree_latency_vs_native", tree, TREE_TARGET_LATENCY_RATIO, "max"),
+    ):
+        if not ratios:
+            continue
+        worst = (min if better == "min" else max)(ratios, key=ratios.get)
+        met = ratios[worst] >= bound if better == "min" else ratios[worst] <= bound
+        result[name] = {"bound": bound, "worst_ratio": ratios[worst], "worst_bytes": worst, "met": met,
+                        "ratios": {size_label(s): ratios[s] for s in ratios}}
+    return result
+
+
+def main_table(records: Sequence[dict[str, Any]]) -> str:
+    by_key = _lookup(records)
+    rows = []
+    for n, nbytes in sorted({(r["world_size"], r["bytes"]) for r in records}):
+        rec = {c.label: by_key[n, nbytes, c.label] for c in MAIN_CASES}
+        rows.append([
+            n, size_label(nbytes),
+            *(_us(rec[c.label]["median_s"]) for c in MAIN_CASES),
+            rec["auto"]["resolved_algorithm"],
+            f"{rec['native']['busbw_GBps']:.3f}", f"{rec['ring']['busbw_GBps']:.3f}",
+            f"{rec['ring']['busbw_ratio_vs_native']:.2f}x", f"{1 / rec['tree']['busbw_ratio_vs_native']:.2f}x",
+        ])
+    headers = ["N", "size", "native us", "ring us", "tree us", "auto us", "auto=",
+               "native busbw GB/s", "ring busbw GB/s", "ring/native busbw", "tree/native time"]
+    return format_table(headers, rows)
+
+
+def sweep_table(records: Sequence[dict[str, Any]], cases: Sequence[Case]) -> str:
+    by_key = _lookup(records)
+    rows = []
+    for n, nbytes in sorted({(r["world_size"], r["bytes"]) for r in records}):
+        row: list[Any] = [n, size_label(nbytes), f"{by_key[n, nbytes, 'native']['busbw_GBps']:.3f}"]
+        for case in cases[1:]:
+            rec = by_key[n, nbytes, case.label]
+            row.append(f"{rec['busbw_GBps']:.3f} ({rec['busbw_ratio_vs_native']:.2f}x)")
+        rows.append(row)
+    headers = ["N", "size", "native"] + [f"{c.label}" for c in cases[1:]]
+    return "busbw GB/s (ratio to native)\n" + format_table(headers, rows)
+
+
+def plot(records: Sequence[dict[str, Any]], labels: Sequence[str], path: Path, latency_max_bytes: int = MIB) -> Path:
+    """busbw vs message size per algorithm, one column per world size; below, latency of the small messages."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg: no display, no pyplot global state
+    from matplotlib.figure import Figure
+
+    world_sizes = sorted({r["world_size"] for r in records})
+    with_latency = any(r["bytes"] <= latency_max_bytes for r in records)
+    rows = 2 if with_latency else 1
+    fig = Figure(figsize=(4.2 * len(world_sizes), 3.4 * rows), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, len(world_sizes), squeeze=False)
+    for col, n in enumerate(world_sizes):
+        for label in labels:
+            mine = sorted((r for r in records if r["world_size"] == n and r["algorithm"] == label),
+                          key=lambda r: r["bytes"])
+            style = {"linestyle": "--", "marker": "x"} if label == "auto" else {"marker": "o", "markersize": 3}
+            sizes = [r["bytes"] for r in mine]
+            axes[0][col].plot(sizes, [r["busbw_GBps"] for r in mine], label=label, **style)
+            if with_latency:
+                small = [r for r in mine if r["bytes"] <= latency_max_bytes]
+                med = [r["median_s"] * 1e6 for r in small]
+                err = [[m - r["p25_s"] * 1e6 for m, r in zip(med, small)],
+                       [r["p75_s"] * 1e6 - m for m, r in zip(med, small)]]
+                axes[1][col].errorbar([r["bytes"] for r in small], med, yerr=err, label=label, capsize=2, **style)
+        axes[0][col].set(title=f"{n} ranks", xscale="log", ylabel="busbw (GB/s)", xlabel="message size")
+        if with_latency:
+            axes[1][col].set(xscale="log", yscale="log", ylabel="latency (us, median, IQR)",
+                             xlabel="message size")
+        for ax in axes[:, col]:
+            ticks = sorted({r["bytes"] for r in records if ax is axes[0][col] or r["bytes"] <= latency_max_bytes})
+            ax.set_xticks(ticks, [size_label(t) for t in ticks], rotation=45)
+            ax.minorticks_off()
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize="small")
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _recommend_threshold(cross: dict[int, dict[str, Optional[int]]]) -> str:
+    if 2 not in cross:
+        return "tree/ring crossover: not measured at 2 ranks (add 2 to --world-sizes)."
+    low, high = cross[2]["tree_wins_up_to"], cross[2]["ring_wins_from"]
+    others = ", ".join(f"{n} ranks: ring from {size_label(c['ring_wins_from']) if c['ring_wins_from'] else '-'}"
+                       for n, c in sorted(cross.items()) if n != 2)
+    if high is None:
+        advice = "the tree wins at every measured size; measure larger sizes before raising the threshold"
+    elif low is None:
+        advice = f"the ring wins from the smallest size; AUTO_TREE_MAX_BYTES <= {size_label(high)}"
+    else:
+        advice = (f"tree wins up to {size_label(low)}, ring from {size_label(high)}: "
+                  f"recommend AUTO_TREE_MAX_BYTES = {size_label(high)}")
+    return (f"recommendation (2 ranks): {advice} (current {size_label(AUTO_TREE_MAX_BYTES)})"
+            + (f"; {others}" if others else "") + ".")
+
+
+def _recommend_segment(records: Sequence[dict[str, Any]], cases: Sequence[Case]) -> str:
+    score = {}
+    for case in cases[1:]:
+        ratios = [r["busbw_ratio_vs_native"] for r in records if r["algorithm"] == case.label]
+        score[case.segment_bytes] = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    best = max(score, key=score.get)
+    current = score.get(DEFAULT_SEGMENT_BYTES)
+    verdict = (f"current {size_label(DEFAULT_SEGMENT_BYTES)} scores {current:.2f}x" if current is not None
+               else f"current {size_label(DEFAULT_SEGMENT_BYTES)} not measured")
+    return (f"recommendation: DEFAULT_SEGMENT_BYTES = {size_label(best)} "
+            f"(geometric-mean busbw {score[best]:.2f}x native over the sweep; {verdict}).")
+
+
+def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m lightning_dist.benchmarks.allreduce",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=None,
+                        help="ranks per group (default 2 3 4; 2 for --quick and --segment-sweep)")
+    parser.add_argument("--sizes", type=parse_size, nargs="+", default=None,
+                        help="message sizes, e.g. 1K 64K 4M (default 1K..64M in powers of 4)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help=f"timed repeats per algorithm and size (default {DEFAULT_REPEATS}, "
+                             f"{QUICK_REPEATS} with --quick; a quarter, at least 5, from {size_label(LARGE_BYTES)})")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds before the timed ones (default 2)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: sizes 1K 64K 4M, 5 repeats, 2 ranks")
+    parser.add_argument("--segment-sweep", action="store_true",
+                        help="instead of the main sweep, time the ring at segment sizes 256K 1M 4M 16M "
+                             "against native (2 ranks, 4M 16M 64M)")
+    parser.add_argument("--out", default=None, help="output directory (default bench_results/allreduce/)")
+    parser.add_argument("--deadline-s", type=float, default=1800.0,
+                        help="kill a rank group that runs longer than this (default 1800)")
+    args = parser.parse_args(argv)
+    sizes = args.sizes or (QUICK_SIZES if args.quick else SWEEP_SIZES if args.segment_sweep else DEFAULT_SIZES)
+    bad = [s for s in sizes if s % 4]
+    if bad:
+        parser.error(f"sizes {bad} are not whole float32 tensors; use multiples of 4 bytes.")
+    args.sizes = tuple(sorted(set(sizes)))
+    quick_or_sweep = args.quick or args.segment_sweep
+    args.world_sizes = tuple(args.world_sizes or ((2,) if quick_or_sweep else DEFAULT_WORLD_SIZES))
+    if min(args.world_sizes) < 2:
+        parser.error(f"--world-sizes {args.world_sizes}: an all-reduce needs at least 2 ranks.")
+    args.repeats = args.repeats or (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    """Run the benchmark, print the table and recommendation, write JSON/TXT/PNG; returns the JSON payload."""
+    args = _parse_args(argv)
+    out = output_dir(args.out, "allreduce")
+    if args.segment_sweep:
+        cases = (Case("native", "native"),) + tuple(
+            Case(f"ring/{size_label(s)}", "ring", segment_bytes=s) for s in SWEEP_SEGMENTS)
+        name = "segment_sweep"
+    else:
+        cases, name = MAIN_CASES, "allreduce"
+
+    records: list[dict[str, Any]] = []
+    for n in args.world_sizes:
+        start = time.perf_counter()
+        progress(f"[allreduce] {n} ranks, {len(args.sizes)} sizes, cases {', '.join(c.label for c in cases)}")
+        records += measure(n, cases, args.sizes, args.repeats, args.warmup, args.deadline_s)
+        progress(f"[allreduce] {n} ranks done in {time.perf_counter() - start:.0f}s")
+
+    payload: dict[str, Any] = {"meta": {**environment(), "benchmark": name, "repeats": args.repeats,
+                                        "warmup": args.warmup, "cases": [asdict(c) for c in cases],
+                                        "default_segment_bytes": DEFAULT_SEGMENT_BYTES,
+                                        "auto_tree_max_bytes": AUTO_TREE_MAX_BYTES},
+                               "records": records}
+    if args.segment_sweep:
+        table = sweep_table(records, cases)
+        lines = [_recommend_segment(records, cases)]
+    else:
+        table = main_table(records)
+        cross = {n: crossover(records, n) for n in args.world_sizes}
+        targets = check_targets(records) if 2 in args.world_sizes else {}
+        payload["crossover"] = {str(n): c for n, c in cross.items()}
+        payload["targets_at_2_ranks"] = targets
+        lines = [_recommend_threshold(cross)]
+        for key, t in targets.items():
+            sign = ">=" if key.startswith("ring") else "<="
+            lines.append(f"target {key} {sign} {t['bound']}: {'MET' if t['met'] else 'MISSED'} "
+                         f"(worst {t['worst_ratio']:.2f}x at {size_label(t['worst_bytes'])})")
+    payload["recommendation"] = lines
+    text = table + "\n\n" + "\n".join(lines)
+    print(text)
+    (out / f"{name}.txt").write_text(text + "\n")
+    write_json(out / f"{name}.json", payload)
+    plot(records, [c.label for c in cases], out / f"{name}.png")
+    progress(f"[allreduce] wrote {out / name}.{{json,txt,png}}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

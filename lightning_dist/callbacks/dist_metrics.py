@@ -1,0 +1,50 @@
+"""Logs RingDDPStrategy's per-step communication and straggler metrics from rank zero.
+
+The strategy measures on every rank and gathers the values to all ranks in the one small collective it runs
+per step (no extra collective here); this callback only hands them to Lightning's loggers. The strategy
+adds it to the Trainer by itself; add it yourself to change ``log_every_n_steps``.
+
+Logged metrics (``r`` is a rank index):
+
+- ``dist/step_time_ms``: rank zero's wall time per optimizer step, ms (includes data loading)
+- ``dist/throughput``: samples per second over all ranks
+- ``dist/comm_ms``: the longest time any rank spent inside gradient all-reduces this step, ms
+- ``dist/bytes_sent_per_rank``: gradient payload bytes each rank sent, mean over ranks
+- ``dist/straggler_ratio``: slowest rank's compute time over the fastest's (1.0 is balanced)
+- ``dist/rank{r}/compute_ms``: rank ``r``'s forward+backward time excluding communication, ms
+- ``dist/rank{r}/comm_ms``: rank ``r``'s time in all-reduces (includes waiting for slower peers), ms
+- ``dist/rank{r}/samples_per_s``: rank ``r``'s samples over its compute time: its speed
+- ``dist/rank{r}/bytes_sent``: rank ``r``'s payload bytes this step
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+
+class DistMetricsCallback(Callback):
+    """Logs ``strategy.step_metrics`` every ``log_every_n_steps`` optimizer steps (default: the Trainer's)."""
+
+    def __init__(self, log_every_n_steps: Optional[int] = None) -> None:
+        if log_every_n_steps is not None and log_every_n_steps < 1:
+            raise ValueError(f"log_every_n_steps={log_every_n_steps} must be >= 1 (or None for the Trainer's).")
+        self._every = log_every_n_steps
+        self._logged_step = -1
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        metrics = getattr(trainer.strategy, "step_metrics", None)
+        step = trainer.global_step
+        if not metrics or step == self._logged_step:
+            return  # not a RingDDPStrategy, or no optimizer step since the last log (gradient accumulation)
+        every = self._every or trainer.log_every_n_steps
+        if step % every != 0 and step != 1:
+            return
+        self._logged_step = step
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)

@@ -1,0 +1,10 @@
+"""The default model and data for the training command, tests and notebooks: a small CNN on sklearn's digits.
+
+The digits set (1,797 8x8 grey images, shipped with scikit-learn, no download) trains to 97% validation
+accuracy in a few CPU seconds, so multi-rank runs, compression and fault tests can train to convergence in CI.
+"""
+
+from lightning_dist.examples.cnn import DigitsCNN
+from lightning_dist.examples.digits import DigitsDataModule
+
+__all__ = ["DigitsCNN", "DigitsDataModule"]

@@ -1,0 +1,243 @@
+"""``RingDDPStrategy``: Lightning's DDP with every gradient bucket routed through lightning_dist's hook.
+
+What it changes in :class:`~lightning.pytorch.strategies.DDPStrategy`:
+
+- registers :func:`~lightning_dist.strategy.hook.ring_comm_hook` on every device. Lightning's
+  ``_register_ddp_hooks`` (private, hence the ``lightning>=2.6,<2.7`` pin and a test that fails if it goes)
+  registers hooks only on CUDA and drops them silently on CPU;
+- once per optimizer step, right after backward, exchanges the step's control values and per-rank
+  measurements in one small collective (:class:`~lightning_dist.strategy.control.StepControl`);
+- keeps per-step metrics (bytes sent, time in communication, each rank's compute time and throughput) that
+  :class:`~lightning_dist.callbacks.DistMetricsCallback` logs from rank zero. The strategy adds that
+  callback to the Trainer itself when the user has not.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any, Callable, Optional, Union
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.data import extract_batch_size
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_dist.comm import check_algorithm
+from lightning_dist.compression import Compressor, NoCompressor
+from lightning_dist.strategy.control import StepControl
+from lightning_dist.strategy.hook import RingHookState, ring_comm_hook
+
+if not callable(getattr(DDPStrategy, "_register_ddp_hooks", None)):  # pragma: no cover - guarded by a test too
+    raise ImportError(
+        "lightning_dist needs DDPStrategy._register_ddp_hooks, which this Lightning release does not have; "
+        "install lightning>=2.6,<2.7 (the range in lightning_dist's pyproject.toml)."
+    )
+
+# Keywords of DDPStrategy that would install a second hook or average models behind ours.
+_CONFLICTING_KWARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
+DEFAULT_TIMEOUT_S = 1800.0  # torch.distributed's default; a hung collective fails after this long
+
+# Slots of the per-step exchange: summed over ranks ("agreed"), and one row per rank ("per_rank").
+_AGREED_SLOTS = ("samples",)
+_PER_RANK_SLOTS = ("samples", "compute_s", "comm_s", "bytes_sent")
+
+
+class RingDDPStrategy(DDPStrategy):
+    """DDP whose gradient all-reduce is lightning_dist's ring, tree, native or size-chosen algorithm.
+
+    Args:
+        algorithm: ``"ring"``, ``"tree"``, ``"native"`` (the backend's all_reduce) or ``"auto"`` (tree below
+            :data:`~lightning_dist.comm.AUTO_TREE_MAX_BYTES`, ring above; native on NCCL).
+        compressor: a :class:`~lightning_dist.compression.Compressor`, ``"none"`` or ``None`` (no compression).
+        timeout: collective timeout in seconds (or a ``timedelta``): how long a rank waits for a peer
+            that stalls before the job fails instead of hanging.
+        start_method: ``"popen"`` (re-runs the script per rank, the robust default), ``"spawn"``, or
+            ``"fork"`` (fastest start, works in notebooks, CPU or before CUDA is initialised).
+        **kwargs: every other :class:`~lightning.pytorch.strategies.DDPStrategy` keyword
+            (``find_unused_parameters``, ``static_graph``, ``process_group_backend``, ...).
+    """
+
+    def __init__(
+        self,
+        algorithm: str = "auto",
+        compressor: Union[Compressor, str, None] = None,
+        timeout: Union[float, timedelta] = DEFAULT_TIMEOUT_S,
+        start_method: str = "popen",
+        **kwargs: Any,
+    ) -> None:
+        conflicting = [k for k in _CONFLICTING_KWARGS if k in kwargs]
+        if conflicting:
+            raise ValueError(
+                f"RingDDPStrategy installs its own DDP comm hook, so {conflicting} would collide with it. "
+                "Remove them; to change how gradients travel use algorithm=... or compressor=..., or use "
+                "Lightning's DDPStrategy if you need your own hook."
+            )
+        check_algorithm(algorithm)
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(f"start_method={start_method!r}; use 'popen', 'spawn', 'fork' or 'forkserver'.")
+        super().__init__(timeout=_as_timedelta(timeout), start_method=start_method, **kwargs)
+        self._algorithm = algorithm
+        self._hook_state = RingHookState(algorithm=algorithm, compressor=_as_compressor(compressor))
+        self._control: Optional[StepControl] = None
+        self._step_started: Optional[float] = None  # perf_counter at the first training_step of a step
+        self._last_step_end: Optional[float] = None
+        self._samples = 0  # samples this rank used since the last exchange
+        self.step_metrics: dict[str, float] = {}  # the last step's, identical on every rank
+        self.totals: dict[str, float] = {"steps": 0, "bytes_sent": 0.0, "comm_s": 0.0, "samples": 0.0}
+
+    @property
+    def algorithm(self) -> str:
+        return self._algorithm
+
+    @property
+    def hook_state(self) -> RingHookState:
+        return self._hook_state
+
+    @property
+    def control(self) -> StepControl:
+        """The per-step exchange; features register their slots on it in their ``setup``."""
+        if self._control is None:
+            raise RuntimeError("the step control exists once the strategy is set up (inside Trainer.fit)")
+        return self._control
+
+    # -- set-up ---------------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: Any) -> None:
+        from lightning_dist.callbacks.dist_metrics import DistMetricsCallback
+
+        if not any(isinstance(cb, DistMetricsCallback) for cb in trainer.callbacks):
+            trainer.callbacks.append(DistMetricsCallback())
+        super().setup(trainer)
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # Lightning registers hooks only when root_device is CUDA; ours must run on CPU as well.
+        assert isinstance(self.model, DistributedDataParallel)
+        state = self._hook_state
+        state.world_size = self.world_size
+        state.param_names = {id(p): name for name, p in self.model.module.named_parameters()}
+        self.model.register_comm_hook(state, ring_comm_hook)
+        self._control = StepControl(self.global_rank, self.world_size)
+        for name in _AGREED_SLOTS:
+            self._control.register(name)
+        for name in _PER_RANK_SLOTS:
+            self._control.register(f"rank_{name}", per_rank=True)
+
+    # -- each step --------------------------------------------------------------------------------------------
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._step_started is None:
+            self._step_started = time.perf_counter()
+        batch = args[0] if args else kwargs.get("batch")
+        self._samples += _batch_size(batch)
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Any,
+        closure: Callable[[], Any],
+        model: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        exchanged = False
+
+        def closure_then_exchange() -> Any:
+            # Runs backward (and with it every bucket hook), then agrees on the step before any update.
+            nonlocal exchanged
+            result = closure()
+            if not exchanged and self._control is not None:
+                exchanged = True
+                self._exchange_step_values()
+            return result
+
+        output = super().optimizer_step(optimizer, closure_then_exchange, model, **kwargs)
+        if exchanged:
+            self._finish_step()
+        return output
+
+    def _exchange_step_values(self) -> None:
+        control, stats = self.control, self._hook_state.stats
+        elapsed = time.perf_counter() - (self._step_started or time.perf_counter())
+        control.set("samples", self._samples)
+        control.set("rank_samples", self._samples)
+        control.set("rank_compute_s", max(elapsed - stats.seconds, 0.0))  # busy time: excludes waiting on peers
+        control.set("rank_comm_s", stats.seconds)
+        control.set("rank_bytes_sent", stats.bytes_sent)
+        backend = self._process_group_backend or "gloo"
+        control.exchange(algorithm="native" if backend == "nccl" else "tree", device=self.root_device)
+        stats.reset()
+        self._hook_state.buckets = 0
+        self._samples = 0
+
+    def _finish_step(self) -> None:
+        now = time.perf_counter()
+        step_s = now - (self._last_step_end or self._step_started or now)
+        self._last_step_end, self._step_started = now, None
+        control = self.control
+        samples = control.per_rank("rank_samples")
+        compute = control.per_rank("rank_compute_s")
+        comm = control.per_rank("rank_comm_s")
+        sent = control.per_rank("rank_bytes_sent")
+        metrics = {
+            "dist/step_time_ms": 1e3 * step_s,  # rank zero's wall time from step end to step end
+            "dist/throughput": control.agreed("samples") / step_s if step_s > 0 else 0.0,  # samples/s, all ranks
+            "dist/comm_ms": 1e3 * max(comm),
+            "dist/bytes_sent_per_rank": sum(sent) / len(sent),
+            "dist/straggler_ratio": max(compute) / min(compute) if min(compute) > 0 else 1.0,
+        }
+        for r in range(self.world_size):
+            metrics[f"dist/rank{r}/compute_ms"] = 1e3 * compute[r]
+            metrics[f"dist/rank{r}/comm_ms"] = 1e3 * comm[r]
+            metrics[f"dist/rank{r}/samples_per_s"] = samples[r] / compute[r] if compute[r] > 0 else 0.0
+            metrics[f"dist/rank{r}/bytes_sent"] = sent[r]
+        self.step_metrics = metrics
+        self.totals["steps"] += 1
+        self.totals["bytes_sent"] += sent[self.global_rank]
+        self.totals["comm_s"] += comm[self.global_rank]
+        self.totals["samples"] += control.agreed("samples")
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, start_method in (
+            ("ring_ddp", "popen"),
+            ("ring_ddp_spawn", "spawn"),
+            ("ring_ddp_fork", "fork"),
+            ("ring_ddp_notebook", "fork"),
+        ):
+            strategy_registry.register(
+                name, cls, description=f"Ring all-reduce DDP, start_method={start_method!r}",
+                override=True, start_method=start_method,
+            )
+            strategy_registry.register(
+                f"{name}_find_unused_parameters_true", cls,
+                description=f"Ring all-reduce DDP, find_unused_parameters=True, start_method={start_method!r}",
+                override=True, start_method=start_method, find_unused_parameters=True,
+            )
+
+
+def _as_timedelta(timeout: Union[float, int, timedelta]) -> timedelta:
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds <= 0:
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds (default {DEFAULT_TIMEOUT_S}).")
+    return timedelta(seconds=float(seconds))
+
+
+def _as_compressor(compressor: Union[Compressor, str, None]) -> Compressor:
+    if compressor is None or compressor == "none":
+        return NoCompressor()
+    if isinstance(compressor, Compressor):
+        return compressor
+    raise ValueError(
+        f"compressor={compressor!r}: pass a lightning_dist.compression.Compressor instance or 'none'."
+    )
+
+
+def _batch_size(batch: Any) -> int:
+    try:
+        return int(extract_batch_size(batch))
+    except Exception:  # noqa: BLE001 - batches without tensors count as zero samples, not as an error
+        return 0
