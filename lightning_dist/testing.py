@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import shutil
 import tempfile
@@ -41,7 +42,9 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, store_path: str, 
             out = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, "ok", out))
+        # plain pickle to bytes: the queue's own pickler would pass tensors as shared-memory handles,
+        # which break once this process exits before the parent has read them
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises
         results.put((rank, "error", traceback.format_exc()))
 
@@ -90,9 +93,10 @@ def run_ranks(
                 for i in dead:
                     errors[i] = f"rank {i} exited with code {procs[i].exitcode} without a result"
                 continue
-            (outputs if status == "ok" else errors)[rank] = payload
             if status != "ok":
+                errors[rank] = payload
                 break  # peers are now blocked on the failed rank: stop waiting, kill them
+            outputs[rank] = pickle.loads(payload)
     finally:
         for p in procs:
             if p.is_alive():

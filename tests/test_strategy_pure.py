@@ -1,0 +1,117 @@
+"""RingDDPStrategy's construction, registry names and control slots: no process group needed."""
+
+import inspect
+from datetime import timedelta
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+
+import lightning_dist
+from lightning_dist import RingDDPStrategy
+from lightning_dist.compression import Compressor, NoCompressor
+from lightning_dist.strategy import StepControl
+
+
+def test_private_lightning_method_we_override_still_exists_and_is_called():
+    # If Lightning renames or stops calling this, our hook would silently not be registered: fail loudly.
+    assert callable(getattr(DDPStrategy, "_register_ddp_hooks", None)), "DDPStrategy._register_ddp_hooks is gone"
+    assert "self._register_ddp_hooks()" in inspect.getsource(DDPStrategy.configure_ddp)
+    assert RingDDPStrategy._register_ddp_hooks is not DDPStrategy._register_ddp_hooks
+
+
+@pytest.mark.parametrize(
+    "name,start_method,find_unused",
+    [
+        ("ring_ddp", "popen", None),
+        ("ring_ddp_spawn", "spawn", None),
+        ("ring_ddp_fork", "fork", None),
+        ("ring_ddp_notebook", "fork", None),
+        ("ring_ddp_find_unused_parameters_true", "popen", True),
+        ("ring_ddp_notebook_find_unused_parameters_true", "fork", True),
+    ],
+)
+def test_registered_names(name, start_method, find_unused):
+    assert name in StrategyRegistry
+    strategy = StrategyRegistry.get(name)
+    assert isinstance(strategy, RingDDPStrategy)
+    assert strategy._start_method == start_method
+    assert strategy._ddp_kwargs.get("find_unused_parameters") == find_unused
+
+
+def test_trainer_accepts_the_name():
+    trainer = pl.Trainer(strategy="ring_ddp_fork", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, RingDDPStrategy)
+    assert trainer.strategy.algorithm == "auto"
+    assert trainer.world_size == 2
+
+
+@pytest.mark.parametrize("key", ["ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"])
+def test_conflicting_ddp_keywords_are_rejected(key):
+    with pytest.raises(ValueError, match=f"{key}.*collide"):
+        RingDDPStrategy(**{key: object()})
+
+
+def test_other_ddp_keywords_pass_through_and_timeout_converts():
+    s = RingDDPStrategy(algorithm="ring", timeout=42, find_unused_parameters=True, static_graph=True,
+                        bucket_cap_mb=1, gradient_as_bucket_view=True)
+    assert s._ddp_kwargs == {"find_unused_parameters": True, "static_graph": True, "bucket_cap_mb": 1,
+                             "gradient_as_bucket_view": True}
+    assert s._timeout == timedelta(seconds=42)
+    assert RingDDPStrategy(timeout=timedelta(minutes=2))._timeout == timedelta(seconds=120)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"algorithm": "rings"}, "'rings'.*one of"),
+        ({"timeout": 0}, "timeout=0.*positive"),
+        ({"timeout": "soon"}, "timeout='soon'"),
+        ({"start_method": "thread"}, "start_method='thread'"),
+        ({"compressor": "zip"}, "compressor='zip'"),
+    ],
+)
+def test_bad_arguments_name_the_value(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RingDDPStrategy(**kwargs)
+
+
+def test_compressor_argument():
+    assert isinstance(RingDDPStrategy().hook_state.compressor, NoCompressor)
+    assert isinstance(RingDDPStrategy(compressor="none").hook_state.compressor, NoCompressor)
+
+    class Custom(Compressor):
+        name = "custom"
+
+    custom = Custom()
+    assert RingDDPStrategy(compressor=custom).hook_state.compressor is custom
+
+
+def test_step_control_layout_and_reading():
+    # two ranks' vectors, summed by hand as the exchange would
+    vecs = []
+    for rank in range(2):
+        control = StepControl(rank, 2)
+        control.register("samples")
+        control.register("bad_step")
+        control.register("compute_s", per_rank=True)
+        control.register("samples", per_rank=False)  # idempotent
+        control.set("samples", 10 + rank)
+        control.add("bad_step", 1 if rank == 1 else 0)
+        control.set("compute_s", 0.5 * (rank + 1))
+        vecs.append(control.pack())
+    assert vecs[0].dtype == torch.float64 and vecs[0].numel() == 2 + 2 * 1
+    control.load(vecs[0] + vecs[1])
+    assert control.agreed("samples") == 21
+    assert control.agreed("bad_step") == 1
+    assert control.per_rank("compute_s") == [0.5, 1.0]
+    with pytest.raises(KeyError, match="not registered"):
+        control.set("stop", 1)
+    with pytest.raises(RuntimeError, match="exchange"):
+        StepControl(0, 1).agreed("samples")
+
+
+def test_package_exports():
+    assert lightning_dist.RingDDPStrategy is RingDDPStrategy
+    assert hasattr(lightning_dist, "DistMetricsCallback")
