@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Set up a fresh machine: a virtual environment in .venv with lightning_dist and its test extra.
+# Without a GPU it installs torch's CPU wheel first (2.13.0 lies on this project's machines' disk), so the
+# `torch` range in pyproject.toml is already met and pip does not pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install --quiet --upgrade pip
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  python -m pip install --quiet "torch==2.13.0"
+fi
+python -m pip install --quiet -e ".[test]"
+python -c "import lightning_dist, torch; print('lightning_dist', lightning_dist.__version__, 'torch', torch.__version__)"
