@@ -1,4 +1,4 @@
-"""The performance checklist as code: process-wide torch settings, and warnings for settings that slow training.
+"""The performance checklist as code: process-wide torch settings, and warnings for what slows training.
 
 Call :func:`run_preflight` once per process before building the ``Trainer``. It does two things:
 
@@ -53,7 +53,9 @@ class PerfConfig:
                 f" {_MATMUL_PRECISIONS}. Use 'high' for TF32 on Ampere+ GPUs or 'highest' for full fp32."
             )
         if not isinstance(self.cudnn_benchmark, bool):
-            raise ValueError(f"PerfConfig: cudnn_benchmark must be True or False, got {self.cudnn_benchmark!r}.")
+            raise ValueError(
+                f"PerfConfig: cudnn_benchmark must be True or False, got {self.cudnn_benchmark!r}."
+            )
         for name in ("intra_op_threads", "inter_op_threads"):
             value = getattr(self, name)
             if value is not None and not _is_positive_int(value):
@@ -69,7 +71,8 @@ def _is_positive_int(value: object) -> bool:
 def _check_local_world_size(local_world_size: object) -> None:
     if not _is_positive_int(local_world_size):
         raise ValueError(
-            f"local_world_size must be an int >= 1 (the number of ranks on this machine), got {local_world_size!r}."
+            "local_world_size must be an int >= 1 (the number of ranks on this machine),"
+            f" got {local_world_size!r}."
         )
 
 
@@ -141,7 +144,8 @@ def preflight_warnings(
     debug = env.get("TORCH_DISTRIBUTED_DEBUG", "").upper()
     if debug in ("DETAIL", "INFO"):
         cost = (
-            "wraps every collective in a consistency check (extra collectives per call) and logs DDP internals"
+            "wraps every collective in a consistency check (extra collectives per call) and logs DDP"
+            " internals"
             if debug == "DETAIL"
             else "logs DDP internals and collects extra runtime statistics"
         )
@@ -150,7 +154,8 @@ def preflight_warnings(
     nccl_debug = env.get("NCCL_DEBUG", "").upper()
     if nccl_debug in ("INFO", "TRACE"):
         warnings.append(
-            f"NCCL_DEBUG={nccl_debug} logs from every rank on every NCCL call. Unset it or use NCCL_DEBUG=WARN."
+            f"NCCL_DEBUG={nccl_debug} logs from every rank on every NCCL call."
+            " Unset it or use NCCL_DEBUG=WARN."
         )
 
     cpp_level = env.get("TORCH_CPP_LOG_LEVEL", "").upper()
@@ -168,21 +173,25 @@ def preflight_warnings(
     omp = env.get("OMP_NUM_THREADS")
     if omp is not None:
         if not omp.strip().isdigit() or int(omp) < 1:
-            warnings.append(f"OMP_NUM_THREADS={omp!r} is not a positive integer. Set it to an int >= 1 or unset it.")
+            warnings.append(
+                f"OMP_NUM_THREADS={omp!r} is not a positive integer. Set it to an int >= 1 or unset it."
+            )
         elif int(omp) * local_world_size > cores:
             suggested = max(1, cores // local_world_size)
             warnings.append(
-                f"OMP_NUM_THREADS={omp} x {local_world_size} local ranks = {int(omp) * local_world_size} threads"
-                f" on {cores} cores: oversubscribed threads contend and slow every rank. Set"
-                f" OMP_NUM_THREADS={suggested} (cores // local ranks), or unset it and let apply_perf choose."
+                f"OMP_NUM_THREADS={omp} x {local_world_size} local ranks = {int(omp) * local_world_size}"
+                f" threads on {cores} cores: oversubscribed threads contend and slow every rank."
+                f" Set OMP_NUM_THREADS={suggested} (cores // local ranks), or unset it and let apply_perf"
+                " choose."
             )
 
     nccl_algo = env.get("NCCL_ALGO")
     if nccl_algo:
         warnings.append(
-            f"NCCL_ALGO={nccl_algo} forces one algorithm for every message size. NCCL otherwise picks per size"
-            " (tree for small, latency-bound all-reduces; ring for large, bandwidth-bound ones), so forcing"
-            " ring can slow small all-reduces. Keep it only if a benchmark on this cluster shows a win."
+            f"NCCL_ALGO={nccl_algo} forces one algorithm for every message size. NCCL otherwise picks"
+            " per size (tree for small, latency-bound all-reduces; ring for large, bandwidth-bound ones),"
+            " so forcing ring can slow small all-reduces. Keep it only if a benchmark on this cluster"
+            " shows a win."
         )
 
     return warnings

@@ -50,7 +50,8 @@ class DigitsCNN(L.LightningModule):
 
     Logged metrics (all unitless):
         ``train/loss``: cross-entropy of this rank's batch, every step (not synced: no collective per step).
-        ``train/acc``: accuracy over the epoch's training batches, all ranks (torchmetrics syncs at epoch end).
+        ``train/acc``: accuracy over the epoch's training batches of all ranks (torchmetrics syncs at
+            epoch end).
         ``val/loss``: mean validation cross-entropy over the epoch, averaged across ranks.
         ``val/acc``: validation accuracy over the whole validation set, all ranks.
     """
@@ -66,10 +67,13 @@ class DigitsCNN(L.LightningModule):
         if lr <= 0:
             raise ValueError(f"DigitsCNN: `lr` must be > 0, got {lr!r}. The default is 3e-3.")
         if weight_decay < 0:
-            raise ValueError(f"DigitsCNN: `weight_decay` must be >= 0, got {weight_decay!r}. Use 0 to disable it.")
+            raise ValueError(
+                f"DigitsCNN: `weight_decay` must be >= 0, got {weight_decay!r}. Use 0 to disable it."
+            )
         # plain Python types only, so checkpoints load under torch.load(weights_only=True)
         self.save_hyperparameters(
-            {"lr": float(lr), "channels": int(channels), "hidden": int(hidden), "weight_decay": float(weight_decay)}
+            {"lr": float(lr), "channels": int(channels), "hidden": int(hidden),
+             "weight_decay": float(weight_decay)}
         )
 
         height, width = IMAGE_SHAPE[1:]
