@@ -1,1 +1,1 @@
-"""Benchmarks run as modules (``python -m lightning_dist.benchmarks.allreduce``); results go to ``bench_results/``."""
+"""Benchmarks run as modules (``python -m lightning_dist.benchmarks.allreduce``); output: bench_results/."""

@@ -35,12 +35,12 @@ def size_label(nbytes: int) -> str:
 def parse_size(text: str) -> int:
     """``"64K" -> 65536``, ``"4M" -> 4194304``, ``"1000" -> 1000`` (binary units, case-insensitive)."""
     text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    suffix = text[-1:] if text[-1:] in _UNITS and text[-1:] else ""
+    suffix = text[-1] if text and text[-1] in "KMG" else ""
     number = text[: len(text) - len(suffix)]
     try:
         value = int(number) * _UNITS[suffix]
     except ValueError:
-        raise ValueError(f"size {text!r} is not understood; write a whole number with K, M or G, e.g. 64K or 4M.")
+        raise ValueError(f"size {text!r} is not understood; write a whole number and K, M or G: 64K, 4M.")
     if value <= 0:
         raise ValueError(f"size {text!r} must be positive.")
     return value
@@ -71,6 +71,8 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
+        # other processes' load when the run started: above the core count, timings include their share
+        "load_average_1m": os.getloadavg()[0],
         "argv": sys.argv[1:],
     }
 

@@ -1,14 +1,17 @@
 """All-reduce benchmark: the ring, the tree and ``auto`` against gloo's native ``all_reduce``, side by side.
 
-Run ``python -m lightning_dist.benchmarks.allreduce`` (about two minutes on a 2-core machine); ``--quick``
+Run ``python -m lightning_dist.benchmarks.allreduce`` (about three minutes on a 2-core machine); ``--quick``
 is a smoke run, ``--segment-sweep`` measures the ring's pipeline segment size instead of the main sweep.
 
 Method:
 
 1. Each world size is one group of local gloo ranks (:func:`lightning_dist.testing.run_ranks`, one intra-op
    thread per rank). Inside it, for each message size (float32, 1 KiB to 64 MiB), the algorithms are
-   interleaved round-robin, ``native, ring, tree, auto, native, ring, ...``, after ``--warmup`` untimed
-   rounds, so that machine noise (another process, a thermal step) hits every algorithm alike.
+   interleaved: every round runs each of them once, after ``--warmup`` untimed rounds, so that machine
+   noise (another process, a thermal step) hits every algorithm alike. The order within a round is
+   shuffled, with a seed all ranks share: in a fixed order ``native, ring, tree, auto``, ``auto`` (the
+   very same ring from 64 KiB, but always right after the tree) came out slower than ``ring`` at every
+   size from 64 KiB at 2 ranks; a shuffled order spreads such carry-over effects over all algorithms.
 2. Before each call the tensor is refilled with ``rank + 1`` (untimed: a fresh gradient, and the sums never
    overflow) and all ranks meet at a ``dist.barrier()``. Each rank times its own call; one repeat's time is
    the maximum over ranks, the moment the collective is complete everywhere. After each call the result
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -61,7 +65,7 @@ KIB, MIB = 1 << 10, 1 << 20
 DEFAULT_WORLD_SIZES = (2, 3, 4)
 DEFAULT_SIZES = tuple(KIB * 4**k for k in range(9))  # 1K, 4K, ..., 64M
 QUICK_SIZES = (KIB, 64 * KIB, 4 * MIB)
-DEFAULT_REPEATS = 40  # per algorithm and size; messages >= LARGE_BYTES use a quarter of it
+DEFAULT_REPEATS = 80  # per algorithm and size; messages >= LARGE_BYTES use a quarter of it
 QUICK_REPEATS = 5
 LARGE_BYTES = 16 * MIB
 MIN_LARGE_REPEATS = 5
@@ -87,7 +91,7 @@ MAIN_CASES = (Case("native", "native"), Case("ring", "ring"), Case("tree", "tree
 
 
 def repeats_for(nbytes: int, repeats: int) -> int:
-    """Timed repeats for a message of ``nbytes``: fewer for large messages, but at least 5 (or ``repeats``)."""
+    """Timed repeats for ``nbytes``: a quarter for large messages, but at least 5 (or ``repeats``)."""
     if nbytes >= LARGE_BYTES:
         return min(repeats, max(MIN_LARGE_REPEATS, repeats // 4))
     return repeats
@@ -114,7 +118,8 @@ def _measure_on_rank(
         tensor = torch.empty(nbytes // 4, dtype=torch.float32)
         times: dict[str, list[float]] = {case.label: [] for case in cases}
         for repeat in range(-warmup, timed):
-            for case in cases:
+            # same seed on every rank, so all ranks call the same algorithm at the same time
+            for case in random.Random(f"{nbytes}/{repeat}").sample(list(cases), len(cases)):
                 tensor.fill_(rank + 1)
                 dist.barrier()
                 start = time.perf_counter()
@@ -123,7 +128,8 @@ def _measure_on_rank(
                 if tensor[0].item() != expected or tensor[-1].item() != expected:
                     raise RuntimeError(
                         f"{case.label} all-reduce of {size_label(nbytes)} at N={world_size} returned "
-                        f"{tensor[0].item()}..{tensor[-1].item()}, expected {expected}: the collective is wrong."
+                        f"{tensor[0].item()}..{tensor[-1].item()}, expected {expected}: the collective is "
+                        "wrong; run tests/ for the comm package before benchmarking it."
                     )
                 if repeat >= 0:
                     times[case.label].append(elapsed)
@@ -152,7 +158,7 @@ def measure(
                 "bytes": nbytes,
                 "algorithm": case.label,
                 "resolved_algorithm": resolved,
-                "segment_bytes": (case.segment_bytes or DEFAULT_SEGMENT_BYTES) if resolved == "ring" else None,
+                "segment_bytes": None if resolved != "ring" else case.segment_bytes or DEFAULT_SEGMENT_BYTES,
                 "repeats": repeats_for(nbytes, repeats),
                 **stats,
                 "algbw_GBps": algbw,
@@ -160,7 +166,7 @@ def measure(
             })
         for record in records[-len(cases):]:
             # busbw / native busbw, which is native time / this time: > 1 means faster than gloo
-            record["busbw_ratio_vs_native"] = medians["native"] / record["median_s"] if "native" in medians else None
+            record["busbw_ratio_vs_native"] = medians["native"] / record["median_s"]
     return records
 
 
@@ -180,7 +186,8 @@ def crossover(records: Sequence[dict[str, Any]], world_size: int) -> dict[str, O
     """
     by_key = _lookup(records)
     sizes = sorted({r["bytes"] for r in records if r["world_size"] == world_size})
-    ring_faster = [by_key[world_size, s, "ring"]["median_s"] < by_key[world_size, s, "tree"]["median_s"] for s in sizes]
+    median = {(s, a): by_key[world_size, s, a]["median_s"] for s in sizes for a in ("ring", "tree")}
+    ring_faster = [median[s, "ring"] < median[s, "tree"] for s in sizes]
     start = len(sizes)
     while start > 0 and ring_faster[start - 1]:
         start -= 1
@@ -194,8 +201,11 @@ def check_targets(records: Sequence[dict[str, Any]], world_size: int = 2) -> dic
     """The issue's two targets at ``world_size`` ranks, with the worst ratio found and where."""
     by_key = _lookup(records)
     sizes = sorted({r["bytes"] for r in records if r["world_size"] == world_size})
-    ring = {s: by_key[world_size, s, "ring"]["busbw_ratio_vs_native"] for s in sizes if s >= RING_TARGET_MIN_BYTES}
-    tree = {s: 1 / by_key[world_size, s, "tree"]["busbw_ratio_vs_native"] for s in sizes if s <= TREE_TARGET_MAX_BYTES}
+    ratio = {(s, a): by_key[world_size, s, a]["busbw_ratio_vs_native"] for s in sizes
+             for a in ("ring", "tree")}
+    # the ring's target is a busbw ratio (higher is better), the tree's a latency ratio (lower is better)
+    ring = {s: ratio[s, "ring"] for s in sizes if s >= RING_TARGET_MIN_BYTES}
+    tree = {s: 1 / ratio[s, "tree"] for s in sizes if s <= TREE_TARGET_MAX_BYTES}
     result = {}
     for name, ratios, bound, better in (
         ("ring_busbw_vs_native", ring, RING_TARGET_BUSBW_RATIO, "min"),
@@ -220,7 +230,8 @@ def main_table(records: Sequence[dict[str, Any]]) -> str:
             *(_us(rec[c.label]["median_s"]) for c in MAIN_CASES),
             rec["auto"]["resolved_algorithm"],
             f"{rec['native']['busbw_GBps']:.3f}", f"{rec['ring']['busbw_GBps']:.3f}",
-            f"{rec['ring']['busbw_ratio_vs_native']:.2f}x", f"{1 / rec['tree']['busbw_ratio_vs_native']:.2f}x",
+            f"{rec['ring']['busbw_ratio_vs_native']:.2f}x",
+            f"{1 / rec['tree']['busbw_ratio_vs_native']:.2f}x",
         ])
     headers = ["N", "size", "native us", "ring us", "tree us", "auto us", "auto=",
                "native busbw GB/s", "ring busbw GB/s", "ring/native busbw", "tree/native time"]
@@ -240,8 +251,10 @@ def sweep_table(records: Sequence[dict[str, Any]], cases: Sequence[Case]) -> str
     return "busbw GB/s (ratio to native)\n" + format_table(headers, rows)
 
 
-def plot(records: Sequence[dict[str, Any]], labels: Sequence[str], path: Path, latency_max_bytes: int = MIB) -> Path:
-    """busbw vs message size per algorithm, one column per world size; below, latency of the small messages."""
+def plot(
+    records: Sequence[dict[str, Any]], labels: Sequence[str], path: Path, latency_max_bytes: int = MIB
+) -> Path:
+    """busbw vs message size per algorithm, one column per world size; below, latency of small messages."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg: no display, no pyplot global state
     from matplotlib.figure import Figure
 
@@ -255,7 +268,7 @@ def plot(records: Sequence[dict[str, Any]], labels: Sequence[str], path: Path, l
         for label in labels:
             mine = sorted((r for r in records if r["world_size"] == n and r["algorithm"] == label),
                           key=lambda r: r["bytes"])
-            style = {"linestyle": "--", "marker": "x"} if label == "auto" else {"marker": "o", "markersize": 3}
+            style = {"linestyle": "--", "marker": "x"} if label == "auto" else {"marker": "o", "ms": 3}
             sizes = [r["bytes"] for r in mine]
             axes[0][col].plot(sizes, [r["busbw_GBps"] for r in mine], label=label, **style)
             if with_latency:
@@ -263,13 +276,15 @@ def plot(records: Sequence[dict[str, Any]], labels: Sequence[str], path: Path, l
                 med = [r["median_s"] * 1e6 for r in small]
                 err = [[m - r["p25_s"] * 1e6 for m, r in zip(med, small)],
                        [r["p75_s"] * 1e6 - m for m, r in zip(med, small)]]
-                axes[1][col].errorbar([r["bytes"] for r in small], med, yerr=err, label=label, capsize=2, **style)
+                axes[1][col].errorbar([r["bytes"] for r in small], med, yerr=err, label=label, capsize=2,
+                                      **style)
         axes[0][col].set(title=f"{n} ranks", xscale="log", ylabel="busbw (GB/s)", xlabel="message size")
         if with_latency:
             axes[1][col].set(xscale="log", yscale="log", ylabel="latency (us, median, IQR)",
                              xlabel="message size")
         for ax in axes[:, col]:
-            ticks = sorted({r["bytes"] for r in records if ax is axes[0][col] or r["bytes"] <= latency_max_bytes})
+            top = ax is axes[0][col]
+            ticks = sorted({r["bytes"] for r in records if top or r["bytes"] <= latency_max_bytes})
             ax.set_xticks(ticks, [size_label(t) for t in ticks], rotation=45)
             ax.minorticks_off()
             ax.grid(alpha=0.3)
@@ -278,21 +293,31 @@ def plot(records: Sequence[dict[str, Any]], labels: Sequence[str], path: Path, l
     return path
 
 
-def _recommend_threshold(cross: dict[int, dict[str, Optional[int]]]) -> str:
-    if 2 not in cross:
-        return "tree/ring crossover: not measured at 2 ranks (add 2 to --world-sizes)."
-    low, high = cross[2]["tree_wins_up_to"], cross[2]["ring_wins_from"]
-    others = ", ".join(f"{n} ranks: ring from {size_label(c['ring_wins_from']) if c['ring_wins_from'] else '-'}"
-                       for n, c in sorted(cross.items()) if n != 2)
+def _describe_crossover(c: dict[str, Optional[int]]) -> str:
+    low, high = c["tree_wins_up_to"], c["ring_wins_from"]
     if high is None:
-        advice = "the tree wins at every measured size; measure larger sizes before raising the threshold"
-    elif low is None:
-        advice = f"the ring wins from the smallest size; AUTO_TREE_MAX_BYTES <= {size_label(high)}"
-    else:
-        advice = (f"tree wins up to {size_label(low)}, ring from {size_label(high)}: "
-                  f"recommend AUTO_TREE_MAX_BYTES = {size_label(high)}")
-    return (f"recommendation (2 ranks): {advice} (current {size_label(AUTO_TREE_MAX_BYTES)})"
-            + (f"; {others}" if others else "") + ".")
+        return "tree wins at every size"
+    if low is None:
+        return "ring wins at every size"
+    return f"tree wins up to {size_label(low)}, ring from {size_label(high)}"
+
+
+def _recommend_threshold(cross: dict[int, dict[str, Optional[int]]]) -> list[str]:
+    """The crossover per world size, and ``AUTO_TREE_MAX_BYTES`` for 2 ranks and for all measured ones."""
+    lines = ["tree/ring crossover: " + "; ".join(f"{n} ranks: {_describe_crossover(c)}"
+                                                for n, c in sorted(cross.items())) + "."]
+    advice = []
+    if 2 in cross:
+        high = cross[2]["ring_wins_from"]
+        advice.append(f"AUTO_TREE_MAX_BYTES = {size_label(high)} at 2 ranks" if high is not None
+                      else "the tree wins at every size at 2 ranks: measure larger sizes before choosing")
+    froms = [c["ring_wins_from"] for c in cross.values()]
+    if len(cross) > 1 and None not in froms:
+        # ``auto`` sees only the byte size, so one threshold must serve every world size
+        advice.append(f"{size_label(min(froms))} for every measured world size")
+    current = size_label(AUTO_TREE_MAX_BYTES)
+    lines.append(f"recommendation: {'; '.join(advice) or 'none'} (current {current}).")
+    return lines
 
 
 def _recommend_segment(records: Sequence[dict[str, Any]], cases: Sequence[Case]) -> str:
@@ -317,8 +342,10 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="message sizes, e.g. 1K 64K 4M (default 1K..64M in powers of 4)")
     parser.add_argument("--repeats", type=int, default=None,
                         help=f"timed repeats per algorithm and size (default {DEFAULT_REPEATS}, "
-                             f"{QUICK_REPEATS} with --quick; a quarter, at least 5, from {size_label(LARGE_BYTES)})")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds before the timed ones (default 2)")
+                             f"{QUICK_REPEATS} with --quick; a quarter, at least 5, from "
+                             f"{size_label(LARGE_BYTES)})")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed rounds before the timed ones (default 2)")
     parser.add_argument("--quick", action="store_true", help="smoke run: sizes 1K 64K 4M, 5 repeats, 2 ranks")
     parser.add_argument("--segment-sweep", action="store_true",
                         help="instead of the main sweep, time the ring at segment sizes 256K 1M 4M 16M "
@@ -327,7 +354,8 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--deadline-s", type=float, default=1800.0,
                         help="kill a rank group that runs longer than this (default 1800)")
     args = parser.parse_args(argv)
-    sizes = args.sizes or (QUICK_SIZES if args.quick else SWEEP_SIZES if args.segment_sweep else DEFAULT_SIZES)
+    default_sizes = QUICK_SIZES if args.quick else SWEEP_SIZES if args.segment_sweep else DEFAULT_SIZES
+    sizes = args.sizes or default_sizes
     bad = [s for s in sizes if s % 4]
     if bad:
         parser.error(f"sizes {bad} are not whole float32 tensors; use multiples of 4 bytes.")
@@ -336,7 +364,10 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     args.world_sizes = tuple(args.world_sizes or ((2,) if quick_or_sweep else DEFAULT_WORLD_SIZES))
     if min(args.world_sizes) < 2:
         parser.error(f"--world-sizes {args.world_sizes}: an all-reduce needs at least 2 ranks.")
-    args.repeats = args.repeats or (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
+    if args.repeats is None:
+        args.repeats = QUICK_REPEATS if args.quick else DEFAULT_REPEATS
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error(f"--repeats {args.repeats} must be >= 1 and --warmup {args.warmup} >= 0.")
     return args
 
 
@@ -372,7 +403,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         targets = check_targets(records) if 2 in args.world_sizes else {}
         payload["crossover"] = {str(n): c for n, c in cross.items()}
         payload["targets_at_2_ranks"] = targets
-        lines = [_recommend_threshold(cross)]
+        lines = _recommend_threshold(cross)
         for key, t in targets.items():
             sign = ">=" if key.startswith("ring") else "<="
             lines.append(f"target {key} {sign} {t['bound']}: {'MET' if t['met'] else 'MISSED'} "
