@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_dist.comm import ALGORITHMS, CommStats, allreduce_, ring_allreduce_, ring_bytes_sent
+from lightning_dist.comm import ALGORITHMS, AUTO_TREE_MAX_BYTES, CommStats, allreduce_, ring_allreduce_, ring_bytes_sent
 from lightning_dist.testing import RanksFailed, run_ranks
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64]
@@ -109,7 +109,8 @@ def _special_cases(rank, world_size):
                 res[f"sub_{algorithm}_{numel}"] = bool(torch.equal(x, ref))
     # auto picks by size only: record what ran for sizes on both sides of the threshold
     stats = CommStats()
-    for numel in (1, 100, 4000, 16383, 16384, 16385, 300000):
+    threshold = AUTO_TREE_MAX_BYTES // 4  # in float32 elements
+    for numel in (1, 100, 4000, threshold - 1, threshold, threshold + 1, 3 * threshold):
         allreduce_(torch.ones(numel), "auto", stats=stats)
     res["auto_choices"] = [r.algorithm for r in stats.records]
     return res
@@ -176,8 +177,8 @@ def test_auto_makes_the_same_size_based_choice_on_every_rank(group_results):
     world_size, per_rank = group_results
     choices = [r["special"]["auto_choices"] for r in per_rank]
     assert all(c == choices[0] for c in choices)
-    # 16384 float32 = 64 KiB: the threshold
-    assert choices[0] == ["tree"] * 4 + ["ring"] * 3
+    expected = ["tree"] * 7 if world_size <= 2 else ["tree"] * 4 + ["ring"] * 3
+    assert choices[0] == expected
 
 
 def test_float16_avg_cannot_overflow(group_results):

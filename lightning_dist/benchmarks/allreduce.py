@@ -151,8 +151,8 @@ def measure(
             stats = summarize(completion_times([rank_result[nbytes][case.label] for rank_result in per_rank]))
             medians[case.label] = stats["median_s"]
             algbw = nbytes / stats["median_s"] / 1e9
-            # what actually ran: auto resolves to tree or ring by size, as every rank does in training
-            resolved = choose_algorithm(nbytes, "gloo") if case.algorithm == "auto" else case.algorithm
+            # what actually ran: auto resolves by size and world size, as every rank does in training
+            resolved = choose_algorithm(nbytes, "gloo", world_size) if case.algorithm == "auto" else case.algorithm
             records.append({
                 "world_size": world_size,
                 "bytes": nbytes,

@@ -65,6 +65,26 @@ def warn_if_experimental(view: GroupView, algorithm: str) -> None:
         )
 
 
+# Reused scratch buffers, keyed by (dtype, device). A fresh tens-of-MiB buffer per call costs a page fault
+# per 4 KiB on first touch: ~10% of a 64 MiB ring's time, ~30% of a 64 MiB tree's. The collectives run one
+# at a time on the thread that calls them (DDP's hooks do), so one buffer per dtype and device suffices.
+_SCRATCH: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reusable buffer of ``numel`` elements; contents undefined. Grows, never shrinks."""
+    key = (dtype, device)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+def segment_bounds(start: int, end: int, segment: int) -> list[tuple[int, int]]:
+    """``[start, end)`` cut into pieces of ``segment`` elements (the last may be shorter)."""
+    return [(a, min(a + segment, end)) for a in range(start, end, segment)]
+
+
 def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
     """Split ``range(numel)`` into ``parts`` contiguous chunks, sizes differing by at most one.
 

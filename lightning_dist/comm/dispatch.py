@@ -1,7 +1,9 @@
 """One entry point for every algorithm: ``allreduce_(tensor, algorithm="auto")``, and gloo/NCCL's native.
 
-``auto`` picks the tree below a fixed message size and the ring above it. The choice depends only on the
-tensor's byte size, which every rank shares, so every rank makes the same choice (two ranks choosing
+``auto`` picks by message size and group size. At 2 ranks the (segmented) tree sends exactly the ring's
+bytes in one phase instead of two, so it wins at every size; at 3 or more ranks it sends ``log2 N`` times the
+message, so it wins below a fixed size and the ring above. The choice depends only on the byte size and
+the group size, which every rank shares, so every rank makes the same choice (two ranks choosing
 differently would each wait for messages the other never sends). The threshold is a constant measured by
 ``python -m lightning_dist.benchmarks.allreduce``, never a timing taken at run time on each rank. On NCCL,
 ``auto`` uses NCCL's own all_reduce: its ring and tree kernels beat Python point-to-point on GPUs.
@@ -21,10 +23,10 @@ from lightning_dist.comm.tree import tree_allreduce_
 
 ALGORITHMS = ("ring", "tree", "native", "auto")
 
-# Messages smaller than this go through the tree under ``auto``. Measured by the allreduce benchmark on
-# 2-core CPU machines with gloo at 2 ranks: the tree's latency wins up to tens of KiB, the pipelined ring's
-# bandwidth wins above (see README, "All-reduce benchmark").
-AUTO_TREE_MAX_BYTES = 64 * 1024
+# At 3 or more ranks, messages smaller than this go through the tree under ``auto``. Measured by the
+# allreduce benchmark (2-core CPU machines, gloo, 3 and 4 ranks): the tree beat the ring at every size up
+# to 1 MiB in every run, the ring took over between 1 and 4 MiB (see README, "All-reduce benchmark").
+AUTO_TREE_MAX_BYTES = 1 << 20
 
 
 def check_algorithm(algorithm: str) -> str:
@@ -33,10 +35,14 @@ def check_algorithm(algorithm: str) -> str:
     return algorithm
 
 
-def choose_algorithm(nbytes: int, backend: str, tree_max_bytes: int = AUTO_TREE_MAX_BYTES) -> str:
-    """What ``auto`` runs for a message of ``nbytes`` on ``backend``: a pure function of values all ranks share."""
+def choose_algorithm(
+    nbytes: int, backend: str, world_size: int, tree_max_bytes: int = AUTO_TREE_MAX_BYTES
+) -> str:
+    """What ``auto`` runs: a pure function of values every rank shares (never of a per-rank timing)."""
     if backend == "nccl":
         return "native"
+    if world_size <= 2:
+        return "tree"
     return "tree" if nbytes < tree_max_bytes else "ring"
 
 
@@ -79,8 +85,12 @@ def allreduce_(
     """Reduce ``tensor`` in place across ``group`` with ``algorithm`` (``ring``, ``tree``, ``native``, ``auto``)."""
     check_algorithm(algorithm)
     if algorithm == "auto":
-        backend = str(dist.get_backend(group)) if dist.is_initialized() else "gloo"
-        algorithm = choose_algorithm(tensor.numel() * tensor.element_size(), backend, tree_max_bytes)
+        if not dist.is_initialized():
+            group_view(group)  # raises the clear "not initialized" error
+        algorithm = choose_algorithm(
+            tensor.numel() * tensor.element_size(), str(dist.get_backend(group)), dist.get_world_size(group),
+            tree_max_bytes,
+        )
     if algorithm == "ring":
         return ring_allreduce_(tensor, group, op, stats=stats)
     if algorithm == "tree":

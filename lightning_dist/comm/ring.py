@@ -31,13 +31,16 @@ from lightning_dist.comm._common import (
     group_view,
     post_divide,
     pre_divide,
+    scratch,
+    segment_bounds,
     warn_if_experimental,
 )
 from lightning_dist.comm.stats import CallRecord, CommStats, _Timer
 
-# Segment size for the pipeline. Smaller segments overlap more but pay ~20 us of Python and gloo overhead
-# each; the allreduce benchmark's segment sweep on 2-core CPU machines put the knee here.
-DEFAULT_SEGMENT_BYTES = 1 << 20
+# Segment size for the pipeline. Smaller segments overlap more, but each costs ~55 us of main-thread CPU
+# plus a hand-off from gloo's I/O thread (a scheduler slice when cores are busy). The allreduce benchmark's
+# segment sweep (2-core CPU machines, gloo) ranked 4 MiB >= 16 MiB > 1 MiB > 256 KiB in every run.
+DEFAULT_SEGMENT_BYTES = 4 << 20
 
 
 def ring_bytes_sent(numel: int, world_size: int, rank: int, element_size: int) -> int:
@@ -51,19 +54,6 @@ def ring_bytes_sent(numel: int, world_size: int, rank: int, element_size: int) -
     size = [end - start for start, end in bounds]
     skipped = size[(rank + 1) % world_size] + size[(rank + 2) % world_size]
     return (2 * numel - skipped) * element_size
-
-
-# Reused staging buffers, keyed by (dtype, device). A fresh tens-of-MiB buffer per call would cost a page
-# fault per 4 KiB on first touch, a visible share of a large all-reduce's time.
-_STAGING: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def _staging_buffers(numel: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    key = (dtype, device)
-    buf = _STAGING.get(key)
-    if buf is None or buf.numel() < 2 * numel:
-        buf = _STAGING[key] = torch.empty(2 * numel, dtype=dtype, device=device)
-    return [buf[:numel], buf[numel : 2 * numel]]
 
 
 def ring_allreduce_(
@@ -114,11 +104,11 @@ def _pipelined_ring(flat: torch.Tensor, view: GroupView, segment: int) -> tuple[
     # the other. All-gather receives go straight into ``flat`` (the chunk they overwrite was already sent,
     # and its reduced segment cannot arrive before our own contribution to it was read off the wire).
     longest = bounds[0][1] - bounds[0][0]
-    staging = _staging_buffers(longest, flat.dtype, flat.device)
+    buf = scratch(2 * longest, flat.dtype, flat.device)
+    staging = [buf[:longest], buf[longest:]]
 
     def segments(chunk: int) -> list[tuple[int, int]]:
-        start, end = bounds[chunk]
-        return [(a, min(a + segment, end)) for a in range(start, end, segment)]
+        return segment_bounds(*bounds[chunk], segment)
 
     def post_receives(step: int) -> list[tuple[dist.Work, int, int, torch.Tensor]]:
         chunk = (r - step - 1) % n

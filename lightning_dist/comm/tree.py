@@ -11,6 +11,10 @@ Other world sizes (the guide this project grew from says a tree suits only 2^n r
 hands its vector to the odd rank after it and sits out; the ``p`` remaining ranks run recursive doubling;
 each odd rank hands the result back. That costs two extra messages, ``log2 p + 2`` in all.
 
+Each swap is cut into segments and every segment is added as soon as it lands, while the later ones are
+still on the wire, so the add overlaps the transfer. At 2 ranks the tree then sends exactly the ring's
+bytes in one dependent phase instead of two, and ``auto`` uses it at every size.
+
 Both partners of a swap compute ``a + b`` and ``b + a``, which IEEE addition makes equal, so all ranks end
 bit-identical, as with the ring.
 """
@@ -29,8 +33,11 @@ from lightning_dist.comm._common import (
     group_view,
     post_divide,
     pre_divide,
+    scratch,
+    segment_bounds,
     warn_if_experimental,
 )
+from lightning_dist.comm.ring import DEFAULT_SEGMENT_BYTES
 from lightning_dist.comm.stats import CallRecord, CommStats, _Timer
 
 
@@ -40,13 +47,16 @@ def tree_allreduce_(
     op: str = "sum",
     *,
     stats: Optional[CommStats] = None,
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
 ) -> torch.Tensor:
     """Sum (or average) ``tensor`` across ``group`` in place by recursive doubling; returns ``tensor``.
 
     Same contract as :func:`lightning_dist.comm.ring_allreduce_`; meant for messages below the
-    ``auto`` threshold (it sends the whole vector ``log2 N`` times).
+    ``auto`` threshold at 3 or more ranks (it sends the whole vector ``log2 N`` times).
     """
     check_op(op, tensor.dtype)
+    if segment_bytes <= 0:
+        raise ValueError(f"segment_bytes={segment_bytes} must be positive (default {DEFAULT_SEGMENT_BYTES}).")
     with _Timer() as timer:
         view = group_view(group)
         warn_if_experimental(view, "tree")
@@ -54,7 +64,8 @@ def tree_allreduce_(
         divided = pre_divide(flat, op, view.size)
         sent = received = 0
         if view.size > 1 and flat.numel() > 0:
-            sent, received = _recursive_doubling(flat, view)
+            segment = max(1, segment_bytes // flat.element_size())
+            sent, received = _recursive_doubling(flat, view, segment)
         post_divide(flat, op, view.size, divided)
         write_back()
     if stats is not None:
@@ -62,7 +73,7 @@ def tree_allreduce_(
     return tensor
 
 
-def _recursive_doubling(flat: torch.Tensor, view: GroupView) -> tuple[int, int]:
+def _recursive_doubling(flat: torch.Tensor, view: GroupView, segment: int) -> tuple[int, int]:
     n, r = view.size, view.rank
     nbytes = flat.numel() * flat.element_size()
     pow2 = 1 << (n.bit_length() - 1)  # largest power of two <= n
@@ -80,7 +91,7 @@ def _recursive_doubling(flat: torch.Tensor, view: GroupView) -> tuple[int, int]:
         received += nbytes
 
     # Fold: the first 2*rem ranks pair up so that exactly pow2 ranks remain.
-    incoming = torch.empty_like(flat)
+    incoming = scratch(flat.numel(), flat.dtype, flat.device)
     if r < 2 * rem:
         if r % 2 == 0:
             send(r + 1)
@@ -97,11 +108,7 @@ def _recursive_doubling(flat: torch.Tensor, view: GroupView) -> tuple[int, int]:
         while mask < pow2:
             partner_virtual = virtual ^ mask
             partner = 2 * partner_virtual + 1 if partner_virtual < rem else partner_virtual + rem
-            send_work = dist.isend(flat, dst=view.peer(partner), group=view.group)
-            recv_work = dist.irecv(incoming, src=view.peer(partner), group=view.group)
-            recv_work.wait()
-            send_work.wait()  # flat must not change while it may still be read by the transport
-            flat.add_(incoming)
+            _swap_and_add(flat, incoming, view, view.peer(partner), segment)
             sent += nbytes
             received += nbytes
             mask <<= 1
@@ -113,3 +120,14 @@ def _recursive_doubling(flat: torch.Tensor, view: GroupView) -> tuple[int, int]:
         else:
             send(r - 1)
     return sent, received
+
+
+def _swap_and_add(flat: torch.Tensor, incoming: torch.Tensor, view: GroupView, peer: int, segment: int) -> None:
+    """Exchange ``flat`` with ``peer`` segment by segment, adding each received segment as it lands."""
+    pieces = segment_bounds(0, flat.numel(), segment)
+    recvs = [dist.irecv(incoming[a:b], src=peer, group=view.group) for a, b in pieces]
+    sends = [dist.isend(flat[a:b], dst=peer, group=view.group) for a, b in pieces]
+    for (a, b), recv_work, send_work in zip(pieces, recvs, sends):
+        recv_work.wait()
+        send_work.wait()  # this segment of flat must not change while the transport may still read it
+        flat[a:b].add_(incoming[a:b])
