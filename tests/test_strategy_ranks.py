@@ -143,7 +143,7 @@ def test_step_metrics_are_measured_and_logged_from_rank_zero(runs):
     with open(runs["csv"]) as fh:
         rows = list(csv.DictReader(fh))
     logged = [row for row in rows if row.get("dist/rank1/comm_ms")]
-    assert len(logged) == 16  # log_every_n_steps=1: one row per optimizer step
+    assert len(logged) == 15  # log_every_n_steps=1: one row per step but the first (metrics arrive a step late)
     assert all(float(row["dist/throughput"]) > 0 for row in logged)
 
 

@@ -17,7 +17,7 @@ and NCCL. Bytes and seconds go into ``state.stats``, which the strategy reads on
 # no `from __future__ import annotations`: DDP inspects the hook's real annotations (dist.GradBucket)
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,9 @@ class RingHookState:
     # -- per-step inputs, set by the strategy
     world_size: int = 1
     weight: Optional[float] = None  # this rank's share of the step's samples; None means 1 / world_size
+    # called when DDP hands over the step's last bucket, before it travels: the strategy starts the
+    # per-step control exchange here so that it overlaps this bucket's all-reduce
+    on_last_bucket: Optional[Callable[[], None]] = None
     # -- outputs, read and reset by the strategy once per step
     stats: CommStats = field(default_factory=lambda: CommStats(keep_records=False))
     buckets: int = 0  # hook calls since the last reset
@@ -49,6 +52,8 @@ class RingHookState:
 
 def ring_comm_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Reduce one gradient bucket: weight -> compress -> transport -> decompress."""
+    if state.on_last_bucket is not None and bucket.is_last():
+        state.on_last_bucket()
     buffer = bucket.buffer()
     with record_function("lightning_dist.weight"):
         if state.weight is None:

@@ -5,8 +5,9 @@ What it changes in :class:`~lightning.pytorch.strategies.DDPStrategy`:
 - registers :func:`~lightning_dist.strategy.hook.ring_comm_hook` on every device. Lightning's
   ``_register_ddp_hooks`` (private, hence the ``lightning>=2.6,<2.7`` pin and a test that fails if it goes)
   registers hooks only on CUDA and drops them silently on CPU;
-- once per optimizer step, right after backward, exchanges the step's control values and per-rank
-  measurements in one small collective (:class:`~lightning_dist.strategy.control.StepControl`);
+- once per optimizer step exchanges the step's control values and per-rank measurements in one small
+  collective (:class:`~lightning_dist.strategy.control.StepControl`), started alongside the last gradient
+  bucket and complete before the optimizer steps;
 - keeps per-step metrics (bytes sent, time in communication, each rank's compute time and throughput) that
   :class:`~lightning_dist.callbacks.DistMetricsCallback` logs from rank zero. The strategy adds that
   callback to the Trainer itself when the user has not.
@@ -18,7 +19,7 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
-import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch.nn.parallel import DistributedDataParallel
@@ -41,7 +42,7 @@ DEFAULT_TIMEOUT_S = 1800.0  # torch.distributed's default; a hung collective fai
 
 # Slots of the per-step exchange: summed over ranks ("agreed"), and one row per rank ("per_rank").
 _AGREED_SLOTS = ("samples",)
-_PER_RANK_SLOTS = ("samples", "compute_s", "comm_s", "bytes_sent")
+_PER_RANK_SLOTS = ("samples", "compute_s", "comm_s", "bytes_sent", "step_s")
 
 
 class RingDDPStrategy(DDPStrategy):
@@ -81,10 +82,15 @@ class RingDDPStrategy(DDPStrategy):
         self._algorithm = algorithm
         self._hook_state = RingHookState(algorithm=algorithm, compressor=_as_compressor(compressor))
         self._control: Optional[StepControl] = None
+        self._control_group: Optional[dist.ProcessGroup] = None
         self._step_started: Optional[float] = None  # perf_counter at the first training_step of a step
+        self._backward_done: Optional[float] = None
         self._last_step_end: Optional[float] = None
-        self._samples = 0  # samples this rank used since the last exchange
-        self.step_metrics: dict[str, float] = {}  # the last step's, identical on every rank
+        self._samples = 0  # samples this rank used in the current step
+        self._last_step: dict[str, float] = {}  # this rank's measurements of the previous step
+        # what DistMetricsCallback logs: the previous step's measurements, identical on every rank (they
+        # ride on the current step's exchange, so they arrive one step late and cost no collective)
+        self.step_metrics: dict[str, float] = {}
         self.totals: dict[str, float] = {"steps": 0, "bytes_sent": 0.0, "comm_s": 0.0, "samples": 0.0}
 
     @property
@@ -118,7 +124,11 @@ class RingDDPStrategy(DDPStrategy):
         state = self._hook_state
         state.world_size = self.world_size
         state.param_names = {id(p): name for name, p in self.model.module.named_parameters()}
+        state.on_last_bucket = self._start_exchange
         self.model.register_comm_hook(state, ring_comm_hook)
+        # The control vector is a CPU tensor on every backend, and on its own group it cannot interleave
+        # with the gradients' point-to-point traffic. Every rank creates the group here, in the same order.
+        self._control_group = dist.new_group(backend="gloo", timeout=self._timeout) if self.world_size > 1 else None
         self._control = StepControl(self.global_rank, self.world_size)
         for name in _AGREED_SLOTS:
             self._control.register(name)
@@ -142,62 +152,61 @@ class RingDDPStrategy(DDPStrategy):
         model: Any = None,
         **kwargs: Any,
     ) -> Any:
-        exchanged = False
+        agreed = False
 
-        def closure_then_exchange() -> Any:
-            # Runs backward (and with it every bucket hook), then agrees on the step before any update.
-            nonlocal exchanged
+        def closure_then_agree() -> Any:
+            # Runs backward (and with it every bucket hook), then completes the step's exchange, so every
+            # rank holds the same control values before any parameter changes.
+            nonlocal agreed
             result = closure()
-            if not exchanged and self._control is not None:
-                exchanged = True
-                self._exchange_step_values()
+            if not agreed and self._control is not None:
+                agreed = True
+                self._complete_exchange()
             return result
 
-        output = super().optimizer_step(optimizer, closure_then_exchange, model, **kwargs)
-        if exchanged:
+        output = super().optimizer_step(optimizer, closure_then_agree, model, **kwargs)
+        if agreed:
             self._finish_step()
         return output
 
-    def _exchange_step_values(self) -> None:
-        control, stats = self.control, self._hook_state.stats
-        elapsed = time.perf_counter() - (self._step_started or time.perf_counter())
+    def _start_exchange(self) -> None:
+        """Fill the control vector and start its all-reduce (from the last bucket's hook, or after backward)."""
+        control = self.control
+        if control.in_flight:
+            return
         control.set("samples", self._samples)
-        control.set("rank_samples", self._samples)
-        control.set("rank_compute_s", max(elapsed - stats.seconds, 0.0))  # busy time: excludes waiting on peers
-        control.set("rank_comm_s", stats.seconds)
-        control.set("rank_bytes_sent", stats.bytes_sent)
-        backend = self._process_group_backend or "gloo"
-        control.exchange(algorithm="native" if backend == "nccl" else "tree", device=self.root_device)
+        for name, value in self._last_step.items():  # this rank's complete measurements of the previous step
+            control.set(f"rank_{name}", value)
+        control.start(self._control_group)
+
+    def _complete_exchange(self) -> None:
+        if not self.control.in_flight:  # no bucket hook ran this step (e.g. no parameter got a gradient)
+            self._start_exchange()
+        self._backward_done = time.perf_counter()
+        self.control.wait()
+
+    def _finish_step(self) -> None:
+        """Record this step's own measurements (sent with the next exchange) and publish the previous step's."""
+        now = time.perf_counter()
+        stats = self._hook_state.stats
+        started = self._step_started or now
+        step_s = now - (self._last_step_end or started)
+        self._last_step = {
+            "samples": float(self._samples),
+            "compute_s": max((self._backward_done or now) - started - stats.seconds, 0.0),  # excludes comm
+            "comm_s": stats.seconds,
+            "bytes_sent": float(stats.bytes_sent),
+            "step_s": step_s,
+        }
+        self.totals["steps"] += 1
+        self.totals["bytes_sent"] += stats.bytes_sent
+        self.totals["comm_s"] += stats.seconds
+        self.totals["samples"] += self.control.agreed("samples")
         stats.reset()
         self._hook_state.buckets = 0
         self._samples = 0
-
-    def _finish_step(self) -> None:
-        now = time.perf_counter()
-        step_s = now - (self._last_step_end or self._step_started or now)
-        self._last_step_end, self._step_started = now, None
-        control = self.control
-        samples = control.per_rank("rank_samples")
-        compute = control.per_rank("rank_compute_s")
-        comm = control.per_rank("rank_comm_s")
-        sent = control.per_rank("rank_bytes_sent")
-        metrics = {
-            "dist/step_time_ms": 1e3 * step_s,  # rank zero's wall time from step end to step end
-            "dist/throughput": control.agreed("samples") / step_s if step_s > 0 else 0.0,  # samples/s, all ranks
-            "dist/comm_ms": 1e3 * max(comm),
-            "dist/bytes_sent_per_rank": sum(sent) / len(sent),
-            "dist/straggler_ratio": max(compute) / min(compute) if min(compute) > 0 else 1.0,
-        }
-        for r in range(self.world_size):
-            metrics[f"dist/rank{r}/compute_ms"] = 1e3 * compute[r]
-            metrics[f"dist/rank{r}/comm_ms"] = 1e3 * comm[r]
-            metrics[f"dist/rank{r}/samples_per_s"] = samples[r] / compute[r] if compute[r] > 0 else 0.0
-            metrics[f"dist/rank{r}/bytes_sent"] = sent[r]
-        self.step_metrics = metrics
-        self.totals["steps"] += 1
-        self.totals["bytes_sent"] += sent[self.global_rank]
-        self.totals["comm_s"] += comm[self.global_rank]
-        self.totals["samples"] += control.agreed("samples")
+        self._last_step_end, self._step_started, self._backward_done = now, None, None
+        self.step_metrics = _metrics_from(self.control, self.world_size)
 
     @classmethod
     @override
@@ -217,6 +226,30 @@ class RingDDPStrategy(DDPStrategy):
                 description=f"Ring all-reduce DDP, find_unused_parameters=True, start_method={start_method!r}",
                 override=True, start_method=start_method, find_unused_parameters=True,
             )
+
+
+def _metrics_from(control: StepControl, world_size: int) -> dict[str, float]:
+    """The logged metrics, from the per-rank rows of an exchange (they describe the previous step)."""
+    step = control.per_rank("rank_step_s")
+    if max(step) <= 0:
+        return {}  # the first step's exchange carries no previous step
+    samples = control.per_rank("rank_samples")
+    compute = control.per_rank("rank_compute_s")
+    comm = control.per_rank("rank_comm_s")
+    sent = control.per_rank("rank_bytes_sent")
+    metrics = {
+        "dist/step_time_ms": 1e3 * max(step),
+        "dist/throughput": sum(samples) / max(step),
+        "dist/comm_ms": 1e3 * max(comm),
+        "dist/bytes_sent_per_rank": sum(sent) / world_size,
+        "dist/straggler_ratio": max(compute) / min(compute) if min(compute) > 0 else 1.0,
+    }
+    for r in range(world_size):
+        metrics[f"dist/rank{r}/compute_ms"] = 1e3 * compute[r]
+        metrics[f"dist/rank{r}/comm_ms"] = 1e3 * comm[r]
+        metrics[f"dist/rank{r}/samples_per_s"] = samples[r] / compute[r] if compute[r] > 0 else 0.0
+        metrics[f"dist/rank{r}/bytes_sent"] = sent[r]
+    return metrics
 
 
 def _as_timedelta(timeout: Union[float, int, timedelta]) -> timedelta:
