@@ -74,14 +74,35 @@ class ParamChecksum(Callback):
                            "totals": getattr(strategy, "totals", {})}, fh)
 
 
-def _fit(tmp_path, name, strategy, unused_branch=False, logger=False):
+class AgreedFlag(Callback):
+    """A stand-in for a later feature: registers an agreed slot, sets it on one rank, reads the sum."""
+
+    def __init__(self, path):
+        self.path, self.seen = path, []
+
+    def on_train_start(self, trainer, pl_module):
+        trainer.strategy.control.register("test_flag")
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if trainer.global_rank == 1 and trainer.global_step % 3 == 0:
+            trainer.strategy.control.set("test_flag", 1)
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        self.seen.append(trainer.strategy.control.agreed("test_flag"))
+
+    def on_fit_end(self, trainer, pl_module):
+        with open(f"{self.path}.rank{trainer.global_rank}", "w") as fh:
+            json.dump(self.seen, fh)
+
+
+def _fit(tmp_path, name, strategy, unused_branch=False, logger=False, extra_callbacks=()):
     pl.seed_everything(0)
     model = TinyModule(unused_branch)
     path = str(tmp_path / f"{name}.json")
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=logger, log_every_n_steps=1,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[ParamChecksum(path)],
+        callbacks=[ParamChecksum(path), *extra_callbacks],
     )
     trainer.fit(model)
     with open(path) as fh:
@@ -101,7 +122,9 @@ def runs(tmp_path_factory):
     out["find_unused"] = _fit(tmp, "find_unused", RingDDPStrategy(
         algorithm="ring", start_method="fork", timeout=60, find_unused_parameters=True), unused_branch=True)
     out["static_graph"] = _fit(tmp, "static_graph", RingDDPStrategy(
-        algorithm="tree", start_method="fork", timeout=60, static_graph=True))
+        algorithm="tree", start_method="fork", timeout=60, static_graph=True),
+        extra_callbacks=[AgreedFlag(str(tmp / "flag"))])
+    out["flags"] = [json.loads((tmp / f"flag.rank{r}").read_text()) for r in (0, 1)]
     out["csv"] = str(tmp / "csv" / "metrics.csv")
     return out
 
@@ -130,13 +153,19 @@ def test_find_unused_parameters_and_static_graph_train(runs):
     assert torch.allclose(static["net.0.weight"], stock["net.0.weight"], atol=WEIGHT_TOLERANCE)
 
 
+def test_an_agreed_control_value_reaches_every_rank_on_every_step(runs):
+    # rank 1 raises the flag on steps 0, 3, 6, ...; both ranks read the same sum on every step
+    expected = [1.0 if step % 3 == 0 else 0.0 for step in range(16)]
+    assert runs["flags"] == [expected, expected]
+
+
 def test_step_metrics_are_measured_and_logged_from_rank_zero(runs):
     _, report = runs["ring"]
     metrics, totals = report["step_metrics"], report["totals"]
     n_params = 12 * 32 + 32 + 32 * 2 + 2
     # every optimizer step moves every gradient once: the ring sends 2(N-1)/N of it, per bucket
     assert metrics["dist/bytes_sent_per_rank"] == pytest.approx(n_params * 4, rel=0.01)
-    assert totals["steps"] == 16 and totals["samples"] == 16 * 16
+    assert totals["steps"] == 16 and totals["samples"] == 16 * 8  # rank zero's own samples
     for r in (0, 1):
         assert metrics[f"dist/rank{r}/compute_ms"] > 0 and metrics[f"dist/rank{r}/samples_per_s"] > 0
     assert metrics["dist/straggler_ratio"] >= 1.0

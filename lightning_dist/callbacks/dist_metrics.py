@@ -1,8 +1,10 @@
 """Logs RingDDPStrategy's per-step communication and straggler metrics from rank zero.
 
-The strategy measures on every rank and gathers the values to all ranks in the one small collective it runs
-per step (no extra collective here); this callback only hands them to Lightning's loggers. The strategy
-adds it to the Trainer by itself; add it yourself to change ``log_every_n_steps``.
+Every rank measures every step (``strategy.last_step`` holds its own values). On the steps this callback
+logs, the strategy carries every rank's values to all ranks on its per-step control exchange, which
+travels alongside the last gradient bucket (no collective of this callback's own); the callback hands
+them to Lightning's loggers from rank zero. The values describe the optimizer step before the logged one.
+The strategy adds this callback to the Trainer by itself; add it yourself to change ``log_every_n_steps``.
 
 Logged metrics (``r`` is a rank index):
 
@@ -33,18 +35,21 @@ class DistMetricsCallback(Callback):
         if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps={log_every_n_steps} must be >= 1 (or None for the Trainer's).")
         self._every = log_every_n_steps
-        self._logged_step = -1
+        self._logged = -1
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        request = getattr(trainer.strategy, "request_metrics", None)
+        if request is not None:  # a RingDDPStrategy: ask it to gather on the steps we log
+            request(self._every or trainer.log_every_n_steps)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        metrics = getattr(trainer.strategy, "step_metrics", None)
-        step = trainer.global_step
-        if not metrics or step == self._logged_step:
-            return  # not a RingDDPStrategy, or no optimizer step since the last log (gradient accumulation)
-        every = self._every or trainer.log_every_n_steps
-        if step % every != 0 and step != 1:
-            return
-        self._logged_step = step
+        strategy = trainer.strategy
+        fresh = getattr(strategy, "step_metrics_step", -1)
+        if fresh == self._logged or not getattr(strategy, "step_metrics", None):
+            return  # nothing new since the last log
+        self._logged = fresh
         if trainer.is_global_zero:
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
+                logger.log_metrics(strategy.step_metrics, step=trainer.global_step)

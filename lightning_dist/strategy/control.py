@@ -8,6 +8,10 @@ Features register named slots once at set-up (the same names in the same order o
   measured (compute time, time in communication, bytes sent), so rank zero can log the straggler signal
   without a collective of its own.
 
+The strategy exchanges on every step when any agreed slot is registered, and otherwise only on the steps
+whose measurements will be logged; both depend only on values every rank shares (the registered names,
+the step count, the logging interval), so all ranks exchange on the same steps.
+
 One float64 vector carries both, reduced once per step: one collective per step, not one per feature.
 float64 keeps sample counts and byte counts exact up to 2**53.
 
@@ -49,6 +53,11 @@ class StepControl:
     @property
     def names(self) -> tuple[list[str], list[str]]:
         return list(self._agreed), list(self._per_rank)
+
+    @property
+    def has_agreed(self) -> bool:
+        """Whether a feature registered a value that must be agreed every step (then every step exchanges)."""
+        return bool(self._agreed)
 
     # -- each step ------------------------------------------------------------------------------------
     def set(self, name: str, value: float) -> None:

@@ -40,8 +40,8 @@ if not callable(getattr(DDPStrategy, "_register_ddp_hooks", None)):  # pragma: n
 _CONFLICTING_KWARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
 DEFAULT_TIMEOUT_S = 1800.0  # torch.distributed's default; a hung collective fails after this long
 
-# Slots of the per-step exchange: summed over ranks ("agreed"), and one row per rank ("per_rank").
-_AGREED_SLOTS = ("samples",)
+# Per-rank slots of the exchange: what each rank measured in the previous step. (Agreed slots, summed over
+# ranks, are registered by the features that act on them.)
 _PER_RANK_SLOTS = ("samples", "compute_s", "comm_s", "bytes_sent", "step_s")
 
 
@@ -87,10 +87,15 @@ class RingDDPStrategy(DDPStrategy):
         self._backward_done: Optional[float] = None
         self._last_step_end: Optional[float] = None
         self._samples = 0  # samples this rank used in the current step
-        self._last_step: dict[str, float] = {}  # this rank's measurements of the previous step
-        # what DistMetricsCallback logs: the previous step's measurements, identical on every rank (they
-        # ride on the current step's exchange, so they arrive one step late and cost no collective)
+        self._steps_done = 0  # optimizer steps since fit started: the same count on every rank
+        self._metrics_every: Optional[int] = None  # set by DistMetricsCallback.request
+        # this rank's own measurements of the last step, always available, no collective involved
+        self.last_step: dict[str, float] = {}
+        # what DistMetricsCallback logs: every rank's measurements of the step before the last exchange,
+        # identical on every rank; they ride on that exchange, so they arrive one step late
         self.step_metrics: dict[str, float] = {}
+        self.step_metrics_step = -1  # the value of ``_steps_done`` when step_metrics was last refreshed
+        # this rank's running totals over the run (for summary.json)
         self.totals: dict[str, float] = {"steps": 0, "bytes_sent": 0.0, "comm_s": 0.0, "samples": 0.0}
 
     @property
@@ -100,6 +105,12 @@ class RingDDPStrategy(DDPStrategy):
     @property
     def hook_state(self) -> RingHookState:
         return self._hook_state
+
+    def request_metrics(self, every_n_steps: int) -> None:
+        """Gather every rank's measurements to all ranks on every ``every_n_steps``-th step (for logging)."""
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps={every_n_steps} must be >= 1")
+        self._metrics_every = every_n_steps
 
     @property
     def control(self) -> StepControl:
@@ -130,8 +141,6 @@ class RingDDPStrategy(DDPStrategy):
         # with the gradients' point-to-point traffic. Every rank creates the group here, in the same order.
         self._control_group = dist.new_group(backend="gloo", timeout=self._timeout) if self.world_size > 1 else None
         self._control = StepControl(self.global_rank, self.world_size)
-        for name in _AGREED_SLOTS:
-            self._control.register(name)
         for name in _PER_RANK_SLOTS:
             self._control.register(f"rank_{name}", per_rank=True)
 
@@ -169,29 +178,37 @@ class RingDDPStrategy(DDPStrategy):
             self._finish_step()
         return output
 
+    def _exchange_due(self) -> bool:
+        """Every step when a feature needs agreed values, else on logging steps: the same answer on every rank."""
+        if self.control.has_agreed:
+            return True
+        return self._metrics_every is not None and self._steps_done % self._metrics_every == 0
+
     def _start_exchange(self) -> None:
         """Fill the control vector and start its all-reduce (from the last bucket's hook, or after backward)."""
         control = self.control
-        if control.in_flight:
+        if control.in_flight or not self._exchange_due():
             return
-        control.set("samples", self._samples)
-        for name, value in self._last_step.items():  # this rank's complete measurements of the previous step
+        for name, value in self.last_step.items():  # this rank's complete measurements of the previous step
             control.set(f"rank_{name}", value)
         control.start(self._control_group)
 
     def _complete_exchange(self) -> None:
+        self._backward_done = time.perf_counter()
         if not self.control.in_flight:  # no bucket hook ran this step (e.g. no parameter got a gradient)
             self._start_exchange()
-        self._backward_done = time.perf_counter()
-        self.control.wait()
+        if self.control.in_flight:
+            self.control.wait()
+            self.step_metrics = _metrics_from(self.control, self.world_size)
+            self.step_metrics_step = self._steps_done + 1
 
     def _finish_step(self) -> None:
-        """Record this step's own measurements (sent with the next exchange) and publish the previous step's."""
+        """Record this step's own measurements; the next exchange carries them to every rank."""
         now = time.perf_counter()
         stats = self._hook_state.stats
         started = self._step_started or now
         step_s = now - (self._last_step_end or started)
-        self._last_step = {
+        self.last_step = {
             "samples": float(self._samples),
             "compute_s": max((self._backward_done or now) - started - stats.seconds, 0.0),  # excludes comm
             "comm_s": stats.seconds,
@@ -201,12 +218,12 @@ class RingDDPStrategy(DDPStrategy):
         self.totals["steps"] += 1
         self.totals["bytes_sent"] += stats.bytes_sent
         self.totals["comm_s"] += stats.seconds
-        self.totals["samples"] += self.control.agreed("samples")
+        self.totals["samples"] += self._samples
         stats.reset()
         self._hook_state.buckets = 0
         self._samples = 0
+        self._steps_done += 1
         self._last_step_end, self._step_started, self._backward_done = now, None, None
-        self.step_metrics = _metrics_from(self.control, self.world_size)
 
     @classmethod
     @override
