@@ -80,8 +80,8 @@ class AgreedFlag(Callback):
     def __init__(self, path):
         self.path, self.seen = path, []
 
-    def on_train_start(self, trainer, pl_module):
-        trainer.strategy.control.register("test_flag")
+    def setup(self, trainer, pl_module, stage):
+        trainer.strategy.control.register("test_flag")  # as a later feature would, in its setup
 
     def on_before_backward(self, trainer, pl_module, loss):
         if trainer.global_rank == 1 and trainer.global_step % 3 == 0:

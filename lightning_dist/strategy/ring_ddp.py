@@ -49,8 +49,9 @@ class RingDDPStrategy(DDPStrategy):
     """DDP whose gradient all-reduce is lightning_dist's ring, tree, native or size-chosen algorithm.
 
     Args:
-        algorithm: ``"ring"``, ``"tree"``, ``"native"`` (the backend's all_reduce) or ``"auto"`` (tree below
-            :data:`~lightning_dist.comm.AUTO_TREE_MAX_BYTES`, ring above; native on NCCL).
+        algorithm: ``"ring"``, ``"tree"``, ``"native"`` (the backend's all_reduce) or ``"auto"`` (the tree at
+            2 ranks; at more, the tree below :data:`~lightning_dist.comm.AUTO_TREE_MAX_BYTES` and the ring
+            above; native on NCCL).
         compressor: a :class:`~lightning_dist.compression.Compressor`, ``"none"`` or ``None`` (no compression).
         timeout: collective timeout in seconds (or a ``timedelta``): how long a rank waits for a peer
             that stalls before the job fails instead of hanging.
@@ -114,9 +115,13 @@ class RingDDPStrategy(DDPStrategy):
 
     @property
     def control(self) -> StepControl:
-        """The per-step exchange; features register their slots on it in their ``setup``."""
+        """The per-step exchange; features register their slots on it in a callback's ``setup`` or later."""
         if self._control is None:
-            raise RuntimeError("the step control exists once the strategy is set up (inside Trainer.fit)")
+            if not dist.is_initialized():
+                raise RuntimeError("the step control exists once the processes have started (inside Trainer.fit)")
+            self._control = StepControl(self.global_rank, self.world_size)
+            for name in _PER_RANK_SLOTS:
+                self._control.register(f"rank_{name}", per_rank=True)
         return self._control
 
     # -- set-up ---------------------------------------------------------------------------------------------
@@ -140,9 +145,6 @@ class RingDDPStrategy(DDPStrategy):
         # The control vector is a CPU tensor on every backend, and on its own group it cannot interleave
         # with the gradients' point-to-point traffic. Every rank creates the group here, in the same order.
         self._control_group = dist.new_group(backend="gloo", timeout=self._timeout) if self.world_size > 1 else None
-        self._control = StepControl(self.global_rank, self.world_size)
-        for name in _PER_RANK_SLOTS:
-            self._control.register(f"rank_{name}", per_rank=True)
 
     # -- each step --------------------------------------------------------------------------------------------
     @override
@@ -168,7 +170,7 @@ class RingDDPStrategy(DDPStrategy):
             # rank holds the same control values before any parameter changes.
             nonlocal agreed
             result = closure()
-            if not agreed and self._control is not None:
+            if not agreed:
                 agreed = True
                 self._complete_exchange()
             return result
