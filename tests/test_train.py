@@ -139,3 +139,35 @@ def test_configs_ship_inside_the_wheel(tmp_path):
     conf_file, train_file, algorithm, callbacks = proc.stdout.split(maxsplit=3)
     assert conf_file.startswith(str(site)) and train_file.startswith(str(site))
     assert algorithm == "ring" and "dist_metrics" in callbacks
+
+
+def test_the_default_job_reaches_97_percent(tmp_path):
+    # the README's main job, unchanged but for the output directory and a quiet progress bar
+    proc = subprocess.run(CLI + [f"hydra.run.dir={tmp_path}", "trainer.enable_progress_bar=false"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["metrics"]["val/acc"] >= 0.97, summary["metrics"]
+    assert summary["epochs"] == 10 and summary["world_size"] == 2
+
+
+def test_multirun_runs_each_job(tmp_path):
+    proc = subprocess.run(CLI + ["-m", "strategy.algorithm=ring,native", "trainer.max_epochs=1",
+                                 "trainer.limit_train_batches=3", "trainer.limit_val_batches=1",
+                                 "trainer.enable_progress_bar=false", f"hydra.sweep.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    algorithms = [json.loads((tmp_path / str(job) / "summary.json").read_text())["algorithm"] for job in (0, 1)]
+    assert algorithms == ["ring", "native"]
+
+
+@pytest.mark.parametrize("start_method", ["popen", "spawn"])
+def test_other_launchers_run_the_command(tmp_path, start_method):
+    # popen re-runs the command per rank (Lightning passes Hydra the run directory); spawn pickles the job
+    proc = subprocess.run(CLI + [f"strategy.start_method={start_method}", "trainer.max_epochs=1",
+                                 "trainer.limit_train_batches=3", "trainer.limit_val_batches=1",
+                                 "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["global_step"] == 3 and summary["config"]["strategy"]["start_method"] == start_method
