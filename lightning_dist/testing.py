@@ -23,6 +23,9 @@ import torch
 import torch.distributed as dist
 
 
+_GRACE_S = 3.0  # after a rank fails, how long the others get to report before they are killed
+
+
 class RanksFailed(RuntimeError):
     """A rank raised, died, or the group ran past its deadline."""
 
@@ -82,7 +85,8 @@ def run_ranks(
         while len(outputs) + len(errors) < world_size:
             remaining = end - time.monotonic()
             if remaining <= 0:
-                errors.setdefault(-1, f"deadline of {deadline_s:.0f}s passed; ranks that had not finished were killed")
+                if not errors:
+                    errors[-1] = f"deadline of {deadline_s:.0f}s passed; ranks that had not finished were killed"
                 break
             try:
                 rank, status, payload = results.get(timeout=min(remaining, 0.2))
@@ -92,10 +96,14 @@ def run_ranks(
                         and i not in outputs and i not in errors]
                 for i in dead:
                     errors[i] = f"rank {i} exited with code {procs[i].exitcode} without a result"
+                    end = min(end, time.monotonic() + _GRACE_S)
                 continue
             if status != "ok":
+                # Its peers now fail too (connection reset) or block: give them a moment to report, so the
+                # first cause is in the message, then kill whoever is left.
                 errors[rank] = payload
-                break  # peers are now blocked on the failed rank: stop waiting, kill them
+                end = min(end, time.monotonic() + _GRACE_S)
+                continue
             outputs[rank] = pickle.loads(payload)
     finally:
         for p in procs:

@@ -123,7 +123,8 @@ def main(cfg: DictConfig) -> float:
     summary = run(cfg, output_dir)
     metrics = summary.get("metrics", {})
     if summary:
-        print(f"summary: {os.path.join(output_dir, 'summary.json')}  val/acc={metrics.get('val/acc', float('nan')):.4f}")
+        accuracy = metrics.get("val/acc", float("nan"))
+        print(f"summary: {os.path.join(output_dir, 'summary.json')}  val/acc={accuracy:.4f}")
     return float(metrics.get("val/acc", 0.0))  # what a Hydra sweeper would maximise
 
 

@@ -5,6 +5,8 @@ One group of ranks is launched per world size and runs every case; the tests bel
 
 import hashlib
 import math
+import os
+import time
 
 import pytest
 import torch
@@ -217,3 +219,27 @@ def _raise_on_rank_one(rank, world_size):
 def test_a_failing_rank_fails_fast_and_never_hangs():
     with pytest.raises(RanksFailed, match="boom on purpose"):
         run_ranks(_raise_on_rank_one, 2, deadline_s=60)
+
+
+def _stall_on_rank_one(rank, world_size):
+    if rank == 1:
+        time.sleep(120)  # a stalled peer: no error, no exit
+    ring_allreduce_(torch.ones(10))
+
+
+def test_a_stalled_rank_is_killed_at_the_deadline():
+    started = time.monotonic()
+    with pytest.raises(RanksFailed, match="deadline of 4s passed"):
+        run_ranks(_stall_on_rank_one, 2, deadline_s=4)
+    assert time.monotonic() - started < 30
+
+
+def _die_on_rank_one(rank, world_size):
+    if rank == 1:
+        os._exit(3)  # killed without a word, as by the OOM killer
+    ring_allreduce_(torch.ones(10))
+
+
+def test_a_rank_that_dies_silently_is_reported():
+    with pytest.raises(RanksFailed, match="rank 1 exited with code 3"):
+        run_ranks(_die_on_rank_one, 2, deadline_s=60)

@@ -7,7 +7,6 @@ Lightning runs use the fork launcher (fast start) and a 60 s collective timeout,
 import csv
 import hashlib
 import json
-import os
 
 import lightning.pytorch as pl
 import pytest

@@ -9,6 +9,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_dist.comm.stats import CallRecord, CommStats, _Timer
+
 OPS = ("sum", "avg")
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _warned_nccl: set[str] = set()
@@ -105,6 +107,45 @@ def flat_work_view(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], Non
         return tensor.view(-1), lambda: None
     flat = tensor.contiguous().view(-1)
     return flat, lambda: tensor.copy_(flat.view_as(tensor))
+
+
+# The body of a collective: reduces ``flat`` (1-D, contiguous, non-empty) across ``view``'s group by sum in
+# place and returns (bytes sent, bytes received, whether those counts are estimates).
+Body = Callable[[torch.Tensor, GroupView], tuple[int, int, bool]]
+
+
+def run_in_place(
+    algorithm: str,
+    tensor: torch.Tensor,
+    group: Optional[dist.ProcessGroup],
+    op: str,
+    stats: Optional[CommStats],
+    body: Body,
+) -> torch.Tensor:
+    """What every collective here does around its algorithm: check the op, flatten, ``avg`` handling,
+    skip the trivial cases (one rank, no elements), write back a non-contiguous input, time and record."""
+    check_op(op, tensor.dtype)
+    with _Timer() as timer:
+        view = group_view(group)
+        if algorithm != "native":
+            warn_if_experimental(view, algorithm)
+        flat, write_back = flat_work_view(tensor)
+        divided = pre_divide(flat, op, view.size)
+        sent = received = 0
+        estimated = algorithm == "native"  # the backend does not report what it sent
+        if view.size > 1 and flat.numel() > 0:
+            sent, received, estimated = body(flat, view)
+        post_divide(flat, op, view.size, divided)
+        write_back()
+    if stats is not None:
+        stats.record(CallRecord(algorithm, tensor.numel(), sent, received, timer.seconds, estimated))
+    return tensor
+
+
+def segment_elements(segment_bytes: int, element_size: int, default: int) -> int:
+    if segment_bytes <= 0:
+        raise ValueError(f"segment_bytes={segment_bytes} must be positive (default {default}).")
+    return max(1, segment_bytes // element_size)
 
 
 def pre_divide(flat: torch.Tensor, op: str, world_size: int) -> bool:

@@ -16,9 +16,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lightning_dist.comm._common import check_op, flat_work_view, group_view, post_divide, pre_divide
+from lightning_dist.comm._common import GroupView, group_view, run_in_place
 from lightning_dist.comm.ring import ring_allreduce_, ring_bytes_sent
-from lightning_dist.comm.stats import CallRecord, CommStats, _Timer
+from lightning_dist.comm.stats import CommStats
 from lightning_dist.comm.tree import tree_allreduce_
 
 ALGORITHMS = ("ring", "tree", "native", "auto")
@@ -58,19 +58,13 @@ def native_allreduce_(
     gloo has no ``ReduceOp.AVG``, so ``avg`` is a sum and a division (float16 divided first, as in the ring).
     The bytes recorded are the ring's count, marked ``estimated``: the backend does not report its own.
     """
-    check_op(op, tensor.dtype)
-    with _Timer() as timer:
-        view = group_view(group)
-        flat, write_back = flat_work_view(tensor)
-        divided = pre_divide(flat, op, view.size)
-        if view.size > 1 and flat.numel() > 0:
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        post_divide(flat, op, view.size, divided)
-        write_back()
-    if stats is not None:
-        nbytes = ring_bytes_sent(tensor.numel(), view.size, view.rank, tensor.element_size())
-        stats.record(CallRecord("native", tensor.numel(), nbytes, nbytes, timer.seconds, estimated=True))
-    return tensor
+
+    def body(flat: torch.Tensor, view: GroupView) -> tuple[int, int, bool]:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        nbytes = ring_bytes_sent(flat.numel(), view.size, view.rank, flat.element_size())
+        return nbytes, nbytes, True
+
+    return run_in_place("native", tensor, group, op, stats, body)
 
 
 def allreduce_(

@@ -25,17 +25,13 @@ import torch.distributed as dist
 
 from lightning_dist.comm._common import (
     GroupView,
-    check_op,
     chunk_bounds,
-    flat_work_view,
-    group_view,
-    post_divide,
-    pre_divide,
+    run_in_place,
     scratch,
     segment_bounds,
-    warn_if_experimental,
+    segment_elements,
 )
-from lightning_dist.comm.stats import CallRecord, CommStats, _Timer
+from lightning_dist.comm.stats import CommStats
 
 # Segment size for the pipeline. Smaller segments overlap more, but each costs ~55 us of main-thread CPU
 # plus a hand-off from gloo's I/O thread (a scheduler slice when cores are busy). The allreduce benchmark's
@@ -74,23 +70,10 @@ def ring_allreduce_(
         stats: if given, one :class:`CallRecord` with the counted bytes and the wall time is added.
         segment_bytes: pipeline segment size; every rank must pass the same value.
     """
-    check_op(op, tensor.dtype)
-    if segment_bytes <= 0:
-        raise ValueError(f"segment_bytes={segment_bytes} must be positive (default {DEFAULT_SEGMENT_BYTES}).")
-    with _Timer() as timer:
-        view = group_view(group)
-        warn_if_experimental(view, "ring")
-        flat, write_back = flat_work_view(tensor)
-        divided = pre_divide(flat, op, view.size)
-        sent = received = 0
-        if view.size > 1 and flat.numel() > 0:
-            segment = max(1, segment_bytes // flat.element_size())
-            sent, received = _pipelined_ring(flat, view, segment)
-        post_divide(flat, op, view.size, divided)
-        write_back()
-    if stats is not None:
-        stats.record(CallRecord("ring", tensor.numel(), sent, received, timer.seconds))
-    return tensor
+    segment = segment_elements(segment_bytes, tensor.element_size(), DEFAULT_SEGMENT_BYTES)
+    return run_in_place(
+        "ring", tensor, group, op, stats, lambda flat, view: (*_pipelined_ring(flat, view, segment), False)
+    )
 
 
 def _pipelined_ring(flat: torch.Tensor, view: GroupView, segment: int) -> tuple[int, int]:

@@ -26,19 +26,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lightning_dist.comm._common import (
-    GroupView,
-    check_op,
-    flat_work_view,
-    group_view,
-    post_divide,
-    pre_divide,
-    scratch,
-    segment_bounds,
-    warn_if_experimental,
-)
+from lightning_dist.comm._common import GroupView, run_in_place, scratch, segment_bounds, segment_elements
 from lightning_dist.comm.ring import DEFAULT_SEGMENT_BYTES
-from lightning_dist.comm.stats import CallRecord, CommStats, _Timer
+from lightning_dist.comm.stats import CommStats
 
 
 def tree_allreduce_(
@@ -54,23 +44,10 @@ def tree_allreduce_(
     Same contract as :func:`lightning_dist.comm.ring_allreduce_`; meant for messages below the
     ``auto`` threshold at 3 or more ranks (it sends the whole vector ``log2 N`` times).
     """
-    check_op(op, tensor.dtype)
-    if segment_bytes <= 0:
-        raise ValueError(f"segment_bytes={segment_bytes} must be positive (default {DEFAULT_SEGMENT_BYTES}).")
-    with _Timer() as timer:
-        view = group_view(group)
-        warn_if_experimental(view, "tree")
-        flat, write_back = flat_work_view(tensor)
-        divided = pre_divide(flat, op, view.size)
-        sent = received = 0
-        if view.size > 1 and flat.numel() > 0:
-            segment = max(1, segment_bytes // flat.element_size())
-            sent, received = _recursive_doubling(flat, view, segment)
-        post_divide(flat, op, view.size, divided)
-        write_back()
-    if stats is not None:
-        stats.record(CallRecord("tree", tensor.numel(), sent, received, timer.seconds))
-    return tensor
+    segment = segment_elements(segment_bytes, tensor.element_size(), DEFAULT_SEGMENT_BYTES)
+    return run_in_place(
+        "tree", tensor, group, op, stats, lambda flat, view: (*_recursive_doubling(flat, view, segment), False)
+    )
 
 
 def _recursive_doubling(flat: torch.Tensor, view: GroupView, segment: int) -> tuple[int, int]:
