@@ -77,7 +77,7 @@ class AgreedFlag(Callback):
     """A stand-in for a later feature: registers an agreed slot, sets it on one rank, reads the sum."""
 
     def __init__(self, path):
-        self.path, self.seen = path, []
+        self.path, self.seen, self.read_at = path, [], 0
 
     def setup(self, trainer, pl_module, stage):
         trainer.strategy.control.register("test_flag")  # as a later feature would, in its setup
@@ -87,19 +87,22 @@ class AgreedFlag(Callback):
             trainer.strategy.control.set("test_flag", 1)
 
     def on_train_batch_end(self, trainer, pl_module, *args):
-        self.seen.append(trainer.strategy.control.agreed("test_flag"))
+        if trainer.global_step != self.read_at:  # an optimizer step happened (not mid-accumulation)
+            self.read_at = trainer.global_step
+            self.seen.append(trainer.strategy.control.agreed("test_flag"))
 
     def on_fit_end(self, trainer, pl_module):
         with open(f"{self.path}.rank{trainer.global_rank}", "w") as fh:
             json.dump(self.seen, fh)
 
 
-def _fit(tmp_path, name, strategy, unused_branch=False, logger=False, extra_callbacks=()):
+def _fit(tmp_path, name, strategy, unused_branch=False, logger=False, extra_callbacks=(), accumulate=1):
     pl.seed_everything(0)
     model = TinyModule(unused_branch)
     path = str(tmp_path / f"{name}.json")
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=logger, log_every_n_steps=1,
+        accumulate_grad_batches=accumulate,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[ParamChecksum(path), *extra_callbacks],
     )
@@ -124,6 +127,11 @@ def runs(tmp_path_factory):
         algorithm="tree", start_method="fork", timeout=60, static_graph=True),
         extra_callbacks=[AgreedFlag(str(tmp / "flag"))])
     out["flags"] = [json.loads((tmp / f"flag.rank{r}").read_text()) for r in (0, 1)]
+    # gradient accumulation: hooks fire only on the last micro-batch, the exchange must still line up
+    out["stock_accumulate"] = _fit(tmp, "stock_accumulate", DDPStrategy(start_method="fork"), accumulate=2)
+    out["accumulate"] = _fit(tmp, "accumulate", RingDDPStrategy(
+        algorithm="ring", start_method="fork", timeout=60), accumulate=2, extra_callbacks=[AgreedFlag(str(tmp / "acc"))])
+    out["acc_flags"] = [json.loads((tmp / f"acc.rank{r}").read_text()) for r in (0, 1)]
     out["csv"] = str(tmp / "csv" / "metrics.csv")
     return out
 
@@ -142,6 +150,17 @@ def test_parameters_bit_identical_across_ranks_after_every_step(runs, algorithm)
     _, report = runs[algorithm]
     assert report["steps"] == 16  # 2 epochs x 64 samples per rank / batch 8
     assert report["mismatches"] == 0
+
+
+def test_gradient_accumulation_matches_stock_ddp(runs):
+    stock, _ = runs["stock_accumulate"]
+    ours, report = runs["accumulate"]
+    assert report["mismatches"] == 0
+    # the agreed value arrives on each of the 8 optimizer steps, on both ranks
+    expected = [1.0 if step % 3 == 0 else 0.0 for step in range(8)]
+    assert runs["acc_flags"] == [expected, expected]
+    for key in stock:
+        assert (stock[key] - ours[key]).abs().max().item() <= WEIGHT_TOLERANCE, key
 
 
 def test_find_unused_parameters_and_static_graph_train(runs):
