@@ -7,6 +7,8 @@ Lightning runs use the fork launcher (fast start) and a 60 s collective timeout,
 import csv
 import hashlib
 import json
+import subprocess
+import sys
 
 import lightning.pytorch as pl
 import pytest
@@ -253,3 +255,46 @@ def test_hook_gradients_equal_single_process_reference(world_size):
             # bucket keys are parameter names, stable across DDP's bucket rebuilds
             assert keys and all("weight" in k or "bias" in k for k in keys), keys
             assert sent < results[0][(algorithm, False)][1]  # float16 on the wire: fewer bytes
+
+
+_INTERACTIVE_SCRIPT = """
+import sys
+sys.ps1 = ">>> "  # what Lightning looks at to decide it runs in Jupyter or a REPL
+import torch, lightning.pytorch as pl
+import lightning_dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+class M(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 2)
+    def training_step(self, b, i):
+        return nn.functional.cross_entropy(self.l(b[0]), b[1])
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g)),
+                          batch_size=4)
+
+try:
+    pl.Trainer(strategy="ring_ddp", accelerator="cpu", devices=2, logger=False)
+    print("popen accepted")
+except Exception as err:
+    print("popen refused:", type(err).__name__)
+model = M()
+before = model.l.weight.detach().clone()
+trainer = pl.Trainer(strategy="ring_ddp_notebook", accelerator="cpu", devices=2, max_steps=3, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(model)
+print("trained:", not torch.equal(before, model.l.weight))
+"""
+
+
+def test_notebook_variant_trains_in_an_interactive_session():
+    proc = subprocess.run([sys.executable, "-c", _INTERACTIVE_SCRIPT], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Lightning refuses the script-relaunching launcher in a notebook; the fork variant trains
+    assert "popen refused: MisconfigurationException" in proc.stdout
+    assert "trained: True" in proc.stdout
