@@ -131,8 +131,10 @@ def runs(tmp_path_factory):
     out["flags"] = [json.loads((tmp / f"flag.rank{r}").read_text()) for r in (0, 1)]
     # gradient accumulation: hooks fire only on the last micro-batch, the exchange must still line up
     out["stock_accumulate"] = _fit(tmp, "stock_accumulate", DDPStrategy(start_method="fork"), accumulate=2)
-    out["accumulate"] = _fit(tmp, "accumulate", RingDDPStrategy(
-        algorithm="ring", start_method="fork", timeout=60), accumulate=2, extra_callbacks=[AgreedFlag(str(tmp / "acc"))])
+    out["accumulate"] = _fit(
+        tmp, "accumulate", RingDDPStrategy(algorithm="ring", start_method="fork", timeout=60),
+        accumulate=2, extra_callbacks=[AgreedFlag(str(tmp / "acc"))],
+    )
     out["acc_flags"] = [json.loads((tmp / f"acc.rank{r}").read_text()) for r in (0, 1)]
     out["csv"] = str(tmp / "csv" / "metrics.csv")
     return out
