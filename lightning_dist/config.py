@@ -42,8 +42,9 @@ class TrainerConf:
     accumulate_grad_batches: int = 1
     gradient_clip_val: Optional[float] = None
     log_every_n_steps: int = 10
-    limit_train_batches: Optional[float] = None  # a fraction (<=1.0) or a number of batches
-    limit_val_batches: Optional[float] = None
+    # a fraction (a float <= 1.0) or a number of batches (an int); Any, so that 1 stays the int 1
+    limit_train_batches: Any = None
+    limit_val_batches: Any = None
     num_sanity_val_steps: int = 0
     enable_progress_bar: bool = True
     enable_model_summary: bool = True
@@ -129,6 +130,18 @@ def validate(cfg: DictConfig) -> None:
         problems.append(f"trainer.max_epochs={t.max_epochs} and max_steps={t.max_steps}: set one of them >= 1")
     if t.accumulate_grad_batches < 1:
         problems.append(f"trainer.accumulate_grad_batches={t.accumulate_grad_batches}: use 1 or more")
+    for key in ("limit_train_batches", "limit_val_batches"):
+        value = t[key]
+        ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0) or (
+            isinstance(value, float) and 0.0 <= value <= 1.0
+        )
+        if not ok:
+            problems.append(f"trainer.{key}={value!r}: use a number of batches (int >= 0) or a fraction in [0, 1]")
+    if t.accelerator in ("gpu", "cuda") and cfg.strategy.start_method == "fork":
+        problems.append(
+            "strategy.start_method=fork with trainer.accelerator=gpu: CUDA cannot be used in forked processes; "
+            "add strategy.start_method=popen"
+        )
     if cfg.strategy.timeout <= 0:
         problems.append(f"strategy.timeout={cfg.strategy.timeout}: seconds, > 0 (default 1800)")
     if t.accelerator == "cpu" and t.devices > (os.cpu_count() or 1) * 4:

@@ -13,6 +13,7 @@ import os
 import pickle
 import queue
 import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -32,6 +33,7 @@ class RanksFailed(RuntimeError):
 
 def _child(fn: Callable[..., Any], rank: int, world_size: int, store_path: str, deadline_s: float,
            args: tuple, results: Any) -> None:
+    os.setsid()  # its own process group: the parent kills it together with anything it started
     torch.set_num_threads(1)  # N ranks share the machine's cores; one intra-op thread each
     try:
         dist.init_process_group(
@@ -97,6 +99,8 @@ def run_ranks(
                 for i in dead:
                     errors[i] = f"rank {i} exited with code {procs[i].exitcode} without a result"
                     end = min(end, time.monotonic() + _GRACE_S)
+                if any(p.exitcode == 0 for i, p in enumerate(procs) if i not in outputs and i not in errors):
+                    end = min(end, time.monotonic() + _GRACE_S)  # exited cleanly: its result is due any moment
                 continue
             if status != "ok":
                 # Its peers now fail too (connection reset) or block: give them a moment to report, so the
@@ -107,8 +111,11 @@ def run_ranks(
             outputs[rank] = pickle.loads(payload)
     finally:
         for p in procs:
-            if p.is_alive():
-                p.kill()
+            if p.pid is not None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)  # the rank and whatever it started (a Lightning launcher)
+                except (ProcessLookupError, PermissionError):
+                    pass
         for p in procs:
             p.join(timeout=5)
         results.close()

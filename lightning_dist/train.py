@@ -61,7 +61,7 @@ class RunSummaryCallback(Callback):
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "wall_time_s": time.time() - self.started,
             "global_step": trainer.global_step,
-            "epochs": trainer.current_epoch,
+            "epochs": trainer.fit_loop.epoch_progress.current.completed,  # completed epochs
             "world_size": trainer.world_size,
             "strategy": type(strategy).__name__,
             "algorithm": getattr(strategy, "algorithm", None),
@@ -90,7 +90,7 @@ def build(cfg: DictConfig, output_dir: str, started: float) -> tuple[pl.Trainer,
         if not isinstance(node, dict) or "_target_" not in node:
             raise ValueError(f"callbacks.{name} must be a mapping with a _target_, got {node!r}")
         if "dirpath" in node and node["dirpath"] is None:
-            node = {**node, "dirpath": os.path.join(output_dir, "checkpoints")}
+            node["dirpath"] = os.path.join(output_dir, "checkpoints")  # recorded in summary.json as used
         callbacks.append(instantiate(node))
     callbacks.append(ApplyPerfCallback(perf, cfg.trainer.devices))
     callbacks.append(RunSummaryCallback(os.path.join(output_dir, "summary.json"), plain, started))
@@ -117,7 +117,7 @@ def run(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
     return {}
 
 
-@hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
+@hydra.main(config_path="pkg://lightning_dist.conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     output_dir = HydraConfig.get().runtime.output_dir
     summary = run(cfg, output_dir)

@@ -53,6 +53,22 @@ class TinyModule(pl.LightningModule):
         return DataLoader(_dataset(), batch_size=8)
 
 
+class ManualModule(TinyModule):
+    """Manual optimization: backward on every batch, a step every second batch."""
+
+    def __init__(self, unused_branch: bool = False):
+        super().__init__(unused_branch)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        self.manual_backward(nn.functional.cross_entropy(self.net(x), y))
+        if batch_idx % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+
+
 class ParamChecksum(Callback):
     """After every step, all ranks compare a hash of their parameters; rank zero writes what it saw."""
 
@@ -76,31 +92,31 @@ class ParamChecksum(Callback):
 
 
 class AgreedFlag(Callback):
-    """A stand-in for a later feature: registers an agreed slot, sets it on one rank, reads the sum."""
+    """A stand-in for a later feature: registers an agreed slot, sets it on one rank as late as possible
+    (after backward), and reads the sum before the optimizer steps, as a skip-the-step decision would."""
 
     def __init__(self, path):
-        self.path, self.seen, self.read_at = path, [], 0
+        self.path, self.seen = path, []
 
     def setup(self, trainer, pl_module, stage):
         trainer.strategy.control.register("test_flag")  # as a later feature would, in its setup
 
-    def on_before_backward(self, trainer, pl_module, loss):
+    def on_after_backward(self, trainer, pl_module):
         if trainer.global_rank == 1 and trainer.global_step % 3 == 0:
-            trainer.strategy.control.set("test_flag", 1)
+            trainer.strategy.control.set("test_flag", trainer.global_step + 1)
 
-    def on_train_batch_end(self, trainer, pl_module, *args):
-        if trainer.global_step != self.read_at:  # an optimizer step happened (not mid-accumulation)
-            self.read_at = trainer.global_step
-            self.seen.append(trainer.strategy.control.agreed("test_flag"))
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.seen.append(trainer.strategy.control.agreed("test_flag"))
 
     def on_fit_end(self, trainer, pl_module):
         with open(f"{self.path}.rank{trainer.global_rank}", "w") as fh:
             json.dump(self.seen, fh)
 
 
-def _fit(tmp_path, name, strategy, unused_branch=False, logger=False, extra_callbacks=(), accumulate=1):
+def _fit(tmp_path, name, strategy, unused_branch=False, logger=False, extra_callbacks=(), accumulate=1,
+         module=TinyModule):
     pl.seed_everything(0)
-    model = TinyModule(unused_branch)
+    model = module(unused_branch)
     path = str(tmp_path / f"{name}.json")
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=logger, log_every_n_steps=1,
@@ -135,6 +151,9 @@ def runs(tmp_path_factory):
         tmp, "accumulate", RingDDPStrategy(algorithm="ring", start_method="fork", timeout=60),
         accumulate=2, extra_callbacks=[AgreedFlag(str(tmp / "acc"))],
     )
+    out["stock_manual"] = _fit(tmp, "stock_manual", DDPStrategy(start_method="fork"), module=ManualModule)
+    out["manual"] = _fit(tmp, "manual", RingDDPStrategy(algorithm="tree", start_method="fork", timeout=60),
+                         module=ManualModule, logger=CSVLogger(str(tmp), name="manual_csv", version=""))
     out["acc_flags"] = [json.loads((tmp / f"acc.rank{r}").read_text()) for r in (0, 1)]
     out["csv"] = str(tmp / "csv" / "metrics.csv")
     return out
@@ -161,8 +180,16 @@ def test_gradient_accumulation_matches_stock_ddp(runs):
     ours, report = runs["accumulate"]
     assert report["mismatches"] == 0
     # the agreed value arrives on each of the 8 optimizer steps, on both ranks
-    expected = [1.0 if step % 3 == 0 else 0.0 for step in range(8)]
+    expected = [float(step + 1) if step % 3 == 0 else 0.0 for step in range(8)]
     assert runs["acc_flags"] == [expected, expected]
+    for key in stock:
+        assert (stock[key] - ours[key]).abs().max().item() <= WEIGHT_TOLERANCE, key
+
+
+def test_manual_optimization_matches_stock_ddp(runs):
+    stock, _ = runs["stock_manual"]
+    ours, report = runs["manual"]
+    assert report["mismatches"] == 0
     for key in stock:
         assert (stock[key] - ours[key]).abs().max().item() <= WEIGHT_TOLERANCE, key
 
@@ -176,8 +203,8 @@ def test_find_unused_parameters_and_static_graph_train(runs):
 
 
 def test_an_agreed_control_value_reaches_every_rank_on_every_step(runs):
-    # rank 1 raises the flag on steps 0, 3, 6, ...; both ranks read the same sum on every step
-    expected = [1.0 if step % 3 == 0 else 0.0 for step in range(16)]
+    # rank 1 sets step + 1 on steps 0, 3, 6, ... after backward; both ranks read it before that step's update
+    expected = [float(step + 1) if step % 3 == 0 else 0.0 for step in range(16)]
     assert runs["flags"] == [expected, expected]
 
 

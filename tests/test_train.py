@@ -23,7 +23,7 @@ CLI = [sys.executable, "-m", "lightning_dist.train"]
 
 
 def _compose(*overrides):
-    with initialize_config_module("conf", version_base="1.3"):
+    with initialize_config_module("lightning_dist.conf", version_base="1.3"):
         return compose("config", overrides=list(overrides))
 
 
@@ -35,7 +35,8 @@ def test_every_group_has_options():
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
 def test_every_config_option_composes_and_instantiates(group, option):
     override = f"{group}=[{option}]" if group == "callbacks" else f"{group}={option}"
-    cfg = _compose(override)
+    extra = ["strategy.start_method=popen"] if (group, option) == ("trainer", "gpu") else []
+    cfg = _compose(override, *extra)
     validate(cfg)
     plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     if group == "trainer":
@@ -64,11 +65,20 @@ def test_callbacks_take_a_list():
         ("strategy=ringddp", ConfigCompositionException, "ringddp"),
         ("trainer.devices=0", ValueError, "trainer.devices=0"),
         ("strategy.timeout=-1", ValueError, "strategy.timeout=-1"),
+        ("trainer.limit_train_batches=1.5", ValueError, "limit_train_batches=1.5"),
+        ("trainer=gpu", ValueError, "start_method=popen"),
     ],
 )
 def test_bad_overrides_fail_with_the_value_named(override, error, match):
     with pytest.raises(error, match=match):
         validate(_compose(override))
+
+
+def test_limit_batches_keep_their_int_or_float_meaning():
+    cfg = _compose("trainer.limit_train_batches=1", "trainer.limit_val_batches=0.5")
+    validate(cfg)
+    assert cfg.trainer.limit_train_batches == 1 and isinstance(cfg.trainer.limit_train_batches, int)  # 1 batch
+    assert cfg.trainer.limit_val_batches == 0.5
 
 
 def test_cli_rejects_a_typo_before_starting_any_rank(tmp_path):
@@ -126,9 +136,9 @@ def test_configs_ship_inside_the_wheel(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
                    check=True, timeout=300, capture_output=True)
     probe = (
-        "import conf, lightning_dist.train\n"
+        "import lightning_dist.conf as conf, lightning_dist.train\n"
         "from hydra import compose, initialize_config_module\n"
-        "with initialize_config_module('conf', version_base='1.3'):\n"
+        "with initialize_config_module('lightning_dist.conf', version_base='1.3'):\n"
         "    cfg = compose('config', overrides=['strategy.algorithm=ring'])\n"
         "print(conf.__file__, lightning_dist.train.__file__, cfg.strategy.algorithm.name, sorted(cfg.callbacks))\n"
     )

@@ -8,7 +8,7 @@ The strategy adds this callback to the Trainer by itself; add it yourself to cha
 
 Logged metrics (``r`` is a rank index):
 
-- ``dist/step_time_ms``: rank zero's wall time per optimizer step, ms (includes data loading)
+- ``dist/step_time_ms``: the slowest rank's wall time per optimizer step, ms (includes data loading)
 - ``dist/throughput``: samples per second over all ranks
 - ``dist/comm_ms``: the longest time any rank spent inside gradient all-reduces this step, ms
 - ``dist/bytes_sent_per_rank``: gradient payload bytes each rank sent, mean over ranks

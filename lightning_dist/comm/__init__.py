@@ -15,6 +15,7 @@ from lightning_dist.comm.dispatch import (
     choose_algorithm,
     native_allreduce_,
 )
+from lightning_dist.comm._common import release_scratch
 from lightning_dist.comm.ring import DEFAULT_SEGMENT_BYTES, ring_allreduce_, ring_bytes_sent
 from lightning_dist.comm.stats import CallRecord, CommStats
 from lightning_dist.comm.tree import tree_allreduce_
@@ -29,6 +30,7 @@ __all__ = [
     "check_algorithm",
     "choose_algorithm",
     "native_allreduce_",
+    "release_scratch",
     "ring_allreduce_",
     "ring_bytes_sent",
     "tree_allreduce_",

@@ -56,9 +56,9 @@ def group_view(group: Optional[dist.ProcessGroup]) -> GroupView:
     return GroupView(group, rank, len(ranks), ranks, str(dist.get_backend(group)))
 
 
-def warn_if_experimental(view: GroupView, algorithm: str) -> None:
-    """Point-to-point rings over NCCL work but are not tested here (one GPU at most): say so once."""
-    if view.backend == "nccl" and algorithm not in _warned_nccl:
+def warn_if_experimental(tensor: torch.Tensor, algorithm: str) -> None:
+    """Point-to-point rings over NCCL (CUDA tensors) are not tested here (one GPU at most): say so once."""
+    if tensor.is_cuda and algorithm not in _warned_nccl:
         _warned_nccl.add(algorithm)
         warnings.warn(
             f"algorithm={algorithm!r} on the NCCL backend is experimental (its point-to-point path is not "
@@ -73,18 +73,57 @@ def warn_if_experimental(view: GroupView, algorithm: str) -> None:
 _SCRATCH: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A reusable buffer of ``numel`` elements; contents undefined. Grows, never shrinks."""
-    key = (dtype, device)
+def scratch(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A reusable buffer of ``numel`` elements of ``like``'s dtype and device; contents undefined.
+
+    Grows, never shrinks (:func:`release_scratch` frees it). If ``like`` itself lives in the pooled buffer
+    (a caller reducing a scratch view), a fresh buffer is returned so that the two cannot alias.
+    """
+    key = (like.dtype, like.device)
     buf = _SCRATCH.get(key)
+    if buf is not None and buf.untyped_storage().data_ptr() == like.untyped_storage().data_ptr():
+        return torch.empty(numel, dtype=like.dtype, device=like.device)
     if buf is None or buf.numel() < numel:
-        buf = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
+        buf = _SCRATCH[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
     return buf[:numel]
+
+
+def release_scratch() -> None:
+    """Free the pooled buffers (the strategy does at teardown; on a GPU they would hold memory)."""
+    _SCRATCH.clear()
 
 
 def segment_bounds(start: int, end: int, segment: int) -> list[tuple[int, int]]:
     """``[start, end)`` cut into pieces of ``segment`` elements (the last may be shorter)."""
     return [(a, min(a + segment, end)) for a in range(start, end, segment)]
+
+
+def send_and_receive(
+    view: GroupView,
+    send: Optional[torch.Tensor],
+    dst: int,
+    recv: Optional[torch.Tensor],
+    src: int,
+    grouped: bool,
+) -> list[dist.Work]:
+    """Post a send and/or a receive (global ranks; ``None`` skips one) and return their handles.
+
+    ``grouped`` posts them as one group, as NCCL needs: it queues a pair's sends and receives on one
+    stream, so two ranks that each send to the other before receiving would wait on each other forever.
+    """
+    if grouped:
+        ops = []
+        if send is not None:
+            ops.append(dist.P2POp(dist.isend, send, dst, view.group))
+        if recv is not None:
+            ops.append(dist.P2POp(dist.irecv, recv, src, view.group))
+        return dist.batch_isend_irecv(ops) if ops else []
+    works = []
+    if recv is not None:
+        works.append(dist.irecv(recv, src=src, group=view.group))
+    if send is not None:
+        works.append(dist.isend(send, dst=dst, group=view.group))
+    return works
 
 
 def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -128,7 +167,7 @@ def run_in_place(
     with _Timer() as timer:
         view = group_view(group)
         if algorithm != "native":
-            warn_if_experimental(view, algorithm)
+            warn_if_experimental(tensor, algorithm)
         flat, write_back = flat_work_view(tensor)
         divided = pre_divide(flat, op, view.size)
         sent = received = 0

@@ -81,8 +81,10 @@ def allreduce_(
     if algorithm == "auto":
         if not dist.is_initialized():
             group_view(group)  # raises the clear "not initialized" error
+        # CUDA tensors travel over NCCL (also under a "cpu:gloo,cuda:nccl" backend string)
+        backend = "nccl" if tensor.is_cuda else str(dist.get_backend(group))
         algorithm = choose_algorithm(
-            tensor.numel() * tensor.element_size(), str(dist.get_backend(group)), dist.get_world_size(group),
+            tensor.numel() * tensor.element_size(), backend, dist.get_world_size(group),
             tree_max_bytes,
         )
     if algorithm == "ring":

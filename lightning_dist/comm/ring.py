@@ -30,6 +30,7 @@ from lightning_dist.comm._common import (
     scratch,
     segment_bounds,
     segment_elements,
+    send_and_receive,
 )
 from lightning_dist.comm.stats import CommStats
 
@@ -78,6 +79,8 @@ def ring_allreduce_(
 
 def _pipelined_ring(flat: torch.Tensor, view: GroupView, segment: int) -> tuple[int, int]:
     """The ``2 (N - 1)`` pipelined steps on a flat contiguous tensor; returns (bytes sent, bytes received)."""
+    if flat.is_cuda:
+        return _grouped_ring(flat, view)
     n, r = view.size, view.rank
     right, left = view.peer(r + 1), view.peer(r - 1)
     bounds = chunk_bounds(flat.numel(), n)
@@ -87,7 +90,7 @@ def _pipelined_ring(flat: torch.Tensor, view: GroupView, segment: int) -> tuple[
     # the other. All-gather receives go straight into ``flat`` (the chunk they overwrite was already sent,
     # and its reduced segment cannot arrive before our own contribution to it was read off the wire).
     longest = bounds[0][1] - bounds[0][0]
-    buf = scratch(2 * longest, flat.dtype, flat.device)
+    buf = scratch(2 * longest, flat)
     staging = [buf[:longest], buf[longest:]]
 
     def segments(chunk: int) -> list[tuple[int, int]]:
@@ -121,4 +124,28 @@ def _pipelined_ring(flat: torch.Tensor, view: GroupView, segment: int) -> tuple[
         pending = upcoming
     for work in sends:
         work.wait()
+    return sent, received
+
+
+def _grouped_ring(flat: torch.Tensor, view: GroupView) -> tuple[int, int]:
+    """The same ring for CUDA tensors over NCCL (experimental): each step's send and receive grouped, no
+    pipeline (the overlap that segments buy on gloo, NCCL's own kernels already have)."""
+    n, r = view.size, view.rank
+    right, left = view.peer(r + 1), view.peer(r - 1)
+    bounds = chunk_bounds(flat.numel(), n)
+    staging = scratch(bounds[0][1] - bounds[0][0], flat)
+    esize, sent, received = flat.element_size(), 0, 0
+    for step in range(2 * (n - 1)):
+        out_start, out_end = bounds[(r - step) % n]
+        in_start, in_end = bounds[(r - step - 1) % n]
+        reduce = step < n - 1
+        dst = staging[: in_end - in_start] if reduce else flat[in_start:in_end]
+        send = flat[out_start:out_end] if out_end > out_start else None  # empty chunks travel on neither side
+        recv = dst if in_end > in_start else None
+        for work in send_and_receive(view, send, right, recv, left, grouped=True):
+            work.wait()
+        if reduce:
+            flat[in_start:in_end].add_(dst)
+        sent += (out_end - out_start) * esize
+        received += (in_end - in_start) * esize
     return sent, received

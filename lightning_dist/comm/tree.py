@@ -26,7 +26,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lightning_dist.comm._common import GroupView, run_in_place, scratch, segment_bounds, segment_elements
+from lightning_dist.comm._common import (
+    GroupView,
+    run_in_place,
+    scratch,
+    segment_bounds,
+    segment_elements,
+    send_and_receive,
+)
 from lightning_dist.comm.ring import DEFAULT_SEGMENT_BYTES
 from lightning_dist.comm.stats import CommStats
 
@@ -68,7 +75,7 @@ def _recursive_doubling(flat: torch.Tensor, view: GroupView, segment: int) -> tu
         received += nbytes
 
     # Fold: the first 2*rem ranks pair up so that exactly pow2 ranks remain.
-    incoming = scratch(flat.numel(), flat.dtype, flat.device)
+    incoming = scratch(flat.numel(), flat)
     if r < 2 * rem:
         if r % 2 == 0:
             send(r + 1)
@@ -101,6 +108,11 @@ def _recursive_doubling(flat: torch.Tensor, view: GroupView, segment: int) -> tu
 
 def _swap_and_add(flat: torch.Tensor, incoming: torch.Tensor, view: GroupView, peer: int, segment: int) -> None:
     """Exchange ``flat`` with ``peer`` segment by segment, adding each received segment as it lands."""
+    if flat.is_cuda:  # NCCL (experimental): one grouped swap, no segments
+        for work in send_and_receive(view, flat, peer, incoming, peer, grouped=True):
+            work.wait()
+        flat.add_(incoming)
+        return
     pieces = segment_bounds(0, flat.numel(), segment)
     recvs = [dist.irecv(incoming[a:b], src=peer, group=view.group) for a, b in pieces]
     sends = [dist.isend(flat[a:b], dst=peer, group=view.group) for a, b in pieces]

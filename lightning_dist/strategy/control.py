@@ -15,11 +15,12 @@ the step count, the logging interval), so all ranks exchange on the same steps.
 One float64 vector carries both, reduced once per step: one collective per step, not one per feature.
 float64 keeps sample counts and byte counts exact up to 2**53.
 
-The exchange rides with the gradients instead of adding a meeting of its own: the strategy starts it
-(asynchronously, on a separate gloo group, so it cannot interleave with the gradient traffic) when DDP
-hands over the step's last gradient bucket, and waits for it after backward. A blocking exchange after
-backward cost 2-3 ms per 12 ms step on 2-core CPU machines (one more hand-off between ranks); started
-alongside the last bucket's all-reduce it is hidden behind it.
+The vector is all-reduced asynchronously on a separate gloo group (so it cannot interleave with the
+gradients' point-to-point traffic) and waited for after backward, before the optimizer steps. When every
+value in it is final early, i.e. only per-rank measurements of the previous step travel, the strategy
+starts it as DDP hands over the step's last gradient bucket, hidden behind that bucket's all-reduce: a
+blocking exchange after backward cost 2-3 ms per 12 ms step on 2-core CPU machines. Agreed values may be
+set until backward ends, so with any agreed slot registered the exchange starts after backward.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class StepControl:
         """Add a slot (idempotent). Every rank must register the same names in the same order."""
         if name in self._agreed or name in self._per_rank:
             return
+        self._refuse_in_flight(f"register {name!r}")
         (self._per_rank if per_rank else self._agreed).append(name)
 
     @property
@@ -64,6 +66,7 @@ class StepControl:
         """This rank's value for ``name`` in the coming exchange (0 when never set)."""
         if name not in self._agreed and name not in self._per_rank:
             raise KeyError(f"control slot {name!r} is not registered; registered: {self._agreed + self._per_rank}")
+        self._refuse_in_flight(f"set {name!r}")
         self._local[name] = float(value)
 
     def add(self, name: str, value: float) -> None:
@@ -130,6 +133,14 @@ class StepControl:
         vec, n_agreed, n_rank = self._require(), len(self._agreed), len(self._per_rank)
         j = self._per_rank.index(name)
         return [float(vec[n_agreed + r * n_rank + j]) for r in range(self.world_size)]
+
+    def _refuse_in_flight(self, what: str) -> None:
+        # A value set now would silently travel with the next step's exchange instead of this one.
+        if self._pending is not None:
+            raise RuntimeError(
+                f"cannot {what} while this step's exchange is in flight; set agreed values before backward "
+                "ends (e.g. in training_step or a bucket check) and read them after it"
+            )
 
     def _require(self) -> torch.Tensor:
         if self._result is None:

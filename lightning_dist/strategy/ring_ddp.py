@@ -5,9 +5,10 @@ What it changes in :class:`~lightning.pytorch.strategies.DDPStrategy`:
 - registers :func:`~lightning_dist.strategy.hook.ring_comm_hook` on every device. Lightning's
   ``_register_ddp_hooks`` (private, hence the ``lightning>=2.6,<2.7`` pin and a test that fails if it goes)
   registers hooks only on CUDA and drops them silently on CPU;
-- once per optimizer step exchanges the step's control values and per-rank measurements in one small
-  collective (:class:`~lightning_dist.strategy.control.StepControl`), started alongside the last gradient
-  bucket and complete before the optimizer steps;
+- exchanges the step's control values and per-rank measurements in one small collective
+  (:class:`~lightning_dist.strategy.control.StepControl`), complete before the optimizer steps: every step
+  when a feature registered a value all ranks must agree on (started after backward, when the values are
+  final), otherwise only on logging steps, started alongside the last gradient bucket and hidden behind it;
 - keeps per-step metrics (bytes sent, time in communication, each rank's compute time and throughput) that
   :class:`~lightning_dist.callbacks.DistMetricsCallback` logs from rank zero. The strategy adds that
   callback to the Trainer itself when the user has not.
@@ -25,7 +26,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_dist.comm import check_algorithm
+from lightning_dist.comm import check_algorithm, release_scratch
 from lightning_dist.compression import Compressor, NoCompressor
 from lightning_dist.strategy.control import StepControl
 from lightning_dist.strategy.hook import RingHookState, ring_comm_hook
@@ -89,6 +90,7 @@ class RingDDPStrategy(DDPStrategy):
         self._last_step_end: Optional[float] = None
         self._samples = 0  # samples this rank used in the current step
         self._steps_done = 0  # optimizer steps since fit started: the same count on every rank
+        self._exchanged_this_step = False
         self._metrics_every: Optional[int] = None  # set by DistMetricsCallback.request
         # this rank's own measurements of the last step, always available, no collective involved
         self.last_step: dict[str, float] = {}
@@ -140,7 +142,7 @@ class RingDDPStrategy(DDPStrategy):
         state = self._hook_state
         state.world_size = self.world_size
         state.param_names = {id(p): name for name, p in self.model.module.named_parameters()}
-        state.on_last_bucket = self._start_exchange
+        state.on_last_bucket = self._start_exchange_early
         self.model.register_comm_hook(state, ring_comm_hook)
         # The control vector is a CPU tensor on every backend, and on its own group it cannot interleave
         # with the gradients' point-to-point traffic. Every rank creates the group here, in the same order.
@@ -186,23 +188,62 @@ class RingDDPStrategy(DDPStrategy):
             return True
         return self._metrics_every is not None and self._steps_done % self._metrics_every == 0
 
+    def _start_exchange_early(self) -> None:
+        """From the last bucket's hook: start now only if every value in the vector is already final.
+
+        Per-rank measurements describe the previous step, so they are; agreed values may still be set
+        after this point (in the last bucket's own checks, in ``on_after_backward``), so with any agreed slot
+        registered, or under manual optimization (a backward need not be followed by a step), the exchange
+        waits until backward is over.
+        """
+        if self.control.has_agreed or not self.lightning_module.automatic_optimization:
+            return
+        self._start_exchange()
+
     def _start_exchange(self) -> None:
-        """Fill the control vector and start its all-reduce (from the last bucket's hook, or after backward)."""
         control = self.control
-        if control.in_flight or not self._exchange_due():
+        if control.in_flight or self._exchanged_this_step or not self._exchange_due():
             return
         for name, value in self.last_step.items():  # this rank's complete measurements of the previous step
             control.set(f"rank_{name}", value)
         control.start(self._control_group)
 
     def _complete_exchange(self) -> None:
+        """After backward: start the exchange if it is due and not started yet, and wait for it."""
         self._backward_done = time.perf_counter()
-        if not self.control.in_flight:  # no bucket hook ran this step (e.g. no parameter got a gradient)
-            self._start_exchange()
+        if self._exchanged_this_step:  # a closure evaluated twice (LBFGS): one exchange per step
+            return
+        self._start_exchange()
         if self.control.in_flight:
             self.control.wait()
+            self._exchanged_this_step = True
             self.step_metrics = _metrics_from(self.control, self.world_size)
             self.step_metrics_step = self._steps_done + 1
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        # a new fit starts counting afresh (the same strategy object may fit twice)
+        self._steps_done = 0
+        self._step_started = self._backward_done = self._last_step_end = None
+        self._samples = 0
+        self._exchanged_this_step = False
+        self.last_step, self.step_metrics, self.step_metrics_step = {}, {}, -1
+        self.totals = {"steps": 0, "bytes_sent": 0.0, "comm_s": 0.0, "samples": 0.0}
+
+    @override
+    def on_train_end(self) -> None:
+        if self._control is not None and self._control.in_flight:
+            self._control.wait()  # every rank started it, so every rank can finish it
+        super().on_train_end()
+
+    @override
+    def teardown(self) -> None:
+        if self._control_group is not None and dist.is_initialized():
+            dist.destroy_process_group(self._control_group)
+        self._control_group = None
+        release_scratch()
+        super().teardown()
 
     def _finish_step(self) -> None:
         """Record this step's own measurements; the next exchange carries them to every rank."""
@@ -225,6 +266,7 @@ class RingDDPStrategy(DDPStrategy):
         self._hook_state.buckets = 0
         self._samples = 0
         self._steps_done += 1
+        self._exchanged_this_step = False
         self._last_step_end, self._step_started, self._backward_done = now, None, None
 
     @classmethod
