@@ -23,7 +23,6 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-
 _GRACE_S = 3.0  # after a rank fails, how long the others get to report before they are killed
 
 

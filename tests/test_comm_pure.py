@@ -3,8 +3,15 @@
 import pytest
 import torch
 
-from lightning_dist.comm import ALGORITHMS, AUTO_TREE_MAX_BYTES, CommStats, check_algorithm, choose_algorithm
-from lightning_dist.comm import ring_allreduce_, ring_bytes_sent
+from lightning_dist.comm import (
+    ALGORITHMS,
+    AUTO_TREE_MAX_BYTES,
+    CommStats,
+    check_algorithm,
+    choose_algorithm,
+    ring_allreduce_,
+    ring_bytes_sent,
+)
 from lightning_dist.comm._common import check_op, chunk_bounds
 from lightning_dist.comm.stats import CallRecord
 

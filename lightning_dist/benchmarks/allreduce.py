@@ -57,8 +57,13 @@ from lightning_dist.benchmarks._common import (
     summarize,
     write_json,
 )
-from lightning_dist.comm import AUTO_TREE_MAX_BYTES, DEFAULT_SEGMENT_BYTES, allreduce_, choose_algorithm
-from lightning_dist.comm import ring_allreduce_
+from lightning_dist.comm import (
+    AUTO_TREE_MAX_BYTES,
+    DEFAULT_SEGMENT_BYTES,
+    allreduce_,
+    choose_algorithm,
+    ring_allreduce_,
+)
 from lightning_dist.testing import run_ranks
 
 KIB, MIB = 1 << 10, 1 << 20

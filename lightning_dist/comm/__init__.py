@@ -7,6 +7,7 @@
 - :class:`CommStats`: bytes sent/received and time per call.
 """
 
+from lightning_dist.comm._common import release_scratch
 from lightning_dist.comm.dispatch import (
     ALGORITHMS,
     AUTO_TREE_MAX_BYTES,
@@ -15,7 +16,6 @@ from lightning_dist.comm.dispatch import (
     choose_algorithm,
     native_allreduce_,
 )
-from lightning_dist.comm._common import release_scratch
 from lightning_dist.comm.ring import DEFAULT_SEGMENT_BYTES, ring_allreduce_, ring_bytes_sent
 from lightning_dist.comm.stats import CallRecord, CommStats
 from lightning_dist.comm.tree import tree_allreduce_

@@ -98,32 +98,20 @@ def segment_bounds(start: int, end: int, segment: int) -> list[tuple[int, int]]:
     return [(a, min(a + segment, end)) for a in range(start, end, segment)]
 
 
-def send_and_receive(
-    view: GroupView,
-    send: Optional[torch.Tensor],
-    dst: int,
-    recv: Optional[torch.Tensor],
-    src: int,
-    grouped: bool,
+def grouped_send_receive(
+    view: GroupView, send: Optional[torch.Tensor], dst: int, recv: Optional[torch.Tensor], src: int
 ) -> list[dist.Work]:
-    """Post a send and/or a receive (global ranks; ``None`` skips one) and return their handles.
+    """Post a send and/or a receive (global ranks; ``None`` skips one) as one group; return the handles.
 
-    ``grouped`` posts them as one group, as NCCL needs: it queues a pair's sends and receives on one
-    stream, so two ranks that each send to the other before receiving would wait on each other forever.
+    This is what NCCL needs: it queues a pair's sends and receives on one stream, so two ranks that each
+    send to the other before receiving would wait on each other forever. gloo runs the group as plain ops.
     """
-    if grouped:
-        ops = []
-        if send is not None:
-            ops.append(dist.P2POp(dist.isend, send, dst, view.group))
-        if recv is not None:
-            ops.append(dist.P2POp(dist.irecv, recv, src, view.group))
-        return dist.batch_isend_irecv(ops) if ops else []
-    works = []
-    if recv is not None:
-        works.append(dist.irecv(recv, src=src, group=view.group))
+    ops = []
     if send is not None:
-        works.append(dist.isend(send, dst=dst, group=view.group))
-    return works
+        ops.append(dist.P2POp(dist.isend, send, dst, view.group))
+    if recv is not None:
+        ops.append(dist.P2POp(dist.irecv, recv, src, view.group))
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:

@@ -26,11 +26,11 @@ import torch.distributed as dist
 from lightning_dist.comm._common import (
     GroupView,
     chunk_bounds,
+    grouped_send_receive,
     run_in_place,
     scratch,
     segment_bounds,
     segment_elements,
-    send_and_receive,
 )
 from lightning_dist.comm.stats import CommStats
 
@@ -142,7 +142,7 @@ def _grouped_ring(flat: torch.Tensor, view: GroupView) -> tuple[int, int]:
         dst = staging[: in_end - in_start] if reduce else flat[in_start:in_end]
         send = flat[out_start:out_end] if out_end > out_start else None  # empty chunks travel on neither side
         recv = dst if in_end > in_start else None
-        for work in send_and_receive(view, send, right, recv, left, grouped=True):
+        for work in grouped_send_receive(view, send, right, recv, left):
             work.wait()
         if reduce:
             flat[in_start:in_end].add_(dst)

@@ -28,11 +28,11 @@ import torch.distributed as dist
 
 from lightning_dist.comm._common import (
     GroupView,
+    grouped_send_receive,
     run_in_place,
     scratch,
     segment_bounds,
     segment_elements,
-    send_and_receive,
 )
 from lightning_dist.comm.ring import DEFAULT_SEGMENT_BYTES
 from lightning_dist.comm.stats import CommStats
@@ -109,7 +109,7 @@ def _recursive_doubling(flat: torch.Tensor, view: GroupView, segment: int) -> tu
 def _swap_and_add(flat: torch.Tensor, incoming: torch.Tensor, view: GroupView, peer: int, segment: int) -> None:
     """Exchange ``flat`` with ``peer`` segment by segment, adding each received segment as it lands."""
     if flat.is_cuda:  # NCCL (experimental): one grouped swap, no segments
-        for work in send_and_receive(view, flat, peer, incoming, peer, grouped=True):
+        for work in grouped_send_receive(view, flat, peer, incoming, peer):
             work.wait()
         flat.add_(incoming)
         return

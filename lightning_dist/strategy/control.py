@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 
-
 class StepControl:
     """Named slots, filled locally, summed across ranks by :meth:`exchange`."""
 
