@@ -31,19 +31,20 @@ from omegaconf import DictConfig, OmegaConf
 
 import lightning_dist  # noqa: F401 - registers the strategies
 from lightning_dist.config import register_configs, validate
-from lightning_dist.perf import PerfConfig, apply_perf, run_preflight
+from lightning_dist.perf import PerfConfig, run_preflight
 
 register_configs()
 
 
 class ApplyPerfCallback(Callback):
-    """Applies the perf settings in every rank's process (spawned ranks do not inherit them)."""
+    """Applies the perf settings once in every rank's process (spawned ranks inherit nothing) and prints,
+    from rank zero, what it applied and the pre-flight warnings, before the first step."""
 
     def __init__(self, perf: PerfConfig, local_world_size: int) -> None:
         self.perf, self.local_world_size = perf, local_world_size
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        apply_perf(self.perf, self.local_world_size)
+        run_preflight(self.perf, self.local_world_size)
 
 
 class RunSummaryCallback(Callback):
@@ -80,8 +81,7 @@ def build(cfg: DictConfig, output_dir: str, started: float) -> tuple[pl.Trainer,
     """Instantiate trainer, model and data from a composed config (all in the launching process)."""
     validate(cfg)
     plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    perf = instantiate(plain["perf"])
-    run_preflight(perf, cfg.trainer.devices)
+    perf = instantiate(plain["perf"])  # validated here, applied in each rank by ApplyPerfCallback
     model = instantiate(plain["model"])
     data = instantiate(plain["data"])
     strategy = instantiate(plain["strategy"])
