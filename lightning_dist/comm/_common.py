@@ -36,7 +36,6 @@ class GroupView:
     rank: int
     size: int
     global_ranks: tuple[int, ...]
-    backend: str
 
     def peer(self, group_rank: int) -> int:
         """Global rank of ``group_rank`` (torch's point-to-point calls take global ranks)."""
@@ -53,7 +52,7 @@ def group_view(group: Optional[dist.ProcessGroup]) -> GroupView:
     if rank < 0:
         raise ValueError("this rank is not a member of the given process group; call the collective only there.")
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-    return GroupView(group, rank, len(ranks), ranks, str(dist.get_backend(group)))
+    return GroupView(group, rank, len(ranks), ranks)
 
 
 def warn_if_experimental(tensor: torch.Tensor, algorithm: str) -> None:

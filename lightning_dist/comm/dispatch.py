@@ -79,14 +79,10 @@ def allreduce_(
     """Reduce ``tensor`` in place across ``group`` with ``algorithm`` (``ring``, ``tree``, ``native``, ``auto``)."""
     check_algorithm(algorithm)
     if algorithm == "auto":
-        if not dist.is_initialized():
-            group_view(group)  # raises the clear "not initialized" error
+        view = group_view(group)  # raises a clear error when torch.distributed is not initialized
         # CUDA tensors travel over NCCL (also under a "cpu:gloo,cuda:nccl" backend string)
         backend = "nccl" if tensor.is_cuda else str(dist.get_backend(group))
-        algorithm = choose_algorithm(
-            tensor.numel() * tensor.element_size(), backend, dist.get_world_size(group),
-            tree_max_bytes,
-        )
+        algorithm = choose_algorithm(tensor.numel() * tensor.element_size(), backend, view.size, tree_max_bytes)
     if algorithm == "ring":
         return ring_allreduce_(tensor, group, op, stats=stats)
     if algorithm == "tree":

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 
 class StepControl:
-    """Named slots, filled locally, summed across ranks by :meth:`exchange`."""
+    """Named slots, filled locally, summed across ranks by :meth:`start` and :meth:`wait`."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
@@ -50,10 +50,6 @@ class StepControl:
             return
         self._refuse_in_flight(f"register {name!r}")
         (self._per_rank if per_rank else self._agreed).append(name)
-
-    @property
-    def names(self) -> tuple[list[str], list[str]]:
-        return list(self._agreed), list(self._per_rank)
 
     @property
     def has_agreed(self) -> bool:
@@ -108,21 +104,12 @@ class StepControl:
         self._pending = None
         self._result = vec
 
-    def exchange(self, group: Optional[dist.ProcessGroup] = None) -> None:
-        """:meth:`start` then :meth:`wait`: a blocking exchange."""
-        self.start(group)
-        self.wait()
-
     def load(self, reduced: torch.Tensor) -> None:
         """Adopt an already reduced vector (for tests and for a strategy that reduces it elsewhere)."""
         self._result = reduced
         self._local.clear()
 
     # -- reading the agreed result ----------------------------------------------------------------------
-    @property
-    def exchanged(self) -> bool:
-        return self._result is not None
-
     def agreed(self, name: str) -> float:
         """The sum over ranks of ``name`` from the last exchange."""
         return float(self._require()[self._agreed.index(name)])
@@ -143,5 +130,5 @@ class StepControl:
 
     def _require(self) -> torch.Tensor:
         if self._result is None:
-            raise RuntimeError("no exchange has happened yet this run: call exchange() first")
+            raise RuntimeError("no exchange has completed yet this run: start() and wait() first")
         return self._result

@@ -43,7 +43,6 @@ class RingHookState:
     on_last_bucket: Optional[Callable[[], None]] = None
     # -- outputs, read and reset by the strategy once per step
     stats: CommStats = field(default_factory=lambda: CommStats(keep_records=False))
-    buckets: int = 0  # hook calls since the last reset
     # id(parameter) -> its name in the module; compressor state is keyed by names, because DDP rebuilds
     # (and renumbers) its buckets after the first step and in every new process
     param_names: dict[int, str] = field(default_factory=dict)
@@ -67,7 +66,6 @@ def ring_comm_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futur
         allreduce_(payload, state.algorithm, group=state.process_group, op="sum", stats=state.stats)
     with record_function("lightning_dist.decompress"):
         result = state.compressor.decompress(payload, ctx, buffer)
-    state.buckets += 1
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(result)
     return fut

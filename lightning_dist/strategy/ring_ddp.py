@@ -263,7 +263,6 @@ class RingDDPStrategy(DDPStrategy):
         self.totals["comm_s"] += stats.seconds
         self.totals["samples"] += self._samples
         stats.reset()
-        self._hook_state.buckets = 0
         self._samples = 0
         self._steps_done += 1
         self._exchanged_this_step = False
