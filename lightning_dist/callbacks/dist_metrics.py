@@ -4,17 +4,24 @@ Every rank measures every step (``strategy.last_step`` holds its own values). On
 logs, the strategy carries every rank's values to all ranks on its per-step control exchange, which
 travels alongside the last gradient bucket (no collective of this callback's own); the callback hands
 them to Lightning's loggers from rank zero. The values describe the optimizer step before the logged one.
-The strategy adds this callback to the Trainer by itself; add it yourself to change ``log_every_n_steps``.
+The strategy adds this callback to the Trainer by itself (not under ``Trainer(barebones=True)``); add it
+yourself to change ``log_every_n_steps``. With ``log_every_n_steps=0`` (the Trainer's or this callback's)
+nothing is gathered or logged.
 
 Logged metrics (``r`` is a rank index):
 
 - ``dist/step_time_ms``: the slowest rank's wall time per optimizer step, ms (includes data loading)
 - ``dist/throughput``: samples per second over all ranks
-- ``dist/comm_ms``: the longest time any rank spent inside gradient all-reduces this step, ms
+- ``dist/comm_ms``: the longest time any rank spent inside gradient all-reduces this step, ms (with the
+  overlapping hook most of it runs beside backward)
+- ``dist/exposed_comm_ms``: the longest time any rank's backward waited for communication, ms: from the
+  moment DDP handed over the last bucket until it was reduced (the whole hook time with ``overlap=False``).
+  The communication that was not hidden; the figure to tune bucket size and algorithm against
 - ``dist/bytes_sent_per_rank``: gradient payload bytes each rank sent, mean over ranks
 - ``dist/straggler_ratio``: slowest rank's compute time over the fastest's (1.0 is balanced)
-- ``dist/rank{r}/compute_ms``: rank ``r``'s forward+backward time excluding communication, ms
+- ``dist/rank{r}/compute_ms``: rank ``r``'s forward+backward time less its exposed communication, ms
 - ``dist/rank{r}/comm_ms``: rank ``r``'s time in all-reduces (includes waiting for slower peers), ms
+- ``dist/rank{r}/exposed_comm_ms``: rank ``r``'s communication not hidden behind its backward, ms
 - ``dist/rank{r}/samples_per_s``: rank ``r``'s samples over its compute time: its speed
 - ``dist/rank{r}/bytes_sent``: rank ``r``'s payload bytes this step
 """
@@ -32,8 +39,10 @@ class DistMetricsCallback(Callback):
     """Logs ``strategy.step_metrics`` every ``log_every_n_steps`` optimizer steps (default: the Trainer's)."""
 
     def __init__(self, log_every_n_steps: Optional[int] = None) -> None:
-        if log_every_n_steps is not None and log_every_n_steps < 1:
-            raise ValueError(f"log_every_n_steps={log_every_n_steps} must be >= 1 (or None for the Trainer's).")
+        if log_every_n_steps is not None and log_every_n_steps < 0:
+            raise ValueError(
+                f"log_every_n_steps={log_every_n_steps} must be >= 1, 0 to log nothing, or None for the Trainer's."
+            )
         self._every = log_every_n_steps
         self._logged = -1
 
@@ -41,7 +50,7 @@ class DistMetricsCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         request = getattr(trainer.strategy, "request_metrics", None)
         if request is not None:  # a RingDDPStrategy: ask it to gather on the steps we log
-            request(self._every or trainer.log_every_n_steps)
+            request(trainer.log_every_n_steps if self._every is None else self._every)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:

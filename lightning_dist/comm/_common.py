@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -66,10 +67,18 @@ def warn_if_experimental(tensor: torch.Tensor, algorithm: str) -> None:
         )
 
 
-# Reused scratch buffers, keyed by (dtype, device). A fresh tens-of-MiB buffer per call costs a page fault
-# per 4 KiB on first touch: ~10% of a 64 MiB ring's time, ~30% of a 64 MiB tree's. The collectives run one
-# at a time on the thread that calls them (DDP's hooks do), so one buffer per dtype and device suffices.
-_SCRATCH: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+# Reused scratch buffers, keyed by (dtype, device), one pool per thread. A fresh tens-of-MiB buffer per call
+# costs a page fault per 4 KiB on first touch: ~10% of a 64 MiB ring's time, ~30% of a 64 MiB tree's. The
+# collectives on one thread run one at a time, so one buffer per dtype and device suffices there; a pool per
+# thread keeps the strategy's communication worker and any collective on the main thread apart.
+_POOLS = threading.local()
+
+
+def _pool() -> dict[tuple[torch.dtype, torch.device], torch.Tensor]:
+    pool = getattr(_POOLS, "buffers", None)
+    if pool is None:
+        pool = _POOLS.buffers = {}
+    return pool
 
 
 def scratch(numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -78,18 +87,19 @@ def scratch(numel: int, like: torch.Tensor) -> torch.Tensor:
     Grows, never shrinks (:func:`release_scratch` frees it). If ``like`` itself lives in the pooled buffer
     (a caller reducing a scratch view), a fresh buffer is returned so that the two cannot alias.
     """
-    key = (like.dtype, like.device)
-    buf = _SCRATCH.get(key)
+    pool, key = _pool(), (like.dtype, like.device)
+    buf = pool.get(key)
     if buf is not None and buf.untyped_storage().data_ptr() == like.untyped_storage().data_ptr():
         return torch.empty(numel, dtype=like.dtype, device=like.device)
     if buf is None or buf.numel() < numel:
-        buf = _SCRATCH[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        buf = pool[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
     return buf[:numel]
 
 
 def release_scratch() -> None:
-    """Free the pooled buffers (the strategy does at teardown; on a GPU they would hold memory)."""
-    _SCRATCH.clear()
+    """Free the calling thread's pooled buffers (on a GPU they would hold memory); the strategy's worker
+    frees its own as it ends, and the strategy the main thread's at teardown."""
+    _pool().clear()
 
 
 def segment_bounds(start: int, end: int, segment: int) -> list[tuple[int, int]]:

@@ -1,21 +1,31 @@
 """The DDP communication hook that sends every gradient bucket through lightning_dist's collectives.
 
-DDP calls ``ring_comm_hook(state, bucket)`` once per gradient bucket as soon as backward has filled it.
-The hook runs four visible stages (each a ``torch.profiler.record_function`` range, so they show in a
-Chrome trace):
+DDP calls ``ring_comm_hook(state, bucket)`` once per gradient bucket as soon as backward has filled it, in
+bucket order. The bucket's reduction (:func:`reduce_bucket`) has four visible stages, each a
+``torch.profiler.record_function`` range, so they show in a Chrome trace:
 
 1. **weight**: scale the local gradient by this rank's share of the step. With equal batches that is
    ``1 / N``, applied as a division, exactly as stock DDP divides, so the two agree bit for bit.
 2. **compress**: the compressor turns the bucket into a payload (identity for now).
-3. **transport**: ``ring``, ``tree``, ``native`` or ``auto`` all-reduce of the payload, by sum.
+3. **transport**: ``ring``, ``tree``, ``native`` or ``auto`` all-reduce of the payload, by sum, on the
+   hook's own process group.
 4. **decompress**: the reduced payload goes back into the bucket's buffer.
 
-The all-reduce is blocking, so the hook returns an already completed ``Future``; DDP accepts that on gloo
-and NCCL. Bytes and seconds go into ``state.stats``, which the strategy reads once per step.
+With a :class:`~lightning_dist.strategy.comm_worker.CommWorker` in the state (the default) the hook only
+queues that work and returns a pending ``Future``: backward goes on computing the next buckets' gradients
+while this one travels, and DDP waits for every Future at the end of backward. Without one the hook
+reduces on the autograd thread and returns a completed ``Future`` (``overlap=False``: simpler to debug,
+and the baseline the step benchmark compares against).
+
+Per step, ``state.stats`` collects bytes and seconds inside the transport and ``state.exposed_s`` the
+communication that backward did not hide: from the moment DDP hands over the last bucket (its own
+computation is then over) until that bucket's reduction is done; when blocking, the whole time spent in
+the hook. The strategy reads and resets both once per step.
 """
 
 # no `from __future__ import annotations`: DDP inspects the hook's real annotations (dist.GradBucket)
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -25,6 +35,7 @@ from torch.profiler import record_function
 
 from lightning_dist.comm import CommStats, allreduce_
 from lightning_dist.compression import Compressor, NoCompressor
+from lightning_dist.strategy.comm_worker import CommWorker
 
 
 @dataclass
@@ -33,16 +44,18 @@ class RingHookState:
 
     # -- settings
     algorithm: str = "auto"  # "ring", "tree", "native" or "auto"
-    process_group: Optional[dist.ProcessGroup] = None  # None: the world
+    process_group: Optional[dist.ProcessGroup] = None  # None: the world; the strategy gives it one of its own
     compressor: Compressor = field(default_factory=NoCompressor)
+    worker: Optional[CommWorker] = None  # None: reduce on the autograd thread (blocking)
     # -- per-step inputs, set by the strategy
     world_size: int = 1
     weight: Optional[float] = None  # this rank's share of the step's samples; None means 1 / world_size
-    # called when DDP hands over the step's last bucket, before it travels: the strategy starts the
-    # per-step control exchange here so that it overlaps this bucket's all-reduce
+    # called on the autograd thread when DDP hands over the step's last bucket: the strategy starts the
+    # per-step control exchange here, so that it travels alongside that bucket
     on_last_bucket: Optional[Callable[[], None]] = None
     # -- outputs, read and reset by the strategy once per step
     stats: CommStats = field(default_factory=lambda: CommStats(keep_records=False))
+    exposed_s: float = 0.0  # communication time backward did not hide (summed over backward passes)
     # id(parameter) -> its name in the module; compressor state is keyed by names, because DDP rebuilds
     # (and renumbers) its buckets after the first step and in every new process
     param_names: dict[int, str] = field(default_factory=dict)
@@ -50,25 +63,42 @@ class RingHookState:
 
 
 def ring_comm_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Reduce one gradient bucket: weight -> compress -> transport -> decompress."""
-    if state.on_last_bucket is not None and bucket.is_last():
+    """Reduce one gradient bucket: weight -> compress -> transport -> decompress, on the worker if any."""
+    is_last = bucket.is_last()
+    if state.on_last_bucket is not None and is_last:
         state.on_last_bucket()
     buffer = bucket.buffer()
+    key = _bucket_key(state, bucket)
+    handed = time.perf_counter()
+    if state.worker is None:
+        result = reduce_bucket(state, buffer, key)
+        state.exposed_s += time.perf_counter() - handed
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(result)
+        return fut
+
+    def job() -> torch.Tensor:
+        result = reduce_bucket(state, buffer, key)
+        if is_last:  # FIFO: every earlier bucket is done too
+            state.exposed_s += time.perf_counter() - handed
+        return result
+
+    return state.worker.submit(job, what=f"gradient bucket {bucket.index()} ({_short(key)})")
+
+
+def reduce_bucket(state: RingHookState, buffer: torch.Tensor, key: str) -> torch.Tensor:
+    """The four stages on one bucket's flat buffer; returns the reduced gradient (usually ``buffer`` itself)."""
     with record_function("lightning_dist.weight"):
         if state.weight is None:
             buffer.div_(state.world_size)
         else:
             buffer.mul_(state.weight)
-    key = _bucket_key(state, bucket)
     with record_function("lightning_dist.compress"):
         payload, ctx = state.compressor.compress(buffer, key)
     with record_function(f"lightning_dist.transport.{state.algorithm}"):
         allreduce_(payload, state.algorithm, group=state.process_group, op="sum", stats=state.stats)
     with record_function("lightning_dist.decompress"):
-        result = state.compressor.decompress(payload, ctx, buffer)
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(result)
-    return fut
+        return state.compressor.decompress(payload, ctx, buffer)
 
 
 def _bucket_key(state: RingHookState, bucket: dist.GradBucket) -> str:
@@ -82,3 +112,7 @@ def _bucket_key(state: RingHookState, bucket: dist.GradBucket) -> str:
         key = ",".join(state.param_names.get(id(p), f"param{i}") for i, p in enumerate(params))
         state._bucket_keys[cache_key] = key
     return key
+
+
+def _short(key: str, limit: int = 80) -> str:
+    return key if len(key) <= limit else key[: limit - 3] + "..."

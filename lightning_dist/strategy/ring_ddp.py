@@ -5,6 +5,9 @@ What it changes in :class:`~lightning.pytorch.strategies.DDPStrategy`:
 - registers :func:`~lightning_dist.strategy.hook.ring_comm_hook` on every device. Lightning's
   ``_register_ddp_hooks`` (private, hence the ``lightning>=2.6,<2.7`` pin and a test that fails if it goes)
   registers hooks only on CUDA and drops them silently on CPU;
+- overlaps communication with backward: the hook hands each bucket to a
+  :class:`~lightning_dist.strategy.comm_worker.CommWorker` thread, whose collectives run on a process group
+  of their own (``overlap=False`` reduces on the autograd thread instead);
 - exchanges the step's control values and per-rank measurements in one small collective
   (:class:`~lightning_dist.strategy.control.StepControl`), complete before the optimizer steps: every step
   when a feature registered a value all ranks must agree on (started after backward, when the values are
@@ -16,20 +19,26 @@ What it changes in :class:`~lightning.pytorch.strategies.DDPStrategy`:
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
+import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_dist.comm import check_algorithm, release_scratch
 from lightning_dist.compression import Compressor, NoCompressor
+from lightning_dist.strategy.comm_worker import CommWorker
 from lightning_dist.strategy.control import StepControl
 from lightning_dist.strategy.hook import RingHookState, ring_comm_hook
+from lightning_dist.strategy.step_meter import PER_RANK_SLOTS, StepMeter
 
 if not callable(getattr(DDPStrategy, "_register_ddp_hooks", None)):  # pragma: no cover - guarded by a test too
     raise ImportError(
@@ -37,40 +46,58 @@ if not callable(getattr(DDPStrategy, "_register_ddp_hooks", None)):  # pragma: n
         "install lightning>=2.6,<2.7 (the range in lightning_dist's pyproject.toml)."
     )
 
-# Keywords of DDPStrategy that would install a second hook or average models behind ours.
-_CONFLICTING_KWARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
-DEFAULT_TIMEOUT_S = 1800.0  # torch.distributed's default; a hung collective fails after this long
-
-# Per-rank slots of the exchange: what each rank measured in the previous step. (Agreed slots, summed over
-# ranks, are registered by the features that act on them.)
-_PER_RANK_SLOTS = ("samples", "compute_s", "comm_s", "bytes_sent", "step_s")
+DEFAULT_TIMEOUT_S = default_pg_timeout.total_seconds()  # torch.distributed's: a hung collective fails then
+WORKER_JOIN_TIMEOUT_S = 10.0  # teardown waits this long for the communication worker to end
 
 
 class RingDDPStrategy(DDPStrategy):
     """DDP whose gradient all-reduce is lightning_dist's ring, tree, native or size-chosen algorithm.
 
+    The positional and keyword arguments are :class:`~lightning.pytorch.strategies.DDPStrategy`'s, in its
+    order, so ring_ddp is a drop-in replacement; lightning_dist's own are keyword-only.
+
     Args:
+        timeout: collective timeout in seconds or a ``timedelta`` (``None``: torch's default, 30 minutes):
+            how long a rank waits for a peer that stalls before the job fails instead of hanging.
+        start_method: ``"popen"`` (re-runs the script per rank, the robust default), ``"spawn"``,
+            ``"forkserver"`` or ``"fork"`` (fastest start, works in notebooks, CPU or before CUDA is
+            initialised).
         algorithm: ``"ring"``, ``"tree"``, ``"native"`` (the backend's all_reduce) or ``"auto"`` (the tree at
             2 ranks; at more, the tree below :data:`~lightning_dist.comm.AUTO_TREE_MAX_BYTES` and the ring
             above; native on NCCL).
         compressor: a :class:`~lightning_dist.compression.Compressor`, ``"none"`` or ``None`` (no compression).
-        timeout: collective timeout in seconds (or a ``timedelta``): how long a rank waits for a peer
-            that stalls before the job fails instead of hanging.
-        start_method: ``"popen"`` (re-runs the script per rank, the robust default), ``"spawn"``, or
-            ``"fork"`` (fastest start, works in notebooks, CPU or before CUDA is initialised).
-        **kwargs: every other :class:`~lightning.pytorch.strategies.DDPStrategy` keyword
-            (``find_unused_parameters``, ``static_graph``, ``process_group_backend``, ...).
+        overlap: ``True`` (default): a communication thread reduces each bucket while backward computes the
+            next; ``False``: the hook blocks the autograd thread until its bucket has travelled.
+        **kwargs: every other keyword of :class:`~torch.nn.parallel.DistributedDataParallel` that
+            DDPStrategy passes through (``find_unused_parameters``, ``static_graph``, ``bucket_cap_mb``, ...).
+
+    ``ddp_comm_state``, ``ddp_comm_hook``, ``ddp_comm_wrapper`` and ``model_averaging_period`` exist only
+    to keep DDPStrategy's positions: anything but ``None`` is refused, since it would replace our hook.
     """
 
     def __init__(
         self,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        ddp_comm_state: Optional[object] = None,
+        ddp_comm_hook: Optional[Callable] = None,
+        ddp_comm_wrapper: Optional[Callable] = None,
+        model_averaging_period: Optional[int] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Union[float, timedelta, None] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        *,
         algorithm: str = "auto",
         compressor: Union[Compressor, str, None] = None,
-        timeout: Union[float, timedelta] = DEFAULT_TIMEOUT_S,
-        start_method: str = "popen",
+        overlap: bool = True,
         **kwargs: Any,
     ) -> None:
-        conflicting = [k for k in _CONFLICTING_KWARGS if k in kwargs]
+        given = {"ddp_comm_state": ddp_comm_state, "ddp_comm_hook": ddp_comm_hook,
+                 "ddp_comm_wrapper": ddp_comm_wrapper, "model_averaging_period": model_averaging_period}
+        conflicting = sorted(name for name, value in given.items() if value is not None)
         if conflicting:
             raise ValueError(
                 f"RingDDPStrategy installs its own DDP comm hook, so {conflicting} would collide with it. "
@@ -80,40 +107,64 @@ class RingDDPStrategy(DDPStrategy):
         check_algorithm(algorithm)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method={start_method!r}; use 'popen', 'spawn', 'fork' or 'forkserver'.")
-        super().__init__(timeout=_as_timedelta(timeout), start_method=start_method, **kwargs)
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap={overlap!r} must be True (reduce on a communication thread) or False.")
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend, timeout=_as_timedelta(timeout),
+            start_method=start_method, **kwargs,
+        )
         self._algorithm = algorithm
+        self._overlap = overlap
         self._hook_state = RingHookState(algorithm=algorithm, compressor=_as_compressor(compressor))
         self._control: Optional[StepControl] = None
-        self._control_group: Optional[dist.ProcessGroup] = None
-        self._step_started: Optional[float] = None  # perf_counter at the first training_step of a step
-        self._backward_done: Optional[float] = None
-        self._last_step_end: Optional[float] = None
-        self._samples = 0  # samples this rank used in the current step
-        self._steps_done = 0  # optimizer steps since fit started: the same count on every rank
+        self._control_group: Optional[dist.ProcessGroup] = None  # the per-step control exchange's
+        self._comm_group: Optional[dist.ProcessGroup] = None  # the gradient buckets'
+        self._worker: Optional[CommWorker] = None
+        self._meter = StepMeter()
         self._exchanged_this_step = False
-        self._metrics_every: Optional[int] = None  # set by DistMetricsCallback.request
-        # this rank's own measurements of the last step, always available, no collective involved
-        self.last_step: dict[str, float] = {}
-        # what DistMetricsCallback logs: every rank's measurements of the step before the last exchange,
-        # identical on every rank; they ride on that exchange, so they arrive one step late
-        self.step_metrics: dict[str, float] = {}
-        self.step_metrics_step = -1  # the value of ``_steps_done`` when step_metrics was last refreshed
-        # this rank's running totals over the run (for summary.json)
-        self.totals: dict[str, float] = {"steps": 0, "bytes_sent": 0.0, "comm_s": 0.0, "samples": 0.0}
+        self._metrics_every: Optional[int] = None  # set by DistMetricsCallback through request_metrics
 
     @property
     def algorithm(self) -> str:
         return self._algorithm
 
     @property
+    def overlap(self) -> bool:
+        return self._overlap
+
+    @property
+    def last_step(self) -> dict[str, float]:
+        """This rank's own measurements of its last optimizer step (no collective involved)."""
+        return self._meter.last_step
+
+    @property
+    def step_metrics(self) -> dict[str, float]:
+        """What DistMetricsCallback logs: every rank's measurements of the step before the last exchange,
+        identical on every rank; they ride on that exchange, so they arrive one step late."""
+        return self._meter.step_metrics
+
+    @property
+    def step_metrics_step(self) -> int:
+        """The optimizer step at which :attr:`step_metrics` was last refreshed (-1: not yet)."""
+        return self._meter.step_metrics_step
+
+    @property
+    def totals(self) -> dict[str, float]:
+        """This rank's running totals over the fit: steps, bytes sent, comm and exposed seconds, samples."""
+        return self._meter.totals
+
+    @property
     def hook_state(self) -> RingHookState:
         return self._hook_state
 
     def request_metrics(self, every_n_steps: int) -> None:
-        """Gather every rank's measurements to all ranks on every ``every_n_steps``-th step (for logging)."""
-        if every_n_steps < 1:
-            raise ValueError(f"every_n_steps={every_n_steps} must be >= 1")
-        self._metrics_every = every_n_steps
+        """Gather every rank's measurements to all ranks on every ``every_n_steps``-th step (for logging);
+        0 gathers none (``Trainer(log_every_n_steps=0)`` logs nothing)."""
+        if every_n_steps < 0:
+            raise ValueError(f"every_n_steps={every_n_steps} must be >= 1, or 0 for no metrics")
+        self._metrics_every = every_n_steps or None
 
     @property
     def control(self) -> StepControl:
@@ -122,7 +173,7 @@ class RingDDPStrategy(DDPStrategy):
             if not dist.is_initialized():
                 raise RuntimeError("the step control exists once the processes have started (inside Trainer.fit)")
             self._control = StepControl(self.global_rank, self.world_size)
-            for name in _PER_RANK_SLOTS:
+            for name in PER_RANK_SLOTS:
                 self._control.register(f"rank_{name}", per_rank=True)
         return self._control
 
@@ -131,7 +182,9 @@ class RingDDPStrategy(DDPStrategy):
     def setup(self, trainer: Any) -> None:
         from lightning_dist.callbacks.dist_metrics import DistMetricsCallback
 
-        if not any(isinstance(cb, DistMetricsCallback) for cb in trainer.callbacks):
+        # as stock DDP: barebones mode (it also sets log_every_n_steps=0) runs no logging callback
+        wanted = not getattr(trainer, "barebones", False)
+        if wanted and not any(isinstance(cb, DistMetricsCallback) for cb in trainer.callbacks):
             trainer.callbacks.append(DistMetricsCallback())
         super().setup(trainer)
 
@@ -139,22 +192,39 @@ class RingDDPStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         # Lightning registers hooks only when root_device is CUDA; ours must run on CPU as well.
         assert isinstance(self.model, DistributedDataParallel)
+        self._stop_worker()  # a fit that failed before teardown may have left one
+        # Two groups of our own, made by every rank here in the same order: the gradient buckets' (the
+        # default backend, so NCCL for CUDA tensors), driven by the worker thread, never interleaving with
+        # what DDP and Lightning run on the default group from the main thread; and the control vector's,
+        # a CPU tensor on every backend, so gloo.
+        if self.world_size > 1:
+            self._comm_group = dist.new_group(timeout=self._timeout)
+            self._control_group = dist.new_group(backend="gloo", timeout=self._timeout)
         state = self._hook_state
         state.world_size = self.world_size
+        state.process_group = self._comm_group
         state.param_names = {id(p): name for name, p in self.model.module.named_parameters()}
         state.on_last_bucket = self._start_exchange_early
+        if self._overlap:
+            device = self.root_device
+            on_start = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+            self._worker = state.worker = CommWorker(name=f"rank{self.global_rank}", on_start=on_start).start()
         self.model.register_comm_hook(state, ring_comm_hook)
-        # The control vector is a CPU tensor on every backend, and on its own group it cannot interleave
-        # with the gradients' point-to-point traffic. Every rank creates the group here, in the same order.
-        self._control_group = dist.new_group(backend="gloo", timeout=self._timeout) if self.world_size > 1 else None
+
+    def _stop_worker(self) -> None:
+        worker, self._worker = self._worker, None
+        self._hook_state.worker = None
+        if worker is not None and not worker.stop(WORKER_JOIN_TIMEOUT_S):
+            rank_zero_warn(
+                f"{worker.name} is still blocked in a collective {WORKER_JOIN_TIMEOUT_S:.0f}s after teardown "
+                "(a peer stopped answering); it is a daemon thread and ends with the process."
+            )
 
     # -- each step --------------------------------------------------------------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._step_started is None:
-            self._step_started = time.perf_counter()
         batch = args[0] if args else kwargs.get("batch")
-        self._samples += _batch_size(batch)
+        self._meter.batch_started(_batch_size(batch))
         return super().training_step(*args, **kwargs)
 
     @override
@@ -186,7 +256,7 @@ class RingDDPStrategy(DDPStrategy):
         """Every step when a feature needs agreed values, else on logging steps: the same answer on every rank."""
         if self.control.has_agreed:
             return True
-        return self._metrics_every is not None and self._steps_done % self._metrics_every == 0
+        return self._metrics_every is not None and self._meter.steps_done % self._metrics_every == 0
 
     def _start_exchange_early(self) -> None:
         """From the last bucket's hook: start now only if every value in the vector is already final.
@@ -210,26 +280,26 @@ class RingDDPStrategy(DDPStrategy):
 
     def _complete_exchange(self) -> None:
         """After backward: start the exchange if it is due and not started yet, and wait for it."""
-        self._backward_done = time.perf_counter()
+        self._meter.backward_done()
         if self._exchanged_this_step:  # a closure evaluated twice (LBFGS): one exchange per step
             return
         self._start_exchange()
         if self.control.in_flight:
             self.control.wait()
             self._exchanged_this_step = True
-            self.step_metrics = _metrics_from(self.control, self.world_size)
-            self.step_metrics_step = self._steps_done + 1
+            self._meter.exchanged(self.control, self.world_size)
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        # a new fit starts counting afresh (the same strategy object may fit twice)
-        self._steps_done = 0
-        self._step_started = self._backward_done = self._last_step_end = None
-        self._samples = 0
+        self._reset_run()
+
+    def _reset_run(self) -> None:
+        """A new fit starts counting afresh (the same strategy object may fit twice)."""
+        self._meter.reset()
         self._exchanged_this_step = False
-        self.last_step, self.step_metrics, self.step_metrics_step = {}, {}, -1
-        self.totals = {"steps": 0, "bytes_sent": 0.0, "comm_s": 0.0, "samples": 0.0}
+        self._hook_state.stats.reset()
+        self._hook_state.exposed_s = 0.0
 
     @override
     def on_train_end(self) -> None:
@@ -239,34 +309,22 @@ class RingDDPStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._control_group is not None and dist.is_initialized():
-            dist.destroy_process_group(self._control_group)
-        self._control_group = None
+        self._stop_worker()  # first: it may still use the comm group
+        for group in (self._comm_group, self._control_group):
+            if group is not None and dist.is_initialized():
+                dist.destroy_process_group(group)
+        self._comm_group = self._control_group = None
+        self._hook_state.process_group = None
         release_scratch()
         super().teardown()
 
     def _finish_step(self) -> None:
         """Record this step's own measurements; the next exchange carries them to every rank."""
-        now = time.perf_counter()
-        stats = self._hook_state.stats
-        started = self._step_started or now
-        step_s = now - (self._last_step_end or started)
-        self.last_step = {
-            "samples": float(self._samples),
-            "compute_s": max((self._backward_done or now) - started - stats.seconds, 0.0),  # excludes comm
-            "comm_s": stats.seconds,
-            "bytes_sent": float(stats.bytes_sent),
-            "step_s": step_s,
-        }
-        self.totals["steps"] += 1
-        self.totals["bytes_sent"] += stats.bytes_sent
-        self.totals["comm_s"] += stats.seconds
-        self.totals["samples"] += self._samples
-        stats.reset()
-        self._samples = 0
-        self._steps_done += 1
+        state = self._hook_state
+        self._meter.step_finished(state.stats, state.exposed_s)
+        state.stats.reset()
+        state.exposed_s = 0.0
         self._exchanged_this_step = False
-        self._last_step_end, self._step_started, self._backward_done = now, None, None
 
     @classmethod
     @override
@@ -288,31 +346,9 @@ class RingDDPStrategy(DDPStrategy):
             )
 
 
-def _metrics_from(control: StepControl, world_size: int) -> dict[str, float]:
-    """The logged metrics, from the per-rank rows of an exchange (they describe the previous step)."""
-    step = control.per_rank("rank_step_s")
-    if max(step) <= 0:
-        return {}  # the first step's exchange carries no previous step
-    samples = control.per_rank("rank_samples")
-    compute = control.per_rank("rank_compute_s")
-    comm = control.per_rank("rank_comm_s")
-    sent = control.per_rank("rank_bytes_sent")
-    metrics = {
-        "dist/step_time_ms": 1e3 * max(step),
-        "dist/throughput": sum(samples) / max(step),
-        "dist/comm_ms": 1e3 * max(comm),
-        "dist/bytes_sent_per_rank": sum(sent) / world_size,
-        "dist/straggler_ratio": max(compute) / min(compute) if min(compute) > 0 else 1.0,
-    }
-    for r in range(world_size):
-        metrics[f"dist/rank{r}/compute_ms"] = 1e3 * compute[r]
-        metrics[f"dist/rank{r}/comm_ms"] = 1e3 * comm[r]
-        metrics[f"dist/rank{r}/samples_per_s"] = samples[r] / compute[r] if compute[r] > 0 else 0.0
-        metrics[f"dist/rank{r}/bytes_sent"] = sent[r]
-    return metrics
-
-
-def _as_timedelta(timeout: Union[float, int, timedelta]) -> timedelta:
+def _as_timedelta(timeout: Union[float, int, timedelta, None]) -> timedelta:
+    if timeout is None:  # as DDPStrategy: torch's default
+        return default_pg_timeout
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
     if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds <= 0:
         raise ValueError(f"timeout={timeout!r} must be a positive number of seconds (default {DEFAULT_TIMEOUT_S}).")

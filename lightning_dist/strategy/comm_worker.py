@@ -1,0 +1,131 @@
+"""The communication worker: one thread per DDP model that reduces gradient buckets while backward goes on.
+
+A blocking DDP comm hook stalls the autograd thread until its bucket has travelled, so no communication
+overlaps computation. Stock DDP avoids that with asynchronous work handles; Horovod with one background
+thread that drives every collective. We do the latter, because our ring and tree are Python loops over
+point-to-point operations, not a single asynchronous call:
+
+1. the hook (autograd thread) wraps the bucket's work in a closure and calls :meth:`CommWorker.submit`,
+   which queues it and returns a pending :class:`torch.futures.Future` at once;
+2. the worker thread takes jobs first in, first out, runs each (weight -> compress -> transport ->
+   decompress) and completes its Future with the reduced buffer;
+3. DDP waits for every bucket's Future at the end of backward, then copies the results into ``.grad``.
+
+Order: DDP hands buckets over in index order on every rank and one thread runs them in that order, so the
+point-to-point messages of the ring and the tree stay matched across ranks. The worker's collectives run
+on a process group of their own (the strategy makes it), never the default group, on which DDP and
+Lightning issue collectives from the main thread: two threads interleaving on one group can issue
+operations in a different order on different ranks, a mismatch or a hang.
+
+Failure: an exception in a job completes that job's Future with an error that carries the original
+exception's type, message and traceback, so ``loss.backward()`` on the main thread raises it. The worker
+is then *failed*: every later job is refused at once with the same cause rather than run, because a rank
+whose bucket ``k`` failed would otherwise send bucket ``k + 1`` while its peers still wait in bucket ``k``.
+It stays failed until it is stopped; the strategy starts a fresh one at the next fit.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+from typing import Any, Callable, Optional
+
+import torch
+
+THREAD_NAME = "lightning_dist-comm"  # every worker thread's name starts with this (tests look for it)
+_STOP = None  # the sentinel that ends the loop
+
+
+class CommWorkerError(RuntimeError):
+    """A job on the communication worker raised; the message holds the original error and its traceback."""
+
+
+def _unwrap(fut: torch.futures.Future) -> Any:
+    # ``Future.set_exception`` stores the exception as the value and raises it only from Python's
+    # ``wait()``; DDP waits in C++ and would try to cast it to a Tensor. Raising it inside a ``then``
+    # callback turns it into a real error of the chained Future, which C++ rethrows with its message.
+    return fut.value()
+
+
+class CommWorker:
+    """A FIFO queue of communication jobs, run by one daemon thread.
+
+    Args:
+        name: the thread's name (prefixed with :data:`THREAD_NAME`), shown in tracebacks and traces.
+        on_start: called first thing on the worker thread (e.g. to select the CUDA device there).
+    """
+
+    def __init__(self, name: str = "", on_start: Optional[Callable[[], None]] = None) -> None:
+        self.name = f"{THREAD_NAME}{'-' + name if name else ''}"
+        self._on_start = on_start
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._failure: Optional[str] = None  # the first job's error, once one failed
+
+    # -- life cycle -----------------------------------------------------------------------------------
+    def start(self) -> CommWorker:
+        if self._thread is not None:
+            raise RuntimeError(f"{self.name} was already started; make a new CommWorker per fit")
+        self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+        self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def failed(self) -> bool:
+        return self._failure is not None
+
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Let queued jobs finish (or be refused), end the thread and join it; returns whether it ended.
+
+        A job blocked in a collective whose peer stalls cannot be interrupted from here: after ``timeout_s``
+        the (daemon) thread is left to end with the process and ``False`` is returned.
+        """
+        if self._thread is None:
+            return True
+        self._jobs.put(_STOP)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    # -- jobs -----------------------------------------------------------------------------------------
+    def submit(self, job: Callable[[], torch.Tensor], what: str = "job") -> torch.futures.Future:
+        """Queue ``job`` and return a Future of its result; ``what`` names it in an error message."""
+        if not self.alive:
+            raise RuntimeError(f"{self.name} is not running (it was never started, or it was stopped)")
+        fut: torch.futures.Future = torch.futures.Future()
+        self._jobs.put((job, fut, what))
+        return fut.then(_unwrap)
+
+    def _loop(self) -> None:
+        try:
+            if self._on_start is not None:
+                self._on_start()
+        except BaseException:  # noqa: BLE001 - reported through every job's Future instead
+            self._failure = f"{self.name} failed to start:\n{traceback.format_exc()}"
+        while True:
+            item = self._jobs.get()
+            if item is _STOP:
+                break
+            job, fut, what = item
+            if self._failure is not None:
+                fut.set_exception(CommWorkerError(f"{what} was not sent: an earlier job failed.\n{self._failure}"))
+                continue
+            try:
+                result = job()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting main thread
+                self._failure = f"{what} failed on {self.name}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+                fut.set_exception(CommWorkerError(self._failure))
+            else:
+                fut.set_result(result)
+        _release_thread_buffers()
+
+
+def _release_thread_buffers() -> None:
+    from lightning_dist.comm import release_scratch  # the worker's own scratch buffers (thread-local)
+
+    release_scratch()
+

@@ -1,0 +1,106 @@
+"""What each rank measures per optimizer step, and the metrics rank zero logs from every rank's values.
+
+:class:`StepMeter` is the strategy's stopwatch: it stamps the first ``training_step`` of a step, the end of
+backward (all bucket Futures done) and the end of the step, and reads the hook's per-step counters
+(bytes and seconds inside the transport, communication backward did not hide). Its ``last_step`` values
+ride, one step late, on the strategy's per-step control exchange (:data:`PER_RANK_SLOTS`), and
+:func:`metrics_from` turns every rank's row into the ``dist/*`` metrics that
+:class:`~lightning_dist.callbacks.DistMetricsCallback` logs.
+
+``compute_s`` is the step's forward and backward time minus the communication backward waited for
+(``exposed_s``): with the overlapping hook the transport runs beside backward, so subtracting all of it
+would undercount compute. It is the per-rank speed signal (samples / compute_s) stragglers show up in.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from lightning_dist.comm import CommStats
+from lightning_dist.strategy.control import StepControl
+
+# Per-rank slots of the control exchange: what each rank measured in the previous step.
+PER_RANK_SLOTS = ("samples", "compute_s", "comm_s", "exposed_s", "bytes_sent", "step_s")
+
+
+class StepMeter:
+    """One rank's per-step measurements and running totals (the strategy owns one)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """A new fit starts counting afresh (the same strategy object may fit twice)."""
+        self._step_started: Optional[float] = None  # perf_counter at the first training_step of a step
+        self._backward_done: Optional[float] = None
+        self._last_step_end: Optional[float] = None
+        self._samples = 0  # samples this rank used in the current step
+        self.steps_done = 0  # optimizer steps since fit started: the same count on every rank
+        # this rank's own measurements of the last step, always available, no collective involved
+        self.last_step: dict[str, float] = {}
+        # every rank's measurements of the step before the last exchange, identical on every rank
+        self.step_metrics: dict[str, float] = {}
+        self.step_metrics_step = -1  # ``steps_done + 1`` when step_metrics was last refreshed
+        # this rank's running totals over the run (for summary.json)
+        self.totals: dict[str, float] = {"steps": 0, "bytes_sent": 0.0, "comm_s": 0.0, "exposed_s": 0.0,
+                                         "samples": 0.0}
+
+    def batch_started(self, samples: int) -> None:
+        if self._step_started is None:
+            self._step_started = time.perf_counter()
+        self._samples += samples
+
+    def backward_done(self) -> None:
+        self._backward_done = time.perf_counter()
+
+    def exchanged(self, control: StepControl, world_size: int) -> None:
+        """Every rank's values arrived on this step's exchange: refresh what the metrics callback logs."""
+        self.step_metrics = metrics_from(control, world_size)
+        self.step_metrics_step = self.steps_done + 1
+
+    def step_finished(self, stats: CommStats, exposed_s: float) -> None:
+        """Record this step's own measurements (the next exchange carries them to every rank)."""
+        now = time.perf_counter()
+        started = self._step_started or now
+        self.last_step = {
+            "samples": float(self._samples),
+            "compute_s": max((self._backward_done or now) - started - exposed_s, 0.0),
+            "comm_s": stats.seconds,
+            "exposed_s": exposed_s,
+            "bytes_sent": float(stats.bytes_sent),
+            "step_s": now - (self._last_step_end or started),
+        }
+        for key, value in (("steps", 1), ("bytes_sent", stats.bytes_sent), ("comm_s", stats.seconds),
+                           ("exposed_s", exposed_s), ("samples", self._samples)):
+            self.totals[key] += value
+        self._samples = 0
+        self.steps_done += 1
+        self._last_step_end, self._step_started, self._backward_done = now, None, None
+
+
+def metrics_from(control: StepControl, world_size: int) -> dict[str, float]:
+    """The logged metrics, from the per-rank rows of an exchange (they describe the previous step)."""
+    step = control.per_rank("rank_step_s")
+    if max(step) <= 0:
+        return {}  # the first step's exchange carries no previous step
+    samples = control.per_rank("rank_samples")
+    compute = control.per_rank("rank_compute_s")
+    comm = control.per_rank("rank_comm_s")
+    exposed = control.per_rank("rank_exposed_s")
+    sent = control.per_rank("rank_bytes_sent")
+    metrics = {
+        "dist/step_time_ms": 1e3 * max(step),
+        "dist/throughput": sum(samples) / max(step),
+        "dist/comm_ms": 1e3 * max(comm),
+        "dist/exposed_comm_ms": 1e3 * max(exposed),
+        "dist/bytes_sent_per_rank": sum(sent) / world_size,
+        "dist/straggler_ratio": max(compute) / min(compute) if min(compute) > 0 else 1.0,
+    }
+    for r in range(world_size):
+        metrics[f"dist/rank{r}/compute_ms"] = 1e3 * compute[r]
+        metrics[f"dist/rank{r}/comm_ms"] = 1e3 * comm[r]
+        metrics[f"dist/rank{r}/exposed_comm_ms"] = 1e3 * exposed[r]
+        metrics[f"dist/rank{r}/samples_per_s"] = samples[r] / compute[r] if compute[r] > 0 else 0.0
+        metrics[f"dist/rank{r}/bytes_sent"] = sent[r]
+    return metrics
