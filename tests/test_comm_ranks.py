@@ -12,7 +12,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_dist.comm import ALGORITHMS, AUTO_TREE_MAX_BYTES, CommStats, allreduce_, ring_allreduce_, ring_bytes_sent
+from lightning_dist.comm import (
+    ALGORITHMS,
+    AUTO_TREE_MAX_BYTES,
+    CommStats,
+    allreduce_,
+    allreduce_async,
+    ring_allreduce_,
+    ring_bytes_sent,
+)
 from lightning_dist.comm._common import scratch
 from lightning_dist.testing import RanksFailed, run_ranks
 
@@ -122,6 +130,23 @@ def _special_cases(rank, world_size):
     for numel in (1, 100, 4000, threshold - 1, threshold, threshold + 1, 3 * threshold):
         allreduce_(torch.ones(numel), "auto", stats=stats)
     res["auto_choices"] = [r.algorithm for r in stats.records]
+    # the Future form (the communication worker's): same results, also non-contiguous and avg; several
+    # native calls in flight at once complete in order of issue with the right sums
+    for algorithm in ALGORITHMS:
+        base = _inputs(rank, 40 * 30, torch.float32, True).view(40, 30)
+        x, ref = base.t(), base.t().contiguous()
+        dist.all_reduce(ref)
+        ref /= world_size
+        stats = CommStats()
+        futures = [allreduce_async(x, algorithm, op="avg", stats=stats)]
+        extra = [torch.full((5000,), float(rank + i)) for i in range(3)]
+        futures += [allreduce_async(t, algorithm, stats=stats) for t in extra]
+        results = [f.wait() for f in futures]
+        res[f"async_{algorithm}"] = (
+            results[0] is x and bool(torch.allclose(x, ref, atol=1e-6)),
+            [float(t[0]) for t in extra],
+            stats.calls,
+        )
     return res
 
 
@@ -186,8 +211,17 @@ def test_auto_makes_the_same_size_based_choice_on_every_rank(group_results):
     world_size, per_rank = group_results
     choices = [r["special"]["auto_choices"] for r in per_rank]
     assert all(c == choices[0] for c in choices)
-    expected = ["tree"] * 7 if world_size <= 2 else ["tree"] * 4 + ["ring"] * 3
-    assert choices[0] == expected
+    assert choices[0] == ["tree"] * 4 + ["native"] * 3  # the tree below AUTO_TREE_MAX_BYTES, native above
+
+
+def test_async_form_matches_dist_all_reduce(group_results):
+    world_size, per_rank = group_results
+    expected = [float(sum(r + i for r in range(world_size))) for i in range(3)]
+    for algorithm in ALGORITHMS:
+        ok, sums, calls = per_rank[0]["special"][f"async_{algorithm}"]
+        assert ok, algorithm
+        assert sums == expected, algorithm
+        assert calls == 4, algorithm
 
 
 def test_float16_avg_cannot_overflow(group_results):

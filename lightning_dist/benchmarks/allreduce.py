@@ -24,7 +24,7 @@ Conventions, as in nccl-tests (``doc/PERFORMANCE.md``): ``algbw = bytes / time``
 busbw is comparable across world sizes and against the hardware's bandwidth. GB/s are 1e9 bytes/s.
 
 Outputs in ``--out`` (default ``bench_results/allreduce/``): ``allreduce.json`` (one record per world size,
-size and algorithm, plus the targets and the tree/ring crossover), ``allreduce.txt`` (the printed table) and
+size and algorithm, plus the targets and the tree/native crossover), ``allreduce.txt`` (the printed table) and
 ``allreduce.png`` (busbw per algorithm, one panel per world size; latency for small messages). The segment
 sweep writes ``segment_sweep.{json,txt,png}``. The crossover justifies ``AUTO_TREE_MAX_BYTES`` and the sweep
 ``DEFAULT_SEGMENT_BYTES``; each prints a one-line recommendation.
@@ -157,7 +157,7 @@ def measure(
             medians[case.label] = stats["median_s"]
             algbw = nbytes / stats["median_s"] / 1e9
             # what actually ran: auto resolves by size and world size, as every rank does in training
-            resolved = choose_algorithm(nbytes, "gloo", world_size) if case.algorithm == "auto" else case.algorithm
+            resolved = choose_algorithm(nbytes, "gloo") if case.algorithm == "auto" else case.algorithm
             records.append({
                 "world_size": world_size,
                 "bytes": nbytes,
@@ -184,21 +184,22 @@ def _us(seconds: float) -> str:
 
 
 def crossover(records: Sequence[dict[str, Any]], world_size: int) -> dict[str, Optional[int]]:
-    """Where the tree stops beating the ring: the largest size the tree wins below the ring's winning streak.
+    """Where the tree stops beating native (what ``auto`` switches between): the largest size the tree wins
+    below native's winning streak.
 
-    ``ring_wins_from`` is the smallest size from which the ring is faster at every larger measured size
+    ``native_wins_from`` is the smallest size from which native is faster at every larger measured size
     (None if the tree wins at the largest); ``tree_wins_up_to`` the size just below it (None if none).
     """
     by_key = _lookup(records)
     sizes = sorted({r["bytes"] for r in records if r["world_size"] == world_size})
-    median = {(s, a): by_key[world_size, s, a]["median_s"] for s in sizes for a in ("ring", "tree")}
-    ring_faster = [median[s, "ring"] < median[s, "tree"] for s in sizes]
+    median = {(s, a): by_key[world_size, s, a]["median_s"] for s in sizes for a in ("native", "tree")}
+    native_faster = [median[s, "native"] < median[s, "tree"] for s in sizes]
     start = len(sizes)
-    while start > 0 and ring_faster[start - 1]:
+    while start > 0 and native_faster[start - 1]:
         start -= 1
     return {
         "tree_wins_up_to": sizes[start - 1] if start > 0 else None,
-        "ring_wins_from": sizes[start] if start < len(sizes) else None,
+        "native_wins_from": sizes[start] if start < len(sizes) else None,
     }
 
 
@@ -299,29 +300,23 @@ def plot(
 
 
 def _describe_crossover(c: dict[str, Optional[int]]) -> str:
-    low, high = c["tree_wins_up_to"], c["ring_wins_from"]
+    low, high = c["tree_wins_up_to"], c["native_wins_from"]
     if high is None:
         return "tree wins at every size"
     if low is None:
-        return "ring wins at every size"
-    return f"tree wins up to {size_label(low)}, ring from {size_label(high)}"
+        return "native wins at every size"
+    return f"tree wins up to {size_label(low)}, native from {size_label(high)}"
 
 
 def _recommend_threshold(cross: dict[int, dict[str, Optional[int]]]) -> list[str]:
-    """The crossover per world size, and ``AUTO_TREE_MAX_BYTES`` for 2 ranks and for all measured ones."""
-    lines = ["tree/ring crossover: " + "; ".join(f"{n} ranks: {_describe_crossover(c)}"
-                                                for n, c in sorted(cross.items())) + "."]
-    advice = []
-    if 2 in cross:
-        high = cross[2]["ring_wins_from"]
-        advice.append(f"AUTO_TREE_MAX_BYTES = {size_label(high)} at 2 ranks" if high is not None
-                      else "the tree wins at every size at 2 ranks: measure larger sizes before choosing")
-    froms = [c["ring_wins_from"] for c in cross.values()]
-    if len(cross) > 1 and None not in froms:
-        # ``auto`` sees only the byte size, so one threshold must serve every world size
-        advice.append(f"{size_label(min(froms))} for every measured world size")
-    current = size_label(AUTO_TREE_MAX_BYTES)
-    lines.append(f"recommendation: {'; '.join(advice) or 'none'} (current {current}).")
+    """The crossover per world size, and one ``AUTO_TREE_MAX_BYTES`` for every measured world size."""
+    lines = ["tree/native crossover: " + "; ".join(f"{n} ranks: {_describe_crossover(c)}"
+                                                  for n, c in sorted(cross.items())) + "."]
+    froms = [c["native_wins_from"] for c in cross.values()]
+    # ``auto`` sees only the byte size, so one threshold must serve every world size
+    advice = (f"AUTO_TREE_MAX_BYTES = {size_label(min(froms))}" if None not in froms
+              else "the tree wins at the largest size somewhere: measure larger sizes before choosing")
+    lines.append(f"recommendation: {advice} (current {size_label(AUTO_TREE_MAX_BYTES)}).")
     return lines
 
 

@@ -3,7 +3,8 @@
 - :func:`ring_allreduce_`: bandwidth-optimal pipelined ring, for large messages.
 - :func:`tree_allreduce_`: latency-optimal recursive doubling, for small messages.
 - :func:`native_allreduce_`: the backend's own ``all_reduce`` with the same contract.
-- :func:`allreduce_`: any of them by name, ``"auto"`` choosing by message size.
+- :func:`allreduce_`: any of them by name, ``"auto"`` choosing by message size (the tree below
+  :data:`AUTO_TREE_MAX_BYTES`, native above); :func:`allreduce_async` returns a Future instead.
 - :class:`CommStats`: bytes sent/received and time per call.
 """
 
@@ -12,6 +13,7 @@ from lightning_dist.comm.dispatch import (
     ALGORITHMS,
     AUTO_TREE_MAX_BYTES,
     allreduce_,
+    allreduce_async,
     check_algorithm,
     choose_algorithm,
     native_allreduce_,
@@ -27,6 +29,7 @@ __all__ = [
     "CallRecord",
     "CommStats",
     "allreduce_",
+    "allreduce_async",
     "check_algorithm",
     "choose_algorithm",
     "native_allreduce_",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -10,7 +11,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_dist.comm.stats import CallRecord, CommStats, _Timer
+from lightning_dist.comm.stats import CallRecord, CommStats
 
 OPS = ("sum", "avg")
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -150,6 +151,49 @@ def flat_work_view(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], Non
 Body = Callable[[torch.Tensor, GroupView], tuple[int, int, bool]]
 
 
+@dataclass
+class InPlaceCall:
+    """One collective between :func:`begin_in_place` and :meth:`finish`: the flat tensor to reduce, and what
+    is needed to complete the call once it has been reduced (possibly later, on another thread)."""
+
+    algorithm: str
+    tensor: torch.Tensor
+    flat: torch.Tensor
+    view: GroupView
+    op: str
+    stats: Optional[CommStats]
+    write_back: Callable[[], None]
+    divided: bool
+    started: float
+
+    @property
+    def trivial(self) -> bool:
+        """Nothing to send: one rank, or no elements."""
+        return self.view.size <= 1 or self.flat.numel() == 0
+
+    def finish(self, sent: int = 0, received: int = 0, estimated: bool = False) -> torch.Tensor:
+        post_divide(self.flat, self.op, self.view.size, self.divided)
+        self.write_back()
+        if self.stats is not None:
+            seconds = time.perf_counter() - self.started
+            self.stats.record(CallRecord(self.algorithm, self.tensor.numel(), sent, received, seconds, estimated))
+        return self.tensor
+
+
+def begin_in_place(
+    algorithm: str, tensor: torch.Tensor, group: Optional[dist.ProcessGroup], op: str, stats: Optional[CommStats]
+) -> InPlaceCall:
+    """What every collective here does before its algorithm: check the op, flatten, ``avg`` pre-division."""
+    check_op(op, tensor.dtype)
+    started = time.perf_counter()
+    view = group_view(group)
+    if algorithm != "native":
+        warn_if_experimental(tensor, algorithm)
+    flat, write_back = flat_work_view(tensor)
+    divided = pre_divide(flat, op, view.size)
+    return InPlaceCall(algorithm, tensor, flat, view, op, stats, write_back, divided, started)
+
+
 def run_in_place(
     algorithm: str,
     tensor: torch.Tensor,
@@ -158,24 +202,12 @@ def run_in_place(
     stats: Optional[CommStats],
     body: Body,
 ) -> torch.Tensor:
-    """What every collective here does around its algorithm: check the op, flatten, ``avg`` handling,
-    skip the trivial cases (one rank, no elements), write back a non-contiguous input, time and record."""
-    check_op(op, tensor.dtype)
-    with _Timer() as timer:
-        view = group_view(group)
-        if algorithm != "native":
-            warn_if_experimental(tensor, algorithm)
-        flat, write_back = flat_work_view(tensor)
-        divided = pre_divide(flat, op, view.size)
-        sent = received = 0
-        estimated = algorithm == "native"  # the backend does not report what it sent
-        if view.size > 1 and flat.numel() > 0:
-            sent, received, estimated = body(flat, view)
-        post_divide(flat, op, view.size, divided)
-        write_back()
-    if stats is not None:
-        stats.record(CallRecord(algorithm, tensor.numel(), sent, received, timer.seconds, estimated))
-    return tensor
+    """A blocking collective: :func:`begin_in_place`, ``body`` unless the call is trivial, then
+    :meth:`InPlaceCall.finish` (``avg`` division, write-back of a non-contiguous input, timing, record)."""
+    call = begin_in_place(algorithm, tensor, group, op, stats)
+    if call.trivial:
+        return call.finish(estimated=algorithm == "native")
+    return call.finish(*body(call.flat, call.view))
 
 
 def segment_elements(segment_bytes: int, element_size: int, default: int) -> int:

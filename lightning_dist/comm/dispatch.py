@@ -1,12 +1,22 @@
 """One entry point for every algorithm: ``allreduce_(tensor, algorithm="auto")``, and gloo/NCCL's native.
 
-``auto`` picks by message size and group size. At 2 ranks the (segmented) tree sends exactly the ring's
-bytes in one phase instead of two, so it wins at every size; at 3 or more ranks it sends ``log2 N`` times the
-message, so it wins below a fixed size and the ring above. The choice depends only on the byte size and
-the group size, which every rank shares, so every rank makes the same choice (two ranks choosing
-differently would each wait for messages the other never sends). The threshold is a constant measured by
-``python -m lightning_dist.benchmarks.allreduce``, never a timing taken at run time on each rank. On NCCL,
-``auto`` uses NCCL's own all_reduce: its ring and tree kernels beat Python point-to-point on GPUs.
+``auto`` picks by message size: the latency-optimal tree below :data:`AUTO_TREE_MAX_BYTES`, the backend's
+own all-reduce from there on. The choice depends only on the byte size and the backend, which every rank
+shares, so every rank makes the same choice (two ranks choosing differently would each wait for messages
+the other never sends). The threshold is a constant measured by ``python -m lightning_dist.benchmarks.allreduce``,
+never a timing taken at run time on each rank.
+
+Why native for large messages: gloo's own all-reduce is itself a bandwidth-optimal ring, in C++. In the
+all-reduce benchmark (2-core machines, 2 to 4 ranks) it was as fast as or faster than ours from 1 MiB on at
+every world size (the tree 1.04-1.5x slower, our ring up to 1.36x slower), and in a training step, where
+backward keeps every core busy, an asynchronous native all-reduce needs no Python thread to be scheduled
+between the pieces of a message: it took the overlapped step to 1.00-1.04x stock DDP where our ring and tree
+took 1.1-1.2x (see the README's step benchmark). Below 1 MiB the tree's fewer rounds win (0.4-0.9x native's
+time). Our ring stays available by name, and is what compressed payloads that need our own reduction use.
+On NCCL, ``auto`` always uses NCCL's kernels.
+
+:func:`allreduce_async` is the form the strategy's communication worker uses: native calls are issued
+asynchronously and complete on the backend's thread, so the worker goes straight on to the next bucket.
 """
 
 from __future__ import annotations
@@ -16,16 +26,16 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lightning_dist.comm._common import GroupView, group_view, run_in_place
+from lightning_dist.comm._common import begin_in_place, group_view
 from lightning_dist.comm.ring import ring_allreduce_, ring_bytes_sent
 from lightning_dist.comm.stats import CommStats
 from lightning_dist.comm.tree import tree_allreduce_
 
 ALGORITHMS = ("ring", "tree", "native", "auto")
 
-# At 3 or more ranks, messages smaller than this go through the tree under ``auto``. Measured by the
-# allreduce benchmark (2-core CPU machines, gloo, 3 and 4 ranks): the tree beat the ring at every size up
-# to 1 MiB in every run, the ring took over between 1 and 4 MiB (see README, "All-reduce benchmark").
+# Messages smaller than this go through the tree under ``auto``, larger ones through the backend's own
+# all-reduce. Measured by the allreduce benchmark (2-core CPU machines, gloo, 2 to 4 ranks): the tree beat
+# native at every size below 1 MiB at every world size; from 1 MiB native was faster or level.
 AUTO_TREE_MAX_BYTES = 1 << 20
 
 
@@ -35,15 +45,11 @@ def check_algorithm(algorithm: str) -> str:
     return algorithm
 
 
-def choose_algorithm(
-    nbytes: int, backend: str, world_size: int, tree_max_bytes: int = AUTO_TREE_MAX_BYTES
-) -> str:
+def choose_algorithm(nbytes: int, backend: str, tree_max_bytes: int = AUTO_TREE_MAX_BYTES) -> str:
     """What ``auto`` runs: a pure function of values every rank shares (never of a per-rank timing)."""
     if backend == "nccl":
         return "native"
-    if world_size <= 2:
-        return "tree"
-    return "tree" if nbytes < tree_max_bytes else "ring"
+    return "tree" if nbytes < tree_max_bytes else "native"
 
 
 def native_allreduce_(
@@ -58,13 +64,40 @@ def native_allreduce_(
     gloo has no ``ReduceOp.AVG``, so ``avg`` is a sum and a division (float16 divided first, as in the ring).
     The bytes recorded are the ring's count, marked ``estimated``: the backend does not report its own.
     """
+    return _native_async(tensor, group, op, stats).wait()
 
-    def body(flat: torch.Tensor, view: GroupView) -> tuple[int, int, bool]:
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        nbytes = ring_bytes_sent(flat.numel(), view.size, view.rank, flat.element_size())
-        return nbytes, nbytes, True
 
-    return run_in_place("native", tensor, group, op, stats, body)
+def _native_async(
+    tensor: torch.Tensor, group: Optional[dist.ProcessGroup], op: str, stats: Optional[CommStats]
+) -> torch.futures.Future:
+    """Issue the backend's all_reduce with ``async_op=True``; the Future's callback (on the backend's thread)
+    divides for ``avg``, writes back a non-contiguous input and records the call."""
+    call = begin_in_place("native", tensor, group, op, stats)
+    if call.trivial:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(call.finish(estimated=True))
+        return fut
+    work = dist.all_reduce(call.flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    nbytes = ring_bytes_sent(call.flat.numel(), call.view.size, call.view.rank, call.flat.element_size())
+
+    def finish(done: torch.futures.Future) -> torch.Tensor:
+        done.value()  # raises the backend's error (a peer that died, a timeout)
+        return call.finish(nbytes, nbytes, estimated=True)
+
+    return work.get_future().then(finish)
+
+
+def resolve_algorithm(
+    tensor: torch.Tensor, algorithm: str, group: Optional[dist.ProcessGroup], tree_max_bytes: int = AUTO_TREE_MAX_BYTES
+) -> str:
+    """``algorithm`` itself, or what ``auto`` chooses for ``tensor`` (the same on every rank)."""
+    check_algorithm(algorithm)
+    if algorithm != "auto":
+        return algorithm
+    group_view(group)  # raises a clear error when torch.distributed is not initialized
+    # CUDA tensors travel over NCCL (also under a "cpu:gloo,cuda:nccl" backend string)
+    backend = "nccl" if tensor.is_cuda else str(dist.get_backend(group))
+    return choose_algorithm(tensor.numel() * tensor.element_size(), backend, tree_max_bytes)
 
 
 def allreduce_(
@@ -77,14 +110,33 @@ def allreduce_(
     tree_max_bytes: int = AUTO_TREE_MAX_BYTES,
 ) -> torch.Tensor:
     """Reduce ``tensor`` in place across ``group`` with ``algorithm`` (``ring``, ``tree``, ``native``, ``auto``)."""
-    check_algorithm(algorithm)
-    if algorithm == "auto":
-        view = group_view(group)  # raises a clear error when torch.distributed is not initialized
-        # CUDA tensors travel over NCCL (also under a "cpu:gloo,cuda:nccl" backend string)
-        backend = "nccl" if tensor.is_cuda else str(dist.get_backend(group))
-        algorithm = choose_algorithm(tensor.numel() * tensor.element_size(), backend, view.size, tree_max_bytes)
+    algorithm = resolve_algorithm(tensor, algorithm, group, tree_max_bytes)
     if algorithm == "ring":
         return ring_allreduce_(tensor, group, op, stats=stats)
     if algorithm == "tree":
         return tree_allreduce_(tensor, group, op, stats=stats)
     return native_allreduce_(tensor, group, op, stats=stats)
+
+
+def allreduce_async(
+    tensor: torch.Tensor,
+    algorithm: str = "auto",
+    group: Optional[dist.ProcessGroup] = None,
+    op: str = "sum",
+    *,
+    stats: Optional[CommStats] = None,
+    tree_max_bytes: int = AUTO_TREE_MAX_BYTES,
+) -> torch.futures.Future:
+    """:func:`allreduce_` returning a Future of ``tensor``, reduced in place.
+
+    ``native`` is issued with ``async_op=True`` and finished (``avg`` division, write-back, stats) in a
+    callback on the backend's thread when it completes; its recorded seconds run from issue to completion,
+    so they include waiting behind earlier calls. The ring and the tree run to completion here, on the
+    calling thread, and return a completed Future.
+    """
+    algorithm = resolve_algorithm(tensor, algorithm, group, tree_max_bytes)
+    if algorithm == "native":
+        return _native_async(tensor, group, op, stats)
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(allreduce_(tensor, algorithm, group, op, stats=stats))
+    return fut

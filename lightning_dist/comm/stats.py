@@ -9,7 +9,7 @@ a bandwidth-optimal implementation sends, and mark the record ``estimated``.
 
 from __future__ import annotations
 
-import time
+import threading
 from dataclasses import dataclass, field
 
 
@@ -29,7 +29,8 @@ class CallRecord:
 class CommStats:
     """Running totals over many calls, plus the records since the last :meth:`reset`.
 
-    The strategy keeps one per training step: it reads the totals after backward and resets.
+    The strategy keeps one per training step: it reads the totals after backward and resets. Calls may be
+    recorded from several threads (the communication worker, the backend's completion callbacks).
     """
 
     calls: int = 0
@@ -38,14 +39,16 @@ class CommStats:
     seconds: float = 0.0
     records: list[CallRecord] = field(default_factory=list)
     keep_records: bool = True  # turn off for long benchmarks where only the totals matter
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record(self, rec: CallRecord) -> None:
-        self.calls += 1
-        self.bytes_sent += rec.bytes_sent
-        self.bytes_received += rec.bytes_received
-        self.seconds += rec.seconds
-        if self.keep_records:
-            self.records.append(rec)
+        with self._lock:
+            self.calls += 1
+            self.bytes_sent += rec.bytes_sent
+            self.bytes_received += rec.bytes_received
+            self.seconds += rec.seconds
+            if self.keep_records:
+                self.records.append(rec)
 
     def reset(self) -> None:
         self.calls = 0
@@ -61,15 +64,3 @@ class CommStats:
             "bytes_received": self.bytes_received,
             "seconds": self.seconds,
         }
-
-
-class _Timer:
-    """``with _Timer() as t: ...; t.seconds`` using a monotonic clock."""
-
-    def __enter__(self) -> _Timer:
-        self._start = time.perf_counter()
-        self.seconds = 0.0
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.seconds = time.perf_counter() - self._start

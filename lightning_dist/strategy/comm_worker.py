@@ -7,18 +7,25 @@ point-to-point operations, not a single asynchronous call:
 
 1. the hook (autograd thread) wraps the bucket's work in a closure and calls :meth:`CommWorker.submit`,
    which queues it and returns a pending :class:`torch.futures.Future` at once;
-2. the worker thread takes jobs first in, first out, runs each (weight -> compress -> transport ->
-   decompress) and completes its Future with the reduced buffer;
+2. the worker thread takes jobs first in, first out, and runs each (weight -> compress -> transport ->
+   decompress). A job returns the reduced buffer, or a Future of it when its transport was issued
+   asynchronously (the backend's native all-reduce): the worker then goes straight on to the next job and
+   the bucket's Future completes on the backend's thread. Blocking in the worker until each collective is
+   done costs dearly when backward keeps every core busy: each hand-off waits for the scheduler to give
+   the worker a core (measured: 1.2x stock DDP's step on a 4.3 M-parameter MLP, against 1.0x issued
+   asynchronously);
 3. DDP waits for every bucket's Future at the end of backward, then copies the results into ``.grad``.
 
-Order: DDP hands buckets over in index order on every rank and one thread runs them in that order, so the
-point-to-point messages of the ring and the tree stay matched across ranks. The worker's collectives run
+Order: DDP hands buckets over in index order on every rank and one thread runs (or issues) them in that
+order, so the point-to-point messages of the ring and the tree, and the backend's collectives, stay
+matched across ranks. The worker's collectives run
 on a process group of their own (the strategy makes it), never the default group, on which DDP and
 Lightning issue collectives from the main thread: two threads interleaving on one group can issue
 operations in a different order on different ranks, a mismatch or a hang.
 
-Failure: an exception in a job completes that job's Future with an error that carries the original
-exception's type, message and traceback, so ``loss.backward()`` on the main thread raises it. The worker
+Failure: an exception in a job (or in its asynchronous part) completes that job's Future with an error that
+carries the original exception's type, message and traceback, so ``loss.backward()`` on the main thread
+raises it. The worker
 is then *failed*: every later job is refused at once with the same cause rather than run, because a rank
 whose bucket ``k`` failed would otherwise send bucket ``k + 1`` while its peers still wait in bucket ``k``.
 It stays failed until it is stopped; the strategy starts a fresh one at the next fit.
@@ -29,7 +36,7 @@ from __future__ import annotations
 import queue
 import threading
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -92,8 +99,10 @@ class CommWorker:
         return not self._thread.is_alive()
 
     # -- jobs -----------------------------------------------------------------------------------------
-    def submit(self, job: Callable[[], torch.Tensor], what: str = "job") -> torch.futures.Future:
-        """Queue ``job`` and return a Future of its result; ``what`` names it in an error message."""
+    def submit(self, job: Callable[[], Union[torch.Tensor, torch.futures.Future]], what: str = "job"
+               ) -> torch.futures.Future:
+        """Queue ``job`` and return a Future of its result (``job`` may return a Future itself, which the
+        result then follows); ``what`` names it in an error message."""
         if not self.alive:
             raise RuntimeError(f"{self.name} is not running (it was never started, or it was stopped)")
         fut: torch.futures.Future = torch.futures.Future()
@@ -117,11 +126,29 @@ class CommWorker:
             try:
                 result = job()
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting main thread
-                self._failure = f"{what} failed on {self.name}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-                fut.set_exception(CommWorkerError(self._failure))
+                self._fail(fut, what, exc)
+                continue
+            if isinstance(result, torch._C.Future):  # what `then` and the backends return
+                result.add_done_callback(lambda done, fut=fut, what=what: self._settle(fut, what, done))
             else:
                 fut.set_result(result)
         _release_thread_buffers()
+
+    def _settle(self, fut: torch.futures.Future, what: str, done: torch.futures.Future) -> None:
+        """Complete ``fut`` from an asynchronous job's Future (on the thread that completed that one)."""
+        try:
+            value = done.value()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting main thread
+            self._fail(fut, what, exc)
+        else:
+            fut.set_result(value)
+
+    def _fail(self, fut: torch.futures.Future, what: str, exc: BaseException) -> None:
+        """Called inside the ``except`` that caught ``exc``: fail the worker (the first cause is kept)."""
+        message = f"{what} failed on {self.name}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        if self._failure is None:
+            self._failure = message
+        fut.set_exception(CommWorkerError(message))
 
 
 def _release_thread_buffers() -> None:

@@ -1,7 +1,7 @@
 """The DDP communication hook that sends every gradient bucket through lightning_dist's collectives.
 
 DDP calls ``ring_comm_hook(state, bucket)`` once per gradient bucket as soon as backward has filled it, in
-bucket order. The bucket's reduction (:func:`reduce_bucket`) has four visible stages, each a
+bucket order. The bucket's reduction has four visible stages, each a
 ``torch.profiler.record_function`` range, so they show in a Chrome trace:
 
 1. **weight**: scale the local gradient by this rank's share of the step. With equal batches that is
@@ -13,13 +13,16 @@ bucket order. The bucket's reduction (:func:`reduce_bucket`) has four visible st
 
 With a :class:`~lightning_dist.strategy.comm_worker.CommWorker` in the state (the default) the hook only
 queues that work and returns a pending ``Future``: backward goes on computing the next buckets' gradients
-while this one travels, and DDP waits for every Future at the end of backward. Without one the hook
-reduces on the autograd thread and returns a completed ``Future`` (``overlap=False``: simpler to debug,
-and the baseline the step benchmark compares against).
+while this one travels, and DDP waits for every Future at the end of backward. On the worker the
+backend's native all-reduce is issued asynchronously (:func:`~lightning_dist.comm.allreduce_async`) and
+decompressed in its completion callback. Without a worker the hook reduces on the autograd thread and
+returns a completed ``Future`` (``overlap=False``: simpler to debug, and the baseline the step benchmark
+compares against).
 
-Per step, ``state.stats`` collects bytes and seconds inside the transport and ``state.exposed_s`` the
-communication that backward did not hide: from the moment DDP hands over the last bucket (its own
-computation is then over) until that bucket's reduction is done; when blocking, the whole time spent in
+Per step, ``state.stats`` collects bytes and seconds inside the transport, and ``state.exposed_s`` the
+communication that backward did not hide. Overlapped, that is the time from the moment DDP hands over the
+last bucket (backward's own computation is then over) until every bucket is reduced; the strategy adds it
+up after each backward pass (:meth:`RingHookState.close_backward`). Blocking, it is the whole time spent in
 the hook. The strategy reads and resets both once per step.
 """
 
@@ -33,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from lightning_dist.comm import CommStats, allreduce_
+from lightning_dist.comm import CommStats, allreduce_, allreduce_async
 from lightning_dist.compression import Compressor, NoCompressor
 from lightning_dist.strategy.comm_worker import CommWorker
 
@@ -56,10 +59,22 @@ class RingHookState:
     # -- outputs, read and reset by the strategy once per step
     stats: CommStats = field(default_factory=lambda: CommStats(keep_records=False))
     exposed_s: float = 0.0  # communication time backward did not hide (summed over backward passes)
+    handed_at: Optional[float] = None  # perf_counter when this backward pass handed over its last bucket
+    done_at: float = 0.0  # perf_counter when the latest bucket reduction finished
     # id(parameter) -> its name in the module; compressor state is keyed by names, because DDP rebuilds
     # (and renumbers) its buckets after the first step and in every new process
     param_names: dict[int, str] = field(default_factory=dict)
     _bucket_keys: dict[tuple[int, int, int], str] = field(default_factory=dict)
+
+    def close_backward(self) -> None:
+        """After a backward pass (all its buckets reduced): add the time backward waited for the last of them."""
+        if self.handed_at is not None:
+            self.exposed_s += max(0.0, self.done_at - self.handed_at)
+            self.handed_at = None
+
+    def reset_step(self) -> None:
+        self.stats.reset()
+        self.exposed_s, self.handed_at = 0.0, None
 
 
 def ring_comm_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -69,36 +84,43 @@ def ring_comm_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futur
         state.on_last_bucket()
     buffer = bucket.buffer()
     key = _bucket_key(state, bucket)
-    handed = time.perf_counter()
     if state.worker is None:
-        result = reduce_bucket(state, buffer, key)
-        state.exposed_s += time.perf_counter() - handed
+        started = time.perf_counter()
+        payload, ctx = _weigh_and_compress(state, buffer, key)
+        with record_function(f"lightning_dist.transport.{state.algorithm}"):
+            allreduce_(payload, state.algorithm, group=state.process_group, op="sum", stats=state.stats)
+        result = _decompress(state, payload, ctx, buffer)
+        state.exposed_s += time.perf_counter() - started
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(result)
         return fut
+    if is_last:
+        state.handed_at = time.perf_counter()
 
-    def job() -> torch.Tensor:
-        result = reduce_bucket(state, buffer, key)
-        if is_last:  # FIFO: every earlier bucket is done too
-            state.exposed_s += time.perf_counter() - handed
-        return result
+    def job() -> torch.futures.Future:
+        payload, ctx = _weigh_and_compress(state, buffer, key)
+        with record_function(f"lightning_dist.transport.{state.algorithm}"):
+            sent = allreduce_async(payload, state.algorithm, group=state.process_group, op="sum", stats=state.stats)
+        return sent.then(lambda done: _decompress(state, done.value(), ctx, buffer))
 
     return state.worker.submit(job, what=f"gradient bucket {bucket.index()} ({_short(key)})")
 
 
-def reduce_bucket(state: RingHookState, buffer: torch.Tensor, key: str) -> torch.Tensor:
-    """The four stages on one bucket's flat buffer; returns the reduced gradient (usually ``buffer`` itself)."""
+def _weigh_and_compress(state: RingHookState, buffer: torch.Tensor, key: str) -> tuple[torch.Tensor, object]:
     with record_function("lightning_dist.weight"):
         if state.weight is None:
             buffer.div_(state.world_size)
         else:
             buffer.mul_(state.weight)
     with record_function("lightning_dist.compress"):
-        payload, ctx = state.compressor.compress(buffer, key)
-    with record_function(f"lightning_dist.transport.{state.algorithm}"):
-        allreduce_(payload, state.algorithm, group=state.process_group, op="sum", stats=state.stats)
+        return state.compressor.compress(buffer, key)
+
+
+def _decompress(state: RingHookState, payload: torch.Tensor, ctx: object, buffer: torch.Tensor) -> torch.Tensor:
     with record_function("lightning_dist.decompress"):
-        return state.compressor.decompress(payload, ctx, buffer)
+        result = state.compressor.decompress(payload, ctx, buffer)
+    state.done_at = max(state.done_at, time.perf_counter())
+    return result
 
 
 def _bucket_key(state: RingHookState, bucket: dist.GradBucket) -> str:

@@ -252,6 +252,12 @@ class RingDDPStrategy(DDPStrategy):
             self._finish_step()
         return output
 
+    @override
+    def post_backward(self, closure_loss: Any) -> None:
+        # every bucket's Future is complete once backward returns (DDP waited for them)
+        self._hook_state.close_backward()
+        super().post_backward(closure_loss)
+
     def _exchange_due(self) -> bool:
         """Every step when a feature needs agreed values, else on logging steps: the same answer on every rank."""
         if self.control.has_agreed:
@@ -298,8 +304,7 @@ class RingDDPStrategy(DDPStrategy):
         """A new fit starts counting afresh (the same strategy object may fit twice)."""
         self._meter.reset()
         self._exchanged_this_step = False
-        self._hook_state.stats.reset()
-        self._hook_state.exposed_s = 0.0
+        self._hook_state.reset_step()
 
     @override
     def on_train_end(self) -> None:
@@ -322,8 +327,7 @@ class RingDDPStrategy(DDPStrategy):
         """Record this step's own measurements; the next exchange carries them to every rank."""
         state = self._hook_state
         self._meter.step_finished(state.stats, state.exposed_s)
-        state.stats.reset()
-        state.exposed_s = 0.0
+        state.reset_step()
         self._exchanged_this_step = False
 
     @classmethod
