@@ -56,6 +56,7 @@ class TrainerConf:
 class StrategyConf:
     _target_: str = "lightning_dist.RingDDPStrategy"
     algorithm: Optional[Algorithm] = Algorithm.auto  # None for strategies without one (stock ddp)
+    overlap: Optional[bool] = True  # reduce buckets on a communication thread during backward; None for stock ddp
     start_method: StartMethod = StartMethod.fork  # fork starts fastest on CPU; popen for CUDA / clusters
     timeout: float = 1800.0  # seconds a collective waits for a stalled peer before failing
     find_unused_parameters: bool = False
@@ -103,7 +104,8 @@ class TrainConf:
     ckpt_path: Optional[str] = None  # resume from this checkpoint (a path)
 
 
-def stock_ddp_strategy(timeout: float, algorithm: Optional[str] = None, **kwargs: Any) -> Any:
+def stock_ddp_strategy(timeout: float, algorithm: Optional[str] = None, overlap: Optional[bool] = None,
+                       **kwargs: Any) -> Any:
     """Lightning's own DDPStrategy from the same keys, for side-by-side runs (``strategy=ddp``)."""
     from datetime import timedelta
 
@@ -111,6 +113,9 @@ def stock_ddp_strategy(timeout: float, algorithm: Optional[str] = None, **kwargs
 
     if algorithm is not None:
         raise ValueError(f"strategy.algorithm={algorithm!r} has no meaning for stock ddp; use strategy=ring_ddp")
+    if overlap is not None:
+        raise ValueError(f"strategy.overlap={overlap!r} has no meaning for stock ddp (it always overlaps); "
+                         "use strategy=ring_ddp")
     return DDPStrategy(timeout=timedelta(seconds=timeout), **kwargs)
 
 

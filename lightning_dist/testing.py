@@ -8,6 +8,7 @@ so a broken collective fails a test in seconds instead of hanging it.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -18,7 +19,7 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -123,3 +124,26 @@ def run_ranks(
         text = "\n".join(f"--- rank {r} ---\n{msg}" for r, msg in sorted(errors.items()))
         raise RanksFailed(f"{len(errors)} rank(s) failed in a group of {world_size}:\n{text}")
     return [outputs[r] for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def launched_externally(rank: int, world_size: int) -> Iterator[None]:
+    """Inside a :func:`run_ranks` rank: let Lightning train in this very process, as under ``torchrun``.
+
+    Sets the variables a launcher sets (``LOCAL_RANK``, ``RANK``, ``WORLD_SIZE``, ``NODE_RANK``), so
+    Lightning sees processes created externally, launches none, and reuses the process group
+    :func:`run_ranks` already initialised: ``Trainer(devices=world_size).fit(...)`` then runs on every rank
+    in-process, fits in a fraction of a second, and its exceptions reach the caller. Restores the
+    environment afterwards.
+    """
+    names = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size), NODE_RANK="0")
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 import lightning_dist  # noqa: F401 - registers the strategies
 from lightning_dist.config import register_configs, validate
 from lightning_dist.perf import PerfConfig, run_preflight
+from lightning_dist.profiling import AllThreadsProfiler
 
 register_configs()
 
@@ -94,8 +95,11 @@ def build(cfg: DictConfig, output_dir: str, started: float) -> tuple[pl.Trainer,
         callbacks.append(instantiate(node))
     callbacks.append(ApplyPerfCallback(perf, cfg.trainer.devices))
     callbacks.append(RunSummaryCallback(os.path.join(output_dir, "summary.json"), plain, started))
+    trainer_kwargs = dict(plain["trainer"])
+    if trainer_kwargs.get("profiler") == "pytorch":  # with the communication worker's thread in the trace
+        trainer_kwargs["profiler"] = AllThreadsProfiler()
     trainer = pl.Trainer(
-        **plain["trainer"],
+        **trainer_kwargs,
         strategy=strategy,
         callbacks=callbacks,
         logger=CSVLogger(output_dir, name="csv", version=""),

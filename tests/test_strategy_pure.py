@@ -10,6 +10,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 import lightning_dist
 from lightning_dist import RingDDPStrategy
+from lightning_dist.comm import CallRecord
 from lightning_dist.compression import Compressor, NoCompressor
 from lightning_dist.strategy import StepControl
 
@@ -51,6 +52,29 @@ def test_trainer_accepts_the_name():
 def test_conflicting_ddp_keywords_are_rejected(key):
     with pytest.raises(ValueError, match=f"{key}.*collide"):
         RingDDPStrategy(**{key: object()})
+    RingDDPStrategy(**{key: None})  # DDPStrategy's default is accepted, as DDPStrategy accepts it
+
+
+def test_signature_mirrors_ddp_strategy_with_our_arguments_keyword_only():
+    ours = inspect.signature(RingDDPStrategy.__init__).parameters
+    theirs = inspect.signature(DDPStrategy.__init__).parameters
+    positional = [n for n, p in theirs.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert [n for n, p in ours.items() if p.kind is p.POSITIONAL_OR_KEYWORD] == positional
+    for name in ("algorithm", "compressor", "overlap"):
+        assert ours[name].kind is inspect.Parameter.KEYWORD_ONLY
+    cpu = [torch.device("cpu")] * 2
+    s = RingDDPStrategy(None, cpu, None, None, None, None, None, None, None, "gloo", None, "fork")
+    assert s.parallel_devices == cpu and s.process_group_backend == "gloo" and s._start_method == "fork"
+    assert s._timeout == timedelta(minutes=30)  # timeout=None: torch's default, as DDPStrategy
+    assert RingDDPStrategy(timeout=None)._timeout == DDPStrategy()._timeout
+
+
+def test_the_strategy_pickles_for_the_spawn_launcher():
+    import pickle
+
+    strategy = pickle.loads(pickle.dumps(RingDDPStrategy(start_method="spawn", algorithm="ring")))
+    assert strategy.algorithm == "ring" and strategy.overlap
+    strategy.hook_state.stats.record(CallRecord("ring", 1, 4, 4, 0.1))  # its lock was recreated
 
 
 def test_other_ddp_keywords_pass_through_and_timeout_converts():
@@ -70,6 +94,7 @@ def test_other_ddp_keywords_pass_through_and_timeout_converts():
         ({"timeout": "soon"}, "timeout='soon'"),
         ({"start_method": "thread"}, "start_method='thread'"),
         ({"compressor": "zip"}, "compressor='zip'"),
+        ({"overlap": "yes"}, "overlap='yes'"),
     ],
 )
 def test_bad_arguments_name_the_value(kwargs, match):

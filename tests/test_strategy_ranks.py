@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_dist import RingDDPStrategy
 from lightning_dist.compression import Compressor
 from lightning_dist.strategy import RingHookState, ring_comm_hook
+from lightning_dist.strategy.comm_worker import CommWorker
 from lightning_dist.testing import run_ranks
 
 WEIGHT_TOLERANCE = 1e-6  # stock vs ring_ddp; in practice the weights come out bit-identical at 2 ranks
@@ -139,6 +140,9 @@ def runs(tmp_path_factory):
         logger = CSVLogger(str(tmp), name="csv", version="") if algorithm == "auto" else False
         strategy = RingDDPStrategy(algorithm=algorithm, start_method="fork", timeout=60, bucket_cap_mb=0.001)
         out[algorithm] = _fit(tmp, algorithm, strategy, logger=logger)
+    # the blocking hook (overlap=False) keeps working, and trains the same weights
+    out["auto_blocking"] = _fit(tmp, "auto_blocking", RingDDPStrategy(
+        algorithm="auto", start_method="fork", timeout=60, bucket_cap_mb=0.001, overlap=False))
     out["find_unused"] = _fit(tmp, "find_unused", RingDDPStrategy(
         algorithm="ring", start_method="fork", timeout=60, find_unused_parameters=True), unused_branch=True)
     out["static_graph"] = _fit(tmp, "static_graph", RingDDPStrategy(
@@ -159,7 +163,7 @@ def runs(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("algorithm", ["auto", "ring", "tree", "native"])
+@pytest.mark.parametrize("algorithm", ["auto", "ring", "tree", "native", "auto_blocking"])
 def test_same_weights_as_stock_ddp(runs, algorithm):
     stock, _ = runs["stock"]
     ours, _ = runs[algorithm]
@@ -168,7 +172,8 @@ def test_same_weights_as_stock_ddp(runs, algorithm):
         assert diff <= WEIGHT_TOLERANCE, f"{key}: max |diff| {diff} with algorithm={algorithm}"
 
 
-@pytest.mark.parametrize("algorithm", ["auto", "ring", "tree", "native", "find_unused", "static_graph"])
+@pytest.mark.parametrize("algorithm", ["auto", "ring", "tree", "native", "auto_blocking", "find_unused",
+                                       "static_graph"])
 def test_parameters_bit_identical_across_ranks_after_every_step(runs, algorithm):
     _, report = runs[algorithm]
     assert report["steps"] == 16  # 2 epochs x 64 samples per rank / batch 8
@@ -223,6 +228,7 @@ def test_step_metrics_are_measured_and_logged_from_rank_zero(runs):
     logged = [row for row in rows if row.get("dist/rank1/comm_ms")]
     assert len(logged) == 15  # log_every_n_steps=1: one row per step but the first (metrics arrive a step late)
     assert all(float(row["dist/throughput"]) > 0 for row in logged)
+    assert all(float(row["dist/exposed_comm_ms"]) >= 0 and row["dist/rank1/exposed_comm_ms"] for row in logged)
 
 
 # ---- the hook without Lightning, against a single-process reference -------------------------------------
@@ -250,15 +256,18 @@ def _batches(world_size):
     return torch.randn(world_size * 5, 6, generator=gen), torch.randint(0, 3, (world_size * 5,), generator=gen)
 
 
-def _hook_grads(rank, world_size, algorithm, compress):
+def _hook_grads(rank, world_size, algorithm, compress, overlap, group):
     model = DistributedDataParallel(_net(), bucket_cap_mb=0.0001)  # several buckets
-    state = RingHookState(algorithm=algorithm, world_size=world_size,
+    worker = CommWorker().start() if overlap else None
+    state = RingHookState(algorithm=algorithm, world_size=world_size, worker=worker, process_group=group,
                           compressor=HalfPrecisionCompressor() if compress else Compressor(),
                           param_names={id(p): n for n, p in model.module.named_parameters()})
     model.register_comm_hook(state, ring_comm_hook)
     x, y = _batches(world_size)
     mine = slice(rank * 5, (rank + 1) * 5)
     nn.functional.cross_entropy(model(x[mine]), y[mine]).backward()
+    if worker is not None:
+        assert worker.stop(5.0)
     keys = sorted(getattr(state.compressor, "keys", []))
     return [p.grad.clone() for p in model.parameters()], state.stats.bytes_sent, keys
 
@@ -266,24 +275,28 @@ def _hook_grads(rank, world_size, algorithm, compress):
 @pytest.mark.parametrize("world_size", [3])
 def test_hook_gradients_equal_single_process_reference(world_size):
     def run(rank, ws):
-        return {(a, c): _hook_grads(rank, ws, a, c) for a in ("ring", "tree", "native", "auto")
-                for c in (False, True)}
+        group = dist.new_group()  # the worker's collectives run on a group of their own
+        return {(a, c, o): _hook_grads(rank, ws, a, c, o, group) for a in ("ring", "tree", "native", "auto")
+                for c in (False, True) for o in (False, True)}
 
     results = run_ranks(run, world_size, deadline_s=90)
     net = _net()
     x, y = _batches(world_size)
     nn.functional.cross_entropy(net(x), y).backward()  # mean over the union of equal-sized batches
     reference = [p.grad for p in net.parameters()]
-    for (algorithm, compress), (grads, sent, keys) in results[0].items():
+    for (algorithm, compress, overlap), (grads, sent, keys) in results[0].items():
         tol = 2e-3 if compress else 1e-6
         for g, ref in zip(grads, reference):
-            assert torch.allclose(g, ref, atol=tol), (algorithm, compress, (g - ref).abs().max())
+            assert torch.allclose(g, ref, atol=tol), (algorithm, compress, overlap, (g - ref).abs().max())
         for other in results[1:]:  # identical on every rank
-            assert all(torch.equal(a, b) for a, b in zip(grads, other[(algorithm, compress)][0]))
+            assert all(torch.equal(a, b) for a, b in zip(grads, other[(algorithm, compress, overlap)][0]))
+        # the worker reduces exactly what the blocking hook reduces
+        blocking = results[0][(algorithm, compress, False)][0]
+        assert all(torch.equal(a, b) for a, b in zip(grads, blocking)), (algorithm, compress)
         if compress:
             # bucket keys are parameter names, stable across DDP's bucket rebuilds
             assert keys and all("weight" in k or "bias" in k for k in keys), keys
-            assert sent < results[0][(algorithm, False)][1]  # float16 on the wire: fewer bytes
+            assert sent < results[0][(algorithm, False, overlap)][1]  # float16 on the wire: fewer bytes
 
 
 _INTERACTIVE_SCRIPT = """

@@ -61,6 +61,7 @@ def test_callbacks_take_a_list():
     [
         ("trainer.max_epoch=3", ConfigCompositionException, "max_epoch"),
         ("strategy.algorithm=rings", ConfigCompositionException, "rings"),
+        ("strategy.overlap=maybe", ConfigCompositionException, "maybe"),
         ("trainer.devices=two", ConfigCompositionException, "two"),
         ("strategy=ringddp", ConfigCompositionException, "ringddp"),
         ("trainer.devices=0", ValueError, "trainer.devices=0"),
@@ -181,3 +182,14 @@ def test_other_launchers_run_the_command(tmp_path, start_method):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["global_step"] == 3 and summary["config"]["strategy"]["start_method"] == start_method
+
+
+def test_stock_ddp_refuses_ring_ddp_only_keys():
+    from lightning_dist.config import stock_ddp_strategy
+
+    with pytest.raises(ValueError, match="strategy.overlap=False"):
+        stock_ddp_strategy(timeout=60.0, overlap=False)
+    with pytest.raises(ValueError, match="strategy.algorithm='ring'"):
+        stock_ddp_strategy(timeout=60.0, algorithm="ring")
+    plain = OmegaConf.to_container(_compose("strategy=ddp"), resolve=True, enum_to_str=True)
+    assert instantiate(plain["strategy"]).__class__.__name__ == "DDPStrategy"

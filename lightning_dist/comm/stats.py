@@ -50,6 +50,14 @@ class CommStats:
             if self.keep_records:
                 self.records.append(rec)
 
+    def __getstate__(self) -> dict:
+        # the spawn launcher pickles the strategy, and with it these stats; a lock does not pickle
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def reset(self) -> None:
         self.calls = 0
         self.bytes_sent = 0

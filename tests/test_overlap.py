@@ -1,0 +1,349 @@
+"""The communication worker and the overlapped hook: order, failures, thread lifetime, exposed time, drop-in.
+
+Three tiers: :class:`CommWorker` alone (no process group); DDP with the hook on 2 gloo ranks (no Lightning);
+and Lightning fits run in-process on 2 ranks (``launched_externally``: Lightning sees a launcher's
+variables and reuses the group, as under torchrun), many fits sharing one launched group.
+"""
+
+import glob
+import json
+import threading
+import time
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dist import DistMetricsCallback, RingDDPStrategy
+from lightning_dist.compression import Compressor
+from lightning_dist.profiling import AllThreadsProfiler
+from lightning_dist.strategy import RingHookState, ring_comm_hook
+from lightning_dist.strategy.comm_worker import THREAD_NAME, CommWorker, CommWorkerError
+from lightning_dist.strategy.control import StepControl
+from lightning_dist.testing import launched_externally, run_ranks
+
+
+def _worker_threads():
+    return [t.name for t in threading.enumerate() if t.name.startswith(THREAD_NAME)]
+
+
+# ---- CommWorker alone --------------------------------------------------------------------------------------
+
+def test_jobs_run_in_order_on_the_worker_thread():
+    worker = CommWorker("t").start()
+    seen = []
+
+    def job(i):
+        def run():
+            seen.append((i, threading.current_thread().name))
+            return torch.tensor([float(i)])
+        return run
+
+    futures = [worker.submit(job(i)) for i in range(20)]
+    assert [float(f.wait()) for f in futures] == [float(i) for i in range(20)]
+    assert [i for i, _ in seen] == list(range(20))
+    assert {name for _, name in seen} == {f"{THREAD_NAME}-t"}
+    assert worker.stop(5.0) and not worker.alive
+
+
+def test_a_job_that_returns_a_future_is_followed_until_it_completes():
+    worker = CommWorker().start()
+    later: torch.futures.Future = torch.futures.Future()
+    fut = worker.submit(lambda: later.then(lambda f: f.value() * 2))
+    time.sleep(0.05)
+    assert not fut.done()  # the worker went on; the result waits for the asynchronous part
+    later.set_result(torch.ones(2))
+    assert torch.equal(fut.wait(), torch.full((2,), 2.0))
+    assert worker.stop(5.0)
+
+
+def test_a_failing_job_fails_its_future_and_every_later_one_with_the_cause():
+    worker = CommWorker().start()
+    ok = worker.submit(lambda: torch.zeros(1))
+    bad = worker.submit(lambda: (_ for _ in ()).throw(ValueError("compressor exploded")), what="bucket 3")
+    after = worker.submit(lambda: torch.zeros(1), what="bucket 4")
+    ok.wait()
+    with pytest.raises(RuntimeError, match=r"(?s)bucket 3 failed .*ValueError: compressor exploded"):
+        bad.wait()
+    with pytest.raises(RuntimeError, match=r"(?s)bucket 4 was not sent: an earlier job failed.*compressor exploded"):
+        after.wait()
+    assert worker.failed
+    assert worker.stop(5.0)
+    with pytest.raises(RuntimeError, match="not running"):
+        worker.submit(lambda: torch.zeros(1))
+
+
+def test_an_asynchronous_part_that_fails_fails_the_job():
+    worker = CommWorker().start()
+    later: torch.futures.Future = torch.futures.Future()
+
+    def explode(f):
+        raise ConnectionError("peer went away")
+
+    fut = worker.submit(lambda: later.then(explode), what="bucket 0")
+    later.set_result(None)
+    with pytest.raises(RuntimeError, match="(?s)bucket 0 failed.*peer went away"):
+        fut.wait()
+    assert worker.failed and worker.stop(5.0)
+
+
+def test_stop_gives_up_on_a_job_that_never_returns_and_a_start_failure_reaches_the_jobs():
+    release = threading.Event()
+    worker = CommWorker().start()
+    worker.submit(lambda: release.wait(10) and torch.zeros(1))
+    assert worker.stop(0.2) is False  # blocked, as in a collective whose peer stalled
+    release.set()
+    worker._thread.join(5)
+    assert not worker.alive
+
+    def no_device():
+        raise RuntimeError("no such CUDA device")
+
+    broken = CommWorker(on_start=no_device).start()
+    with pytest.raises(RuntimeError, match="(?s)failed to start.*no such CUDA device"):
+        broken.submit(lambda: torch.zeros(1)).wait()
+    assert broken.stop(5.0)
+
+
+# ---- the hook on DDP, 2 gloo ranks, no Lightning -----------------------------------------------------------
+
+class ExplodingCompressor(Compressor):
+    """Raises on the bucket holding ``param`` (on the ranks in ``ranks``)."""
+
+    name = "exploding"
+
+    def __init__(self, param, ranks, armed=True):
+        self.param, self.ranks, self.armed = param, ranks, armed
+
+    def compress(self, tensor, key):
+        if self.armed and self.param in key.split(",") and dist.get_rank() in self.ranks:
+            raise ValueError(f"compressor exploded on {key}")
+        return tensor, None
+
+
+def _net():
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 2))
+
+
+def _backward_with_failing_bucket(rank, world_size, ranks):
+    model = DistributedDataParallel(_net(), bucket_cap_mb=0.01)  # several buckets
+    group = dist.new_group(timeout=__import__("datetime").timedelta(seconds=20))
+    worker = CommWorker(f"rank{rank}").start()
+    state = RingHookState(algorithm="auto", process_group=group, world_size=world_size, worker=worker,
+                          compressor=ExplodingCompressor("2.weight", ranks, armed=False),
+                          param_names={id(p): n for n, p in model.module.named_parameters()})
+    model.register_comm_hook(state, ring_comm_hook)
+    model(torch.randn(4, 8)).sum().backward()  # DDP rebuilds its buckets before the second forward
+    state.compressor.armed = True
+    started = time.monotonic()
+    try:
+        model(torch.randn(4, 8)).sum().backward()
+        message = None
+    except RuntimeError as err:
+        message = str(err)
+    elapsed = time.monotonic() - started
+    keys = sorted(state._bucket_keys.values())
+    stopped = worker.stop(5.0)
+    return {"message": message, "elapsed": elapsed, "stopped": stopped, "threads": _worker_threads(), "keys": keys}
+
+
+def test_a_compressor_that_raises_fails_backward_on_every_rank_with_its_message():
+    results = run_ranks(_backward_with_failing_bucket, 2, (0, 1), deadline_s=60)
+    # after DDP's rebuild the middle layer's bucket comes first and the first layer's after it (refused)
+    assert "4.bias,4.weight,2.bias,2.weight" in results[0]["keys"] and "0.bias,0.weight" in results[0]["keys"]
+    for r in results:
+        assert r["message"] is not None and "compressor exploded on 4.bias,4.weight,2.bias,2.weight" in r["message"]
+        assert "ValueError" in r["message"] and "gradient bucket" in r["message"]
+        assert r["stopped"] and r["threads"] == []
+
+
+def test_a_failure_on_one_rank_fails_the_other_within_the_deadline():
+    # rank 1's compressor raises; rank 0 waits for a bucket that never comes until rank 1's sockets close
+    results = run_ranks(_backward_with_failing_bucket, 2, (1,), deadline_s=60)
+    assert "compressor exploded on 4.bias,4.weight,2.bias,2.weight" in results[1]["message"]
+    assert results[0]["message"] is not None  # the peer went away: an error, not a hang
+    assert all(r["elapsed"] < 30 for r in results)
+
+
+# ---- Lightning in-process on 2 ranks -----------------------------------------------------------------------
+
+class TinyModule(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(12, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 2))
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        gen = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(64, 12, generator=gen), torch.randint(0, 2, (64,), generator=gen))
+        return DataLoader(data, batch_size=8)
+
+
+class Observer(Callback):
+    """Records, per step: whether the worker thread exists, and when the control exchange started
+    (inside backward, i.e. alongside the last bucket, or after it)."""
+
+    def __init__(self, register_agreed=False):
+        self.register_agreed, self.in_backward = register_agreed, False
+        self.worker_seen, self.starts = [], []
+
+    def setup(self, trainer, pl_module, stage):
+        if self.register_agreed:
+            trainer.strategy.control.register("test_flag")
+        original = StepControl.start
+
+        def start(control, group=None):
+            self.starts.append("in backward" if self.in_backward else "after backward")
+            original(control, group)
+
+        trainer.strategy.control.start = start.__get__(trainer.strategy.control)
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self.in_backward = True
+
+    def on_after_backward(self, trainer, pl_module):
+        self.in_backward = False
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        self.worker_seen.append(bool(_worker_threads()))
+
+
+def _trainer(strategy, callbacks=(), **kwargs):
+    options = dict(accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
+    options.update(kwargs)
+    return pl.Trainer(strategy=strategy, callbacks=list(callbacks), **options)
+
+
+def _in_process_fits(rank, world_size, trace_dir):
+    out = {}
+    with launched_externally(rank, world_size):
+        # 1. one strategy and Trainer fit twice; the worker lives during training only
+        observer = Observer()
+        strategy = RingDDPStrategy(timeout=30, bucket_cap_mb=0.01)
+        trainer = _trainer(strategy, [observer])
+        for fit in range(2):
+            trainer.fit_loop.max_epochs = fit + 1
+            trainer.fit(TinyModule())
+            out[f"threads_after_fit{fit}"] = _worker_threads()
+        out["worker_seen"] = observer.worker_seen
+        out["starts_metrics_only"] = observer.starts
+        out["step_metrics"] = dict(strategy.step_metrics)
+        out["totals"] = dict(strategy.totals)
+
+        # 2. an agreed slot: the exchange waits until backward is over
+        observer = Observer(register_agreed=True)
+        _trainer(RingDDPStrategy(timeout=30), [observer], max_steps=4).fit(TinyModule())
+        out["starts_agreed"] = observer.starts
+
+        # 3. barebones (log_every_n_steps=0) and log_every_n_steps=0 train as with stock DDP
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=RingDDPStrategy(timeout=30), barebones=True,
+                             max_steps=3)
+        trainer.fit(TinyModule())
+        out["barebones"] = (trainer.global_step, any(isinstance(c, DistMetricsCallback) for c in trainer.callbacks))
+        observer = Observer()
+        trainer = _trainer(RingDDPStrategy(timeout=30), [observer], max_steps=3, log_every_n_steps=0)
+        trainer.fit(TinyModule())
+        out["log_every_0"] = (trainer.global_step, trainer.strategy.step_metrics, observer.starts)
+
+        # 4. DDPStrategy's positional arguments (process_group_backend, timeout=None, start_method)
+        strategy = RingDDPStrategy(None, None, None, None, None, None, None, None, None, "gloo", None, "popen",
+                                   algorithm="tree", overlap=False)
+        _trainer(strategy, max_steps=2).fit(TinyModule())
+        out["positional"] = (strategy.process_group_backend, strategy._timeout.total_seconds(), strategy.overlap)
+
+        # 5. the worker's stages show in a Chrome trace of the rank
+        profiler = AllThreadsProfiler(dirpath=trace_dir, filename=f"rank{rank}", export_to_chrome=True)
+        _trainer(RingDDPStrategy(timeout=30), max_steps=2, profiler=profiler).fit(TinyModule())
+
+        # 6. last: a compressor that raises on one bucket fails the fit on every rank with its message
+        strategy = RingDDPStrategy(timeout=30, compressor=ExplodingCompressor("net.2.weight", (0, 1)),
+                                   bucket_cap_mb=0.01)
+        started = time.monotonic()
+        try:
+            _trainer(strategy, max_steps=2).fit(TinyModule())
+            out["failed_fit"] = None
+        except Exception as err:  # noqa: BLE001
+            out["failed_fit"] = f"{type(err).__name__}: {err}"
+        out["failed_fit_s"] = time.monotonic() - started
+        out["threads_after_failed_fit"] = _worker_threads()
+    return out
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory):
+    trace_dir = str(tmp_path_factory.mktemp("traces"))
+    return run_ranks(_in_process_fits, 2, trace_dir, deadline_s=150), trace_dir
+
+
+def test_the_worker_lives_only_while_training_and_one_strategy_fits_twice(fits):
+    results, _ = fits
+    for r in results:
+        assert r["worker_seen"] and all(r["worker_seen"]), "the communication worker was not running"
+        assert r["threads_after_fit0"] == [] and r["threads_after_fit1"] == []
+        assert r["totals"]["steps"] == 4  # counted afresh: the second fit's one epoch of 64 / 2 ranks / batch 8
+
+
+def test_the_control_exchange_starts_alongside_the_last_bucket(fits):
+    results, _ = fits
+    for r in results:
+        # metrics only: started by the last bucket's hook, inside backward, on every logged step
+        assert r["starts_metrics_only"] and set(r["starts_metrics_only"]) == {"in backward"}
+        # an agreed value may be set until backward ends: then the exchange waits for it
+        assert r["starts_agreed"] == ["after backward"] * 4
+
+
+def test_exposed_comm_is_measured_and_gathered(fits):
+    results, _ = fits
+    metrics, totals = results[0]["step_metrics"], results[0]["totals"]
+    for key in ("dist/exposed_comm_ms", "dist/rank0/exposed_comm_ms", "dist/rank1/exposed_comm_ms", "dist/comm_ms"):
+        assert key in metrics and metrics[key] >= 0, key
+    assert metrics["dist/exposed_comm_ms"] == max(metrics["dist/rank0/exposed_comm_ms"],
+                                                  metrics["dist/rank1/exposed_comm_ms"])
+    assert totals["exposed_s"] > 0 and totals["comm_s"] > 0
+
+
+def test_barebones_and_log_every_n_steps_zero_train_like_stock_ddp(fits):
+    results, _ = fits
+    for r in results:
+        assert r["barebones"] == (3, False)  # trained, and no metrics callback was added
+        steps, metrics, starts = r["log_every_0"]
+        assert steps == 3 and metrics == {} and starts == []  # nothing gathered, nothing logged
+
+
+def test_ddp_strategy_positional_arguments_and_timeout_none(fits):
+    results, _ = fits
+    assert results[0]["positional"] == ("gloo", 1800.0, False)
+
+
+def test_the_workers_stages_are_in_the_chrome_trace(fits):
+    _, trace_dir = fits
+    traces = glob.glob(f"{trace_dir}/*rank0*.json")
+    assert traces, f"no trace written in {trace_dir}"
+    names = {event.get("name") for path in traces for event in json.load(open(path))["traceEvents"]}
+    for stage in ("lightning_dist.weight", "lightning_dist.compress", "lightning_dist.transport.auto",
+                  "lightning_dist.decompress"):
+        assert stage in names, stage
+
+
+def test_a_failing_compressor_fails_the_fit_on_every_rank_and_leaves_no_thread(fits):
+    results, _ = fits
+    for r in results:
+        assert r["failed_fit"] is not None and "compressor exploded on" in r["failed_fit"] and "net.2.weight" in r["failed_fit"]
+        assert r["failed_fit_s"] < 30
+        assert r["threads_after_failed_fit"] == []
+
+
+def test_worker_errors_are_runtime_errors():
+    assert issubclass(CommWorkerError, RuntimeError)
