@@ -340,7 +340,8 @@ def test_the_workers_stages_are_in_the_chrome_trace(fits):
 def test_a_failing_compressor_fails_the_fit_on_every_rank_and_leaves_no_thread(fits):
     results, _ = fits
     for r in results:
-        assert r["failed_fit"] is not None and "compressor exploded on" in r["failed_fit"] and "net.2.weight" in r["failed_fit"]
+        message = r["failed_fit"]
+        assert message is not None and "compressor exploded on" in message and "net.2.weight" in message
         assert r["failed_fit_s"] < 30
         assert r["threads_after_failed_fit"] == []
 
