@@ -21,7 +21,7 @@ asynchronously and complete on the backend's thread, so the worker goes straight
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -68,21 +68,27 @@ def native_allreduce_(
 
 
 def _native_async(
-    tensor: torch.Tensor, group: Optional[dist.ProcessGroup], op: str, stats: Optional[CommStats]
+    tensor: torch.Tensor,
+    group: Optional[dist.ProcessGroup],
+    op: str,
+    stats: Optional[CommStats],
+    then: Optional[Callable[[torch.Tensor], Any]] = None,
 ) -> torch.futures.Future:
-    """Issue the backend's all_reduce with ``async_op=True``; the Future's callback (on the backend's thread)
-    divides for ``avg``, writes back a non-contiguous input and records the call."""
+    """Issue the backend's all_reduce with ``async_op=True``; the Future's one callback (on the backend's
+    thread) divides for ``avg``, writes back a non-contiguous input, records the call and applies ``then``."""
     call = begin_in_place("native", tensor, group, op, stats)
     if call.trivial:
         fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(call.finish(estimated=True))
+        result = call.finish(estimated=True)
+        fut.set_result(result if then is None else then(result))
         return fut
     work = dist.all_reduce(call.flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
     nbytes = ring_bytes_sent(call.flat.numel(), call.view.size, call.view.rank, call.flat.element_size())
 
-    def finish(done: torch.futures.Future) -> torch.Tensor:
+    def finish(done: torch.futures.Future) -> Any:
         done.value()  # raises the backend's error (a peer that died, a timeout)
-        return call.finish(nbytes, nbytes, estimated=True)
+        result = call.finish(nbytes, nbytes, estimated=True)
+        return result if then is None else then(result)
 
     return work.get_future().then(finish)
 
@@ -126,17 +132,20 @@ def allreduce_async(
     *,
     stats: Optional[CommStats] = None,
     tree_max_bytes: int = AUTO_TREE_MAX_BYTES,
+    then: Optional[Callable[[torch.Tensor], Any]] = None,
 ) -> torch.futures.Future:
-    """:func:`allreduce_` returning a Future of ``tensor``, reduced in place.
+    """:func:`allreduce_` returning a Future of ``tensor``, reduced in place (or of ``then(tensor)``).
 
-    ``native`` is issued with ``async_op=True`` and finished (``avg`` division, write-back, stats) in a
-    callback on the backend's thread when it completes; its recorded seconds run from issue to completion,
-    so they include waiting behind earlier calls. The ring and the tree run to completion here, on the
-    calling thread, and return a completed Future.
+    ``native`` is issued with ``async_op=True`` and finished (``avg`` division, write-back, stats, then
+    ``then``) in one callback on the backend's thread when it completes; its recorded seconds run from issue
+    to completion, so they include waiting behind earlier calls. The ring and the tree run to completion
+    here, on the calling thread, and return a completed Future. ``then`` saves a second callback: every
+    Python callback on the backend's thread takes the GIL, which the thread issuing the next bucket wants.
     """
     algorithm = resolve_algorithm(tensor, algorithm, group, tree_max_bytes)
     if algorithm == "native":
-        return _native_async(tensor, group, op, stats)
+        return _native_async(tensor, group, op, stats, then)
+    result = allreduce_(tensor, algorithm, group, op, stats=stats)
     fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(allreduce_(tensor, algorithm, group, op, stats=stats))
+    fut.set_result(result if then is None else then(result))
     return fut

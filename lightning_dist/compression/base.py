@@ -18,6 +18,10 @@ class Compressor:
 
     name = "none"
     summable = True  # payloads can be all-reduced by sum; False means they must be all-gathered
+    # compress/decompress cost little next to the transport (a cast, nothing at all): the hook may run them
+    # on the autograd thread when the transport is asynchronous anyway; heavy compressors set False and
+    # always run on the communication worker
+    light = True
 
     def compress(self, tensor: torch.Tensor, key: str) -> tuple[torch.Tensor, Any]:
         """Return the payload to send and a context for :meth:`decompress`.

@@ -18,10 +18,17 @@ point-to-point operations, not a single asynchronous call:
 
 Order: DDP hands buckets over in index order on every rank and one thread runs (or issues) them in that
 order, so the point-to-point messages of the ring and the tree, and the backend's collectives, stay
-matched across ranks. The worker's collectives run
-on a process group of their own (the strategy makes it), never the default group, on which DDP and
-Lightning issue collectives from the main thread: two threads interleaving on one group can issue
-operations in a different order on different ranks, a mismatch or a hang.
+matched across ranks. A job submitted with ``here_if_idle=True`` runs on the submitting thread when nothing
+is queued or running: every earlier job has then been issued, so the order is the same. The hook does so
+for work that never blocks (issuing the backend's asynchronous all-reduce of a bucket whose compressor is
+light) and for the last bucket, behind which nothing is left to overlap. The worker thread then runs only
+what would block backward: our ring's and tree's point-to-point loops, heavy compressors. Work handed to
+it needlessly costs more than the hand-off: py-spy showed the autograd thread waiting for the GIL (pybind
+releases it inside ``Future.then``) while the worker ran Python, ~4% of a bandwidth-bound step.
+
+The worker's collectives run on a process group of their own (the strategy makes it), never the default
+group, on which DDP and Lightning issue collectives from the main thread: two threads interleaving on one
+group can issue operations in a different order on different ranks, a mismatch or a hang.
 
 Failure: an exception in a job (or in its asynchronous part) completes that job's Future with an error that
 carries the original exception's type, message and traceback, so ``loss.backward()`` on the main thread
@@ -69,6 +76,8 @@ class CommWorker:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         self._failure: Optional[str] = None  # the first job's error, once one failed
+        self._pending = 0  # jobs queued or running on the thread (their asynchronous parts not counted)
+        self._pending_lock = threading.Lock()
 
     # -- life cycle -----------------------------------------------------------------------------------
     def start(self) -> CommWorker:
@@ -99,15 +108,44 @@ class CommWorker:
         return not self._thread.is_alive()
 
     # -- jobs -----------------------------------------------------------------------------------------
-    def submit(self, job: Callable[[], Union[torch.Tensor, torch.futures.Future]], what: str = "job"
-               ) -> torch.futures.Future:
+    def submit(self, job: Callable[[], Union[torch.Tensor, torch.futures.Future]], what: str = "job",
+               here_if_idle: bool = False) -> torch.futures.Future:
         """Queue ``job`` and return a Future of its result (``job`` may return a Future itself, which the
-        result then follows); ``what`` names it in an error message."""
+        result then follows); ``what`` names it in an error message.
+
+        With ``here_if_idle`` the job runs on the calling thread instead when no other job is queued or
+        running (every earlier job has then been issued, so the order is kept): for work that does not
+        block, such as issuing an asynchronous collective, and for the last bucket of a backward pass,
+        behind which nothing is left to overlap. That saves two thread hand-offs and, more, keeps the
+        calling (autograd) thread from waiting for the GIL while this thread runs Python. A job run here
+        that raises marks the worker failed and raises :class:`CommWorkerError` right away.
+        """
         if not self.alive:
             raise RuntimeError(f"{self.name} is not running (it was never started, or it was stopped)")
+        with self._pending_lock:
+            here = here_if_idle and self._pending == 0
+            if not here:
+                self._pending += 1
+        if here:
+            return self._run_here(job, what)
         fut: torch.futures.Future = torch.futures.Future()
         self._jobs.put((job, fut, what))
         return fut.then(_unwrap)
+
+    def _run_here(self, job: Callable[[], Any], what: str) -> torch.futures.Future:
+        if self._failure is not None:
+            raise CommWorkerError(f"{what} was not sent: an earlier job failed.\n{self._failure}")
+        try:
+            result = job()
+        except BaseException as exc:
+            self._failure = f"{what} failed on {threading.current_thread().name}: {type(exc).__name__}: {exc}\n" \
+                            f"{traceback.format_exc()}"
+            raise CommWorkerError(self._failure) from exc
+        if isinstance(result, torch._C.Future):  # an error in its chain is already a real error
+            return result
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(result)
+        return fut
 
     def _loop(self) -> None:
         try:
@@ -119,20 +157,25 @@ class CommWorker:
             item = self._jobs.get()
             if item is _STOP:
                 break
-            job, fut, what = item
-            if self._failure is not None:
-                fut.set_exception(CommWorkerError(f"{what} was not sent: an earlier job failed.\n{self._failure}"))
-                continue
-            try:
-                result = job()
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting main thread
-                self._fail(fut, what, exc)
-                continue
-            if isinstance(result, torch._C.Future):  # what `then` and the backends return
-                result.add_done_callback(lambda done, fut=fut, what=what: self._settle(fut, what, done))
-            else:
-                fut.set_result(result)
+            self._run(*item)
+            with self._pending_lock:
+                self._pending -= 1
         _release_thread_buffers()
+
+    def _run(self, job: Callable[[], Any], fut: torch.futures.Future, what: str) -> None:
+        """Run ``job`` (or refuse it once the worker failed) and complete ``fut`` from its outcome."""
+        if self._failure is not None:
+            fut.set_exception(CommWorkerError(f"{what} was not sent: an earlier job failed.\n{self._failure}"))
+            return
+        try:
+            result = job()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting main thread
+            self._fail(fut, what, exc)
+            return
+        if isinstance(result, torch._C.Future):  # what `then` and the backends return
+            result.add_done_callback(lambda done: self._settle(fut, what, done))
+        else:
+            fut.set_result(result)
 
     def _settle(self, fut: torch.futures.Future, what: str, done: torch.futures.Future) -> None:
         """Complete ``fut`` from an asynchronous job's Future (on the thread that completed that one)."""

@@ -253,6 +253,28 @@ class RingDDPStrategy(DDPStrategy):
         return output
 
     @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # Weight this rank's gradients in autograd: a hook on the loss multiplies the gradient flowing out of
+        # it by the rank's share, so the buckets arrive weighted and the comm hook saves a pass over each.
+        # The loss itself (what callbacks and loggers see) is untouched; the hook is removed right after.
+        # Only under automatic optimization: there Lightning zeroes the gradients at the start of each
+        # accumulation window and runs the window's other backward passes under no_sync, so a bucket never
+        # holds already-reduced gradients, which would then be summed again unweighted. Manual optimization
+        # may backward twice without zero_grad; the hook weights the whole bucket then, as stock DDP does.
+        state = self._hook_state
+        scale = state.loss_gradient_scale()
+        handle = None
+        if scale != 1.0 and closure_loss.requires_grad and self.lightning_module.automatic_optimization:
+            handle = closure_loss.register_hook(lambda grad: grad * scale)
+            state.weighted_in_autograd = True
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        finally:
+            if handle is not None:
+                handle.remove()
+            state.weighted_in_autograd = False
+
+    @override
     def post_backward(self, closure_loss: Any) -> None:
         # every bucket's Future is complete once backward returns (DDP waited for them)
         self._hook_state.close_backward()
