@@ -140,8 +140,10 @@ def _special_cases(rank, world_size):
         stats = CommStats()
         futures = [allreduce_async(x, algorithm, op="avg", stats=stats)]
         extra = [torch.full((5000,), float(rank + i)) for i in range(3)]
-        futures += [allreduce_async(t, algorithm, stats=stats) for t in extra]
+        futures += [allreduce_async(t, algorithm, stats=stats) for t in extra[:2]]
+        futures.append(allreduce_async(extra[2], algorithm, stats=stats, then=lambda t: t.mul_(2)))  # one callback
         results = [f.wait() for f in futures]
+        extra[2].div_(2)
         res[f"async_{algorithm}"] = (
             results[0] is x and bool(torch.allclose(x, ref, atol=1e-6)),
             [float(t[0]) for t in extra],

@@ -78,17 +78,25 @@ class CommWorker:
         self._failure: Optional[str] = None  # the first job's error, once one failed
         self._pending = 0  # jobs queued or running on the thread (their asynchronous parts not counted)
         self._pending_lock = threading.Lock()
+        self._accepting = self._stopped = False
 
     # -- life cycle -----------------------------------------------------------------------------------
     def start(self) -> CommWorker:
-        if self._thread is not None:
+        """Accept jobs from now on. The thread itself starts with the first job that has to be queued: when
+        every bucket is issued on the calling thread (the backend's asynchronous all-reduce, the last
+        bucket), no thread is made at all."""
+        if self._accepting or self._stopped:
             raise RuntimeError(f"{self.name} was already started; make a new CommWorker per fit")
-        self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-        self._thread.start()
+        self._accepting = True
         return self
 
     @property
     def alive(self) -> bool:
+        """Whether jobs are accepted (started and not stopped); the thread may not exist yet."""
+        return self._accepting
+
+    @property
+    def thread_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     @property
@@ -101,6 +109,7 @@ class CommWorker:
         A job blocked in a collective whose peer stalls cannot be interrupted from here: after ``timeout_s``
         the (daemon) thread is left to end with the process and ``False`` is returned.
         """
+        self._accepting, self._stopped = False, True
         if self._thread is None:
             return True
         self._jobs.put(_STOP)
@@ -128,6 +137,9 @@ class CommWorker:
                 self._pending += 1
         if here:
             return self._run_here(job, what)
+        if self._thread is None:  # only the submitting thread gets here: no race
+            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            self._thread.start()
         fut: torch.futures.Future = torch.futures.Future()
         self._jobs.put((job, fut, what))
         return fut.then(_unwrap)

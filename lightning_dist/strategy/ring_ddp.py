@@ -5,9 +5,12 @@ What it changes in :class:`~lightning.pytorch.strategies.DDPStrategy`:
 - registers :func:`~lightning_dist.strategy.hook.ring_comm_hook` on every device. Lightning's
   ``_register_ddp_hooks`` (private, hence the ``lightning>=2.6,<2.7`` pin and a test that fails if it goes)
   registers hooks only on CUDA and drops them silently on CPU;
-- overlaps communication with backward: the hook hands each bucket to a
-  :class:`~lightning_dist.strategy.comm_worker.CommWorker` thread, whose collectives run on a process group
-  of their own (``overlap=False`` reduces on the autograd thread instead);
+- overlaps communication with backward: the hook returns a pending Future per bucket; work that would block
+  (our ring's and tree's loops) runs on a :class:`~lightning_dist.strategy.comm_worker.CommWorker` thread,
+  the backend's asynchronous all-reduce is issued right away; all of it on a process group of its own
+  (``overlap=False`` reduces on the autograd thread instead);
+- weights each rank's gradients by its share of the step in autograd (a hook on the loss's gradient, under
+  automatic optimization), so the comm hook needs no pass of its own over the buckets;
 - exchanges the step's control values and per-rank measurements in one small collective
   (:class:`~lightning_dist.strategy.control.StepControl`), complete before the optimizer steps: every step
   when a feature registered a value all ranks must agree on (started after backward, when the values are
