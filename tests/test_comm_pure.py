@@ -59,20 +59,24 @@ def test_bad_arguments_fail_before_any_process_group():
         ring_allreduce_(torch.ones(3))
 
 
-def test_choose_algorithm_depends_only_on_size_and_backend():
+def test_choose_algorithm_depends_only_on_size_backend_and_world_size():
     assert check_algorithm("auto") == "auto"
     with pytest.raises(ValueError, match="'rings'.*'auto'"):
         check_algorithm("rings")
     assert set(ALGORITHMS) == {"ring", "tree", "native", "auto"}
-    # the latency-optimal tree for small messages, gloo's own (C++) ring from AUTO_TREE_MAX_BYTES on
-    assert choose_algorithm(1024, "gloo") == "tree"
-    assert choose_algorithm(AUTO_TREE_MAX_BYTES - 1, "gloo") == "tree"
-    assert choose_algorithm(AUTO_TREE_MAX_BYTES, "gloo") == "native"
-    assert choose_algorithm(64 << 20, "gloo") == "native"
-    assert choose_algorithm(4096, "gloo", tree_max_bytes=1024) == "native"
+    for world_size in (3, 4, 5, 64):  # the latency-optimal tree for small messages, gloo's own ring above
+        assert choose_algorithm(1024, "gloo", world_size) == "tree"
+        assert choose_algorithm(AUTO_TREE_MAX_BYTES - 1, "gloo", world_size) == "tree"
+        assert choose_algorithm(AUTO_TREE_MAX_BYTES, "gloo", world_size) == "native"
+        assert choose_algorithm(64 << 20, "gloo", world_size) == "native"
+        assert choose_algorithm(4096, "gloo", world_size, tree_max_bytes=1024) == "native"
+    # at 1 and 2 ranks the tree saves no round over the backend's all-reduce
+    for world_size in (1, 2):
+        assert choose_algorithm(1024, "gloo", world_size) == "native"
+        assert choose_algorithm(64 << 20, "gloo", world_size) == "native"
     # on NCCL the experimental point-to-point paths are never auto-selected
-    assert choose_algorithm(1024, "nccl") == "native"
-    assert choose_algorithm(64 << 20, "nccl") == "native"
+    assert choose_algorithm(1024, "nccl", 4) == "native"
+    assert choose_algorithm(64 << 20, "nccl", 2) == "native"
 
 
 def test_comm_stats_totals_and_reset():

@@ -213,7 +213,10 @@ def test_auto_makes_the_same_size_based_choice_on_every_rank(group_results):
     world_size, per_rank = group_results
     choices = [r["special"]["auto_choices"] for r in per_rank]
     assert all(c == choices[0] for c in choices)
-    assert choices[0] == ["tree"] * 4 + ["native"] * 3  # the tree below AUTO_TREE_MAX_BYTES, native above
+    if world_size >= 3:  # the tree below AUTO_TREE_MAX_BYTES, native above
+        assert choices[0] == ["tree"] * 4 + ["native"] * 3
+    else:  # at 2 ranks the tree saves no round
+        assert choices[0] == ["native"] * 7
 
 
 def test_async_form_matches_dist_all_reduce(group_results):

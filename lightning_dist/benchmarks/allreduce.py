@@ -157,7 +157,7 @@ def measure(
             medians[case.label] = stats["median_s"]
             algbw = nbytes / stats["median_s"] / 1e9
             # what actually ran: auto resolves by size and world size, as every rank does in training
-            resolved = choose_algorithm(nbytes, "gloo") if case.algorithm == "auto" else case.algorithm
+            resolved = choose_algorithm(nbytes, "gloo", world_size) if case.algorithm == "auto" else case.algorithm
             records.append({
                 "world_size": world_size,
                 "bytes": nbytes,
@@ -309,11 +309,14 @@ def _describe_crossover(c: dict[str, Optional[int]]) -> str:
 
 
 def _recommend_threshold(cross: dict[int, dict[str, Optional[int]]]) -> list[str]:
-    """The crossover per world size, and one ``AUTO_TREE_MAX_BYTES`` for every measured world size."""
+    """The crossover per world size, and one ``AUTO_TREE_MAX_BYTES`` for the world sizes ``auto`` uses the
+    tree at (3 and more: at 2 ranks the tree saves no round, and the step benchmark measured it slower)."""
     lines = ["tree/native crossover: " + "; ".join(f"{n} ranks: {_describe_crossover(c)}"
                                                   for n, c in sorted(cross.items())) + "."]
-    froms = [c["native_wins_from"] for c in cross.values()]
-    # ``auto`` sees only the byte size, so one threshold must serve every world size
+    froms = [c["native_wins_from"] for n, c in cross.items() if n >= 3]
+    if not froms:
+        return lines + [f"recommendation: none without 3 or more ranks (current {size_label(AUTO_TREE_MAX_BYTES)})."]
+    # one threshold serves every world size from 3 on
     advice = (f"AUTO_TREE_MAX_BYTES = {size_label(min(froms))}" if None not in froms
               else "the tree wins at the largest size somewhere: measure larger sizes before choosing")
     lines.append(f"recommendation: {advice} (current {size_label(AUTO_TREE_MAX_BYTES)}).")

@@ -1,22 +1,31 @@
 """One entry point for every algorithm: ``allreduce_(tensor, algorithm="auto")``, and gloo/NCCL's native.
 
-``auto`` picks by message size: the latency-optimal tree below :data:`AUTO_TREE_MAX_BYTES`, the backend's
-own all-reduce from there on. The choice depends only on the byte size and the backend, which every rank
-shares, so every rank makes the same choice (two ranks choosing differently would each wait for messages
-the other never sends). The threshold is a constant measured by ``python -m lightning_dist.benchmarks.allreduce``,
-never a timing taken at run time on each rank.
+``auto`` picks by message size and group size: at 3 or more ranks, the latency-optimal tree below
+:data:`AUTO_TREE_MAX_BYTES`; otherwise the backend's own all-reduce. The choice depends only on the byte
+size, the group size and the backend, which every rank shares, so every rank makes the same choice (two
+ranks choosing differently would each wait for messages the other never sends). The rule comes from
+measurements (``python -m lightning_dist.benchmarks.allreduce`` and ``.step``), never from a timing taken
+at run time on each rank.
 
-Why native for large messages: gloo's own all-reduce is itself a bandwidth-optimal ring, in C++. In the
-all-reduce benchmark (2-core machines, 2 to 4 ranks) it was as fast as or faster than ours from 1 MiB on at
-every world size (the tree 1.04-1.5x slower, our ring up to 1.36x slower), and in a training step, where
-backward keeps every core busy, an asynchronous native all-reduce needs no Python thread to be scheduled
-between the pieces of a message: it took the overlapped step to 1.00-1.04x stock DDP where our ring and tree
-took 1.1-1.2x (see the README's step benchmark). Below 1 MiB the tree's fewer rounds win (0.4-0.9x native's
-time). Our ring stays available by name, and is what compressed payloads that need our own reduction use.
-On NCCL, ``auto`` always uses NCCL's kernels.
+Why, measured on 2-core machines over gloo (README, benchmarks):
 
-:func:`allreduce_async` is the form the strategy's communication worker uses: native calls are issued
-asynchronously and complete on the backend's thread, so the worker goes straight on to the next bucket.
+- Large messages: gloo's own all-reduce is itself a bandwidth-optimal ring, in C++. From 1 MiB it was as
+  fast as or faster than ours at every world size (the tree 1.04-1.5x slower, our ring up to 1.36x), and
+  in a training step, where backward keeps every core busy, an asynchronous native all-reduce needs no
+  Python thread to be scheduled between the pieces of a message: the overlapped step of a 4.3 M-parameter
+  MLP took 1.02-1.03x stock DDP with native, 1.10x with our ring or tree.
+- Small messages at 3 or more ranks: recursive doubling needs ``log2 N`` rounds where a ring needs
+  ``2 (N - 1)``; the tree took 0.37-0.5x native's time in isolation, and the digits CNN's step (one
+  85 KiB bucket) 0.85x stock DDP's at 3 ranks, against 1.01x with native.
+- Small messages at 2 ranks: both are a single exchange, so the tree saves no round; what it saved in
+  isolation (0.7-0.9x native's time) it loses to Python's per-call cost inside a step: the digits step
+  took 1.10x stock DDP with the tree, 1.01x with native.
+
+Our ring stays available by name (``algorithm="ring"``); compressed payloads that need our own reduction
+travel on it. On NCCL, ``auto`` always uses NCCL's kernels.
+
+:func:`allreduce_async` is the form the strategy's hook uses: native calls are issued asynchronously and
+complete on the backend's thread, so the caller goes straight on to the next bucket.
 """
 
 from __future__ import annotations
@@ -33,9 +42,9 @@ from lightning_dist.comm.tree import tree_allreduce_
 
 ALGORITHMS = ("ring", "tree", "native", "auto")
 
-# Messages smaller than this go through the tree under ``auto``, larger ones through the backend's own
-# all-reduce. Measured by the allreduce benchmark (2-core CPU machines, gloo, 2 to 4 ranks): the tree beat
-# native at every size below 1 MiB at every world size; from 1 MiB native was faster or level.
+# At 3 or more ranks, messages smaller than this go through the tree under ``auto``, larger ones through the
+# backend's own all-reduce. Measured by the allreduce benchmark (2-core CPU machines, gloo, 3 and 4 ranks):
+# the tree beat native at every size below 1 MiB; from 1 MiB native was faster or level.
 AUTO_TREE_MAX_BYTES = 1 << 20
 
 
@@ -45,9 +54,11 @@ def check_algorithm(algorithm: str) -> str:
     return algorithm
 
 
-def choose_algorithm(nbytes: int, backend: str, tree_max_bytes: int = AUTO_TREE_MAX_BYTES) -> str:
+def choose_algorithm(
+    nbytes: int, backend: str, world_size: int, tree_max_bytes: int = AUTO_TREE_MAX_BYTES
+) -> str:
     """What ``auto`` runs: a pure function of values every rank shares (never of a per-rank timing)."""
-    if backend == "nccl":
+    if backend == "nccl" or world_size < 3:
         return "native"
     return "tree" if nbytes < tree_max_bytes else "native"
 
@@ -100,10 +111,10 @@ def resolve_algorithm(
     check_algorithm(algorithm)
     if algorithm != "auto":
         return algorithm
-    group_view(group)  # raises a clear error when torch.distributed is not initialized
+    view = group_view(group)  # raises a clear error when torch.distributed is not initialized
     # CUDA tensors travel over NCCL (also under a "cpu:gloo,cuda:nccl" backend string)
     backend = "nccl" if tensor.is_cuda else str(dist.get_backend(group))
-    return choose_algorithm(tensor.numel() * tensor.element_size(), backend, tree_max_bytes)
+    return choose_algorithm(tensor.numel() * tensor.element_size(), backend, view.size, tree_max_bytes)
 
 
 def allreduce_(

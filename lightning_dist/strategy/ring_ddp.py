@@ -65,9 +65,9 @@ class RingDDPStrategy(DDPStrategy):
         start_method: ``"popen"`` (re-runs the script per rank, the robust default), ``"spawn"``,
             ``"forkserver"`` or ``"fork"`` (fastest start, works in notebooks, CPU or before CUDA is
             initialised).
-        algorithm: ``"ring"``, ``"tree"``, ``"native"`` (the backend's all_reduce) or ``"auto"`` (the tree at
-            2 ranks; at more, the tree below :data:`~lightning_dist.comm.AUTO_TREE_MAX_BYTES` and the ring
-            above; native on NCCL).
+        algorithm: ``"ring"``, ``"tree"``, ``"native"`` (the backend's all_reduce) or ``"auto"`` (at 3 or
+            more ranks the tree below :data:`~lightning_dist.comm.AUTO_TREE_MAX_BYTES`, otherwise native;
+            always native on NCCL).
         compressor: a :class:`~lightning_dist.compression.Compressor`, ``"none"`` or ``None`` (no compression).
         overlap: ``True`` (default): a communication thread reduces each bucket while backward computes the
             next; ``False``: the hook blocks the autograd thread until its bucket has travelled.
