@@ -171,6 +171,10 @@ class InPlaceCall:
         """Nothing to send: one rank, or no elements."""
         return self.view.size <= 1 or self.flat.numel() == 0
 
+    def forget_group(self) -> None:
+        """Drop the reference to the process group (see :func:`~lightning_dist.comm.allreduce_async`)."""
+        self.view = GroupView(None, self.view.rank, self.view.size, self.view.global_ranks)
+
     def finish(self, sent: int = 0, received: int = 0, estimated: bool = False) -> torch.Tensor:
         post_divide(self.flat, self.op, self.view.size, self.divided)
         self.write_back()

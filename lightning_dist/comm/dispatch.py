@@ -95,6 +95,10 @@ def _native_async(
         return fut
     work = dist.all_reduce(call.flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
     nbytes = ring_bytes_sent(call.flat.numel(), call.view.size, call.view.rank, call.flat.element_size())
+    # The callback runs, and is destroyed, on the backend's thread. Holding the process group there could
+    # make it the group's last reference once the strategy has torn down: its destructor would then join
+    # the very thread it runs on (std::system_error "Resource deadlock avoided", the process aborts).
+    call.forget_group()
 
     def finish(done: torch.futures.Future) -> Any:
         done.value()  # raises the backend's error (a peer that died, a timeout)
