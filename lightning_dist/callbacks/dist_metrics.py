@@ -15,7 +15,8 @@ Logged metrics (``r`` is a rank index):
 - ``dist/comm_ms``: the longest time any rank spent inside gradient all-reduces this step, ms (with the
   overlapping hook most of it runs beside backward)
 - ``dist/exposed_comm_ms``: the longest time any rank's backward waited for communication, ms: from the
-  moment DDP handed over the last bucket until it was reduced (the whole hook time with ``overlap=False``).
+  moment DDP handed over the last bucket until every bucket was reduced (the whole hook time with
+  ``overlap=False``).
   The communication that was not hidden; the figure to tune bucket size and algorithm against
 - ``dist/bytes_sent_per_rank``: gradient payload bytes each rank sent, mean over ranks
 - ``dist/straggler_ratio``: slowest rank's compute time over the fastest's (1.0 is balanced)

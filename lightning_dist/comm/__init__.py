@@ -4,7 +4,8 @@
 - :func:`tree_allreduce_`: latency-optimal recursive doubling, for small messages.
 - :func:`native_allreduce_`: the backend's own ``all_reduce`` with the same contract.
 - :func:`allreduce_`: any of them by name, ``"auto"`` choosing by message size (the tree below
-  :data:`AUTO_TREE_MAX_BYTES`, native above); :func:`allreduce_async` returns a Future instead.
+  :data:`AUTO_TREE_MAX_BYTES` at 3 or more ranks, native otherwise); :func:`allreduce_async` returns a
+  Future instead.
 - :class:`CommStats`: bytes sent/received and time per call.
 """
 
@@ -17,6 +18,7 @@ from lightning_dist.comm.dispatch import (
     check_algorithm,
     choose_algorithm,
     native_allreduce_,
+    resolve_algorithm,
 )
 from lightning_dist.comm.ring import DEFAULT_SEGMENT_BYTES, ring_allreduce_, ring_bytes_sent
 from lightning_dist.comm.stats import CallRecord, CommStats
@@ -34,6 +36,7 @@ __all__ = [
     "choose_algorithm",
     "native_allreduce_",
     "release_scratch",
+    "resolve_algorithm",
     "ring_allreduce_",
     "ring_bytes_sent",
     "tree_allreduce_",

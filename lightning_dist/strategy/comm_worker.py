@@ -32,10 +32,9 @@ group can issue operations in a different order on different ranks, a mismatch o
 
 Failure: an exception in a job (or in its asynchronous part) completes that job's Future with an error that
 carries the original exception's type, message and traceback, so ``loss.backward()`` on the main thread
-raises it. The worker
-is then *failed*: every later job is refused at once with the same cause rather than run, because a rank
-whose bucket ``k`` failed would otherwise send bucket ``k + 1`` while its peers still wait in bucket ``k``.
-It stays failed until it is stopped; the strategy starts a fresh one at the next fit.
+raises it. The worker is then *failed*: every later job is refused at once with the same cause rather than
+run, because a rank whose bucket ``k`` failed would otherwise send bucket ``k + 1`` while its peers still
+wait in bucket ``k``. It stays failed until it is stopped; the strategy starts a fresh one at the next fit.
 """
 
 from __future__ import annotations
@@ -94,10 +93,6 @@ class CommWorker:
     def alive(self) -> bool:
         """Whether jobs are accepted (started and not stopped); the thread may not exist yet."""
         return self._accepting
-
-    @property
-    def thread_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
 
     @property
     def failed(self) -> bool:

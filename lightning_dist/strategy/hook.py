@@ -17,13 +17,14 @@ bucket order. The bucket's reduction has four visible stages, each a
    hook's own process group.
 4. **decompress**: the reduced payload goes back into the bucket's buffer.
 
-With a :class:`~lightning_dist.strategy.comm_worker.CommWorker` in the state (the default) the hook only
-queues that work and returns a pending ``Future``: backward goes on computing the next buckets' gradients
-while this one travels, and DDP waits for every Future at the end of backward. On the worker the
-backend's native all-reduce is issued asynchronously (:func:`~lightning_dist.comm.allreduce_async`) and
-decompressed in its completion callback. Without a worker the hook reduces on the autograd thread and
-returns a completed ``Future`` (``overlap=False``: simpler to debug, and the baseline the step benchmark
-compares against).
+With a :class:`~lightning_dist.strategy.comm_worker.CommWorker` in the state (the default) the hook returns
+a pending ``Future``: backward goes on computing the next buckets' gradients while this one travels, and
+DDP waits for every Future at the end of backward. Work that would block (our ring's and tree's loops)
+is queued on the worker; the backend's native all-reduce of a lightly compressed bucket is issued
+asynchronously (:func:`~lightning_dist.comm.allreduce_async`) right here when the worker is idle, and
+decompressed in its completion callback; so is the last bucket, behind which nothing is left to overlap.
+Without a worker the hook reduces on the autograd thread and returns a completed ``Future``
+(``overlap=False``: simpler to debug, and the baseline the step benchmark compares against).
 
 Per step, ``state.stats`` collects bytes and seconds inside the transport, and ``state.exposed_s`` the
 communication that backward did not hide. Overlapped, that is the time from the moment DDP hands over the
@@ -43,8 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from lightning_dist.comm import CommStats, allreduce_, allreduce_async
-from lightning_dist.comm.dispatch import resolve_algorithm
+from lightning_dist.comm import CommStats, allreduce_, allreduce_async, resolve_algorithm
 from lightning_dist.compression import Compressor, NoCompressor
 from lightning_dist.strategy.comm_worker import CommWorker
 
