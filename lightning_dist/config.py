@@ -9,9 +9,11 @@ All of it happens in the launching process, before any rank starts.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from enum import Enum
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
@@ -34,8 +36,10 @@ class StartMethod(str, Enum):
 @dataclass
 class TrainerConf:
     accelerator: str = "cpu"  # "cpu", "gpu" or "auto"
-    devices: int = 2  # processes (ranks) on this machine
-    num_nodes: int = 1  # machines; launch each with torchrun or SLURM
+    # processes (ranks) on this machine: a number, "auto" or -1 (under torchrun/SLURM: the processes the
+    # launcher started per node; otherwise as Lightning reads them: all GPUs, or 1 for "auto" on CPU)
+    devices: Union[int, str] = 2
+    num_nodes: int = 1  # machines; launch each with torchrun or SLURM (num_nodes > 1 needs a launcher)
     max_epochs: int = 10
     max_steps: int = -1  # -1: no step limit
     precision: str = "32-true"  # any Lightning precision string, e.g. "bf16-mixed"
@@ -123,14 +127,86 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConf)
 
 
+def launcher_local_world_size() -> Optional[int]:
+    """Processes per node that an external launcher started (torchrun's ``LOCAL_WORLD_SIZE``, SLURM's
+    ``SLURM_NTASKS_PER_NODE``), or None when this process was not started by one."""
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
+def resolve_devices(devices: Union[int, str]) -> Union[int, str]:
+    """What the command passes to ``Trainer(devices=...)``: under a launcher, ``"auto"``/-1 mean the processes
+    it started on this node (Lightning checks devices x num_nodes against the launcher's world size);
+    otherwise Lightning's own reading."""
+    if devices in ("auto", -1, "-1"):
+        launched = launcher_local_world_size()
+        if launched is not None:
+            return launched
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        return int(devices)
+    return devices
+
+
+def local_world_size(devices: Union[int, str], accelerator: str) -> int:
+    """Ranks on this node, for sizing each rank's thread pools."""
+    resolved = resolve_devices(devices)
+    if isinstance(resolved, int) and resolved > 0:
+        return resolved
+    if accelerator in ("gpu", "cuda", "auto"):
+        import torch
+
+        return max(torch.cuda.device_count(), 1)
+    return 1  # "auto" on CPU: Lightning runs one process
+
+
+def run_dir_name() -> str:
+    """The name of this run's output directory, the same in every rank of one launch.
+
+    Hydra computes its timestamped directory in each process, and two ranks can straddle a second. Under a
+    launcher the name comes from what every rank shares: torchrun's run id (``--rdzv-id``; ``--standalone``
+    makes a fresh one per launch), SLURM's job and step ids. A static torchrun rendezvous without
+    ``--rdzv-id`` has none: rank 0 then writes its timestamp to torchrun's own store, which every worker
+    reaches at ``MASTER_ADDR:MASTER_PORT``, and the others read it there.
+    """
+    stamp = time.strftime("%Y-%m-%d/%H-%M-%S")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id != "none":
+        return f"torchrun-{run_id}"
+    if "SLURM_JOB_ID" in os.environ and "SLURM_PROCID" in os.environ:
+        return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '0')}"
+    if run_id == "none" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        import torch.distributed as dist
+
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=120))
+        key = f"lightning_dist/run_dir/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        if os.environ.get("RANK", "0") == "0":
+            store.set(key, stamp)
+        return f"torchrun-{store.get(key).decode()}"
+    return stamp
+
+
 def validate(cfg: DictConfig) -> None:
     """Checks that types cannot express; raises ``ValueError`` naming the key, the value and the fix."""
     t = cfg.trainer
     problems = []
-    if t.devices < 1:
-        problems.append(f"trainer.devices={t.devices}: use 1 or more processes, e.g. trainer.devices=2")
+    devices = t.devices
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        devices = int(devices)
+    if devices == -1 and t.accelerator == "cpu" and launcher_local_world_size() is None:
+        problems.append("trainer.devices=-1 on CPU: Lightning counts only accelerators for -1; give a number of "
+                        "processes, e.g. trainer.devices=2 (under torchrun or srun, -1 and auto take theirs)")
+    elif not (devices == "auto" or devices == -1 or (isinstance(devices, int) and devices >= 1)):
+        problems.append(f"trainer.devices={t.devices!r}: use a number of processes >= 1, 'auto' or -1, "
+                        "e.g. trainer.devices=2")
     if t.num_nodes < 1:
         problems.append(f"trainer.num_nodes={t.num_nodes}: use 1 or more")
+    elif t.num_nodes > 1 and launcher_local_world_size() is None:
+        problems.append(f"trainer.num_nodes={t.num_nodes} needs a launcher on every node: start the command with "
+                        "torchrun --nnodes ... or srun (see README, 'Beyond one machine')")
     if t.max_epochs < 1 and t.max_steps < 1:
         problems.append(f"trainer.max_epochs={t.max_epochs} and max_steps={t.max_steps}: set one of them >= 1")
     if t.accumulate_grad_batches < 1:
@@ -142,14 +218,14 @@ def validate(cfg: DictConfig) -> None:
         )
         if not ok:
             problems.append(f"trainer.{key}={value!r}: use a number of batches (int >= 0) or a fraction in [0, 1]")
-    if t.accelerator in ("gpu", "cuda") and cfg.strategy.start_method == "fork":
+    if t.accelerator in ("gpu", "cuda") and cfg.strategy.start_method == "fork" and launcher_local_world_size() is None:
         problems.append(
             "strategy.start_method=fork with trainer.accelerator=gpu: CUDA cannot be used in forked processes; "
             "add strategy.start_method=popen"
         )
     if cfg.strategy.timeout <= 0:
         problems.append(f"strategy.timeout={cfg.strategy.timeout}: seconds, > 0 (default 1800)")
-    if t.accelerator == "cpu" and t.devices > (os.cpu_count() or 1) * 4:
+    if t.accelerator == "cpu" and isinstance(devices, int) and devices > (os.cpu_count() or 1) * 4:
         problems.append(
             f"trainer.devices={t.devices} CPU processes on {os.cpu_count()} cores would crawl; "
             "use at most a few per core"

@@ -30,11 +30,13 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_dist  # noqa: F401 - registers the strategies
-from lightning_dist.config import register_configs, validate
+from lightning_dist.config import local_world_size, register_configs, resolve_devices, run_dir_name, validate
 from lightning_dist.perf import PerfConfig, run_preflight
 from lightning_dist.profiling import AllThreadsProfiler
 
 register_configs()
+# hydra.run.dir in conf/config.yaml: one directory for every rank of a torchrun or SLURM launch
+OmegaConf.register_new_resolver("lightning_dist_run_dir", run_dir_name, use_cache=True, replace=True)
 
 
 class ApplyPerfCallback(Callback):
@@ -93,9 +95,10 @@ def build(cfg: DictConfig, output_dir: str, started: float) -> tuple[pl.Trainer,
         if "dirpath" in node and node["dirpath"] is None:
             node["dirpath"] = os.path.join(output_dir, "checkpoints")  # recorded in summary.json as used
         callbacks.append(instantiate(node))
-    callbacks.append(ApplyPerfCallback(perf, cfg.trainer.devices))
+    callbacks.append(ApplyPerfCallback(perf, local_world_size(cfg.trainer.devices, cfg.trainer.accelerator)))
     callbacks.append(RunSummaryCallback(os.path.join(output_dir, "summary.json"), plain, started))
     trainer_kwargs = dict(plain["trainer"])
+    trainer_kwargs["devices"] = resolve_devices(trainer_kwargs["devices"])
     if trainer_kwargs.get("profiler") == "pytorch":  # with the communication worker's thread in the trace
         trainer_kwargs["profiler"] = AllThreadsProfiler()
     trainer = pl.Trainer(

@@ -31,8 +31,9 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.data import extract_batch_size
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -181,6 +182,21 @@ class RingDDPStrategy(DDPStrategy):
         return self._control
 
     # -- set-up ---------------------------------------------------------------------------------------------
+    @override
+    def _configure_launcher(self) -> None:
+        # When torchrun, SLURM or another launcher created the processes, every rank already runs this script:
+        # launch nothing, whatever start_method says. (Lightning's own DDPStrategy with "fork" or "spawn"
+        # forks N more ranks inside each worker.) The subprocess launcher is the one that checks for this.
+        assert self.cluster_environment is not None
+        if self._start_method != "popen" and self.cluster_environment.creates_processes_externally:
+            rank_zero_info(
+                f"RingDDPStrategy: {type(self.cluster_environment).__name__} created the processes; "
+                f"start_method={self._start_method!r} launches none of its own."
+            )
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            return
+        super()._configure_launcher()
+
     @override
     def setup(self, trainer: Any) -> None:
         from lightning_dist.callbacks.dist_metrics import DistMetricsCallback

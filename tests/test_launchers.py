@@ -1,0 +1,160 @@
+"""Beyond one machine: torchrun and SLURM create the processes, RingDDPStrategy launches none of its own.
+
+Each launch is a real group of processes on this machine (loopback), started in its own session with a hard
+deadline; on a timeout or a failure the whole session is killed, so nothing is left running.
+"""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_dist.config import local_world_size, resolve_devices, run_dir_name
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = str(HERE / "launch_script.py")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+DEADLINE_S = 150
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _clean_env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCHELASTIC_", "MASTER_", "LOCAL_", "GROUP_", "ROLE_"))
+           and k not in ("RANK", "WORLD_SIZE", "NODE_RANK")}
+    env.update({"OMP_NUM_THREADS": "1", **extra})
+    return env
+
+
+def _run_all(commands, cwd, envs=None):
+    """Start every command (one per "node" or task) in its own session; wait for all; kill all on timeout."""
+    envs = envs or [_clean_env()] * len(commands)
+    procs = [subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for cmd, env in zip(commands, envs)]
+    outputs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=DEADLINE_S)
+            outputs.append(out)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a launch ran past {DEADLINE_S}s; killed")
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for proc, out in zip(procs, outputs):
+        assert proc.returncode == 0, out[-4000:]
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The script on one machine, 2 processes forked by Lightning itself: the weights every launch must match."""
+    tmp = tmp_path_factory.mktemp("reference")
+    _run_all([[sys.executable, SCRIPT, str(tmp / "w.pt"), "2", "1", "ring_ddp_fork"]], tmp)
+    return torch.load(tmp / "w.pt")
+
+
+def _same_weights(a, b):
+    return all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+@pytest.mark.slow
+def test_torchrun_standalone_user_script_launches_no_ranks_of_its_own(tmp_path, reference):
+    # the fork variant, which under torchrun used to fork two more ranks inside each worker
+    out = _run_all([TORCHRUN + ["--standalone", "--nproc-per-node", "2", SCRIPT, str(tmp_path / "w.pt"), "2", "1",
+                                "ring_ddp_fork"]], tmp_path)[0]
+    result = torch.load(tmp_path / "w.pt")
+    assert result["world_size"] == 2 and result["environment"] == "TorchElasticEnvironment"
+    assert result["launcher"] == "_SubprocessScriptLauncher"
+    assert out.count("Initializing distributed") == 2  # one per torchrun worker, not two more inside each
+    assert out.count("launches none of its own") == 1  # said once, by rank zero
+    assert _same_weights(result["state"], reference["state"])
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_machine_train_the_single_node_weights(tmp_path, reference):
+    port = str(_free_port())
+    commands = [TORCHRUN + ["--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
+                            "--master-addr", "127.0.0.1", "--master-port", port,
+                            SCRIPT, str(tmp_path / f"w{rank}.pt"), "1", "2", "ring_ddp"] for rank in (0, 1)]
+    _run_all(commands, tmp_path)
+    result = torch.load(tmp_path / "w0.pt")  # global rank 0 lives on node 0
+    assert not (tmp_path / "w1.pt").exists()
+    assert result["world_size"] == 2 and result["steps"] == 12  # 2 epochs of 96 samples / 2 ranks / batch 8
+    assert _same_weights(result["state"], reference["state"])
+
+
+@pytest.mark.slow
+def test_a_slurm_job_is_picked_up_and_trains_the_same_weights(tmp_path, reference):
+    # what `srun --ntasks-per-node 2` sets for a 2-task job; the test starts the two tasks itself (no srun here)
+    port = str(_free_port())
+    envs = [_clean_env(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1", SLURM_NODEID="0",
+                       SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_JOB_ID="4242", SLURM_STEP_ID="0",
+                       SLURM_JOB_NAME="lightning_dist_test", SLURM_NODELIST="127.0.0.1", MASTER_PORT=port)
+            for rank in (0, 1)]
+    commands = [[sys.executable, SCRIPT, str(tmp_path / "w.pt"), "2", "1", "ring_ddp_spawn"]] * 2
+    _run_all(commands, tmp_path, envs)
+    result = torch.load(tmp_path / "w.pt")
+    assert result["environment"] == "SLURMEnvironment" and result["world_size"] == 2
+    assert _same_weights(result["state"], reference["state"])
+
+
+@pytest.mark.slow
+def test_the_training_command_under_torchrun_writes_one_run_directory(tmp_path):
+    out = _run_all([TORCHRUN + ["--standalone", "--nproc-per-node", "2", "-m", "lightning_dist.train",
+                                "trainer.devices=auto", "trainer.max_epochs=1", "trainer.limit_train_batches=5",
+                                "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false"]], tmp_path)[0]
+    runs = sorted(p.name for p in (tmp_path / "outputs").iterdir())
+    assert len(runs) == 1 and runs[0].startswith("torchrun-"), runs  # both ranks agreed on one directory
+    run = tmp_path / "outputs" / runs[0]
+    assert (run / "summary.json").exists() and (run / "checkpoints" / "last.ckpt").exists()
+    assert out.count("summary: ") == 1  # summary written and announced once, by rank zero
+    assert out.count("Initializing distributed") == 2
+    threads = re.findall(r"intra_op_threads=(\d+)", out)
+    assert threads and all(int(t) == max(1, (os.cpu_count() or 1) // 2) for t in threads), threads
+
+
+def test_devices_and_the_run_directory_follow_the_launcher(monkeypatch):
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    assert resolve_devices("auto") == "auto" and resolve_devices(3) == 3 and resolve_devices("4") == 4
+    assert local_world_size("auto", "cpu") == 1 and local_world_size(3, "cpu") == 3
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d", run_dir_name())  # Hydra's own timestamp layout
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun --nproc-per-node 2
+    assert resolve_devices("auto") == 2 and resolve_devices(-1) == 2 and local_world_size("auto", "cpu") == 2
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc123")
+    assert run_dir_name() == "torchrun-abc123"
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    assert resolve_devices("auto") == 4 and run_dir_name() == "slurm-77.0"
+
+
+def test_devices_auto_and_two_nodes_compose_and_validate_under_a_launcher(monkeypatch):
+    from hydra import compose, initialize_config_module
+
+    import lightning_dist.train  # noqa: F401 - registers the schema and the run-directory resolver
+    from lightning_dist.config import validate
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # torchrun --nnodes 2 --nproc-per-node 1
+    with initialize_config_module("lightning_dist.conf", version_base="1.3"):
+        cfg = compose("config", overrides=["trainer.devices=auto", "trainer.num_nodes=2"])
+    validate(cfg)
+    assert cfg.trainer.devices == "auto" and cfg.trainer.num_nodes == 2
+    assert resolve_devices(cfg.trainer.devices) == 1
