@@ -171,7 +171,6 @@ def run_dir_name() -> str:
     ``--rdzv-id`` has none: rank 0 then writes its timestamp to torchrun's own store, which every worker
     reaches at ``MASTER_ADDR:MASTER_PORT``, and the others read it there.
     """
-    stamp = time.strftime("%Y-%m-%d/%H-%M-%S")
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if run_id and run_id != "none":
         return f"torchrun-{run_id}"
@@ -184,9 +183,9 @@ def run_dir_name() -> str:
                               timeout=timedelta(seconds=120))
         key = f"lightning_dist/run_dir/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         if os.environ.get("RANK", "0") == "0":
-            store.set(key, stamp)
+            store.set(key, time.strftime("%Y-%m-%d_%H-%M-%S"))
         return f"torchrun-{store.get(key).decode()}"
-    return stamp
+    return time.strftime("%Y-%m-%d/%H-%M-%S")  # Hydra's own layout
 
 
 def validate(cfg: DictConfig) -> None:

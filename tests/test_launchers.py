@@ -158,3 +158,19 @@ def test_devices_auto_and_two_nodes_compose_and_validate_under_a_launcher(monkey
     validate(cfg)
     assert cfg.trainer.devices == "auto" and cfg.trainer.num_nodes == 2
     assert resolve_devices(cfg.trainer.devices) == 1
+
+
+@pytest.mark.slow
+def test_the_command_on_two_nodes_with_a_static_rendezvous_shares_one_run_directory(tmp_path):
+    # no --rdzv-id: the run id is "none", so rank 0's timestamp travels through torchrun's store
+    port = str(_free_port())
+    commands = [TORCHRUN + ["--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
+                            "--master-addr", "127.0.0.1", "--master-port", port, "-m", "lightning_dist.train",
+                            "trainer.devices=auto", "trainer.num_nodes=2", "trainer.max_epochs=1",
+                            "trainer.limit_train_batches=3", "trainer.limit_val_batches=1",
+                            "trainer.enable_progress_bar=false"] for rank in (0, 1)]
+    outputs = _run_all(commands, tmp_path)
+    runs = sorted(p.name for p in (tmp_path / "outputs").iterdir())
+    assert len(runs) == 1 and runs[0].startswith("torchrun-"), runs
+    assert (tmp_path / "outputs" / runs[0] / "summary.json").exists()
+    assert sum(out.count("summary: ") for out in outputs) == 1
