@@ -9,7 +9,7 @@
 - :class:`CommStats`: bytes sent/received and time per call.
 """
 
-from lightning_dist.comm._common import release_scratch
+from lightning_dist.comm._common import completed_future, release_scratch
 from lightning_dist.comm.dispatch import (
     ALGORITHMS,
     AUTO_TREE_MAX_BYTES,
@@ -33,6 +33,7 @@ __all__ = [
     "allreduce_",
     "allreduce_async",
     "check_algorithm",
+    "completed_future",
     "choose_algorithm",
     "native_allreduce_",
     "release_scratch",

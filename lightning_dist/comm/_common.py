@@ -6,7 +6,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,13 @@ class GroupView:
     def peer(self, group_rank: int) -> int:
         """Global rank of ``group_rank`` (torch's point-to-point calls take global ranks)."""
         return self.global_ranks[group_rank % self.size]
+
+
+def completed_future(value: Any) -> torch.futures.Future:
+    """A Future that is already done, for a result computed synchronously where a Future is expected."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
 
 
 def group_view(group: Optional[dist.ProcessGroup]) -> GroupView:

@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_dist.comm._common import begin_in_place, group_view
+from lightning_dist.comm._common import begin_in_place, completed_future, group_view
 from lightning_dist.comm.ring import ring_allreduce_, ring_bytes_sent
 from lightning_dist.comm.stats import CommStats
 from lightning_dist.comm.tree import tree_allreduce_
@@ -89,10 +89,7 @@ def _native_async(
     thread) divides for ``avg``, writes back a non-contiguous input, records the call and applies ``then``."""
     call = begin_in_place("native", tensor, group, op, stats)
     if call.trivial:
-        fut: torch.futures.Future = torch.futures.Future()
-        result = call.finish(estimated=True)
-        fut.set_result(result if then is None else then(result))
-        return fut
+        return completed_future(_apply(then, call.finish(estimated=True)))
     work = dist.all_reduce(call.flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
     nbytes = ring_bytes_sent(call.flat.numel(), call.view.size, call.view.rank, call.flat.element_size())
     # The callback runs, and is destroyed, on the backend's thread. Holding the process group there could
@@ -102,10 +99,13 @@ def _native_async(
 
     def finish(done: torch.futures.Future) -> Any:
         done.value()  # raises the backend's error (a peer that died, a timeout)
-        result = call.finish(nbytes, nbytes, estimated=True)
-        return result if then is None else then(result)
+        return _apply(then, call.finish(nbytes, nbytes, estimated=True))
 
     return work.get_future().then(finish)
+
+
+def _apply(then: Optional[Callable[[torch.Tensor], Any]], reduced: torch.Tensor) -> Any:
+    return reduced if then is None else then(reduced)
 
 
 def resolve_algorithm(
@@ -131,12 +131,7 @@ def allreduce_(
     tree_max_bytes: int = AUTO_TREE_MAX_BYTES,
 ) -> torch.Tensor:
     """Reduce ``tensor`` in place across ``group`` with ``algorithm`` (``ring``, ``tree``, ``native``, ``auto``)."""
-    algorithm = resolve_algorithm(tensor, algorithm, group, tree_max_bytes)
-    if algorithm == "ring":
-        return ring_allreduce_(tensor, group, op, stats=stats)
-    if algorithm == "tree":
-        return tree_allreduce_(tensor, group, op, stats=stats)
-    return native_allreduce_(tensor, group, op, stats=stats)
+    return allreduce_async(tensor, algorithm, group, op, stats=stats, tree_max_bytes=tree_max_bytes).wait()
 
 
 def allreduce_async(
@@ -160,7 +155,5 @@ def allreduce_async(
     algorithm = resolve_algorithm(tensor, algorithm, group, tree_max_bytes)
     if algorithm == "native":
         return _native_async(tensor, group, op, stats, then)
-    result = allreduce_(tensor, algorithm, group, op, stats=stats)
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(result if then is None else then(result))
-    return fut
+    reduce = ring_allreduce_ if algorithm == "ring" else tree_allreduce_
+    return completed_future(_apply(then, reduce(tensor, group, op, stats=stats)))

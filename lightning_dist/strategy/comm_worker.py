@@ -46,6 +46,8 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from lightning_dist.comm import completed_future, release_scratch
+
 THREAD_NAME = "lightning_dist-comm"  # every worker thread's name starts with this (tests look for it)
 _STOP = None  # the sentinel that ends the loop
 
@@ -150,9 +152,7 @@ class CommWorker:
             raise CommWorkerError(self._failure) from exc
         if isinstance(result, torch._C.Future):  # an error in its chain is already a real error
             return result
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(result)
-        return fut
+        return completed_future(result)
 
     def _loop(self) -> None:
         try:
@@ -202,7 +202,5 @@ class CommWorker:
 
 
 def _release_thread_buffers() -> None:
-    from lightning_dist.comm import release_scratch  # the worker's own scratch buffers (thread-local)
-
-    release_scratch()
+    release_scratch()  # the worker's own scratch buffers (thread-local)
 

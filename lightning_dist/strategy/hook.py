@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from lightning_dist.comm import CommStats, allreduce_, allreduce_async, resolve_algorithm
+from lightning_dist.comm import CommStats, allreduce_, allreduce_async, completed_future, resolve_algorithm
 from lightning_dist.compression import Compressor, NoCompressor
 from lightning_dist.strategy.comm_worker import CommWorker
 
@@ -106,9 +106,7 @@ def ring_comm_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futur
             allreduce_(payload, state.algorithm, group=state.process_group, op="sum", stats=state.stats)
         result = _decompress(state, payload, ctx, buffer)
         state.exposed_s += time.perf_counter() - started
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(result)
-        return fut
+        return completed_future(result)
     if is_last:
         state.handed_at = time.perf_counter()
     # Work that only issues the backend's asynchronous all-reduce never blocks; it runs right here when the
