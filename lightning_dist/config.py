@@ -137,16 +137,22 @@ def launcher_local_world_size() -> Optional[int]:
     return None
 
 
+def _numeric_devices(devices: Union[int, str]) -> Union[int, str]:
+    """``"3"`` and ``"-1"`` as the ints they spell (a command-line value may arrive as a string)."""
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        return int(devices)
+    return devices
+
+
 def resolve_devices(devices: Union[int, str]) -> Union[int, str]:
     """What the command passes to ``Trainer(devices=...)``: under a launcher, ``"auto"``/-1 mean the processes
     it started on this node (Lightning checks devices x num_nodes against the launcher's world size);
     otherwise Lightning's own reading."""
-    if devices in ("auto", -1, "-1"):
+    devices = _numeric_devices(devices)
+    if devices in ("auto", -1):
         launched = launcher_local_world_size()
         if launched is not None:
             return launched
-    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
-        return int(devices)
     return devices
 
 
@@ -192,9 +198,7 @@ def validate(cfg: DictConfig) -> None:
     """Checks that types cannot express; raises ``ValueError`` naming the key, the value and the fix."""
     t = cfg.trainer
     problems = []
-    devices = t.devices
-    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
-        devices = int(devices)
+    devices = _numeric_devices(t.devices)
     if devices == -1 and t.accelerator == "cpu" and launcher_local_world_size() is None:
         problems.append("trainer.devices=-1 on CPU: Lightning counts only accelerators for -1; give a number of "
                         "processes, e.g. trainer.devices=2 (under torchrun or srun, -1 and auto take theirs)")
