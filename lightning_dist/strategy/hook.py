@@ -50,6 +50,15 @@ from lightning_dist.strategy.comm_worker import CommWorker
 
 
 @dataclass
+class _Clock:
+    """When the latest bucket reduction finished. Completion callbacks capture this rather than the state:
+    a callback is released on the backend's thread, and if it held the last reference to the state, and
+    through it to the process group, the group's destructor would join that very thread and abort."""
+
+    done_at: float = 0.0
+
+
+@dataclass
 class RingHookState:
     """Everything the hook needs; one per DDP model, owned by the strategy."""
 
@@ -71,7 +80,7 @@ class RingHookState:
     stats: CommStats = field(default_factory=lambda: CommStats(keep_records=False))
     exposed_s: float = 0.0  # communication time backward did not hide (summed over backward passes)
     handed_at: Optional[float] = None  # perf_counter when this backward pass handed over its last bucket
-    done_at: float = 0.0  # perf_counter when the latest bucket reduction finished
+    clock: _Clock = field(default_factory=_Clock)  # perf_counter when the latest bucket reduction finished
     # id(parameter) -> its name in the module; compressor state is keyed by names, because DDP rebuilds
     # (and renumbers) its buckets after the first step and in every new process
     param_names: dict[int, str] = field(default_factory=dict)
@@ -84,7 +93,7 @@ class RingHookState:
     def close_backward(self) -> None:
         """After a backward pass (all its buckets reduced): add the time backward waited for the last of them."""
         if self.handed_at is not None:
-            self.exposed_s += max(0.0, self.done_at - self.handed_at)
+            self.exposed_s += max(0.0, self.clock.done_at - self.handed_at)
             self.handed_at = None
 
     def reset_step(self) -> None:
@@ -104,7 +113,7 @@ def ring_comm_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futur
         payload, ctx = _weigh_and_compress(state, buffer, key)
         with _stage(f"lightning_dist.transport.{state.algorithm}"):
             allreduce_(payload, state.algorithm, group=state.process_group, op="sum", stats=state.stats)
-        result = _decompress(state, payload, ctx, buffer)
+        result = _decompress(state.compressor, state.clock, payload, ctx, buffer)
         state.exposed_s += time.perf_counter() - started
         return completed_future(result)
     if is_last:
@@ -115,9 +124,10 @@ def ring_comm_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futur
 
     def job() -> torch.futures.Future:
         payload, ctx = _weigh_and_compress(state, buffer, key)
+        compressor, clock = state.compressor, state.clock  # never the state itself: see _Clock
         with _stage(f"lightning_dist.transport.{state.algorithm}"):
             return allreduce_async(payload, state.algorithm, group=state.process_group, op="sum", stats=state.stats,
-                                   then=lambda reduced: _decompress(state, reduced, ctx, buffer))
+                                   then=lambda reduced: _decompress(compressor, clock, reduced, ctx, buffer))
 
     what = f"gradient bucket {bucket.index()} ({_short(key)})"
     return state.worker.submit(job, what=what, here_if_idle=issue_only or is_last)
@@ -131,10 +141,11 @@ def _weigh_and_compress(state: RingHookState, buffer: torch.Tensor, key: str) ->
         return state.compressor.compress(buffer, key)
 
 
-def _decompress(state: RingHookState, payload: torch.Tensor, ctx: object, buffer: torch.Tensor) -> torch.Tensor:
+def _decompress(compressor: Compressor, clock: _Clock, payload: torch.Tensor, ctx: object,
+                buffer: torch.Tensor) -> torch.Tensor:
     with _stage("lightning_dist.decompress"):
-        result = state.compressor.decompress(payload, ctx, buffer)
-    state.done_at = max(state.done_at, time.perf_counter())
+        result = compressor.decompress(payload, ctx, buffer)
+    clock.done_at = max(clock.done_at, time.perf_counter())
     return result
 
 
