@@ -83,7 +83,10 @@ def test_comm_stats_totals_and_reset():
     stats = CommStats()
     stats.record(CallRecord("ring", 10, 40, 40, 0.5))
     stats.record(CallRecord("tree", 2, 8, 8, 0.25))
-    assert stats.as_dict() == {"calls": 2, "bytes_sent": 48, "bytes_received": 48, "seconds": 0.75}
+    stats.record_dense(80)
+    stats.record_codec(0.125)
+    assert stats.as_dict() == {"calls": 2, "bytes_sent": 48, "bytes_received": 48, "seconds": 0.75,
+                               "dense_bytes": 80, "codec_seconds": 0.125}
     assert [r.algorithm for r in stats.records] == ["ring", "tree"]
     stats.reset()
-    assert stats.calls == 0 and stats.records == []
+    assert stats.calls == 0 and stats.records == [] and stats.dense_bytes == 0 and stats.codec_seconds == 0

@@ -147,7 +147,8 @@ class ExplodingCompressor(Compressor):
     def __init__(self, param, ranks, armed=True):
         self.param, self.ranks, self.armed = param, ranks, armed
 
-    def compress(self, tensor, key):
+    def compress(self, tensor, layout):
+        key = layout.key
         if self.armed and self.param in key.split(",") and dist.get_rank() in self.ranks:
             raise ValueError(f"compressor exploded on {key}")
         return tensor, None
@@ -175,7 +176,7 @@ def _backward_with_failing_bucket(rank, world_size, ranks, algorithm="native"):
     except RuntimeError as err:
         message = str(err)
     elapsed = time.monotonic() - started
-    keys = sorted(state._bucket_keys.values())
+    keys = sorted(layout.key for layout in state._layouts.values())
     stopped = worker.stop(5.0)
     return {"message": message, "elapsed": elapsed, "stopped": stopped, "threads": _worker_threads(), "keys": keys}
 
@@ -226,7 +227,7 @@ class FlagRecorder(Compressor):
     def __init__(self):
         self.seen = []
 
-    def compress(self, tensor, key):
+    def compress(self, tensor, layout):
         self.seen.append(self._state.weighted_in_autograd)
         return tensor, None
 

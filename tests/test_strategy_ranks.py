@@ -238,8 +238,8 @@ class HalfPrecisionCompressor(Compressor):
 
     name = "test_fp16"
 
-    def compress(self, tensor, key):
-        self.keys = getattr(self, "keys", set()) | {key}
+    def compress(self, tensor, layout):
+        self.keys = getattr(self, "keys", set()) | {layout.key}
         return tensor.to(torch.float16), None
 
     def decompress(self, payload, ctx, out):

@@ -19,12 +19,17 @@ Logged metrics (``r`` is a rank index):
   ``overlap=False``).
   The communication that was not hidden; the figure to tune bucket size and algorithm against
 - ``dist/bytes_sent_per_rank``: gradient payload bytes each rank sent, mean over ranks
+- ``dist/dense_bytes_per_rank``: what the dense ring would have sent for the same gradients,
+  ``2 (N - 1) / N`` x the bucket's bytes (4 per fp32 element), mean over ranks
+- ``dist/compression_ratio``: dense bytes over bytes sent (1.0 uncompressed; ~2 with fp16, ~4 with int8)
+- ``dist/codec_ms``: the longest time any rank spent compressing and decompressing this step, ms
 - ``dist/straggler_ratio``: slowest rank's compute time over the fastest's (1.0 is balanced)
 - ``dist/rank{r}/compute_ms``: rank ``r``'s forward+backward time less its exposed communication, ms
 - ``dist/rank{r}/comm_ms``: rank ``r``'s time in all-reduces (includes waiting for slower peers), ms
 - ``dist/rank{r}/exposed_comm_ms``: rank ``r``'s communication not hidden behind its backward, ms
 - ``dist/rank{r}/samples_per_s``: rank ``r``'s samples over its compute time: its speed
 - ``dist/rank{r}/bytes_sent``: rank ``r``'s payload bytes this step
+- ``dist/rank{r}/codec_ms``: rank ``r``'s compression and decompression time, ms
 """
 
 from __future__ import annotations

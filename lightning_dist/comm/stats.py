@@ -37,6 +37,10 @@ class CommStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     seconds: float = 0.0
+    # what the dense fp32 ring would have sent for the same gradients (the hook records it per bucket), and
+    # time spent compressing and decompressing: for the compression ratio and the coding cost
+    dense_bytes: int = 0
+    codec_seconds: float = 0.0
     records: list[CallRecord] = field(default_factory=list)
     keep_records: bool = True  # turn off for long benchmarks where only the totals matter
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -49,6 +53,14 @@ class CommStats:
             self.seconds += rec.seconds
             if self.keep_records:
                 self.records.append(rec)
+
+    def record_dense(self, nbytes: int) -> None:
+        with self._lock:
+            self.dense_bytes += nbytes
+
+    def record_codec(self, seconds: float) -> None:
+        with self._lock:
+            self.codec_seconds += seconds
 
     def __getstate__(self) -> dict:
         # the spawn launcher pickles the strategy, and with it these stats; a lock does not pickle
@@ -63,6 +75,8 @@ class CommStats:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.seconds = 0.0
+        self.dense_bytes = 0
+        self.codec_seconds = 0.0
         self.records.clear()
 
     def as_dict(self) -> dict[str, float]:
@@ -71,4 +85,6 @@ class CommStats:
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "seconds": self.seconds,
+            "dense_bytes": self.dense_bytes,
+            "codec_seconds": self.codec_seconds,
         }

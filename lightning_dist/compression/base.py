@@ -1,48 +1,160 @@
 """The compressor interface that the comm hook calls between weighting and transport.
 
-Shaped after Horovod's ``compress(tensor) -> (payload, ctx)`` / ``decompress(payload, ctx)``, with explicit
-state for the compressors that need it (error-feedback residuals, PowerSGD factors): ``state_dict`` and
-``load_state_dict`` put it into Lightning checkpoints. ``summable`` says whether payloads from different
-ranks can be added on the way (a cast can; a top-k index list cannot and needs an all-gather path).
+A compressor sees one DDP gradient bucket at a time: a flat tensor holding several parameters' gradients
+end to end, described by a :class:`BucketLayout` (the parameters' names, shapes and offsets). Every rank's
+bucket arrives already weighted by its share of the step, so a plain **sum** across ranks is the average
+gradient; compressors only have to reproduce that sum.
+
+Two ways to reduce, one interface:
+
+- **Summable** compressors (``summable = True``: the identity, fp16, bf16) turn the bucket into a payload
+  whose sum across ranks is meaningful: ``compress`` -> a sum all-reduce of the payload by the configured
+  algorithm (ring, tree, native, auto) -> ``decompress`` into the bucket. The hook may issue the native
+  all-reduce asynchronously and decompress in its completion callback.
+- Every compressor can :meth:`Compressor.reduce` the bucket through a :class:`~lightning_dist.compression.
+  transport.Transport`, which offers the sum all-reduce and also all-gather and all-to-all, for payloads
+  that cannot be summed on the way (top-k indices, int8 codes with per-chunk scales, PowerSGD's two
+  rounds with an orthogonalisation between them). The default ``reduce`` is the summable path.
+
+State (error-feedback residuals, PowerSGD factors, random generators) is **per parameter, keyed by
+name** (DDP rebuilds and renumbers its buckets after the first step and in every new process), and
+**staged per step**: what a step changes becomes the state only at :meth:`Compressor.commit`, which the
+strategy calls after the optimizer stepped; :meth:`Compressor.discard` drops it, so a step the ranks agree
+to skip leaves the state as it was. ``state_dict`` / ``load_state_dict`` carry it into checkpoints (only
+tensors, numbers and strings: checkpoints load with ``weights_only=True``).
+
+Non-finite gradients never vanish inside a compressor: a NaN or Inf in any rank's bucket comes out of the
+reduction as non-finite on every rank (so a NaN check after backward sees it), and no state keeps it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+if TYPE_CHECKING:
+    from lightning_dist.compression.transport import Transport
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """Which parameters a flat gradient bucket holds, in order: DDP lays them end to end, no padding."""
+
+    names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    offsets: tuple[int, ...]  # where each parameter starts in the flat bucket
+    numel: int
+
+    @classmethod
+    def of(cls, named_shapes: list[tuple[str, torch.Size]]) -> BucketLayout:
+        names, shapes, offsets, offset = [], [], [], 0
+        for name, shape in named_shapes:
+            names.append(name)
+            shapes.append(torch.Size(shape))
+            offsets.append(offset)
+            offset += math.prod(shape)
+        return cls(tuple(names), tuple(shapes), tuple(offsets), offset)
+
+    @classmethod
+    def single(cls, numel: int, name: str = "tensor") -> BucketLayout:
+        """One flat tensor seen as one parameter (for reducing a tensor outside DDP)."""
+        return cls.of([(name, torch.Size([numel]))])
+
+    @property
+    def key(self) -> str:
+        return ",".join(self.names)
+
+    def sizes(self) -> list[int]:
+        return [math.prod(shape) for shape in self.shapes]
+
+    def spans(self) -> list[tuple[str, int, int, torch.Size]]:
+        """(name, start, end, shape) for every parameter."""
+        return [(n, o, o + s, sh) for n, o, s, sh in zip(self.names, self.offsets, self.sizes(), self.shapes)]
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's part of ``flat``, in its own shape (views: writing them writes ``flat``)."""
+        return [flat[start:end].view(shape) for _, start, end, shape in self.spans()]
+
 
 class Compressor:
-    """Base class: identity behaviour, no state. Subclasses override what they change."""
+    """Base class: the identity, no state beyond the step count. Subclasses override what they change.
+
+    Args:
+        start_step: optimizer steps sent uncompressed before compression starts (a warm-up: the first
+            steps' large, fast-changing gradients are where compression hurts most, as DGC observed).
+    """
 
     name = "none"
-    summable = True  # payloads can be all-reduced by sum; False means they must be all-gathered
-    # compress/decompress cost little next to the transport (a cast, nothing at all): the hook may run them
-    # on the autograd thread when the transport is asynchronous anyway; heavy compressors set False and
-    # always run on the communication worker
+    summable = True  # payloads can be all-reduced by sum; False: reduce() goes its own way through a Transport
+    # compress/decompress cost little next to the transport (a cast, nothing at all): the hook may run them on
+    # the autograd thread when the transport is asynchronous anyway; heavy compressors set False and always
+    # run on the communication worker
     light = True
+    lossy = False  # True: the result differs from the dense sum
+    wants_error_feedback = False  # build_compressor wraps it in ErrorFeedback unless told otherwise
+    start_step = 0  # (class defaults too, for subclasses that do not call __init__)
+    steps = 0
 
-    def compress(self, tensor: torch.Tensor, key: str) -> tuple[torch.Tensor, Any]:
-        """Return the payload to send and a context for :meth:`decompress`.
+    def __init__(self, start_step: int = 0) -> None:
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(f"start_step={start_step!r} must be an int >= 0 (uncompressed warm-up steps)")
+        self.start_step = start_step
+        self.steps = 0  # optimizer steps committed since training started (restored from checkpoints)
 
-        ``key`` names the gradient bucket by its parameters (stable across DDP's bucket rebuilds), for
-        compressors that keep per-parameter state.
-        """
-        return tensor, None
+    @property
+    def warming_up(self) -> bool:
+        """True while the first ``start_step`` steps go uncompressed (the hook then sends the dense bucket)."""
+        return self.steps < self.start_step
+
+    def describe(self) -> str:
+        """The compressor and its settings, for logs and for matching a checkpoint's state."""
+        return self.name
+
+    # -- the summable path ----------------------------------------------------------------------------------
+    def compress(self, flat: torch.Tensor, layout: BucketLayout) -> tuple[torch.Tensor, Any]:
+        """Return the payload to sum across ranks and a context for :meth:`decompress`."""
+        return flat, None
 
     def decompress(self, payload: torch.Tensor, ctx: Any, out: torch.Tensor) -> torch.Tensor:
-        """Write the reduced payload back into ``out`` (the bucket's buffer) and return it."""
+        """Write the (reduced) payload into ``out`` and return it."""
         if payload.data_ptr() != out.data_ptr():
             out.copy_(payload)
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        return {}
+    # -- the general path ----------------------------------------------------------------------------------
+    def reduce(self, flat: torch.Tensor, layout: BucketLayout, transport: Transport,
+               sent: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Replace ``flat`` (this rank's weighted gradients) by the compressed sum over ranks; return it.
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state:
-            raise ValueError(f"{type(self).__name__} keeps no state but got keys {sorted(state)}")
+        ``sent``, when given, receives this rank's own contribution as the others decode it (what
+        error feedback subtracts from the gradient to get the new residual). Runs on one thread at a time.
+        """
+        payload, ctx = self.compress(flat, layout)
+        if sent is not None:
+            self.decompress(payload, ctx, sent)
+        transport.allreduce_(payload)
+        return self.decompress(payload, ctx, flat)
+
+    # -- state ---------------------------------------------------------------------------------------------
+    def commit(self) -> None:
+        """The optimizer stepped: what this step staged becomes the state."""
+        self.steps += 1
+
+    def discard(self) -> None:
+        """The ranks skipped this step: drop what it staged (the state stays as before the step)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: tensors, numbers and strings only (``weights_only=True`` loads it)."""
+        return {"compressor": self.describe(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any], shared_only: bool = False) -> None:
+        """Restore :meth:`state_dict`'s output. ``shared_only``: the checkpoint came from a different world
+        size, so only what every rank holds alike (step count, PowerSGD's factors) applies; per-rank state
+        (residuals, random generators) starts afresh."""
+        self.steps = int(state.get("steps", 0))
 
 
 class NoCompressor(Compressor):

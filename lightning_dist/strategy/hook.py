@@ -12,10 +12,16 @@ bucket order. The bucket's reduction has four visible stages, each a
    cost ~3% of a bandwidth-bound CPU step). Under manual optimization, or when backward did not go
    through the strategy (DDP used directly), the hook multiplies the bucket here instead. At 2 ranks both
    are exact (a power of two), so ring_ddp and stock DDP agree bit for bit.
-2. **compress**: the compressor turns the bucket into a payload (identity for now).
+2. **compress**: the compressor turns the bucket into a payload (:mod:`lightning_dist.compression`).
 3. **transport**: ``ring``, ``tree``, ``native`` or ``auto`` all-reduce of the payload, by sum, on the
    hook's own process group.
 4. **decompress**: the reduced payload goes back into the bucket's buffer.
+
+That is the path of *summable* compressors (none, fp16, bf16). The others (int8, top-k, threshold,
+PowerSGD, anything with error feedback) reduce the bucket through their own collectives
+(:meth:`~lightning_dist.compression.Compressor.reduce`, one ``lightning_dist.compressed_reduce.<name>``
+range), always on the worker. Per-parameter state is keyed by the bucket's :class:`BucketLayout`
+(parameter names, shapes, offsets). During a compressor's warm-up (``start_step``) buckets travel dense.
 
 With a :class:`~lightning_dist.strategy.comm_worker.CommWorker` in the state (the default) the hook returns
 a pending ``Future``: backward goes on computing the next buckets' gradients while this one travels, and
@@ -44,8 +50,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from lightning_dist.comm import CommStats, allreduce_, allreduce_async, completed_future, resolve_algorithm
-from lightning_dist.compression import Compressor, NoCompressor
+from lightning_dist.comm import CommStats, allreduce_async, completed_future, resolve_algorithm, ring_bytes_sent
+from lightning_dist.compression import BucketLayout, Compressor, NoCompressor, Transport
 from lightning_dist.strategy.comm_worker import CommWorker
 
 
@@ -84,7 +90,14 @@ class RingHookState:
     # id(parameter) -> its name in the module; compressor state is keyed by names, because DDP rebuilds
     # (and renumbers) its buckets after the first step and in every new process
     param_names: dict[int, str] = field(default_factory=dict)
-    _bucket_keys: dict[tuple[int, int, int], str] = field(default_factory=dict)
+    rank: int = 0  # this rank's place in process_group (for counting the dense ring's bytes)
+    transport: Optional[Transport] = None  # made on first use from process_group, algorithm and stats
+    _layouts: dict[tuple[int, int, int], BucketLayout] = field(default_factory=dict)
+
+    def get_transport(self) -> Transport:
+        if self.transport is None or self.transport.group is not self.process_group:
+            self.transport = Transport(self.algorithm, self.process_group, self.stats)
+        return self.transport
 
     def loss_gradient_scale(self) -> float:
         """This rank's share of the step: what the gradient of the loss is multiplied by."""
@@ -107,59 +120,89 @@ def ring_comm_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futur
     if state.on_last_bucket is not None and is_last:
         state.on_last_bucket()
     buffer = bucket.buffer()
-    key = _bucket_key(state, bucket)
+    layout = _bucket_layout(state, bucket)
+    state.stats.record_dense(ring_bytes_sent(buffer.numel(), state.world_size, state.rank, buffer.element_size()))
+    # during the compressor's warm-up (start_step) the bucket travels dense
+    codec = _DENSE if state.compressor.warming_up else state.compressor
     if state.worker is None:
         started = time.perf_counter()
-        payload, ctx = _weigh_and_compress(state, buffer, key)
-        with _stage(f"lightning_dist.transport.{state.algorithm}"):
-            allreduce_(payload, state.algorithm, group=state.process_group, op="sum", stats=state.stats)
-        result = _decompress(state.compressor, state.clock, payload, ctx, buffer)
+        _weigh(state, buffer)
+        _reduce(state, codec, buffer, layout)
         state.exposed_s += time.perf_counter() - started
-        return completed_future(result)
+        return completed_future(buffer)
     if is_last:
         state.handed_at = time.perf_counter()
+    what = f"gradient bucket {bucket.index()} ({_short(layout.key)})"
+    if not codec.summable:  # its own collectives, run to completion on the worker
+        def reduce_job() -> torch.Tensor:
+            _weigh(state, buffer)
+            return _reduce(state, codec, buffer, layout)
+
+        return state.worker.submit(reduce_job, what=what, here_if_idle=is_last)
     # Work that only issues the backend's asynchronous all-reduce never blocks; it runs right here when the
     # worker is idle (the order stays DDP's), as does the last bucket, behind which nothing is left to overlap.
-    issue_only = state.compressor.light and resolve_algorithm(buffer, state.algorithm, state.process_group) == "native"
+    issue_only = codec.light and resolve_algorithm(buffer, state.algorithm, state.process_group) == "native"
 
     def job() -> torch.futures.Future:
-        payload, ctx = _weigh_and_compress(state, buffer, key)
-        compressor, clock = state.compressor, state.clock  # never the state itself: see _Clock
+        _weigh(state, buffer)
+        started = time.perf_counter()
+        with _stage("lightning_dist.compress"):
+            payload, ctx = codec.compress(buffer, layout)
+        stats, clock = state.stats, state.clock  # never the state itself: see _Clock
+        stats.record_codec(time.perf_counter() - started)
         with _stage(f"lightning_dist.transport.{state.algorithm}"):
-            return allreduce_async(payload, state.algorithm, group=state.process_group, op="sum", stats=state.stats,
-                                   then=lambda reduced: _decompress(compressor, clock, reduced, ctx, buffer))
+            return allreduce_async(payload, state.algorithm, group=state.process_group, op="sum", stats=stats,
+                                   then=lambda reduced: _decompress(codec, stats, clock, reduced, ctx, buffer))
 
-    what = f"gradient bucket {bucket.index()} ({_short(key)})"
     return state.worker.submit(job, what=what, here_if_idle=issue_only or is_last)
 
 
-def _weigh_and_compress(state: RingHookState, buffer: torch.Tensor, key: str) -> tuple[torch.Tensor, object]:
+_DENSE = NoCompressor()
+
+
+def _weigh(state: RingHookState, buffer: torch.Tensor) -> None:
     with _stage("lightning_dist.weight"):
         if not state.weighted_in_autograd:
             buffer.mul_(state.loss_gradient_scale())
-    with _stage("lightning_dist.compress"):
-        return state.compressor.compress(buffer, key)
 
 
-def _decompress(compressor: Compressor, clock: _Clock, payload: torch.Tensor, ctx: object,
+def _reduce(state: RingHookState, codec: Compressor, buffer: torch.Tensor, layout: BucketLayout) -> torch.Tensor:
+    """The general path: the compressor drives its own collectives through the state's transport."""
+    transport = state.get_transport()
+    started, on_wire = time.perf_counter(), transport.seconds
+    with _stage(f"lightning_dist.compressed_reduce.{codec.name}"):
+        codec.reduce(buffer, layout, transport)
+    state.stats.record_codec(max(0.0, time.perf_counter() - started - (transport.seconds - on_wire)))
+    state.clock.done_at = max(state.clock.done_at, time.perf_counter())
+    return buffer
+
+
+def _decompress(codec: Compressor, stats: CommStats, clock: _Clock, payload: torch.Tensor, ctx: object,
                 buffer: torch.Tensor) -> torch.Tensor:
+    started = time.perf_counter()
     with _stage("lightning_dist.decompress"):
-        result = compressor.decompress(payload, ctx, buffer)
-    clock.done_at = max(clock.done_at, time.perf_counter())
+        result = codec.decompress(payload, ctx, buffer)
+    clock.done_at = now = max(clock.done_at, time.perf_counter())
+    stats.record_codec(now - started)
     return result
 
 
-def _bucket_key(state: RingHookState, bucket: dist.GradBucket) -> str:
-    """The names of the bucket's parameters, joined: stable when DDP rebuilds and renumbers its buckets."""
+def _bucket_layout(state: RingHookState, bucket: dist.GradBucket) -> BucketLayout:
+    """The bucket's parameters by name, shape and offset: stable when DDP rebuilds and renumbers its buckets."""
     params = bucket.parameters()
-    if not params:
-        return f"bucket{bucket.index()}"
-    cache_key = (bucket.index(), id(params[0]), len(params))
-    key = state._bucket_keys.get(cache_key)
-    if key is None:
-        key = ",".join(state.param_names.get(id(p), f"param{i}") for i, p in enumerate(params))
-        state._bucket_keys[cache_key] = key
-    return key
+    cache_key = (bucket.index(), id(params[0]) if params else 0, len(params))
+    layout = state._layouts.get(cache_key)
+    if layout is None:
+        if params:
+            layout = BucketLayout.of([(state.param_names.get(id(p), f"param{i}"), p.shape)
+                                      for i, p in enumerate(params)])
+        else:
+            layout = BucketLayout.single(bucket.buffer().numel(), f"bucket{bucket.index()}")
+        if layout.numel != bucket.buffer().numel():
+            raise RuntimeError(f"gradient bucket {bucket.index()} holds {bucket.buffer().numel()} elements but its "
+                               f"parameters {layout.names} have {layout.numel}; sparse gradients are not supported")
+        state._layouts[cache_key] = layout
+    return layout
 
 
 def _stage(name: str) -> contextlib.AbstractContextManager:

@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_dist.comm import check_algorithm, release_scratch
-from lightning_dist.compression import Compressor, NoCompressor
+from lightning_dist.compression import Compressor, as_compressor
 from lightning_dist.strategy.comm_worker import CommWorker
 from lightning_dist.strategy.control import StepControl
 from lightning_dist.strategy.hook import RingHookState, ring_comm_hook
@@ -51,7 +51,8 @@ if not callable(getattr(DDPStrategy, "_register_ddp_hooks", None)):  # pragma: n
     )
 
 DEFAULT_TIMEOUT_S = default_pg_timeout.total_seconds()  # torch.distributed's: a hung collective fails then
-WORKER_JOIN_TIMEOUT_S = 10.0  # teardown waits this long for the communication worker to end
+WORKER_JOIN_TIMEOUT_S = 10.0
+CHECKPOINT_KEY = "lightning_dist"  # the checkpoint's entry for every rank's compressor state  # teardown waits this long for the communication worker to end
 
 
 class RingDDPStrategy(DDPStrategy):
@@ -69,7 +70,10 @@ class RingDDPStrategy(DDPStrategy):
         algorithm: ``"ring"``, ``"tree"``, ``"native"`` (the backend's all_reduce) or ``"auto"`` (at 3 or
             more ranks the tree below :data:`~lightning_dist.comm.AUTO_TREE_MAX_BYTES`, otherwise native;
             always native on NCCL).
-        compressor: a :class:`~lightning_dist.compression.Compressor`, ``"none"`` or ``None`` (no compression).
+        compressor: a :class:`~lightning_dist.compression.Compressor`, a name (``"topk"``, ``"powersgd"``, ...:
+            :func:`~lightning_dist.compression.build_compressor` with its defaults), a dict of
+            ``build_compressor``'s arguments, or ``None`` (no compression). Its state (residuals, factors,
+            random generators) is saved in checkpoints for every rank, under ``"lightning_dist"``.
         overlap: ``True`` (default): a communication thread reduces each bucket while backward computes the
             next; ``False``: the hook blocks the autograd thread until its bucket has travelled.
         **kwargs: every other keyword of :class:`~torch.nn.parallel.DistributedDataParallel` that
@@ -121,7 +125,7 @@ class RingDDPStrategy(DDPStrategy):
         )
         self._algorithm = algorithm
         self._overlap = overlap
-        self._hook_state = RingHookState(algorithm=algorithm, compressor=_as_compressor(compressor))
+        self._hook_state = RingHookState(algorithm=algorithm, compressor=as_compressor(compressor))
         self._control: Optional[StepControl] = None
         self._control_group: Optional[dist.ProcessGroup] = None  # the per-step control exchange's
         self._comm_group: Optional[dist.ProcessGroup] = None  # the gradient buckets'
@@ -158,6 +162,12 @@ class RingDDPStrategy(DDPStrategy):
     def totals(self) -> dict[str, float]:
         """This rank's running totals over the fit: steps, bytes sent, comm and exposed seconds, samples."""
         return self._meter.totals
+
+    @property
+    def compressor(self) -> Compressor:
+        """The gradient compressor (its state is staged per step: ``commit`` after the optimizer stepped,
+        ``discard`` when the ranks agreed to skip)."""
+        return self._hook_state.compressor
 
     @property
     def hook_state(self) -> RingHookState:
@@ -222,6 +232,9 @@ class RingDDPStrategy(DDPStrategy):
         state = self._hook_state
         state.world_size = self.world_size
         state.process_group = self._comm_group
+        state.rank = dist.get_rank(self._comm_group) if self._comm_group is not None else 0
+        state.transport = None
+        state._layouts.clear()
         state.param_names = {id(p): name for name, p in self.model.module.named_parameters()}
         state.on_last_bucket = self._start_exchange_early
         if self._overlap:
@@ -360,16 +373,63 @@ class RingDDPStrategy(DDPStrategy):
             if group is not None and dist.is_initialized():
                 dist.destroy_process_group(group)
         self._comm_group = self._control_group = None
-        self._hook_state.process_group = None
+        self._hook_state.process_group = self._hook_state.transport = None
         release_scratch()
         super().teardown()
 
     def _finish_step(self) -> None:
         """Record this step's own measurements; the next exchange carries them to every rank."""
         state = self._hook_state
+        state.compressor.commit()  # the optimizer stepped: the compressor's staged state becomes its state
         self._meter.step_finished(state.stats, state.exposed_s)
         state.reset_step()
         self._exchanged_this_step = False
+
+    # -- checkpoints ----------------------------------------------------------------------------------------
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        # Every rank calls this (Lightning's trainer.save_checkpoint); rank zero writes. Each rank's compressor
+        # state (residuals, random generator) is its own, so all of them travel to rank zero first.
+        states = self._gather_compressor_states()
+        if self.is_global_zero:
+            checkpoint = {**checkpoint, CHECKPOINT_KEY: {"compressor": {
+                "describe": self.compressor.describe(), "world_size": self.world_size, "ranks": states}}}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _gather_compressor_states(self) -> list[dict[str, Any]]:
+        mine = self.compressor.state_dict()
+        if self.world_size == 1 or not dist.is_initialized():
+            return [mine]
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self._control_group)
+        return everyone
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        self._restore_compressor(checkpoint)
+
+    def _restore_compressor(self, checkpoint: dict[str, Any]) -> None:
+        """This rank's compressor state from a checkpoint; what cannot apply starts afresh, with a warning."""
+        compressor = self.compressor
+        saved = (checkpoint.get(CHECKPOINT_KEY) or {}).get("compressor")
+        if saved is None:
+            if compressor.lossy:
+                rank_zero_warn(f"The checkpoint holds no compressor state (it was written by another strategy): "
+                               f"{compressor.describe()} starts with zero residuals and fresh factors.")
+            return
+        if saved["describe"] != compressor.describe():
+            rank_zero_warn(f"The checkpoint's compressor was {saved['describe']}, this run's is "
+                           f"{compressor.describe()}: its state starts afresh.")
+            return
+        ranks = saved["ranks"]
+        if saved["world_size"] == self.world_size:
+            compressor.load_state_dict(ranks[self.global_rank])
+        else:
+            rank_zero_warn(f"The checkpoint was written by {saved['world_size']} ranks, this run has "
+                           f"{self.world_size}: per-rank compressor state (error-feedback residuals, random "
+                           "generators) starts afresh; shared state (step count, PowerSGD factors) is restored.")
+            compressor.load_state_dict(ranks[0], shared_only=True)
 
     @classmethod
     @override
@@ -398,16 +458,6 @@ def _as_timedelta(timeout: Union[float, int, timedelta, None]) -> timedelta:
     if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds <= 0:
         raise ValueError(f"timeout={timeout!r} must be a positive number of seconds (default {DEFAULT_TIMEOUT_S}).")
     return timedelta(seconds=float(seconds))
-
-
-def _as_compressor(compressor: Union[Compressor, str, None]) -> Compressor:
-    if compressor is None or compressor == "none":
-        return NoCompressor()
-    if isinstance(compressor, Compressor):
-        return compressor
-    raise ValueError(
-        f"compressor={compressor!r}: pass a lightning_dist.compression.Compressor instance or 'none'."
-    )
 
 
 def _batch_size(batch: Any) -> int:

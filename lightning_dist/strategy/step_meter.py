@@ -21,7 +21,7 @@ from lightning_dist.comm import CommStats
 from lightning_dist.strategy.control import StepControl
 
 # Per-rank slots of the control exchange: what each rank measured in the previous step.
-PER_RANK_SLOTS = ("samples", "compute_s", "comm_s", "exposed_s", "bytes_sent", "step_s")
+PER_RANK_SLOTS = ("samples", "compute_s", "comm_s", "exposed_s", "bytes_sent", "dense_bytes", "codec_s", "step_s")
 
 
 class StepMeter:
@@ -43,8 +43,8 @@ class StepMeter:
         self.step_metrics: dict[str, float] = {}
         self.step_metrics_step = -1  # ``steps_done + 1`` when step_metrics was last refreshed
         # this rank's running totals over the run (for summary.json)
-        self.totals: dict[str, float] = {"steps": 0, "bytes_sent": 0.0, "comm_s": 0.0, "exposed_s": 0.0,
-                                         "samples": 0.0}
+        self.totals: dict[str, float] = {"steps": 0, "bytes_sent": 0.0, "dense_bytes": 0.0, "comm_s": 0.0,
+                                         "codec_s": 0.0, "exposed_s": 0.0, "samples": 0.0}
 
     def batch_started(self, samples: int) -> None:
         if self._step_started is None:
@@ -69,10 +69,13 @@ class StepMeter:
             "comm_s": stats.seconds,
             "exposed_s": exposed_s,
             "bytes_sent": float(stats.bytes_sent),
+            "dense_bytes": float(stats.dense_bytes),
+            "codec_s": stats.codec_seconds,
             "step_s": now - (self._last_step_end or started),
         }
-        for key, value in (("steps", 1), ("bytes_sent", stats.bytes_sent), ("comm_s", stats.seconds),
-                           ("exposed_s", exposed_s), ("samples", self._samples)):
+        for key, value in (("steps", 1), ("bytes_sent", stats.bytes_sent), ("dense_bytes", stats.dense_bytes),
+                           ("comm_s", stats.seconds), ("codec_s", stats.codec_seconds), ("exposed_s", exposed_s),
+                           ("samples", self._samples)):
             self.totals[key] += value
         self._samples = 0
         self.steps_done += 1
@@ -89,12 +92,17 @@ def metrics_from(control: StepControl, world_size: int) -> dict[str, float]:
     comm = control.per_rank("rank_comm_s")
     exposed = control.per_rank("rank_exposed_s")
     sent = control.per_rank("rank_bytes_sent")
+    dense = control.per_rank("rank_dense_bytes")
+    codec = control.per_rank("rank_codec_s")
     metrics = {
         "dist/step_time_ms": 1e3 * max(step),
         "dist/throughput": sum(samples) / max(step),
         "dist/comm_ms": 1e3 * max(comm),
         "dist/exposed_comm_ms": 1e3 * max(exposed),
         "dist/bytes_sent_per_rank": sum(sent) / world_size,
+        "dist/dense_bytes_per_rank": sum(dense) / world_size,
+        "dist/compression_ratio": sum(dense) / sum(sent) if sum(sent) > 0 else 1.0,
+        "dist/codec_ms": 1e3 * max(codec),
         "dist/straggler_ratio": max(compute) / min(compute) if min(compute) > 0 else 1.0,
     }
     for r in range(world_size):
@@ -103,4 +111,5 @@ def metrics_from(control: StepControl, world_size: int) -> dict[str, float]:
         metrics[f"dist/rank{r}/exposed_comm_ms"] = 1e3 * exposed[r]
         metrics[f"dist/rank{r}/samples_per_s"] = samples[r] / compute[r] if compute[r] > 0 else 0.0
         metrics[f"dist/rank{r}/bytes_sent"] = sent[r]
+        metrics[f"dist/rank{r}/codec_ms"] = 1e3 * codec[r]
     return metrics

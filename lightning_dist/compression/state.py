@@ -1,0 +1,100 @@
+"""Compressor state that survives DDP's bucket rebuilds and can be rolled back by one step.
+
+:class:`ParamState` holds one tensor per parameter, keyed by the parameter's name (DDP renumbers and
+regroups its buckets after the first step and in every new process, so anything keyed by bucket would land
+on the wrong gradients). Writes during a step are *staged*; :meth:`ParamState.commit` makes them the state,
+:meth:`ParamState.discard` drops them. Reads see the latest value: a step's own staged write, else the
+committed one.
+
+:class:`StagedGenerator` is a ``torch.Generator`` seeded per rank whose position is rolled back with the
+step it was drawn in, and saved with the checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+
+class ParamState:
+    """Per-parameter tensors (residuals, factors), staged per step."""
+
+    def __init__(self) -> None:
+        self._committed: dict[str, torch.Tensor] = {}
+        self._staged: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str) -> Optional[torch.Tensor]:
+        """The latest tensor for ``name`` (this step's staged one, else the committed one), or None."""
+        value = self._staged.get(name)
+        return self._committed.get(name) if value is None else value
+
+    def stage(self, name: str, value: torch.Tensor) -> None:
+        self._staged[name] = value
+
+    def commit(self) -> None:
+        self._committed.update(self._staged)
+        self._staged.clear()
+
+    def discard(self) -> None:
+        self._staged.clear()
+
+    def __len__(self) -> int:
+        return len(set(self._committed) | set(self._staged))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The committed tensors (a checkpoint is written between steps), copied to the CPU, contiguous."""
+        return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in self._committed.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._committed = {name: t.clone() for name, t in state.items()}
+        self._staged.clear()
+
+    def to(self, device: torch.device) -> None:
+        """Move the committed tensors next to the gradients (a checkpoint loads them on the CPU)."""
+        for name, t in self._committed.items():
+            if t.device != device:
+                self._committed[name] = t.to(device)
+
+
+class StagedGenerator:
+    """A random generator seeded with ``(seed, rank)``, rolled back by :meth:`discard`.
+
+    Ranks draw independent streams (different ranks' rounding noise must not be correlated). The seed is
+    taken at the first draw, when the rank is known.
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._gen: Optional[torch.Generator] = None
+        self._at_step_start: Optional[torch.Tensor] = None
+        self._loaded: Optional[torch.Tensor] = None
+
+    def get(self, rank: int, device: torch.device) -> torch.Generator:
+        if self._gen is None or self._gen.device != device:
+            gen = torch.Generator(device=device)
+            if self._loaded is not None and device.type == "cpu":
+                gen.set_state(self._loaded)
+            else:
+                gen.manual_seed(self.seed * 1_000_003 + rank)
+            self._gen, self._loaded = gen, None
+        if self._at_step_start is None:
+            self._at_step_start = self._gen.get_state()
+        return self._gen
+
+    def commit(self) -> None:
+        self._at_step_start = None
+
+    def discard(self) -> None:
+        if self._at_step_start is not None and self._gen is not None:
+            self._gen.set_state(self._at_step_start)
+        self._at_step_start = None
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._gen is None:
+            return {} if self._loaded is None else {"rng": self._loaded.clone()}
+        return {"rng": self._gen.get_state().clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._gen, self._at_step_start = None, None
+        self._loaded = state.get("rng")
