@@ -65,7 +65,7 @@ def build_compressor(name: str = "none", *, error_feedback: Optional[bool] = Non
     inner = cls(**fixed, **kwargs)
     wants = getattr(inner, "wants_error_feedback", False) if error_feedback is None else error_feedback
     if name == "none" and error_feedback:
-        raise ValueError("error_feedback=true with compressor 'none': nothing is lost, so there is nothing to feed back")
+        raise ValueError("error_feedback=true with compressor 'none': nothing is lost, so nothing to feed back")
     if clip_norm is not None and not wants:
         raise ValueError(f"clip_norm={clip_norm!r} clips the local gradient before error feedback, which is off for "
                          f"{name!r}; add error_feedback=true or drop clip_norm")

@@ -51,8 +51,8 @@ if not callable(getattr(DDPStrategy, "_register_ddp_hooks", None)):  # pragma: n
     )
 
 DEFAULT_TIMEOUT_S = default_pg_timeout.total_seconds()  # torch.distributed's: a hung collective fails then
-WORKER_JOIN_TIMEOUT_S = 10.0
-CHECKPOINT_KEY = "lightning_dist"  # the checkpoint's entry for every rank's compressor state  # teardown waits this long for the communication worker to end
+WORKER_JOIN_TIMEOUT_S = 10.0  # teardown waits this long for the communication worker to end
+CHECKPOINT_KEY = "lightning_dist"  # the checkpoint's entry for every rank's compressor state
 
 
 class RingDDPStrategy(DDPStrategy):
