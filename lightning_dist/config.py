@@ -103,13 +103,16 @@ class TrainConf:
     model: ModelConf = field(default_factory=ModelConf)
     data: DataConf = field(default_factory=DataConf)
     perf: PerfConf = field(default_factory=PerfConf)
+    # build_compressor's arguments, {_target_, name, ...}: one file per compressor in conf/compression/
+    compression: dict[str, Any] = field(default_factory=lambda: {
+        "_target_": "lightning_dist.compression.build_compressor", "name": "none"})
     callbacks: dict[str, Any] = field(default_factory=dict)  # name -> {_target_: ..., ...}
     seed: int = 0
     ckpt_path: Optional[str] = None  # resume from this checkpoint (a path)
 
 
 def stock_ddp_strategy(timeout: float, algorithm: Optional[str] = None, overlap: Optional[bool] = None,
-                       **kwargs: Any) -> Any:
+                       compressor: Any = None, **kwargs: Any) -> Any:
     """Lightning's own DDPStrategy from the same keys, for side-by-side runs (``strategy=ddp``)."""
     from datetime import timedelta
 
@@ -120,6 +123,9 @@ def stock_ddp_strategy(timeout: float, algorithm: Optional[str] = None, overlap:
     if overlap is not None:
         raise ValueError(f"strategy.overlap={overlap!r} has no meaning for stock ddp (it always overlaps); "
                          "use strategy=ring_ddp")
+    if compressor is not None and getattr(compressor, "name", "none") != "none":
+        raise ValueError(f"compression={compressor.name} needs strategy=ring_ddp (stock ddp sends gradients as they "
+                         "are on CPU); drop compression= or use strategy=ring_ddp")
     return DDPStrategy(timeout=timedelta(seconds=timeout), **kwargs)
 
 

@@ -9,6 +9,8 @@ schema first), so a bad key or value fails before any rank starts. Examples::
 
     lightning-dist-train trainer.devices=4 strategy.algorithm=ring data.batch_size=64
     lightning-dist-train callbacks=[dist_metrics] trainer.max_epochs=3
+    lightning-dist-train compression=topk compression.ratio=0.01   # 1% of each layer, error feedback
+    lightning-dist-train compression=powersgd compression.rank=4
     lightning-dist-train strategy=ddp                      # Lightning's stock DDP, same everything else
     lightning-dist-train ckpt_path=outputs/.../checkpoints/last.ckpt trainer.max_epochs=20   # resume
     lightning-dist-train -m strategy.algorithm=ring,tree   # a sweep, one run after the other
@@ -71,7 +73,12 @@ class RunSummaryCallback(Callback):
             "algorithm": getattr(strategy, "algorithm", None),
             # gradient payload bytes rank zero sent over the run (every rank sends about the same)
             "bytes_sent_rank0": totals.get("bytes_sent", 0.0),
+            "dense_bytes_rank0": totals.get("dense_bytes", 0.0),  # what the dense fp32 ring would have sent
+            "compression_ratio": (totals["dense_bytes"] / totals["bytes_sent"]
+                                  if totals.get("bytes_sent") and "dense_bytes" in totals else 1.0),
+            "compressor": strategy.compressor.describe() if hasattr(strategy, "compressor") else "none",
             "comm_time_s_rank0": totals.get("comm_s", 0.0),
+            "codec_time_s_rank0": totals.get("codec_s", 0.0),
             "config": self.config,
         }
         tmp = self.path + ".tmp"
@@ -87,7 +94,8 @@ def build(cfg: DictConfig, output_dir: str, started: float) -> tuple[pl.Trainer,
     perf = instantiate(plain["perf"])  # validated here, applied in each rank by ApplyPerfCallback
     model = instantiate(plain["model"])
     data = instantiate(plain["data"])
-    strategy = instantiate(plain["strategy"])
+    compressor = instantiate(plain["compression"])  # checks its arguments here, before any rank starts
+    strategy = instantiate(plain["strategy"], compressor=compressor)
     callbacks: list[Callback] = []
     for name, node in (plain.get("callbacks") or {}).items():
         if not isinstance(node, dict) or "_target_" not in node:
