@@ -330,3 +330,55 @@ def test_the_strategy_takes_a_name_a_dict_or_an_instance():
     with pytest.raises(ValueError, match="ratio=0"):
         RingDDPStrategy(compressor={"name": "topk", "ratio": 0})
     assert build_compressor("int8", error_feedback=False).describe() == "int8(chunk=512)"
+
+
+# ---- restoring a checkpoint's compressor state (no process group) ------------------------------------------
+
+def _strategy(compressor, world_size, rank=0):
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    environment = LightningEnvironment()
+    environment.set_world_size(world_size)
+    environment.set_global_rank(rank)  # (sets rank_zero_only.rank: the tests restore it)
+    return RingDDPStrategy(compressor=compressor, cluster_environment=environment)
+
+
+def _checkpoint(compressor, world_size, name="powersgd"):
+    ranks = []
+    for r in range(world_size):
+        c = build_compressor(name)
+        emulate_reduce([c], [_grads(1, seed=r)[0]], LAYOUT)
+        c.commit()
+        ranks.append(c.state_dict())
+    return {"lightning_dist": {"compressor": {"describe": compressor.describe(), "world_size": world_size,
+                                              "ranks": ranks}}}
+
+
+@pytest.fixture(autouse=True)
+def _rank_zero(monkeypatch):
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    monkeypatch.setattr(rank_zero_only, "rank", 0)
+
+
+def test_a_checkpoint_from_another_world_size_restores_only_shared_state(recwarn):
+    strategy = _strategy(build_compressor("powersgd"), 2)
+    strategy._restore_compressor(_checkpoint(strategy.compressor, 3))
+    compressor = strategy.compressor
+    assert compressor.steps == 1 and len(compressor.residuals) == 0  # per-rank residuals start at zero
+    assert len(compressor.inner.q) == 3  # PowerSGD's factors are the same on every rank: kept
+    assert any("written by 3 ranks" in str(w.message) for w in recwarn)
+
+
+def test_a_checkpoint_of_another_compressor_or_none_starts_afresh(recwarn):
+    strategy = _strategy(build_compressor("topk"), 2)
+    strategy._restore_compressor(_checkpoint(build_compressor("powersgd"), 2))
+    assert strategy.compressor.steps == 0
+    assert any("compressor was powersgd(rank=2)+ef" in str(w.message) for w in recwarn)
+    strategy._restore_compressor({})
+    assert any("holds no compressor state" in str(w.message) for w in recwarn)
+    same = _strategy(build_compressor("powersgd"), 2, rank=1)
+    same._restore_compressor(_checkpoint(same.compressor, 2))
+    assert same.compressor.steps == 1 and len(same.compressor.residuals) == 4
+    saved = _checkpoint(same.compressor, 2)["lightning_dist"]["compressor"]["ranks"][1]["residuals"]
+    assert torch.equal(same.compressor.residuals.get("fc.weight"), saved["fc.weight"])  # this rank's own

@@ -15,7 +15,9 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 import lightning_dist.train  # noqa: F401 - registers the schema
+from lightning_dist.compression import COMPRESSORS
 from lightning_dist.config import validate
+from lightning_dist.train import build
 
 REPO = Path(__file__).resolve().parents[1]
 GROUPS = {g.name: sorted(p.stem for p in g.glob("*.yaml")) for g in (REPO / "conf").iterdir() if g.is_dir()}
@@ -28,7 +30,8 @@ def _compose(*overrides):
 
 
 def test_every_group_has_options():
-    assert set(GROUPS) == {"trainer", "strategy", "model", "data", "perf", "callbacks"}
+    assert set(GROUPS) == {"trainer", "strategy", "compression", "model", "data", "perf", "callbacks"}
+    assert set(GROUPS["compression"]) == set(COMPRESSORS)
     assert all(GROUPS.values())
 
 
@@ -195,3 +198,22 @@ def test_stock_ddp_refuses_ring_ddp_only_keys():
         stock_ddp_strategy(timeout=60.0, algorithm="ring")
     plain = OmegaConf.to_container(_compose("strategy=ddp"), resolve=True, enum_to_str=True)
     assert instantiate(plain["strategy"]).__class__.__name__ == "DDPStrategy"
+
+
+def test_the_compression_group_builds_the_strategys_compressor(tmp_path):
+    cfg = _compose("compression=topk", "compression.ratio=0.02", "compression.start_step=5")
+    trainer, _, _ = build(cfg, str(tmp_path), 0.0)
+    compressor = trainer.strategy.compressor
+    assert compressor.describe() == "topk(ratio=0.02, values=bf16)+ef" and compressor.start_step == 5
+    cfg = _compose("compression=powersgd", "compression.rank=1", "compression.error_feedback=false")
+    assert build(cfg, str(tmp_path), 0.0)[0].strategy.compressor.describe() == "powersgd(rank=1)"
+    with pytest.raises(Exception, match="needs strategy=ring_ddp"):  # Hydra wraps the ValueError
+        build(_compose("strategy=ddp", "compression=int8"), str(tmp_path), 0.0)
+
+
+def test_cli_rejects_a_bad_compressor_argument_before_starting_any_rank(tmp_path):
+    proc = subprocess.run(CLI + ["compression=topk", "compression.ratio=0", f"hydra.run.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "ratio=0 must be in (0, 1]" in proc.stderr
+    assert "Initializing distributed" not in proc.stdout + proc.stderr

@@ -56,12 +56,16 @@ class Int8Compressor(Compressor):
                sent: Optional[torch.Tensor] = None) -> torch.Tensor:
         n, numel, chunk = transport.world_size, flat.numel(), self.chunk
         region = math.ceil(numel / (n * chunk)) * chunk  # elements each rank owns, whole chunks
+        # The parameters in name order, not DDP's: DDP's first step in every process lays a bucket out in a
+        # different order than its rebuilt buckets do, and chunks, regions and noise would follow the order
+        # (a resumed run would then round its first step differently from an uninterrupted one).
+        spans = sorted(layout.spans())
         x = torch.zeros(n * region, dtype=torch.float32, device=flat.device)
-        x[:numel] = flat
+        torch.cat([flat[start:end] for _, start, end, _ in spans], out=x[:numel])
         gen = self.rng.get(transport.rank, flat.device)
         codes, steps = quantize(x, chunk, gen)
         if sent is not None:
-            sent.copy_(dequantize(codes, steps, chunk)[:numel])
+            _scatter(dequantize(codes, steps, chunk), spans, sent)
         # phase 1: region j of every rank's codes goes to rank j, which sums the N of them in rank order
         arrived = transport.all_to_all(pack(codes.view(n, region), steps.view(n, region // chunk)))
         mine = torch.zeros(region, dtype=torch.float32, device=flat.device)
@@ -70,8 +74,7 @@ class Int8Compressor(Compressor):
         # phase 2: each owner's re-quantized sum goes to every rank
         everyone = transport.all_gather(pack(*quantize(mine, chunk, gen)))
         total = torch.cat([dequantize(*unpack(part, region, chunk), chunk) for part in everyone])
-        flat.copy_(total[:numel])
-        return flat
+        return _scatter(total, spans, flat)
 
     def commit(self) -> None:
         super().commit()
@@ -86,6 +89,15 @@ class Int8Compressor(Compressor):
     def load_state_dict(self, state: dict, shared_only: bool = False) -> None:
         super().load_state_dict(state, shared_only)
         self.rng.load_state_dict({} if shared_only else state)
+
+
+def _scatter(ordered: torch.Tensor, spans: list, out: torch.Tensor) -> torch.Tensor:
+    """The inverse of the name-ordered concatenation: each parameter's part back to its place in ``out``."""
+    offset = 0
+    for _, start, end, _ in spans:
+        out[start:end].copy_(ordered[offset : offset + end - start])
+        offset += end - start
+    return out
 
 
 def quantize(x: torch.Tensor, chunk: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
