@@ -73,7 +73,7 @@ class ErrorFeedback(Compressor):
         if sent is not None:
             sent.copy_(mine)
         corrected -= mine  # the new residual: what this rank owes after this step
-        if torch.isfinite(corrected).all():
+        if torch.isfinite(corrected.sum()):  # one pass; any NaN or Inf makes the sum non-finite
             for name, residual in zip(layout.names, layout.views(corrected)):
                 self.residuals.stage(name, residual)
         return flat

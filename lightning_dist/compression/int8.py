@@ -108,10 +108,9 @@ def quantize(x: torch.Tensor, chunk: int, gen: torch.Generator) -> tuple[torch.T
     blocks = x.view(-1, chunk)
     step = blocks.abs().amax(dim=1) / _LEVELS
     safe = torch.where(step > 0, step, torch.ones_like(step))  # an all-zero chunk: codes 0, step 0
-    scaled = blocks / safe.unsqueeze(1)
-    noise = torch.rand(scaled.shape, generator=gen, device=x.device, dtype=torch.float32)
-    codes = torch.floor(scaled + noise).clamp_(-_LEVELS, _LEVELS)
-    codes = torch.nan_to_num_(codes, nan=0.0)  # the step carries the non-finite value
+    codes = torch.rand(blocks.shape, generator=gen, device=x.device, dtype=torch.float32)
+    codes.add_(blocks / safe.unsqueeze(1)).floor_().clamp_(-_LEVELS, _LEVELS)
+    codes.nan_to_num_(nan=0.0)  # the step carries the non-finite value
     return codes.to(torch.int8).view(-1), step
 
 

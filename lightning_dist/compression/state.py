@@ -68,13 +68,13 @@ class StagedGenerator:
         self.seed = seed
         self._gen: Optional[torch.Generator] = None
         self._at_step_start: Optional[torch.Tensor] = None
-        self._loaded: Optional[torch.Tensor] = None
+        self._loaded: Optional[tuple[torch.Tensor, str]] = None  # (state, device type) from a checkpoint
 
     def get(self, rank: int, device: torch.device) -> torch.Generator:
         if self._gen is None or self._gen.device != device:
             gen = torch.Generator(device=device)
-            if self._loaded is not None and device.type == "cpu":
-                gen.set_state(self._loaded)
+            if self._loaded is not None and self._loaded[1] == device.type:  # a CPU state fits CPU generators only
+                gen.set_state(self._loaded[0])
             else:
                 gen.manual_seed(self.seed * 1_000_003 + rank)
             self._gen, self._loaded = gen, None
@@ -92,9 +92,9 @@ class StagedGenerator:
 
     def state_dict(self) -> dict[str, Any]:
         if self._gen is None:
-            return {} if self._loaded is None else {"rng": self._loaded.clone()}
-        return {"rng": self._gen.get_state().clone()}
+            return {} if self._loaded is None else {"rng": self._loaded[0].clone(), "rng_device": self._loaded[1]}
+        return {"rng": self._gen.get_state().clone(), "rng_device": self._gen.device.type}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._gen, self._at_step_start = None, None
-        self._loaded = state.get("rng")
+        self._loaded = (state["rng"], state.get("rng_device", "cpu")) if "rng" in state else None
