@@ -9,6 +9,7 @@ so a broken collective fails a test in seconds instead of hanging it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -46,6 +47,9 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, store_path: str, 
         try:
             out = fn(rank, world_size, *args)
         finally:
+            # fn's reference cycles may still hold the group: free them now, while it exists, not later on one
+            # of gloo's threads, where the group's destructor would join that very thread and abort the rank
+            gc.collect()
             dist.destroy_process_group()
         # plain pickle to bytes: the queue's own pickler would pass tensors as shared-memory handles,
         # which break once this process exits before the parent has read them
