@@ -35,10 +35,14 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_dist.comm import check_algorithm, release_scratch
 from lightning_dist.compression import Compressor, as_compressor
+from lightning_dist.hetero import HeteroBatching, hetero_dataloader
+from lightning_dist.hetero.batching import as_hetero
+from lightning_dist.hetero.loader import prefetch_horizon
 from lightning_dist.strategy.comm_worker import CommWorker
 from lightning_dist.strategy.control import StepControl
 from lightning_dist.strategy.hook import RingHookState, ring_comm_hook
@@ -74,6 +78,8 @@ class RingDDPStrategy(DDPStrategy):
             :func:`~lightning_dist.compression.build_compressor` with its defaults), a dict of
             ``build_compressor``'s arguments, or ``None`` (no compression). Its state (residuals, factors,
             random generators) is saved in checkpoints for every rank, under ``"lightning_dist"``.
+        hetero: a :class:`~lightning_dist.hetero.HeteroBatching` (or a dict of its arguments): per-rank batch
+            sizes that follow each rank's speed, gradients weighted by sample count. None: even batches.
         overlap: ``True`` (default): a communication thread reduces each bucket while backward computes the
             next; ``False``: the hook blocks the autograd thread until its bucket has travelled.
         **kwargs: every other keyword of :class:`~torch.nn.parallel.DistributedDataParallel` that
@@ -101,6 +107,7 @@ class RingDDPStrategy(DDPStrategy):
         algorithm: str = "auto",
         compressor: Union[Compressor, str, None] = None,
         overlap: bool = True,
+        hetero: Union[HeteroBatching, dict, None] = None,
         **kwargs: Any,
     ) -> None:
         given = {"ddp_comm_state": ddp_comm_state, "ddp_comm_hook": ddp_comm_hook,
@@ -125,6 +132,7 @@ class RingDDPStrategy(DDPStrategy):
         )
         self._algorithm = algorithm
         self._overlap = overlap
+        self._hetero = as_hetero(hetero)
         self._hook_state = RingHookState(algorithm=algorithm, compressor=as_compressor(compressor))
         self._control: Optional[StepControl] = None
         self._control_group: Optional[dist.ProcessGroup] = None  # the per-step control exchange's
@@ -198,6 +206,8 @@ class RingDDPStrategy(DDPStrategy):
         # launch nothing, whatever start_method says. (Lightning's own DDPStrategy with "fork" or "spawn"
         # forks N more ranks inside each worker.) The subprocess launcher is the one that checks for this.
         assert self.cluster_environment is not None
+        if self._hetero is not None and self.parallel_devices:  # list lengths, in the launching process
+            self._hetero.check_world(self.num_nodes * len(self.parallel_devices))
         if self._start_method != "popen" and self.cluster_environment.creates_processes_externally:
             rank_zero_info(
                 f"RingDDPStrategy: {type(self.cluster_environment).__name__} created the processes; "
@@ -257,6 +267,8 @@ class RingDDPStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
         self._meter.batch_started(_batch_size(batch))
+        if self._hetero is not None and self._hetero.sampler is not None:
+            self._weigh_hetero_batch(args[1] if len(args) > 1 else kwargs["batch_idx"])
         return super().training_step(*args, **kwargs)
 
     @override
@@ -314,7 +326,7 @@ class RingDDPStrategy(DDPStrategy):
 
     def _exchange_due(self) -> bool:
         """Every step when a feature needs agreed values, else on logging steps: the same answer on every rank."""
-        if self.control.has_agreed:
+        if self.control.has_agreed or (self._hetero is not None and self._hetero.rebalance):
             return True
         return self._metrics_every is not None and self._meter.steps_done % self._metrics_every == 0
 
@@ -348,6 +360,48 @@ class RingDDPStrategy(DDPStrategy):
             self.control.wait()
             self._exchanged_this_step = True
             self._meter.exchanged(self.control, self.world_size)
+            if self._hetero is not None and self._hetero.rebalance and self._hetero.sampler is not None:
+                self._consider_rebalance()
+
+    # -- heterogeneous batching ----------------------------------------------------------------------------------
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self._hetero is None or trainer is None or not trainer.training or not isinstance(dataloader, DataLoader):
+            return dataloader  # validation and test loaders keep their own settings
+        loader = hetero_dataloader(dataloader, self._hetero, self.world_size, self.global_rank)
+        self._hetero.sampler, self._hetero.horizon = loader.batch_sampler, prefetch_horizon(loader)
+        return loader
+
+    def _weigh_hetero_batch(self, batch_idx: int) -> None:
+        """This rank's share of the step's samples, from the plan every rank shares (before any bucket travels)."""
+        trainer, hetero = self.lightning_module.trainer, self._hetero
+        assert hetero is not None
+        epoch = trainer.current_epoch
+        self._hook_state.weight = hetero.loss_scale(epoch, batch_idx, self.global_rank,
+                                                    trainer.accumulate_grad_batches,
+                                                    self.lightning_module.automatic_optimization)
+        hetero.sampler.consumed = (epoch, batch_idx + 1)
+
+    def _consider_rebalance(self) -> None:
+        """After the exchange: every rank holds the same measurements, so every rank decides alike."""
+        hetero, control, trainer = self._hetero, self.control, self.lightning_module.trainer
+        assert hetero is not None
+        hetero.observe(control.per_rank("rank_compute_s"), control.per_rank("rank_samples"))
+        epoch, next_batch = hetero.sampler.consumed
+        per_epoch = hetero.sampler.steps_per_epoch
+        current = epoch * per_epoch + next_batch - 1
+        if next_batch >= min(per_epoch, trainer.num_training_batches):  # the epoch's last batch
+            first = (epoch + 1) * per_epoch  # the next epoch's sampler has not started yet
+        elif hetero.every_n_steps and (self._meter.steps_done + 1) % hetero.every_n_steps == 0:
+            first = current + hetero.horizon + 1  # past what the loader may already have drawn
+        else:
+            return
+        event = hetero.maybe_rebalance(current, first)
+        if event is not None:
+            rank_zero_info(f"RingDDPStrategy: compute-time spread {100 * event['spread']:.1f}% -> batch sizes "
+                           f"{event['old']} -> {event['new']} from batch {first}")
 
     @override
     def on_train_start(self) -> None:

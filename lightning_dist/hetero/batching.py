@@ -1,0 +1,214 @@
+"""``HeteroBatching``: per-rank batch sizes that follow each rank's speed, for ``RingDDPStrategy(hetero=...)``.
+
+Three ways to size, one mechanism:
+
+- ``batch_sizes=[48, 16]``: fixed sizes (they must add up to the global batch);
+- ``speeds=[3, 1]``: fixed sizes proportional to given relative speeds;
+- neither: start even and **rebalance online** from measured throughput.
+
+The global batch ``B`` (default: world size x the training loader's batch size) never changes, so the
+optimisation is the same as uniform training's; only who computes which sample changes (see
+:mod:`.sampler`). Gradients are weighted by sample count (:meth:`HeteroBatching.rank_weight`), so a step
+equals one single-process step over the union of the ranks' batches, for a loss that is a mean over the
+samples of a batch (token-level losses would need token counts instead).
+
+Online rebalancing. Every rank's compute time and sample count per step (``compute_s``: forward and backward
+less the communication backward waited for, so a fast rank's waiting for a slow one is not counted as its
+work) ride on the strategy's per-step control exchange; every rank keeps the same moving window of them, so
+every rank reaches the same decision without a collective of its own. When the spread of the window's mean
+compute times, ``max / min - 1``, exceeds ``threshold``, the weights become the measured throughputs
+(samples per second of compute), at the next epoch boundary, and with ``every_n_steps`` also within an
+epoch, taking effect past what the DataLoader has already fetched. After a change the window starts afresh
+(hysteresis: no decision on a mix of old and new sizes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from lightning_dist.hetero.plan import BatchPlan, split_batch
+
+
+@dataclass
+class HeteroBatching:
+    """Settings for heterogeneous batching (a dict of the same keys works too, as Hydra gives it).
+
+    Args:
+        speeds: relative speeds per rank (> 0): fixed sizes proportional to them.
+        batch_sizes: fixed per-rank sizes; they must add up to ``global_batch_size``.
+        global_batch_size: ``B``; None: world size x the training loader's ``batch_size``.
+        min_batch_size: the least a rank gets (>= 1).
+        max_batch_size: the most a rank gets (None: no limit).
+        memory_caps: per-rank limits (samples that fit in each rank's memory); None: none.
+        rebalance: rebalance online from measured speed (default: when neither speeds nor batch_sizes is given).
+        every_n_steps: also rebalance within an epoch, every this many steps (None: at epoch boundaries only).
+        window: steps of measurements a decision is based on.
+        threshold: the compute-time spread (max / min - 1) above which sizes change.
+    """
+
+    speeds: Optional[list[float]] = None
+    batch_sizes: Optional[list[int]] = None
+    global_batch_size: Optional[int] = None
+    min_batch_size: int = 1
+    max_batch_size: Optional[int] = None
+    memory_caps: Optional[list[int]] = None
+    rebalance: Optional[bool] = None
+    every_n_steps: Optional[int] = None
+    window: int = 10
+    threshold: float = 0.05
+    # runtime state (not settings)
+    plan: Optional[BatchPlan] = field(default=None, init=False, repr=False)
+    global_batch: int = field(default=0, init=False, repr=False)
+    sampler: Any = field(default=None, init=False, repr=False)  # this rank's HeteroBatchSampler, once built
+    horizon: int = field(default=2, init=False, repr=False)  # batches the loader may have drawn ahead
+    events: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False)
+    _window: deque = field(default_factory=deque, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.speeds is not None and self.batch_sizes is not None:
+            problems.append("give speeds or batch_sizes, not both")
+        if self.speeds is not None and any(not _positive(s) for s in self.speeds):
+            problems.append(f"speeds={self.speeds}: every speed must be a number > 0")
+        if self.batch_sizes is not None and any(not (isinstance(b, int) and b >= 1) for b in self.batch_sizes):
+            problems.append(f"batch_sizes={self.batch_sizes}: every size must be an int >= 1")
+        if self.global_batch_size is not None and not (isinstance(self.global_batch_size, int)
+                                                       and self.global_batch_size >= 1):
+            problems.append(f"global_batch_size={self.global_batch_size}: an int >= 1, or None")
+        if not (isinstance(self.min_batch_size, int) and self.min_batch_size >= 1):
+            problems.append(f"min_batch_size={self.min_batch_size}: an int >= 1")
+        if self.max_batch_size is not None and not (isinstance(self.max_batch_size, int)
+                                                    and self.max_batch_size >= self.min_batch_size):
+            problems.append(f"max_batch_size={self.max_batch_size}: an int >= min_batch_size, or None")
+        if self.memory_caps is not None and any(not (isinstance(c, int) and c >= 1) for c in self.memory_caps):
+            problems.append(f"memory_caps={self.memory_caps}: every cap must be an int >= 1 (samples)")
+        if self.every_n_steps is not None and not (isinstance(self.every_n_steps, int) and self.every_n_steps >= 1):
+            problems.append(f"every_n_steps={self.every_n_steps}: an int >= 1, or None")
+        if not (isinstance(self.window, int) and self.window >= 1):
+            problems.append(f"window={self.window}: an int >= 1 (steps)")
+        if not (_positive(self.threshold) or self.threshold == 0):
+            problems.append(f"threshold={self.threshold}: a compute-time spread >= 0, e.g. 0.05")
+        if self.rebalance and self.batch_sizes is not None:
+            problems.append("rebalance=true with fixed batch_sizes: drop one of them")
+        if problems:
+            raise ValueError("invalid HeteroBatching:\n  " + "\n  ".join(problems))
+        if self.rebalance is None:
+            self.rebalance = self.speeds is None and self.batch_sizes is None
+
+    # -- checks that need the world size / the loader -------------------------------------------------------
+    def check_world(self, world_size: int) -> None:
+        """Lengths against the world size: called in the launching process, before any rank starts."""
+        for name in ("speeds", "batch_sizes", "memory_caps"):
+            value = getattr(self, name)
+            if value is not None and len(value) != world_size:
+                raise ValueError(f"hetero.{name}={value} has {len(value)} entries for {world_size} ranks: give one "
+                                 "per rank")
+        if self.batch_sizes is not None and self.global_batch_size is not None \
+                and sum(self.batch_sizes) != self.global_batch_size:
+            raise ValueError(f"hetero.batch_sizes={self.batch_sizes} add up to {sum(self.batch_sizes)}, not the global "
+                             f"batch {self.global_batch_size}")
+
+    def make_plan(self, world_size: int, loader_batch_size: int) -> BatchPlan:
+        """The plan for a fit: B, the bounds, and the first weights."""
+        self.check_world(world_size)
+        total = self.global_batch_size or world_size * loader_batch_size
+        if self.batch_sizes is not None and sum(self.batch_sizes) != total:
+            raise ValueError(f"hetero.batch_sizes={self.batch_sizes} add up to {sum(self.batch_sizes)}, not the global "
+                             f"batch {total} (world size {world_size} x the loader's batch size {loader_batch_size}); "
+                             "make them add up, or set hetero.global_batch_size")
+        caps = self._caps(world_size, total)
+        weights = list(self.batch_sizes or self.speeds or [1.0] * world_size)
+        split_batch(total, weights, self.min_batch_size, caps)  # raises now if the bounds cannot hold B
+        self.plan = BatchPlan(world_size, weights, self.min_batch_size, caps)
+        self.global_batch = total
+        self._window.clear()
+        return self.plan
+
+    def _caps(self, world_size: int, total: int) -> Optional[list[int]]:
+        if self.max_batch_size is None and self.memory_caps is None:
+            return None
+        caps = [self.max_batch_size or total] * world_size
+        if self.memory_caps is not None:
+            caps = [min(c, m) for c, m in zip(caps, self.memory_caps)]
+        return caps
+
+    # -- each step ------------------------------------------------------------------------------------------
+    def observe(self, compute_s: Sequence[float], samples: Sequence[float]) -> None:
+        """Every rank's compute time and samples of one step (the same values on every rank)."""
+        if min(samples) <= 0 or min(compute_s) <= 0:
+            return  # a step without measurements (the first one)
+        self._window.append((tuple(compute_s), tuple(samples)))
+        while len(self._window) > self.window:
+            self._window.popleft()
+
+    def spread(self) -> Optional[float]:
+        """max / min - 1 of the window's mean compute time per step (None: the window is not full)."""
+        if len(self._window) < self.window:
+            return None
+        n = len(self._window[0][0])
+        times = [sum(row[0][r] for row in self._window) / len(self._window) for r in range(n)]
+        return max(times) / min(times) - 1.0
+
+    def throughput(self) -> list[float]:
+        """Samples per second of compute, per rank, over the window."""
+        n = len(self._window[0][0])
+        return [sum(row[1][r] for row in self._window) / sum(row[0][r] for row in self._window) for r in range(n)]
+
+    def maybe_rebalance(self, step: int, from_step: int) -> Optional[dict[str, Any]]:
+        """Decide at ``step`` (the same on every rank); a change applies from ``from_step``. Returns the event."""
+        spread = self.spread()
+        if not self.rebalance or self.plan is None or spread is None or spread <= self.threshold:
+            return None
+        old = self.plan.sizes_at(from_step, self.global_batch)
+        weights = self.throughput()
+        new = split_batch(self.global_batch, weights, self.plan.min_size, self.plan.max_sizes)
+        if new == old:
+            return None
+        self.plan.change(from_step, weights)
+        self._window.clear()  # hysteresis: the next decision sees only the new sizes
+        event = {"step": step, "from_step": from_step, "spread": spread, "old": old, "new": new,
+                 "throughput": weights}
+        self.events.append(event)
+        return event
+
+    def loss_scale(self, epoch: int, batch_idx: int, rank: int, accumulate: int, automatic: bool) -> float:
+        """What rank ``rank``'s loss gradient for batch ``batch_idx`` of ``epoch`` is multiplied by, so that the
+        sum over ranks (and over an accumulation window) is the mean over every sample of the step.
+
+        The step's samples ``T`` are summed over its accumulation window, from the plan (every rank knows every
+        rank's size for every batch, before any gradient travels). Lightning already divides each micro-batch's
+        loss by ``accumulate``, hence the factor back. Under manual optimization the bucket is weighted by the
+        rank's share of the current batch.
+        """
+        sampler = self.sampler
+        sizes = sampler.sizes(epoch, batch_idx)
+        if not automatic or accumulate == 1:
+            return sizes[rank] / sum(sizes)
+        first = batch_idx - batch_idx % accumulate
+        window = range(first, min(first + accumulate, sampler.steps_per_epoch))
+        total = sum(sampler.batch_total(i) for i in window)
+        return accumulate * sizes[rank] / total
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def as_hetero(hetero: Any) -> Optional[HeteroBatching]:
+    """What ``RingDDPStrategy(hetero=...)`` accepts: a HeteroBatching, a dict of its arguments (Hydra's), or None
+    (a dict with ``enabled: false``, Hydra's ``hetero=none``, is None too)."""
+    if hetero is None or isinstance(hetero, HeteroBatching):
+        return hetero
+    if isinstance(hetero, dict):
+        options = {k: v for k, v in hetero.items() if k not in ("_target_", "enabled")}
+        if not hetero.get("enabled", True):
+            return None
+        try:
+            return HeteroBatching(**options)
+        except TypeError as err:
+            raise ValueError(f"hetero={hetero}: {err}") from None
+    raise ValueError(f"hetero={hetero!r}: pass a lightning_dist.hetero.HeteroBatching, a dict of its arguments or None")

@@ -1,0 +1,69 @@
+"""The training DataLoader rebuilt around a :class:`~lightning_dist.hetero.sampler.HeteroBatchSampler`.
+
+``RingDDPStrategy.process_dataloader`` calls :func:`hetero_dataloader` on the training loader only (after
+Lightning has put its ``DistributedSampler`` in, whose ``shuffle``, ``seed`` and ``drop_last`` are taken
+over); validation and test loaders keep their settings. The user's loader settings are kept: dataset,
+``collate_fn``, ``num_workers``, ``pin_memory``, ``worker_init_fn``, ``prefetch_factor``,
+``persistent_workers``, ``timeout``, ``multiprocessing_context``, ``generator``. A ``DataLoader`` subclass
+is rebuilt as a plain :class:`HeteroDataLoader` (its extra behaviour, if any, is not carried over).
+
+:class:`HeteroDataLoader` is *stateful* in Lightning's sense (``state_dict`` / ``load_state_dict``): a
+checkpoint written mid-epoch resumes at the next batch of the same epoch, with the same plan of sizes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+from lightning_dist.hetero.batching import HeteroBatching
+from lightning_dist.hetero.sampler import HeteroBatchSampler
+
+
+class HeteroDataLoader(DataLoader):
+    """A DataLoader whose batch sampler splits stock DDP's global batches by the plan; resumable mid-epoch."""
+
+    def state_dict(self) -> dict[str, Any]:
+        sampler: HeteroBatchSampler = self.batch_sampler  # type: ignore[assignment]
+        epoch, next_batch = sampler.consumed
+        return {"epoch": epoch, "next_batch": next_batch, "plan": sampler.plan.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        sampler: HeteroBatchSampler = self.batch_sampler  # type: ignore[assignment]
+        sampler.plan.load_state_dict(state["plan"])
+        sampler.resume_at(int(state["epoch"]), int(state["next_batch"]))
+
+
+def hetero_dataloader(dataloader: DataLoader, hetero: HeteroBatching, world_size: int, rank: int) -> HeteroDataLoader:
+    """The training loader with per-rank batch sizes from ``hetero``'s plan."""
+    if dataloader.batch_size is None:
+        raise ValueError("heterogeneous batching needs a training DataLoader built with batch_size=... (it was given "
+                         "a batch_sampler): the global batch is world size x that batch size")
+    sampler = dataloader.sampler
+    if isinstance(sampler, DistributedSampler):
+        shuffle, seed, drop_last = sampler.shuffle, sampler.seed, sampler.drop_last
+    else:  # use_distributed_sampler=False, or a single process
+        shuffle, seed, drop_last = isinstance(sampler, RandomSampler), int(os.getenv("PL_GLOBAL_SEED", 0)), False
+    plan = hetero.make_plan(world_size, dataloader.batch_size)
+    batch_sampler = HeteroBatchSampler(len(dataloader.dataset), world_size, rank, hetero.global_batch, plan,
+                                       shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                       drop_last_batch=dataloader.drop_last)
+    kwargs: dict[str, Any] = {
+        "num_workers": dataloader.num_workers, "collate_fn": dataloader.collate_fn,
+        "pin_memory": dataloader.pin_memory, "timeout": dataloader.timeout,
+        "worker_init_fn": dataloader.worker_init_fn, "multiprocessing_context": dataloader.multiprocessing_context,
+        "generator": dataloader.generator, "persistent_workers": dataloader.persistent_workers,
+        "pin_memory_device": dataloader.pin_memory_device,
+    }
+    if dataloader.num_workers > 0:
+        kwargs["prefetch_factor"] = dataloader.prefetch_factor
+    return HeteroDataLoader(dataloader.dataset, batch_sampler=batch_sampler, **kwargs)
+
+
+def prefetch_horizon(dataloader: DataLoader) -> int:
+    """Batches a loader may have drawn from its sampler ahead of the one training uses: worker prefetch, plus
+    the one Lightning's fetcher holds to know which batch is the last, plus one for safety."""
+    workers = dataloader.num_workers * (dataloader.prefetch_factor or 2) if dataloader.num_workers > 0 else 0
+    return workers + 2

@@ -1,0 +1,104 @@
+"""The training loader's batch sampler under heterogeneous batching: stock DDP's global batches, split unevenly.
+
+Stock DDP with Lightning's ``DistributedSampler`` draws one permutation per epoch (``seed + epoch``), pads it
+to a multiple of the world size by repeating its head, deals position ``p`` to rank ``p mod N``, and each
+rank's loader cuts batches of ``b``. Global batch ``i`` of an epoch is therefore the contiguous block
+``order[i B : (i + 1) B]`` of the padded permutation (``B = N b``), whichever rank computes which sample.
+
+:class:`HeteroBatchSampler` yields, on rank ``r``, the ``r``-th piece of that same block cut by the
+:class:`~lightning_dist.hetero.plan.BatchPlan`'s sizes for the batch. So a heterogeneous run uses, step for
+step, the same samples as a uniform stock-DDP run with the same seed: only who computes which sample, and
+so the floating-point summation order, differ. Every rank yields the same number of batches per epoch (an
+uneven count hangs DDP). The epoch's remainder is stock DDP's: the padding repeats up to ``N - 1`` samples
+(or, with ``drop_last``, up to ``N - 1`` are left out), and the last global batch holds what is left (at
+least ``N`` samples, split by the same weights).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+from lightning_dist.hetero.plan import BatchPlan
+
+
+class HeteroBatchSampler(Sampler[list[int]]):
+    """This rank's batches of dataset indices, one per step, sizes from ``plan``.
+
+    Args:
+        dataset_size: samples in the dataset.
+        world_size, rank: the data-parallel group and this rank's place in it.
+        global_batch: ``B``, samples per step over all ranks.
+        plan: the per-rank sizes per batch (shared by every rank's sampler and by the gradient weighting).
+        shuffle, seed, drop_last: as ``DistributedSampler``'s (Lightning's own defaults: shuffle for training,
+            ``seed`` = the run's seed).
+        drop_last_batch: drop the epoch's last, smaller global batch (the DataLoader's ``drop_last``).
+    """
+
+    def __init__(self, dataset_size: int, world_size: int, rank: int, global_batch: int, plan: BatchPlan,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, drop_last_batch: bool = False) -> None:
+        if dataset_size < world_size:
+            raise ValueError(f"{dataset_size} samples cannot feed {world_size} ranks: every rank needs at least one "
+                             "sample per step")
+        if global_batch < world_size:
+            raise ValueError(f"a global batch of {global_batch} cannot give each of {world_size} ranks a sample")
+        self.dataset_size, self.world_size, self.rank = dataset_size, world_size, rank
+        self.global_batch, self.plan = global_batch, plan
+        self.shuffle, self.seed, self.drop_last, self.drop_last_batch = shuffle, seed, drop_last, drop_last_batch
+        per_rank = (math.ceil((dataset_size - world_size) / world_size) if drop_last and dataset_size % world_size
+                    else math.ceil(dataset_size / world_size))  # DistributedSampler's num_samples
+        self.total_size = per_rank * world_size
+        steps = self.total_size / global_batch
+        self.steps_per_epoch = math.floor(steps) if drop_last_batch else math.ceil(steps)
+        self.epoch = 0
+        self._resume: tuple[int, int] = (-1, 0)  # (epoch, first batch) of a run resumed mid-epoch
+        self.consumed: tuple[int, int] = (0, 0)  # (epoch, next batch) after the last batch training used
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    @property
+    def sampler(self) -> HeteroBatchSampler:
+        """Lightning calls ``set_epoch`` on ``loader.batch_sampler.sampler``: that is this sampler itself."""
+        return self
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def global_order(self) -> list[int]:
+        """The epoch's padded order of sample indices, exactly as ``DistributedSampler`` builds it."""
+        if self.shuffle:
+            gen = torch.Generator()
+            gen.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.dataset_size, generator=gen).tolist()
+        else:
+            order = list(range(self.dataset_size))
+        missing = self.total_size - len(order)
+        if missing > 0:
+            order += (order * math.ceil(missing / len(order)))[:missing]
+        return order[: self.total_size]
+
+    def batch_total(self, index: int) -> int:
+        """Samples in global batch ``index`` of an epoch (the last one may hold fewer than ``B``)."""
+        return min(self.global_batch, self.total_size - index * self.global_batch)
+
+    def sizes(self, epoch: int, index: int) -> list[int]:
+        """Every rank's share of global batch ``index`` of ``epoch``."""
+        return self.plan.sizes_at(epoch * self.steps_per_epoch + index, self.batch_total(index))
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order, epoch = self.global_order(), self.epoch
+        start = self._resume[1] if self._resume[0] == epoch else 0
+        self._resume = (-1, 0)
+        for index in range(start, self.steps_per_epoch):
+            sizes = self.sizes(epoch, index)
+            begin = index * self.global_batch + sum(sizes[: self.rank])
+            yield order[begin : begin + sizes[self.rank]]
+
+    def resume_at(self, epoch: int, index: int) -> None:
+        """The next iteration over ``epoch`` starts at batch ``index`` (a run resumed mid-epoch)."""
+        self._resume = (epoch, index) if index < self.steps_per_epoch else (-1, 0)
+

@@ -1,0 +1,155 @@
+"""Heterogeneous batching without a process group: sizes, the sampler's samples, weights, rebalancing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from torch.utils.data import DistributedSampler
+
+from lightning_dist.hetero import BatchPlan, HeteroBatching, HeteroBatchSampler, split_batch
+from lightning_dist.hetero.batching import as_hetero
+
+# ---- sizes --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("total,weights", [(64, [1, 0.5]), (64, [3, 1]), (10, [1, 1, 1]), (64, [1, 1, 0.33]),
+                                           (7, [5, 1, 1, 1, 1, 1, 1]), (1000, [0.1, 9.9])])
+def test_split_adds_up_and_follows_the_weights(total, weights):
+    sizes = split_batch(total, weights)
+    assert sum(sizes) == total and min(sizes) >= 1
+    ideal = [total * w / sum(weights) for w in weights]
+    if all(x >= 1 for x in ideal):
+        assert all(abs(s - x) < 1 for s, x in zip(sizes, ideal)), (sizes, ideal)
+
+
+def test_split_respects_bounds_and_is_deterministic():
+    assert split_batch(64, [1, 0.5]) == [43, 21]
+    assert split_batch(64, [3, 1]) == [48, 16]
+    assert split_batch(64, [10, 1], min_size=8) == [56, 8]
+    assert split_batch(64, [1, 1], max_sizes=[20, 100]) == [20, 44]  # a memory cap binds
+    with pytest.raises(ValueError, match="fewer than the global batch"):
+        split_batch(64, [1, 1], max_sizes=[20, 20])
+    with pytest.raises(ValueError, match="at least 4"):
+        split_batch(6, [1, 1], min_size=4)
+    with pytest.raises(ValueError, match="must be a finite number > 0"):
+        split_batch(64, [1, 0])
+
+
+def test_a_plan_change_applies_from_its_step_only():
+    plan = BatchPlan(2, [1, 1])
+    plan.change(10, [3, 1])
+    assert plan.sizes_at(9, 64) == [32, 32] and plan.sizes_at(10, 64) == [48, 16]
+    with pytest.raises(ValueError, match="rewrite steps already planned"):
+        plan.change(5, [1, 1])
+    restored = BatchPlan(2, [1, 1])
+    restored.load_state_dict(plan.state_dict())
+    assert restored.sizes_at(11, 64) == [48, 16]
+
+
+# ---- the sampler: stock DDP's global batches, split ------------------------------------------------------------
+
+def _stock_global_batches(n, world, batch, epoch, shuffle=True, drop_last=False, seed=3):
+    per_rank = []
+    for rank in range(world):
+        sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed,
+                                     drop_last=drop_last)
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        per_rank.append([order[i:i + batch] for i in range(0, len(order), batch)])
+    return [sorted(sum((per_rank[r][s] for r in range(world)), [])) for s in range(len(per_rank[0]))]
+
+
+@pytest.mark.parametrize("n,world,batch,weights,shuffle,drop_last", [
+    (100, 2, 8, [3, 1], True, False), (101, 3, 5, [1, 1, 0.33], True, False), (97, 2, 16, [1, 0.5], False, False),
+    (101, 3, 4, [2, 1, 1], True, True),
+])
+def test_every_step_uses_stock_ddps_samples(n, world, batch, weights, shuffle, drop_last):
+    plan = BatchPlan(world, weights)
+    samplers = [HeteroBatchSampler(n, world, r, world * batch, plan, shuffle=shuffle, seed=3, drop_last=drop_last)
+                for r in range(world)]
+    for epoch in (0, 1):
+        for s in samplers:
+            s.set_epoch(epoch)
+        mine = [list(s) for s in samplers]
+        assert len({len(m) for m in mine}) == 1  # every rank runs the same number of steps
+        ours = [sorted(sum((mine[r][i] for r in range(world)), [])) for i in range(len(mine[0]))]
+        assert ours == _stock_global_batches(n, world, batch, epoch, shuffle, drop_last)
+        first = [len(mine[r][0]) for r in range(world)]
+        assert first == plan.sizes_at(0, world * batch)
+
+
+def test_resuming_mid_epoch_continues_with_the_next_batch():
+    plan = BatchPlan(2, [3, 1])
+    sampler = HeteroBatchSampler(100, 2, 0, 16, plan, seed=1)
+    sampler.set_epoch(2)
+    whole = list(sampler)
+    sampler.resume_at(2, 4)
+    assert list(sampler) == whole[4:]
+    assert list(sampler) == whole  # only the one iteration resumes
+    with pytest.raises(ValueError, match="cannot feed 4 ranks"):
+        HeteroBatchSampler(3, 4, 0, 8, BatchPlan(4, [1] * 4))
+
+
+# ---- weights -----------------------------------------------------------------------------------------------
+
+class _Sampler:
+    steps_per_epoch = 5
+
+    def __init__(self, sizes, totals):
+        self._sizes, self._totals = sizes, totals
+
+    def sizes(self, epoch, index):
+        return self._sizes[index]
+
+    def batch_total(self, index):
+        return self._totals[index]
+
+
+def test_weights_sum_to_one_over_ranks_and_accumulated_micro_batches():
+    hetero = HeteroBatching(batch_sizes=[3, 1])
+    sizes = [[30, 10], [30, 10], [21, 7], [30, 10], [3, 1]]
+    hetero.sampler = _Sampler(sizes, [sum(s) for s in sizes])
+    assert hetero.loss_scale(0, 0, 0, 1, True) == 0.75 and hetero.loss_scale(0, 4, 1, 1, True) == 0.25
+    # accumulate 2: Lightning divides each micro-batch's loss by 2; the window [0, 1] holds 80 samples
+    per_rank_window = [hetero.loss_scale(0, b, r, 2, True) / 2 for b in (0, 1) for r in (0, 1)]
+    assert math.isclose(sum(per_rank_window), 1.0) and math.isclose(per_rank_window[0], 30 / 80)
+    # the last, shorter window [4] alone
+    assert math.isclose(hetero.loss_scale(0, 4, 0, 2, True) / 2, 3 / 4)
+
+
+# ---- rebalancing --------------------------------------------------------------------------------------------
+
+def test_rebalancing_follows_measured_throughput_with_hysteresis():
+    hetero = HeteroBatching(window=3, threshold=0.05)
+    hetero.make_plan(2, 32)
+    assert hetero.rebalance and hetero.global_batch == 64
+    for _ in range(2):
+        hetero.observe([0.10, 0.20], [32, 32])  # rank 1 is half as fast
+    assert hetero.maybe_rebalance(1, 3) is None  # the window is not full
+    hetero.observe([0.10, 0.20], [32, 32])
+    event = hetero.maybe_rebalance(2, 3)
+    assert event["new"] == [43, 21] and event["old"] == [32, 32]
+    assert hetero.plan.sizes_at(3, 64) == [43, 21] and hetero.plan.sizes_at(2, 64) == [32, 32]
+    assert hetero.maybe_rebalance(3, 5) is None  # the window starts afresh after a change
+    for _ in range(3):
+        hetero.observe([0.1333, 0.1312], [43, 21])  # balanced now: spread under the threshold
+    assert hetero.maybe_rebalance(6, 8) is None
+
+
+def test_static_settings_do_not_rebalance_and_bad_input_is_named():
+    assert HeteroBatching(speeds=[3, 1]).rebalance is False
+    assert as_hetero({"enabled": False, "speeds": None}) is None
+    assert as_hetero({"speeds": [2, 1]}).speeds == [2, 1]
+    for kwargs, match in (({"speeds": [1, 0]}, r"speeds=\[1, 0\]"), ({"batch_sizes": [0, 4]}, "batch_sizes"),
+                          ({"speeds": [1], "batch_sizes": [1]}, "not both"), ({"window": 0}, "window=0"),
+                          ({"threshold": -1}, "threshold=-1")):
+        with pytest.raises(ValueError, match=match):
+            HeteroBatching(**kwargs)
+    with pytest.raises(ValueError, match="has 3 entries for 2 ranks"):
+        HeteroBatching(speeds=[1, 1, 1]).check_world(2)
+    with pytest.raises(ValueError, match="add up to 40, not the global batch 64"):
+        HeteroBatching(batch_sizes=[30, 10]).make_plan(2, 32)
+    with pytest.raises(ValueError, match="fewer than the global batch"):
+        HeteroBatching(memory_caps=[10, 10]).make_plan(2, 32)
+    with pytest.raises(ValueError, match="unexpected keyword"):
+        as_hetero({"sped": [1, 2]})
