@@ -106,13 +106,15 @@ class TrainConf:
     # build_compressor's arguments, {_target_, name, ...}: one file per compressor in conf/compression/
     compression: dict[str, Any] = field(default_factory=lambda: {
         "_target_": "lightning_dist.compression.build_compressor", "name": "none"})
+    # HeteroBatching's arguments plus `enabled` (conf/hetero/: none, balanced)
+    hetero: dict[str, Any] = field(default_factory=lambda: {"enabled": False})
     callbacks: dict[str, Any] = field(default_factory=dict)  # name -> {_target_: ..., ...}
     seed: int = 0
     ckpt_path: Optional[str] = None  # resume from this checkpoint (a path)
 
 
 def stock_ddp_strategy(timeout: float, algorithm: Optional[str] = None, overlap: Optional[bool] = None,
-                       compressor: Any = None, **kwargs: Any) -> Any:
+                       compressor: Any = None, hetero: Any = None, **kwargs: Any) -> Any:
     """Lightning's own DDPStrategy from the same keys, for side-by-side runs (``strategy=ddp``)."""
     from datetime import timedelta
 
@@ -126,6 +128,8 @@ def stock_ddp_strategy(timeout: float, algorithm: Optional[str] = None, overlap:
     if compressor is not None and getattr(compressor, "name", "none") != "none":
         raise ValueError(f"compression={compressor.name} needs strategy=ring_ddp (stock ddp sends gradients as they "
                          "are on CPU); drop compression= or use strategy=ring_ddp")
+    if hetero:
+        raise ValueError("hetero=balanced needs strategy=ring_ddp; drop hetero= or use strategy=ring_ddp")
     return DDPStrategy(timeout=timedelta(seconds=timeout), **kwargs)
 
 
@@ -239,5 +243,36 @@ def validate(cfg: DictConfig) -> None:
             f"trainer.devices={t.devices} CPU processes on {os.cpu_count()} cores would crawl; "
             "use at most a few per core"
         )
+    problems += _hetero_problems(cfg)
     if problems:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def _hetero_problems(cfg: DictConfig) -> list[str]:
+    """hetero.* against the world size and the global batch, which only the whole config knows."""
+    hetero = cfg.get("hetero") or {}
+    if not hetero.get("enabled", False):
+        return []
+    from lightning_dist.hetero.batching import as_hetero
+
+    try:
+        settings = as_hetero(dict(hetero))
+    except ValueError as err:
+        return [str(err).replace("\n", " ")]
+    devices = resolve_devices(cfg.trainer.devices)
+    if not isinstance(devices, int):
+        return []
+    world = devices * cfg.trainer.num_nodes
+    problems = []
+    try:
+        settings.check_world(world)
+    except ValueError as err:
+        problems.append(str(err))
+    total = settings.global_batch_size or world * cfg.data.batch_size
+    if settings.batch_sizes is not None and sum(settings.batch_sizes) != total:
+        problems.append(f"hetero.batch_sizes={list(settings.batch_sizes)} add up to {sum(settings.batch_sizes)}, not "
+                        f"the global batch {total} (= {world} ranks x data.batch_size={cfg.data.batch_size}); "
+                        "make them add up or set hetero.global_batch_size")
+    if total < world:
+        problems.append(f"a global batch of {total} cannot give each of {world} ranks a sample")
+    return problems

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
 
 _GRACE_S = 3.0  # after a rank fails, how long the others get to report before they are killed
 
@@ -151,3 +152,29 @@ def launched_externally(rank: int, world_size: int) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+
+class Slowdown(Callback):
+    """A Lightning callback that makes chosen ranks slower by a known factor, for tests and benchmarks only.
+
+    ``Slowdown({1: 2.0})`` makes rank 1 take twice its own forward and backward time: after backward it sleeps
+    ``factor - 1`` times what that step's forward and backward took on it. The sleep counts as the rank's
+    compute (it happens before the step's exchange), so the strategy's speed measurement sees a rank that is
+    ``factor`` times slower per sample, as a slower accelerator would be; it needs no CPU, so on a small
+    machine the other ranks do not lose cores to it. Not part of any product code path.
+    """
+
+    def __init__(self, factors: dict[int, float]) -> None:
+        bad = {r: f for r, f in factors.items() if not (isinstance(f, (int, float)) and f >= 1)}
+        if bad:
+            raise ValueError(f"Slowdown factors {bad}: each must be >= 1 (2.0: twice as slow)")
+        self.factors, self._started = dict(factors), 0.0
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._started = time.perf_counter()
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        factor = self.factors.get(trainer.global_rank, 1.0)
+        if factor > 1.0:
+            time.sleep((factor - 1.0) * (time.perf_counter() - self._started))

@@ -11,6 +11,7 @@ schema first), so a bad key or value fails before any rank starts. Examples::
     lightning-dist-train callbacks=[dist_metrics] trainer.max_epochs=3
     lightning-dist-train compression=topk compression.ratio=0.01   # 1% of each layer, error feedback
     lightning-dist-train compression=powersgd compression.rank=4
+    lightning-dist-train hetero=balanced hetero.speeds=[3,1]     # per-rank batches 48 and 16
     lightning-dist-train strategy=ddp                      # Lightning's stock DDP, same everything else
     lightning-dist-train ckpt_path=outputs/.../checkpoints/last.ckpt trainer.max_epochs=20   # resume
     lightning-dist-train -m strategy.algorithm=ring,tree   # a sweep, one run after the other
@@ -95,7 +96,8 @@ def build(cfg: DictConfig, output_dir: str, started: float) -> tuple[pl.Trainer,
     model = instantiate(plain["model"])
     data = instantiate(plain["data"])
     compressor = instantiate(plain["compression"])  # checks its arguments here, before any rank starts
-    strategy = instantiate(plain["strategy"], compressor=compressor)
+    hetero = plain["hetero"] if plain["hetero"].get("enabled") else None
+    strategy = instantiate(plain["strategy"], compressor=compressor, hetero=hetero)
     callbacks: list[Callback] = []
     for name, node in (plain.get("callbacks") or {}).items():
         if not isinstance(node, dict) or "_target_" not in node:

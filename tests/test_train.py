@@ -30,7 +30,7 @@ def _compose(*overrides):
 
 
 def test_every_group_has_options():
-    assert set(GROUPS) == {"trainer", "strategy", "compression", "model", "data", "perf", "callbacks"}
+    assert set(GROUPS) == {"trainer", "strategy", "compression", "hetero", "model", "data", "perf", "callbacks"}
     assert set(GROUPS["compression"]) == set(COMPRESSORS)
     assert all(GROUPS.values())
 
@@ -217,3 +217,18 @@ def test_cli_rejects_a_bad_compressor_argument_before_starting_any_rank(tmp_path
     assert proc.returncode != 0
     assert "ratio=0 must be in (0, 1]" in proc.stderr
     assert "Initializing distributed" not in proc.stdout + proc.stderr
+
+
+def test_the_hetero_group_builds_the_strategys_batching_and_checks_it_before_any_rank(tmp_path):
+    cfg = _compose("hetero=balanced", "hetero.speeds=[3,1]")
+    trainer, _, _ = build(cfg, str(tmp_path), 0.0)
+    assert trainer.strategy._hetero.speeds == [3, 1] and trainer.strategy._hetero.rebalance is False
+    assert build(_compose(), str(tmp_path), 0.0)[0].strategy._hetero is None  # hetero=none: off
+    for overrides, match in ((["hetero.batch_sizes=[40,16]"], r"add up to 56, not the global batch 64"),
+                             (["hetero.speeds=[1,1,1]"], "3 entries for 2 ranks"),
+                             (["hetero.speeds=[1,0]"], r"speeds=\[1, 0\]")):
+        with pytest.raises(ValueError, match=match):
+            validate(_compose("hetero=balanced", *overrides))
+    validate(_compose("hetero=balanced", "hetero.batch_sizes=[48,16]"))
+    with pytest.raises(Exception, match="needs strategy=ring_ddp"):
+        build(_compose("strategy=ddp", "hetero=balanced"), str(tmp_path), 0.0)

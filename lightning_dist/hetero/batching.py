@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -175,24 +175,18 @@ class HeteroBatching:
         self.events.append(event)
         return event
 
-    def loss_scale(self, epoch: int, batch_idx: int, rank: int, accumulate: int, automatic: bool) -> float:
-        """What rank ``rank``'s loss gradient for batch ``batch_idx`` of ``epoch`` is multiplied by, so that the
-        sum over ranks (and over an accumulation window) is the mean over every sample of the step.
+    def loss_scale(self, epoch: int, batch_idx: int, rank: int) -> float:
+        """What rank ``rank``'s loss gradient for batch ``batch_idx`` of ``epoch`` is multiplied by: its share of
+        the global batch, from the plan (every rank knows every rank's size for every batch before any gradient
+        travels), so the sum over ranks is the mean over every sample of the global batch.
 
-        The step's samples ``T`` are summed over its accumulation window, from the plan (every rank knows every
-        rank's size for every batch, before any gradient travels). Lightning already divides each micro-batch's
-        loss by ``accumulate``, hence the factor back. Under manual optimization the bucket is weighted by the
-        rank's share of the current batch.
+        Under gradient accumulation Lightning divides each micro-batch's loss by ``accumulate_grad_batches``;
+        with every global batch of a window holding ``B`` samples that makes the step the mean over all of the
+        window's samples. (The epoch's last window may hold a smaller batch, or fewer batches; then Lightning,
+        and stock DDP with it, weighs each micro-batch's mean alike: so does this, to train the same weights.)
         """
-        sampler = self.sampler
-        sizes = sampler.sizes(epoch, batch_idx)
-        if not automatic or accumulate == 1:
-            return sizes[rank] / sum(sizes)
-        first = batch_idx - batch_idx % accumulate
-        window = range(first, min(first + accumulate, sampler.steps_per_epoch))
-        total = sum(sampler.batch_total(i) for i in window)
-        return accumulate * sizes[rank] / total
-
+        sizes = self.sampler.sizes(epoch, batch_idx)
+        return sizes[rank] / sum(sizes)
 
 def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
@@ -203,8 +197,9 @@ def as_hetero(hetero: Any) -> Optional[HeteroBatching]:
     (a dict with ``enabled: false``, Hydra's ``hetero=none``, is None too)."""
     if hetero is None or isinstance(hetero, HeteroBatching):
         return hetero
-    if isinstance(hetero, dict):
-        options = {k: v for k, v in hetero.items() if k not in ("_target_", "enabled")}
+    if isinstance(hetero, Mapping):  # a dict, or Hydra's DictConfig
+        options = {k: list(v) if isinstance(v, Sequence) and not isinstance(v, str) else v
+                   for k, v in hetero.items() if k not in ("_target_", "enabled")}
         if not hetero.get("enabled", True):
             return None
         try:

@@ -379,9 +379,7 @@ class RingDDPStrategy(DDPStrategy):
         trainer, hetero = self.lightning_module.trainer, self._hetero
         assert hetero is not None
         epoch = trainer.current_epoch
-        self._hook_state.weight = hetero.loss_scale(epoch, batch_idx, self.global_rank,
-                                                    trainer.accumulate_grad_batches,
-                                                    self.lightning_module.automatic_optimization)
+        self._hook_state.weight = hetero.loss_scale(epoch, batch_idx, self.global_rank)
         hetero.sampler.consumed = (epoch, batch_idx + 1)
 
     def _consider_rebalance(self) -> None:

@@ -110,6 +110,7 @@ def metrics_from(control: StepControl, world_size: int) -> dict[str, float]:
         metrics[f"dist/rank{r}/comm_ms"] = 1e3 * comm[r]
         metrics[f"dist/rank{r}/exposed_comm_ms"] = 1e3 * exposed[r]
         metrics[f"dist/rank{r}/samples_per_s"] = samples[r] / compute[r] if compute[r] > 0 else 0.0
+        metrics[f"dist/rank{r}/samples"] = samples[r]
         metrics[f"dist/rank{r}/bytes_sent"] = sent[r]
         metrics[f"dist/rank{r}/codec_ms"] = 1e3 * codec[r]
     return metrics
