@@ -139,3 +139,22 @@ def test_static_settings_do_not_rebalance_and_bad_input_is_named():
         HeteroBatching(memory_caps=[10, 10]).make_plan(2, 32)
     with pytest.raises(ValueError, match="unexpected keyword"):
         as_hetero({"sped": [1, 2]})
+
+
+def test_a_time_model_equalises_compute_time_where_steps_have_a_fixed_cost():
+    # rank 0: 50 ms + 1 ms per sample; rank 1: twice that; proportional sizes alone would not balance them
+    def times(sizes):
+        return [0.05 + 0.001 * sizes[0], 2 * (0.05 + 0.001 * sizes[1])]
+
+    hetero = HeteroBatching(window=2, threshold=0.05)
+    hetero.make_plan(2, 32)
+    sizes = [32, 32]
+    for decision in range(2):
+        for _ in range(2):
+            hetero.observe(times(sizes), sizes)
+        event = hetero.maybe_rebalance(10 * decision, 10 * decision + 1)
+        sizes = event["new"]
+    assert sizes == [59, 5]  # equal time: 50 + 59 = 109 ms against 2 x (50 + 5) = 110 ms
+    for _ in range(2):
+        hetero.observe(times(sizes), sizes)
+    assert hetero.spread() < 0.05 and hetero.maybe_rebalance(30, 31) is None

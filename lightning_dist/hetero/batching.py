@@ -16,10 +16,11 @@ Online rebalancing. Every rank's compute time and sample count per step (``compu
 less the communication backward waited for, so a fast rank's waiting for a slow one is not counted as its
 work) ride on the strategy's per-step control exchange; every rank keeps the same moving window of them, so
 every rank reaches the same decision without a collective of its own. When the spread of the window's mean
-compute times, ``max / min - 1``, exceeds ``threshold``, the weights become the measured throughputs
-(samples per second of compute), at the next epoch boundary, and with ``every_n_steps`` also within an
-epoch, taking effect past what the DataLoader has already fetched. After a change the window starts afresh
-(hysteresis: no decision on a mix of old and new sizes).
+compute times, ``max / min - 1``, exceeds ``threshold``, the sizes change to ones that equalise compute
+time (from a time model per rank, ``a_i + c_i b``, fitted to the sizes measured before and after the last
+change; with one measurement, proportional to throughput), at the next epoch boundary, and with
+``every_n_steps`` also within an epoch, taking effect past what the DataLoader has already fetched. Once
+new sizes are in force the window starts afresh (hysteresis: no decision on a mix of old and new sizes).
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class HeteroBatching:
     horizon: int = field(default=2, init=False, repr=False)  # batches the loader may have drawn ahead
     events: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False)
     _window: deque = field(default_factory=deque, init=False, repr=False)
+    _previous: Optional[list[tuple[float, float]]] = field(default=None, init=False, repr=False)
+    _last_point: Optional[list[tuple[float, float]]] = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         problems = []
@@ -126,6 +129,7 @@ class HeteroBatching:
         self.plan = BatchPlan(world_size, weights, self.min_batch_size, caps)
         self.global_batch = total
         self._window.clear()
+        self._previous = None
         return self.plan
 
     def _caps(self, world_size: int, total: int) -> Optional[list[int]]:
@@ -141,6 +145,8 @@ class HeteroBatching:
         """Every rank's compute time and samples of one step (the same values on every rank)."""
         if min(samples) <= 0 or min(compute_s) <= 0:
             return  # a step without measurements (the first one)
+        if self._window and self._window[-1][1] != tuple(samples):
+            self._window.clear()  # new sizes took effect (or the epoch's short last batch): measure them afresh
         self._window.append((tuple(compute_s), tuple(samples)))
         while len(self._window) > self.window:
             self._window.popleft()
@@ -158,20 +164,45 @@ class HeteroBatching:
         n = len(self._window[0][0])
         return [sum(row[1][r] for row in self._window) / sum(row[0][r] for row in self._window) for r in range(n)]
 
+    def balanced_sizes(self) -> list[float]:
+        """Real-valued sizes that give every rank the same compute time, by a time model per rank.
+
+        A step on rank ``i`` takes ``a_i + c_i b`` (a fixed part, and a part per sample). With measurements at
+        two different sizes (the window now and the one before the last change) both are fitted; with one,
+        ``a_i = 0`` (time proportional to samples, i.e. sizes proportional to throughput). Equal times ``T``
+        with ``sum b_i = B`` give ``b_i = (T - a_i) / c_i``, ``T = (B + sum a_i / c_i) / sum 1 / c_i``.
+        """
+        n = len(self._window[0][0])
+        now = [(self._window[-1][1][r], sum(row[0][r] for row in self._window) / len(self._window)) for r in range(n)]
+        fixed, per_sample = [], []
+        for r, (b, t) in enumerate(now):
+            a, c = 0.0, t / b
+            if self._previous is not None:
+                b0, t0 = self._previous[r]
+                if b0 != b and (t - t0) / (b - b0) > 0:
+                    c = (t - t0) / (b - b0)
+                    a = max(0.0, t - c * b)
+            fixed.append(a)
+            per_sample.append(c)
+        self._last_point = now
+        equal = (self.global_batch + sum(a / c for a, c in zip(fixed, per_sample))) / sum(1 / c for c in per_sample)
+        return [max((equal - a) / c, 1e-6) for a, c in zip(fixed, per_sample)]
+
     def maybe_rebalance(self, step: int, from_step: int) -> Optional[dict[str, Any]]:
         """Decide at ``step`` (the same on every rank); a change applies from ``from_step``. Returns the event."""
         spread = self.spread()
         if not self.rebalance or self.plan is None or spread is None or spread <= self.threshold:
             return None
         old = self.plan.sizes_at(from_step, self.global_batch)
-        weights = self.throughput()
+        weights = self.balanced_sizes()
         new = split_batch(self.global_batch, weights, self.plan.min_size, self.plan.max_sizes)
         if new == old:
             return None
         self.plan.change(from_step, weights)
+        self._previous = self._last_point  # the point the next fit of the time model starts from
         self._window.clear()  # hysteresis: the next decision sees only the new sizes
         event = {"step": step, "from_step": from_step, "spread": spread, "old": old, "new": new,
-                 "throughput": weights}
+                 "throughput": self.throughput() if self._window else None}
         self.events.append(event)
         return event
 

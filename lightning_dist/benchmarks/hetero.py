@@ -1,0 +1,214 @@
+"""Heterogeneous-batching benchmark: epoch time of even batches against batches that follow measured speed,
+on ranks made slower by a known factor (:class:`lightning_dist.testing.Slowdown`).
+
+Run ``python -m lightning_dist.benchmarks.hetero`` (a few minutes on a 2-core machine); ``--quick`` is a smoke
+run (one short seed per mode, 2 ranks only).
+
+Scenarios: ``speeds 1 / 0.5`` on 2 ranks (rank 1 takes twice its own compute time; the targets are judged
+here) and ``speeds 1 / 1 / 0.33`` on 3 ranks (reported only: 3 processes on 2 cores mostly measure
+contention). Each runs three modes, every one from ``seed_everything(seed)``:
+
+- ``uniform``: ``RingDDPStrategy()``, every rank the loader's batch (the slow rank sets the pace);
+- ``balanced``: ``RingDDPStrategy(hetero=HeteroBatching(window=5, every_n_steps=5))``: starts even,
+  measures every rank's compute time per sample, and moves work to the fast ranks (the global batch stays
+  ``N x 64``);
+- ``static``: ``HeteroBatching(speeds=...)``: the sizes the true speeds give, from the first step.
+
+Workload: a wider digits CNN (``DigitsCNN(channels=64, hidden=128)``, so that a step's compute grows with
+its samples rather than being fixed overhead), batch 64 per rank, 10 epochs, validated once at the end.
+Epoch time is rank 0's wall time from the start of an epoch's first batch to the end of its last; a run's
+is the median of its last 5 epochs (after rebalancing has settled). The compute-time spread is
+``max / min - 1`` of the ranks' compute time per step (forward and backward less the communication each
+waited for), the median over the last 5 epochs' steps.
+
+Targets (2 ranks): speed-up of ``balanced`` over ``uniform`` at least 0.9 of the ideal
+``sum(s) / (N x min(s))``; compute-time spread after rebalancing <= 6%; final validation accuracy as
+uniform's (within one point: a point is ~4 of the 360 validation digits).
+
+Outputs in ``--out`` (default ``bench_results/hetero/``): ``hetero.json``, ``hetero.txt`` (table and target
+lines), ``hetero.png`` (epoch time per epoch, per mode; and the batch sizes ``balanced`` settled on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+from typing import Any, Optional, Sequence
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+
+from lightning_dist.benchmarks._common import environment, format_table, output_dir, progress, write_json
+from lightning_dist.benchmarks.step import _quiet_lightning
+from lightning_dist.examples import DigitsCNN, DigitsDataModule
+from lightning_dist.hetero import HeteroBatching
+from lightning_dist.strategy import RingDDPStrategy
+from lightning_dist.testing import RanksFailed, Slowdown, launched_externally, run_ranks
+
+SCENARIOS = {"2 ranks 1/0.5": (1.0, 0.5), "3 ranks 1/1/0.33": (1.0, 1.0, 0.33)}
+GATED = "2 ranks 1/0.5"
+MODES = ("uniform", "balanced", "static")
+BATCH, EPOCHS, TIMED_EPOCHS = 64, 10, 5
+
+
+class EpochRecorder(Callback):
+    """Rank 0's epoch times, and every step's per-rank compute times and batch sizes (from the exchange)."""
+
+    def __init__(self) -> None:
+        self.epoch_s: list[float] = []
+        self.steps: list[dict[str, Any]] = []
+        self._first: Optional[float] = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        if idx == 0:
+            self._first = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           idx: int) -> None:
+        if idx + 1 == trainer.num_training_batches and self._first is not None:  # before validation runs
+            self.epoch_s.append(time.perf_counter() - self._first)
+        metrics = trainer.strategy.step_metrics
+        n = trainer.world_size
+        if metrics:
+            self.steps.append({"epoch": trainer.current_epoch,
+                               "compute_s": [metrics[f"dist/rank{r}/compute_ms"] / 1e3 for r in range(n)],
+                               "samples": [metrics[f"dist/rank{r}/samples"] for r in range(n)]})
+
+
+def _run(rank: int, world_size: int, speeds: Sequence[float], mode: str, epochs: int, seed: int) -> dict[str, Any]:
+    hetero = {"uniform": None, "balanced": HeteroBatching(window=5, every_n_steps=5),
+              "static": HeteroBatching(speeds=list(speeds))}[mode]
+    recorder = EpochRecorder()
+    slow = Slowdown({r: 1.0 / s for r, s in enumerate(speeds) if s < 1.0})
+    with launched_externally(rank, world_size), warnings.catch_warnings(), _quiet_lightning():
+        warnings.simplefilter("ignore")
+        L.seed_everything(seed, verbose=False)
+        model, data = DigitsCNN(channels=64, hidden=128), DigitsDataModule(batch_size=BATCH, seed=seed)
+        trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=RingDDPStrategy(hetero=hetero, timeout=120),
+                            max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, num_sanity_val_steps=0, check_val_every_n_epoch=epochs,
+                            log_every_n_steps=1, callbacks=[recorder, slow])
+        trainer.fit(model, datamodule=data)  # validates once, after the last epoch
+        accuracy = float(trainer.callback_metrics["val/acc"])
+    events = [] if hetero is None else [{k: e[k] for k in ("step", "from_step", "spread", "old", "new")}
+                                        for e in hetero.events]
+    return {"epoch_s": recorder.epoch_s, "steps": recorder.steps, "val_acc": accuracy, "events": events}
+
+
+def run_once(name: str, mode: str, epochs: int, seed: int) -> dict[str, Any]:
+    speeds = SCENARIOS[name]
+    started = time.perf_counter()
+    try:
+        out = run_ranks(_run, len(speeds), speeds, mode, epochs, seed, deadline_s=600)[0]
+    except RanksFailed as err:
+        return {"scenario": name, "mode": mode, "seed": seed, "error": str(err)[-2000:]}
+    timed = out["epoch_s"][-min(TIMED_EPOCHS, len(out["epoch_s"])):]
+    last_epochs = {e for e in range(epochs - len(timed), epochs)}
+    spreads = [max(s["compute_s"]) / min(s["compute_s"]) - 1 for s in out["steps"]
+               if s["epoch"] in last_epochs and min(s["compute_s"]) > 0]
+    sizes = out["steps"][-1]["samples"] if out["steps"] else None
+    return {"scenario": name, "mode": mode, "seed": seed, "speeds": list(speeds), "epoch_s": out["epoch_s"],
+            "epoch_median_s": statistics.median(timed),
+            "spread_median": statistics.median(spreads) if spreads else None,
+            "val_acc": out["val_acc"], "final_sizes": sizes, "events": out["events"],
+            "wall_s": time.perf_counter() - started}
+
+
+def judge(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = {r["mode"]: r for r in records if r["scenario"] == GATED and "error" not in r}
+    if not {"uniform", "balanced"} <= set(rows):
+        return []
+    speeds = rows["uniform"]["speeds"]
+    ideal = sum(speeds) / (len(speeds) * min(speeds))
+    achieved = rows["uniform"]["epoch_median_s"] / rows["balanced"]["epoch_median_s"]
+    spread = rows["balanced"]["spread_median"]
+    uniform_acc, balanced_acc = 100 * rows["uniform"]["val_acc"], 100 * rows["balanced"]["val_acc"]
+    gap = uniform_acc - balanced_acc
+    return [
+        {"target": "speed-up / ideal >= 0.9", "met": achieved / ideal >= 0.9,
+         "detail": f"{achieved:.2f}x of an ideal {ideal:.2f}x = {achieved / ideal:.2f}"},
+        {"target": "compute-time spread after rebalancing <= 6%", "met": spread is not None and spread <= 0.06,
+         "detail": f"{100 * spread:.1f}%" if spread is not None else "not measured"},
+        {"target": "final accuracy as uniform's (within 1 point)", "met": gap <= 1.0,
+         "detail": f"balanced {balanced_acc:.2f}% vs uniform {uniform_acc:.2f}%"},
+    ]
+
+
+def table(records: Sequence[dict[str, Any]]) -> str:
+    rows = []
+    uniform = {r["scenario"]: r for r in records if r["mode"] == "uniform" and "error" not in r}
+    for r in records:
+        if "error" in r:
+            rows.append([r["scenario"], r["mode"], "failed", "", "", "", "", ""])
+            continue
+        base = uniform.get(r["scenario"])
+        speeds = r["speeds"]
+        rows.append([r["scenario"], r["mode"], f"{r['epoch_median_s']:.2f}",
+                     f"{base['epoch_median_s'] / r['epoch_median_s']:.2f}x" if base else "-",
+                     f"{sum(speeds) / (len(speeds) * min(speeds)):.2f}x",
+                     "-" if r["spread_median"] is None else f"{100 * r['spread_median']:.1f}%",
+                     str([int(s) for s in r["final_sizes"]]) if r["final_sizes"] else "-",
+                     f"{100 * r['val_acc']:.2f}%"])
+    return format_table(["scenario", "mode", "epoch s", "speed-up", "ideal", "compute spread", "sizes", "val acc"],
+                        rows)
+
+
+def plot(records: Sequence[dict[str, Any]], path: Any) -> Any:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    names = list(dict.fromkeys(r["scenario"] for r in records))
+    fig = Figure(figsize=(6.5 * len(names), 4.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    for ax, name in zip(fig.subplots(1, len(names), squeeze=False)[0], names):
+        for r in records:
+            if r["scenario"] == name and "error" not in r:
+                ax.plot(range(1, len(r["epoch_s"]) + 1), r["epoch_s"], marker="o", label=r["mode"])
+        ax.set_xlabel("epoch")
+        ax.set_ylabel("epoch time, s (rank 0)")
+        ax.set_title(f"{name} (relative speeds)", fontsize="small")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle("heterogeneous batching: even batches against batches that follow measured speed")
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m lightning_dist.benchmarks.hetero",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 ranks, 2 epochs")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="output directory (default bench_results/hetero/)")
+    args = parser.parse_args(argv)
+    out = output_dir(args.out, "hetero")
+    epochs = 2 if args.quick else EPOCHS
+    scenarios = [GATED] if args.quick else list(SCENARIOS)
+    records = []
+    for name in scenarios:
+        for mode in MODES:
+            record = run_once(name, mode, epochs, args.seed)
+            records.append(record)
+            if "error" in record:
+                progress(f"[hetero] {name} {mode}: FAILED")
+            else:
+                progress(f"[hetero] {name} {mode:<9} epoch {record['epoch_median_s']:.2f}s  sizes "
+                         f"{record['final_sizes']}  acc {100 * record['val_acc']:.2f}%  (run {record['wall_s']:.0f}s)")
+    targets = judge(records)
+    lines = [f"target {t['target']}: {'MET' if t['met'] else 'MISSED'} ({t['detail']})" for t in targets]
+    text = table(records) + "\n\n" + "\n".join(lines)
+    print(text)
+    payload = {"meta": {**environment(), "benchmark": "hetero", "quick": args.quick, "epochs": epochs,
+                        "batch_per_rank": BATCH, "timed_epochs": TIMED_EPOCHS}, "records": records, "targets": targets}
+    (out / "hetero.txt").write_text(text + "\n")
+    write_json(out / "hetero.json", payload)
+    plot(records, out / "hetero.png")
+    progress(f"[hetero] wrote {out}/hetero.{{json,txt,png}}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
