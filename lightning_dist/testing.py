@@ -158,23 +158,38 @@ def launched_externally(rank: int, world_size: int) -> Iterator[None]:
 class Slowdown(Callback):
     """A Lightning callback that makes chosen ranks slower by a known factor, for tests and benchmarks only.
 
-    ``Slowdown({1: 2.0})`` makes rank 1 take twice its own forward and backward time: after backward it sleeps
-    ``factor - 1`` times what that step's forward and backward took on it. The sleep counts as the rank's
-    compute (it happens before the step's exchange), so the strategy's speed measurement sees a rank that is
-    ``factor`` times slower per sample, as a slower accelerator would be; it needs no CPU, so on a small
-    machine the other ranks do not lose cores to it. Not part of any product code path.
+    ``Slowdown({1: 2.0})`` makes rank 1 take twice its own forward and backward time, before its gradients
+    leave (as a slower accelerator would: the other ranks wait for its buckets): when backward starts it sleeps
+    ``factor - 1`` times this step's forward time plus its backward time estimated from the previous step's
+    backward-to-forward ratio. The sleep counts as the rank's compute, so the strategy's speed measurement
+    sees a rank ``factor`` times slower per sample; it needs no CPU, so on a small machine the other ranks do
+    not lose cores to it. Not part of any product code path.
     """
 
     def __init__(self, factors: dict[int, float]) -> None:
         bad = {r: f for r, f in factors.items() if not (isinstance(f, (int, float)) and f >= 1)}
         if bad:
             raise ValueError(f"Slowdown factors {bad}: each must be >= 1 (2.0: twice as slow)")
-        self.factors, self._started = dict(factors), 0.0
+        self.factors = dict(factors)
+        self._started = self._backward_started = 0.0
+        self._backward_per_forward = 2.0  # until measured: backward costs about twice the forward pass
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._started = time.perf_counter()
 
-    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         factor = self.factors.get(trainer.global_rank, 1.0)
+        forward = time.perf_counter() - self._started
+        self._forward = forward
         if factor > 1.0:
-            time.sleep((factor - 1.0) * (time.perf_counter() - self._started))
+            time.sleep((factor - 1.0) * forward * (1.0 + self._backward_per_forward))
+        self._backward_started = time.perf_counter()
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        state = getattr(trainer.strategy, "hook_state", None)
+        waited = 0.0  # the end of backward waits for the other ranks' buckets: not this rank's work
+        if state is not None and state.handed_at is not None:
+            waited = max(0.0, state.clock.done_at - state.handed_at)
+        backward = time.perf_counter() - self._backward_started - waited
+        if self._forward > 0 and backward > 0:
+            self._backward_per_forward = backward / self._forward

@@ -158,3 +158,13 @@ def test_a_time_model_equalises_compute_time_where_steps_have_a_fixed_cost():
     for _ in range(2):
         hetero.observe(times(sizes), sizes)
     assert hetero.spread() < 0.05 and hetero.maybe_rebalance(30, 31) is None
+
+
+def test_a_binding_memory_cap_is_reported_with_the_step_time_it_costs():
+    hetero = HeteroBatching(window=1, memory_caps=[40, 64])
+    hetero.make_plan(2, 32)
+    hetero.observe([0.10, 0.20], [32, 32])  # rank 0 twice as fast, but capped at 40 of 64
+    event = hetero.maybe_rebalance(0, 1)
+    assert event["new"] == [40, 24] and event["capped"]["without_caps"] == [43, 21]
+    # rank 1 now sets the pace: 24 samples at half speed against 43 at full speed without the cap
+    assert abs(event["capped"]["step_time_lost"] - ((24 / (64 / 3)) / (43 / (128 / 3)) - 1)) < 1e-9

@@ -14,7 +14,7 @@ contention). Each runs three modes, every one from ``seed_everything(seed)``:
   ``N x 64``);
 - ``static``: ``HeteroBatching(speeds=...)``: the sizes the true speeds give, from the first step.
 
-Workload: a wider digits CNN (``DigitsCNN(channels=64, hidden=128)``, so that a step's compute grows with
+Workload: a wider digits CNN (``DigitsCNN(channels=128, hidden=256)``, so that a step's compute grows with
 its samples rather than being fixed overhead), batch 64 per rank, 10 epochs, validated once at the end.
 Epoch time is rank 0's wall time from the start of an epoch's first batch to the end of its last; a run's
 is the median of its last 5 epochs (after rebalancing has settled). The compute-time spread is
@@ -85,7 +85,7 @@ def _run(rank: int, world_size: int, speeds: Sequence[float], mode: str, epochs:
     with launched_externally(rank, world_size), warnings.catch_warnings(), _quiet_lightning():
         warnings.simplefilter("ignore")
         L.seed_everything(seed, verbose=False)
-        model, data = DigitsCNN(channels=64, hidden=128), DigitsDataModule(batch_size=BATCH, seed=seed)
+        model, data = DigitsCNN(channels=128, hidden=256), DigitsDataModule(batch_size=BATCH, seed=seed)
         trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=RingDDPStrategy(hetero=hetero, timeout=120),
                             max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, num_sanity_val_steps=0, check_val_every_n_epoch=epochs,

@@ -179,9 +179,11 @@ class HeteroBatching:
             a, c = 0.0, t / b
             if self._previous is not None:
                 b0, t0 = self._previous[r]
-                if b0 != b and (t - t0) / (b - b0) > 0:
-                    c = (t - t0) / (b - b0)
-                    a = max(0.0, t - c * b)
+                slope = (t - t0) / (b - b0) if b0 != b else 0.0
+                # a fit through two noisy points can be wild: keep it only where it is plausible (a fixed part
+                # of at most 80% of the step); otherwise time is taken as proportional to samples
+                if 0.2 * t / b <= slope <= t / b:
+                    c, a = slope, t - slope * b
             fixed.append(a)
             per_sample.append(c)
         self._last_point = now
@@ -201,8 +203,12 @@ class HeteroBatching:
         self.plan.change(from_step, weights)
         self._previous = self._last_point  # the point the next fit of the time model starts from
         self._window.clear()  # hysteresis: the next decision sees only the new sizes
-        event = {"step": step, "from_step": from_step, "spread": spread, "old": old, "new": new,
-                 "throughput": self.throughput() if self._window else None}
+        event = {"step": step, "from_step": from_step, "spread": spread, "old": old, "new": new}
+        if self.plan.max_sizes is not None:  # does a cap hold a fast rank back? what it costs, by the weights
+            free = split_batch(self.global_batch, weights, self.plan.min_size)
+            if free != new:
+                slowest = max(b / w for b, w in zip(new, weights)) / max(b / w for b, w in zip(free, weights))
+                event["capped"] = {"without_caps": free, "step_time_lost": slowest - 1.0}
         self.events.append(event)
         return event
 

@@ -400,6 +400,11 @@ class RingDDPStrategy(DDPStrategy):
         if event is not None:
             rank_zero_info(f"RingDDPStrategy: compute-time spread {100 * event['spread']:.1f}% -> batch sizes "
                            f"{event['old']} -> {event['new']} from batch {first}")
+            if "capped" in event:
+                rank_zero_info(f"RingDDPStrategy: a batch-size cap binds: {event['new']} instead of "
+                               f"{event['capped']['without_caps']}, ~{100 * event['capped']['step_time_lost']:.0f}% "
+                               "longer steps than without it")
+        self._meter.step_metrics["hetero/rebalances"] = float(len(hetero.events))
 
     @override
     def on_train_start(self) -> None:
