@@ -27,8 +27,8 @@ def test_quick_run_writes_json_table_and_plot(tmp_path):
 
 def test_judge_compares_balanced_with_uniform_and_the_ideal():
     base = {"scenario": "2 ranks 1/0.5", "speeds": [1.0, 0.5]}
-    records = [{**base, "mode": "uniform", "epoch_median_s": 3.0, "spread_median": 0.9, "val_acc": 0.97},
-               {**base, "mode": "balanced", "epoch_median_s": 2.1, "spread_median": 0.04, "val_acc": 0.968}]
+    records = [{**base, "mode": "uniform", "epoch_median_s": 3.0, "compute_spread": 0.9, "val_acc": 0.97},
+               {**base, "mode": "balanced", "epoch_median_s": 2.1, "compute_spread": 0.04, "val_acc": 0.968}]
     verdicts = {t["target"]: t["met"] for t in judge(records)}
     assert verdicts == {"speed-up / ideal >= 0.9": True, "compute-time spread after rebalancing <= 6%": True,
                         "final accuracy as uniform's (within 1 point)": True}
