@@ -52,9 +52,9 @@ class Net(pl.LightningModule):
         return DataLoader(TensorDataset(x, y, torch.arange(N_SAMPLES)), batch_size=BATCH, shuffle=True)
 
 
-def _fit(strategy, callbacks=(), ckpt_path=None, **kwargs):
+def _fit(strategy, callbacks=(), ckpt_path=None, model=None, **kwargs):
     pl.seed_everything(0, verbose=False)
-    model = Net()
+    model = model or Net()
     options = dict(accelerator="cpu", devices=2, max_epochs=2, logger=False, enable_checkpointing=False,
                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     options.update(kwargs)
@@ -90,7 +90,23 @@ def _fits(rank, world_size, workdir):
         model, _, resumed = _fit(RingDDPStrategy(hetero=HeteroBatching(batch_sizes=[12, 4])),
                                  ckpt_path=os.path.join(workdir, "mid.ckpt"))
         out["resume"] = (straight, resumed, model.seen)
+        # only the training loader changes; a validation loader keeps its own sampler and batch size
+        _, trainer, _ = _fit(RingDDPStrategy(hetero=HeteroBatching(batch_sizes=[12, 4])), model=WithValidation(),
+                             max_epochs=1)
+        val = trainer.val_dataloaders
+        out["loaders"] = (type(trainer.train_dataloader).__name__, type(val).__name__, val.batch_size,
+                          type(val.sampler).__name__)
     return out
+
+
+class WithValidation(Net):
+    def validation_step(self, batch, batch_idx):
+        x, y, _ = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
+
+    def val_dataloader(self):
+        x, y = _data()
+        return DataLoader(TensorDataset(x, y, torch.arange(N_SAMPLES)), batch_size=5)
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +164,7 @@ def test_a_mid_epoch_checkpoint_resumes_at_the_next_batch_bit_identically(fits):
         straight, resumed, seen = r["resume"]
         assert seen[0][:2] == (1, 2)  # step 9 of 14 was epoch 1's third batch: the resumed run starts after it
         assert torch.equal(straight, resumed), float((straight - resumed).abs().max())
+
+
+def test_only_the_training_loader_is_rebuilt(fits):
+    assert fits[0]["loaders"] == ("HeteroDataLoader", "DataLoader", 5, "DistributedSampler")
