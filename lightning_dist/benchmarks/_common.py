@@ -9,13 +9,16 @@ and a plain-text copy of the printed table, into a directory under ``bench_resul
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import platform
 import sys
 import time
+import warnings
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -104,3 +107,24 @@ def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
 def progress(message: str) -> None:
     """A progress line on stderr, so stdout holds only the results."""
     print(message, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def quiet_lightning() -> Iterator[None]:
+    """Lightning's per-fit banners and one known deprecation warning off, so stderr holds our progress."""
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*treespec, LeafSpec.*")
+        for lg in loggers:
+            lg.setLevel(logging.WARNING)
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels):
+                lg.setLevel(level)
+
+
+def step_times(ends: Sequence[float], epochs: Sequence[int], warmup: int) -> list[float]:
+    """Gaps between consecutive batch ends of one epoch, from the step after ``warmup`` on, in seconds."""
+    return [ends[i] - ends[i - 1] for i in range(max(warmup, 1), len(ends)) if epochs[i] == epochs[i - 1]]

@@ -131,10 +131,11 @@ from lightning_dist.benchmarks._common import (
     format_table,
     output_dir,
     progress,
+    quiet_lightning,
+    step_times,
     summarize,
     write_json,
 )
-from lightning_dist.benchmarks.step import _quiet_lightning, step_times
 from lightning_dist.comm import ring_bytes_sent
 from lightning_dist.compression import build_compressor
 from lightning_dist.examples import DigitsCNN, DigitsDataModule, SyntheticDataModule, WideMLP
@@ -396,7 +397,7 @@ def _fit(rank: int, world_size: int, workload_name: str, label: str, seed: int, 
     """One fit, Lightning training in this very process; returns what it measured (plain data)."""
     workload = WORKLOADS[workload_name]
     config = workload.config(label)
-    with launched_externally(rank, world_size), _quiet_lightning():
+    with launched_externally(rank, world_size), quiet_lightning():
         L.seed_everything(seed, verbose=False)
         model, data = workload.model(), workload.data()
         strategy = make_strategy(config, workload, seed)
@@ -714,7 +715,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     summary: list[dict[str, Any]] = []
     meta_workloads: dict[str, Any] = {}
     start = time.perf_counter()
-    with _quiet_lightning():
+    with quiet_lightning():
         for name in args.workloads:
             workload = WORKLOADS[name]
             labels = _labels(workload, args)

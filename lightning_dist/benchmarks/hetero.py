@@ -41,8 +41,14 @@ from typing import Any, Optional, Sequence
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
-from lightning_dist.benchmarks._common import environment, format_table, output_dir, progress, write_json
-from lightning_dist.benchmarks.step import _quiet_lightning
+from lightning_dist.benchmarks._common import (
+    environment,
+    format_table,
+    output_dir,
+    progress,
+    quiet_lightning,
+    write_json,
+)
 from lightning_dist.examples import DigitsCNN, DigitsDataModule
 from lightning_dist.hetero import HeteroBatching
 from lightning_dist.strategy import RingDDPStrategy
@@ -83,7 +89,7 @@ def _run(rank: int, world_size: int, speeds: Sequence[float], mode: str, epochs:
               "static": HeteroBatching(speeds=list(speeds))}[mode]
     recorder = EpochRecorder()
     slow = Slowdown({r: 1.0 / s for r, s in enumerate(speeds) if s < 1.0})
-    with launched_externally(rank, world_size), warnings.catch_warnings(), _quiet_lightning():
+    with launched_externally(rank, world_size), warnings.catch_warnings(), quiet_lightning():
         warnings.simplefilter("ignore")
         L.seed_everything(seed, verbose=False)
         model, data = DigitsCNN(channels=128, hidden=256), DigitsDataModule(batch_size=BATCH, seed=seed)

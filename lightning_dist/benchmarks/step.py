@@ -48,17 +48,14 @@ target bound).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import logging
 import os
 import tempfile
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import lightning as L
 import numpy as np
@@ -72,6 +69,8 @@ from lightning_dist.benchmarks._common import (
     format_table,
     output_dir,
     progress,
+    quiet_lightning,
+    step_times,
     summarize,
     write_json,
 )
@@ -170,11 +169,6 @@ class StepTimerCallback(Callback):
             stamps = {"ends": self._ends, "cpu": self._cpu, "epochs": self._epochs, "comm_s": self._comm_s,
                       "exposed_s": self._exposed_s}
             Path(self._path).write_text(json.dumps(stamps))
-
-
-def step_times(ends: Sequence[float], epochs: Sequence[int], warmup: int) -> list[float]:
-    """Gaps between consecutive batch ends of one epoch, from the step after ``warmup`` on, in seconds."""
-    return [ends[i] - ends[i - 1] for i in range(max(warmup, 1), len(ends)) if epochs[i] == epochs[i - 1]]
 
 
 def make_strategy(config: Config, bucket_cap_mb: Optional[float]) -> Strategy:
@@ -313,22 +307,6 @@ def plot(runs: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]], path
     return path
 
 
-@contextlib.contextmanager
-def _quiet_lightning() -> Iterator[None]:
-    """Lightning's per-fit banners and one known deprecation warning off, so stderr holds our progress."""
-    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
-    levels = [lg.level for lg in loggers]
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*treespec, LeafSpec.*")
-        for lg in loggers:
-            lg.setLevel(logging.WARNING)
-        try:
-            yield
-        finally:
-            for lg, level in zip(loggers, levels):
-                lg.setLevel(level)
-
-
 def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m lightning_dist.benchmarks.step",
                                      description=__doc__.split("\n\n")[0])
@@ -368,7 +346,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     summary: list[dict[str, Any]] = []
     targets: list[dict[str, Any]] = []
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="lightning_dist_step_") as workdir, _quiet_lightning():
+    with tempfile.TemporaryDirectory(prefix="lightning_dist_step_") as workdir, quiet_lightning():
         for name in args.workloads:
             workload = WORKLOADS[name]
             configs = workload.configs[:2] if args.quick else workload.configs
