@@ -93,6 +93,7 @@ class RingHookState:
     rank: int = 0  # this rank's place in process_group (for counting the dense ring's bytes)
     transport: Optional[Transport] = None  # made on first use from process_group, algorithm and stats
     _layouts: dict[tuple[int, int, int], BucketLayout] = field(default_factory=dict)
+    _dense_bytes: dict[BucketLayout, int] = field(default_factory=dict)  # the dense ring's bytes per bucket
 
     def get_transport(self) -> Transport:
         if self.transport is None or self.transport.group is not self.process_group:
@@ -121,7 +122,7 @@ def ring_comm_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futur
         state.on_last_bucket()
     buffer = bucket.buffer()
     layout = _bucket_layout(state, bucket)
-    state.stats.record_dense(ring_bytes_sent(buffer.numel(), state.world_size, state.rank, buffer.element_size()))
+    state.stats.dense_bytes += state._dense_bytes[layout]  # (autograd thread only: no lock needed)
     # during the compressor's warm-up (start_step) the bucket travels dense
     codec = _DENSE if state.compressor.warming_up else state.compressor
     if state.worker is None:
@@ -143,16 +144,19 @@ def ring_comm_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futur
     # worker is idle (the order stays DDP's), as does the last bucket, behind which nothing is left to overlap.
     issue_only = codec.light and resolve_algorithm(buffer, state.algorithm, state.process_group) == "native"
 
+    timed = not isinstance(codec, NoCompressor)  # the identity has no coding time to measure
+
     def job() -> torch.futures.Future:
         _weigh(state, buffer)
         started = time.perf_counter()
         with _stage("lightning_dist.compress"):
             payload, ctx = codec.compress(buffer, layout)
         stats, clock = state.stats, state.clock  # never the state itself: see _Clock
-        stats.record_codec(time.perf_counter() - started)
+        if timed:
+            stats.record_codec(time.perf_counter() - started)
         with _stage(f"lightning_dist.transport.{state.algorithm}"):
             return allreduce_async(payload, state.algorithm, group=state.process_group, op="sum", stats=stats,
-                                   then=lambda reduced: _decompress(codec, stats, clock, reduced, ctx, buffer))
+                                   then=lambda reduced: _decompress(codec, stats, clock, reduced, ctx, buffer, timed))
 
     return state.worker.submit(job, what=what, here_if_idle=issue_only or is_last)
 
@@ -178,12 +182,13 @@ def _reduce(state: RingHookState, codec: Compressor, buffer: torch.Tensor, layou
 
 
 def _decompress(codec: Compressor, stats: CommStats, clock: _Clock, payload: torch.Tensor, ctx: object,
-                buffer: torch.Tensor) -> torch.Tensor:
+                buffer: torch.Tensor, timed: bool) -> torch.Tensor:
     started = time.perf_counter()
     with _stage("lightning_dist.decompress"):
         result = codec.decompress(payload, ctx, buffer)
     clock.done_at = now = max(clock.done_at, time.perf_counter())
-    stats.record_codec(now - started)
+    if timed:
+        stats.record_codec(now - started)
     return result
 
 
@@ -202,6 +207,9 @@ def _bucket_layout(state: RingHookState, bucket: dist.GradBucket) -> BucketLayou
             raise RuntimeError(f"gradient bucket {bucket.index()} holds {bucket.buffer().numel()} elements but its "
                                f"parameters {layout.names} have {layout.numel}; sparse gradients are not supported")
         state._layouts[cache_key] = layout
+        buffer = bucket.buffer()
+        state._dense_bytes[layout] = ring_bytes_sent(buffer.numel(), state.world_size, state.rank,
+                                                     buffer.element_size())
     return layout
 
 

@@ -245,6 +245,7 @@ class RingDDPStrategy(DDPStrategy):
         state.rank = dist.get_rank(self._comm_group) if self._comm_group is not None else 0
         state.transport = None
         state._layouts.clear()
+        state._dense_bytes.clear()
         state.param_names = {id(p): name for name, p in self.model.module.named_parameters()}
         state.on_last_bucket = self._start_exchange_early
         if self._overlap:
