@@ -92,6 +92,15 @@ def write_json(path: Path, payload: dict[str, Any]) -> Path:
     return path
 
 
+def write_results(out: Path, name: str, text: str, payload: dict[str, Any], draw: Any) -> None:
+    """A benchmark's three outputs in ``out``: ``<name>.txt`` (the printed table), ``<name>.json`` and the
+    ``<name>.png`` that ``draw(path)`` makes; then say where they are."""
+    (out / f"{name}.txt").write_text(text + "\n")
+    write_json(out / f"{name}.json", payload)
+    draw(out / f"{name}.png")
+    progress(f"[{name}] wrote {out / name}.{{json,txt,png}}")
+
+
 def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """A right-aligned plain-text table (first column left-aligned); cells are ``str()``-ed."""
     cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]

@@ -55,7 +55,7 @@ from lightning_dist.benchmarks._common import (
     progress,
     size_label,
     summarize,
-    write_json,
+    write_results,
 )
 from lightning_dist.comm import (
     AUTO_TREE_MAX_BYTES,
@@ -414,10 +414,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     payload["recommendation"] = lines
     text = table + "\n\n" + "\n".join(lines)
     print(text)
-    (out / f"{name}.txt").write_text(text + "\n")
-    write_json(out / f"{name}.json", payload)
-    plot(records, [c.label for c in cases], out / f"{name}.png")
-    progress(f"[allreduce] wrote {out / name}.{{json,txt,png}}")
+    write_results(out, name, text, payload, lambda path: plot(records, [c.label for c in cases], path))
     return payload
 
 

@@ -134,7 +134,7 @@ from lightning_dist.benchmarks._common import (
     quiet_lightning,
     step_times,
     summarize,
-    write_json,
+    write_results,
 )
 from lightning_dist.comm import ring_bytes_sent
 from lightning_dist.compression import build_compressor
@@ -765,10 +765,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         "records": summary,
         "targets": targets,
     }
-    (out / "compression.txt").write_text(text + "\n")
-    write_json(out / "compression.json", payload)
-    plot(summary, out / "compression.png")
-    progress(f"[compression] wrote {out}/compression.{{json,txt,png}}")
+    write_results(out, "compression", text, payload, lambda path: plot(summary, path))
     return payload
 
 

@@ -47,7 +47,7 @@ from lightning_dist.benchmarks._common import (
     output_dir,
     progress,
     quiet_lightning,
-    write_json,
+    write_results,
 )
 from lightning_dist.examples import DigitsCNN, DigitsDataModule
 from lightning_dist.hetero import HeteroBatching
@@ -212,10 +212,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     print(text)
     payload = {"meta": {**environment(), "benchmark": "hetero", "quick": args.quick, "epochs": epochs,
                         "batch_per_rank": BATCH, "timed_epochs": TIMED_EPOCHS}, "records": records, "targets": targets}
-    (out / "hetero.txt").write_text(text + "\n")
-    write_json(out / "hetero.json", payload)
-    plot(records, out / "hetero.png")
-    progress(f"[hetero] wrote {out}/hetero.{{json,txt,png}}")
+    write_results(out, "hetero", text, payload, lambda path: plot(records, path))
     return payload
 
 

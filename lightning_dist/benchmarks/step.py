@@ -72,7 +72,7 @@ from lightning_dist.benchmarks._common import (
     quiet_lightning,
     step_times,
     summarize,
-    write_json,
+    write_results,
 )
 from lightning_dist.examples import DigitsCNN, DigitsDataModule, SyntheticDataModule, WideMLP
 from lightning_dist.strategy import RingDDPStrategy
@@ -393,10 +393,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         "records": summary,
         "targets": targets,
     }
-    (out / "step.txt").write_text(text + "\n")
-    write_json(out / "step.json", payload)
-    plot(runs, summary, out / "step.png")
-    progress(f"[step] wrote {out}/step.{{json,txt,png}}")
+    write_results(out, "step", text, payload, lambda path: plot(runs, summary, path))
     return payload
 
 
