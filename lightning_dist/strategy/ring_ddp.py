@@ -15,6 +15,11 @@ What it changes in :class:`~lightning.pytorch.strategies.DDPStrategy`:
   (:class:`~lightning_dist.strategy.control.StepControl`), complete before the optimizer steps: every step
   when a feature registered a value all ranks must agree on (started after backward, when the values are
   final), otherwise only on logging steps, started alongside the last gradient bucket and hidden behind it;
+- compresses the buckets with a :class:`~lightning_dist.compression.Compressor` (``compressor=``), commits its
+  per-step state after the optimizer stepped, and saves every rank's state in checkpoints;
+- with ``hetero=`` (:class:`~lightning_dist.hetero.HeteroBatching`), rebuilds the training loader so each
+  rank's share of the global batch follows its speed, weights the gradients by sample count, and rebalances
+  from the per-step exchange;
 - keeps per-step metrics (bytes sent, time in communication, each rank's compute time and throughput) that
   :class:`~lightning_dist.callbacks.DistMetricsCallback` logs from rank zero. The strategy adds that
   callback to the Trainer itself when the user has not.
