@@ -55,8 +55,8 @@ class CommStats:
                 self.records.append(rec)
 
     def record_dense(self, nbytes: int) -> None:
-        with self._lock:
-            self.dense_bytes += nbytes
+        # no lock: only the thread DDP runs the hook on writes this field (reset happens between steps)
+        self.dense_bytes += nbytes
 
     def record_codec(self, seconds: float) -> None:
         with self._lock:

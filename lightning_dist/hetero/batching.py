@@ -190,6 +190,26 @@ class HeteroBatching:
         equal = (self.global_batch + sum(a / c for a, c in zip(fixed, per_sample))) / sum(1 / c for c in per_sample)
         return [max((equal - a) / c, 1e-6) for a, c in zip(fixed, per_sample)]
 
+    def after_exchange(self, compute_s: Sequence[float], samples: Sequence[float], steps_done: int,
+                       batches_in_epoch: int) -> Optional[dict[str, Any]]:
+        """The strategy's hand-over after each exchange: observe the step, and decide when a decision is due.
+
+        Due at the epoch's last batch (new sizes from the next epoch, whose sampler has not started yet) and,
+        with ``every_n_steps``, every that many optimizer steps (new sizes past what the loader may already have
+        drawn). Returns the rebalance event, if any.
+        """
+        self.observe(compute_s, samples)
+        epoch, next_batch = self.sampler.consumed
+        per_epoch = self.sampler.steps_per_epoch
+        current = epoch * per_epoch + next_batch - 1
+        if next_batch >= min(per_epoch, batches_in_epoch):
+            first = (epoch + 1) * per_epoch
+        elif self.every_n_steps and (steps_done + 1) % self.every_n_steps == 0:
+            first = current + self.horizon + 1
+        else:
+            return None
+        return self.maybe_rebalance(current, first)
+
     def maybe_rebalance(self, step: int, from_step: int) -> Optional[dict[str, Any]]:
         """Decide at ``step`` (the same on every rank); a change applies from ``from_step``. Returns the event."""
         spread = self.spread()

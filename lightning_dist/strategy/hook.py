@@ -122,7 +122,7 @@ def ring_comm_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futur
         state.on_last_bucket()
     buffer = bucket.buffer()
     layout = _bucket_layout(state, bucket)
-    state.stats.dense_bytes += state._dense_bytes[layout]  # (autograd thread only: no lock needed)
+    state.stats.record_dense(state._dense_bytes[layout])
     # during the compressor's warm-up (start_step) the bucket travels dense
     codec = _DENSE if state.compressor.warming_up else state.compressor
     if state.worker is None:

@@ -390,22 +390,13 @@ class RingDDPStrategy(DDPStrategy):
 
     def _consider_rebalance(self) -> None:
         """After the exchange: every rank holds the same measurements, so every rank decides alike."""
-        hetero, control, trainer = self._hetero, self.control, self.lightning_module.trainer
+        hetero, control = self._hetero, self.control
         assert hetero is not None
-        hetero.observe(control.per_rank("rank_compute_s"), control.per_rank("rank_samples"))
-        epoch, next_batch = hetero.sampler.consumed
-        per_epoch = hetero.sampler.steps_per_epoch
-        current = epoch * per_epoch + next_batch - 1
-        if next_batch >= min(per_epoch, trainer.num_training_batches):  # the epoch's last batch
-            first = (epoch + 1) * per_epoch  # the next epoch's sampler has not started yet
-        elif hetero.every_n_steps and (self._meter.steps_done + 1) % hetero.every_n_steps == 0:
-            first = current + hetero.horizon + 1  # past what the loader may already have drawn
-        else:
-            return
-        event = hetero.maybe_rebalance(current, first)
+        event = hetero.after_exchange(control.per_rank("rank_compute_s"), control.per_rank("rank_samples"),
+                                      self._meter.steps_done, self.lightning_module.trainer.num_training_batches)
         if event is not None:
             rank_zero_info(f"RingDDPStrategy: compute-time spread {100 * event['spread']:.1f}% -> batch sizes "
-                           f"{event['old']} -> {event['new']} from batch {first}")
+                           f"{event['old']} -> {event['new']} from batch {event['from_step']}")
             if "capped" in event:
                 rank_zero_info(f"RingDDPStrategy: a batch-size cap binds: {event['new']} instead of "
                                f"{event['capped']['without_caps']}, ~{100 * event['capped']['step_time_lost']:.0f}% "
