@@ -401,7 +401,8 @@ class RingDDPStrategy(DDPStrategy):
                 rank_zero_info(f"RingDDPStrategy: a batch-size cap binds: {event['new']} instead of "
                                f"{event['capped']['without_caps']}, ~{100 * event['capped']['step_time_lost']:.0f}% "
                                "longer steps than without it")
-        self._meter.step_metrics["hetero/rebalances"] = float(len(hetero.events))
+        if self._meter.step_metrics:  # empty on the first step: no previous step to describe
+            self._meter.step_metrics["hetero/rebalances"] = float(len(hetero.events))
 
     @override
     def on_train_start(self) -> None:
