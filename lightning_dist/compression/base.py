@@ -97,6 +97,9 @@ class Compressor:
     wants_error_feedback = False  # build_compressor wraps it in ErrorFeedback unless told otherwise
     start_step = 0  # (class defaults too, for subclasses that do not call __init__)
     steps = 0
+    # the loss scale the gradients this compressor sees carry (fp16 mixed precision; 1.0 otherwise): state in
+    # gradient units follows it (rescale), thresholds compare against gradient / grad_scale
+    grad_scale = 1.0
 
     def __init__(self, start_step: int = 0) -> None:
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
@@ -138,6 +141,20 @@ class Compressor:
         transport.allreduce_(payload)
         return self.decompress(payload, ctx, flat)
 
+    # -- loss scaling -----------------------------------------------------------------------------------------
+    def set_grad_scale(self, scale: float) -> None:
+        """The loss scale of the coming step's gradients (the strategy calls this before each backward under
+        fp16 loss scaling). When it changed, state kept in scaled gradient units is rescaled to match."""
+        scale = float(scale)
+        if not (scale > 0 and scale < float("inf")):
+            raise ValueError(f"grad_scale={scale!r} must be a positive finite loss scale")
+        old, self.grad_scale = self.grad_scale, scale
+        if scale != old:
+            self.rescale(scale / old)
+
+    def rescale(self, factor: float) -> None:
+        """Multiply state held in scaled gradient units (error-feedback residuals) by ``factor``."""
+
     # -- state ---------------------------------------------------------------------------------------------
     def commit(self) -> None:
         """The optimizer stepped: what this step staged becomes the state."""
@@ -148,13 +165,15 @@ class Compressor:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: tensors, numbers and strings only (``weights_only=True`` loads it)."""
-        return {"compressor": self.describe(), "steps": self.steps}
+        return {"compressor": self.describe(), "steps": self.steps, "grad_scale": self.grad_scale}
 
     def load_state_dict(self, state: dict[str, Any], shared_only: bool = False) -> None:
         """Restore :meth:`state_dict`'s output. ``shared_only``: the checkpoint came from a different world
         size, so only what every rank holds alike (step count, PowerSGD's factors) applies; per-rank state
         (residuals, random generators) starts afresh."""
         self.steps = int(state.get("steps", 0))
+        # the scale the saved state is in units of; the next set_grad_scale rescales it to the run's scale
+        self.grad_scale = float(state.get("grad_scale", 1.0))
 
 
 class NoCompressor(Compressor):

@@ -16,6 +16,9 @@ the residual for many steps. (Clipping after the all-reduce, Lightning's ``gradi
 that: the residual has already absorbed the spike.) DGC scales a global threshold by ``N^-1/2``; here the
 gradients are already weighted by the rank's share, so ``clip_norm`` is applied to that weighted gradient.
 
+Under fp16 loss scaling the gradients carry the loss scale: residuals are kept in those units and rescaled
+when the scale changes (:meth:`Compressor.set_grad_scale`), and ``clip_norm`` applies to unscaled values.
+
 Residuals are per parameter, keyed by name, staged per step (discarded with a skipped step). A non-finite
 gradient never reaches the residual: the step's residuals for that bucket are left as they were (the
 non-finite values still go on the wire, so every rank sees them).
@@ -61,9 +64,10 @@ class ErrorFeedback(Compressor):
         views = layout.views(flat)
         for name, grad in zip(layout.names, views):
             if self.clip_norm is not None:
+                limit = self.clip_norm * self.grad_scale  # the gradient carries the loss scale; the limit does not
                 norm = grad.norm()
-                if norm > self.clip_norm:  # False for NaN: a non-finite gradient is left to be seen
-                    grad.mul_(self.clip_norm / norm)
+                if norm > limit:  # False for NaN: a non-finite gradient is left to be seen
+                    grad.mul_(limit / norm)
             residual = self.residuals.get(name)
             if residual is not None:
                 grad.add_(residual.to(grad.device))
@@ -77,6 +81,14 @@ class ErrorFeedback(Compressor):
             for name, residual in zip(layout.names, layout.views(corrected)):
                 self.residuals.stage(name, residual)
         return flat
+
+    def set_grad_scale(self, scale: float) -> None:
+        super().set_grad_scale(scale)
+        self.inner.set_grad_scale(scale)
+
+    def rescale(self, factor: float) -> None:
+        """Residuals are in scaled gradient units: a new loss scale rescales them (between steps)."""
+        self.residuals.scale_(factor)
 
     def commit(self) -> None:
         super().commit()

@@ -39,6 +39,11 @@ class ParamState:
     def discard(self) -> None:
         self._staged.clear()
 
+    def scale_(self, factor: float) -> None:
+        """Multiply every tensor, committed and staged, by ``factor`` in place."""
+        for t in {id(t): t for t in (*self._committed.values(), *self._staged.values())}.values():
+            t.mul_(factor)
+
     def __len__(self) -> int:
         return len(set(self._committed) | set(self._staged))
 

@@ -45,7 +45,7 @@ class ThresholdCompressor(SparseCompressor):
 
     def select(self, flat: torch.Tensor, layout: BucketLayout) -> torch.Tensor:
         magnitude = flat.abs()
-        chosen = (magnitude >= self.threshold) | ~torch.isfinite(flat)
+        chosen = (magnitude >= self.threshold * self.grad_scale) | ~torch.isfinite(flat)  # on unscaled values
         index = chosen.nonzero().view(-1)
         cap = max(1, math.floor(self.max_ratio * flat.numel()))
         if index.numel() > cap:  # the largest `cap` entries (NaN ranks first in topk)

@@ -17,6 +17,10 @@ bucket order. The bucket's reduction has four visible stages, each a
    hook's own process group.
 4. **decompress**: the reduced payload goes back into the bucket's buffer.
 
+With :class:`~lightning_dist.callbacks.NaNRecovery`, each bucket is also summed (float64) before compression
+(this rank's own finiteness, for attribution) and after the all-reduce (the finiteness every rank agrees on):
+:mod:`lightning_dist.strategy.skip`.
+
 That is the path of *summable* compressors (none, fp16, bf16). The others (int8, top-k, threshold,
 PowerSGD, anything with error feedback) reduce the bucket through their own collectives
 (:meth:`~lightning_dist.compression.Compressor.reduce`, one ``lightning_dist.compressed_reduce.<name>``
@@ -53,6 +57,7 @@ from torch.profiler import record_function
 from lightning_dist.comm import CommStats, allreduce_async, completed_future, resolve_algorithm, ring_bytes_sent
 from lightning_dist.compression import BucketLayout, Compressor, NoCompressor, Transport
 from lightning_dist.strategy.comm_worker import CommWorker
+from lightning_dist.strategy.skip import StepGuard
 
 
 @dataclass
@@ -82,6 +87,10 @@ class RingHookState:
     # called on the autograd thread when DDP hands over the step's last bucket: the strategy starts the
     # per-step control exchange here, so that it travels alongside that bucket
     on_last_bucket: Optional[Callable[[], None]] = None
+    # finiteness checks of each bucket, local before compression and reduced after the all-reduce (armed by
+    # NaNRecovery; see lightning_dist.strategy.skip); None or unarmed: no checks
+    guard: Optional[StepGuard] = None
+    check_reduced: bool = True  # False under fp16 loss scaling: the LossScaler's unscale_ checks instead
     # -- outputs, read and reset by the strategy once per step
     stats: CommStats = field(default_factory=lambda: CommStats(keep_records=False))
     exposed_s: float = 0.0  # communication time backward did not hide (summed over backward passes)
@@ -125,10 +134,16 @@ def ring_comm_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futur
     state.stats.record_dense(state._dense_bytes[layout])
     # during the compressor's warm-up (start_step) the bucket travels dense
     codec = _DENSE if state.compressor.warming_up else state.compressor
+    guard = state.guard if state.guard is not None and state.guard.armed else None
+    reduced_check = guard.check_reduced if guard is not None and state.check_reduced else None
     if state.worker is None:
         started = time.perf_counter()
+        if guard is not None:
+            guard.check_local(buffer)
         _weigh(state, buffer)
         _reduce(state, codec, buffer, layout)
+        if reduced_check is not None:
+            reduced_check(buffer)
         state.exposed_s += time.perf_counter() - started
         return completed_future(buffer)
     if is_last:
@@ -136,8 +151,13 @@ def ring_comm_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futur
     what = f"gradient bucket {bucket.index()} ({_short(layout.key)})"
     if not codec.summable:  # its own collectives, run to completion on the worker
         def reduce_job() -> torch.Tensor:
+            if guard is not None:
+                guard.check_local(buffer)
             _weigh(state, buffer)
-            return _reduce(state, codec, buffer, layout)
+            _reduce(state, codec, buffer, layout)
+            if reduced_check is not None:
+                reduced_check(buffer)
+            return buffer
 
         return state.worker.submit(reduce_job, what=what, here_if_idle=is_last)
     # Work that only issues the backend's asynchronous all-reduce never blocks; it runs right here when the
@@ -147,6 +167,8 @@ def ring_comm_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futur
     timed = not isinstance(codec, NoCompressor)  # the identity has no coding time to measure
 
     def job() -> torch.futures.Future:
+        if guard is not None:
+            guard.check_local(buffer)
         _weigh(state, buffer)
         started = time.perf_counter()
         with _stage("lightning_dist.compress"):
@@ -156,7 +178,8 @@ def ring_comm_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futur
             stats.record_codec(time.perf_counter() - started)
         with _stage(f"lightning_dist.transport.{state.algorithm}"):
             return allreduce_async(payload, state.algorithm, group=state.process_group, op="sum", stats=stats,
-                                   then=lambda reduced: _decompress(codec, stats, clock, reduced, ctx, buffer, timed))
+                                   then=lambda reduced: _decompress(codec, stats, clock, reduced, ctx, buffer, timed,
+                                                                     reduced_check))
 
     return state.worker.submit(job, what=what, here_if_idle=issue_only or is_last)
 
@@ -182,13 +205,18 @@ def _reduce(state: RingHookState, codec: Compressor, buffer: torch.Tensor, layou
 
 
 def _decompress(codec: Compressor, stats: CommStats, clock: _Clock, payload: torch.Tensor, ctx: object,
-                buffer: torch.Tensor, timed: bool) -> torch.Tensor:
+                buffer: torch.Tensor, timed: bool,
+                reduced_check: Optional[Callable[[torch.Tensor], None]]) -> torch.Tensor:
     started = time.perf_counter()
     with _stage("lightning_dist.decompress"):
         result = codec.decompress(payload, ctx, buffer)
-    clock.done_at = now = max(clock.done_at, time.perf_counter())
+    now = time.perf_counter()
     if timed:
         stats.record_codec(now - started)
+    if reduced_check is not None:
+        reduced_check(result)
+        now = time.perf_counter()
+    clock.done_at = max(clock.done_at, now)
     return result
 
 

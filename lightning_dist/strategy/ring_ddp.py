@@ -20,6 +20,9 @@ What it changes in :class:`~lightning.pytorch.strategies.DDPStrategy`:
 - with ``hetero=`` (:class:`~lightning_dist.hetero.HeteroBatching`), rebuilds the training loader so each
   rank's share of the global batch follows its speed, weights the gradients by sample count, and rebalances
   from the per-step exchange;
+- skips a step on every rank together when any rank's loss or gradient is non-finite, once
+  :class:`~lightning_dist.callbacks.NaNRecovery` arms :attr:`step_guard` (:mod:`lightning_dist.strategy.skip`):
+  the closure runs first, then the optimizer steps or not, and the compressor commits or discards its state;
 - keeps per-step metrics (bytes sent, time in communication, each rank's compute time and throughput) that
   :class:`~lightning_dist.callbacks.DistMetricsCallback` logs from rank zero. The strategy adds that
   callback to the Trainer itself when the user has not.
@@ -48,9 +51,11 @@ from lightning_dist.compression import Compressor, as_compressor
 from lightning_dist.hetero import HeteroBatching, hetero_dataloader
 from lightning_dist.hetero.batching import as_hetero
 from lightning_dist.hetero.loader import prefetch_horizon
+from lightning_dist.loss_scaler import LossScaler
 from lightning_dist.strategy.comm_worker import CommWorker
 from lightning_dist.strategy.control import StepControl
 from lightning_dist.strategy.hook import RingHookState, ring_comm_hook
+from lightning_dist.strategy.skip import StepGuard, StepVerdict
 from lightning_dist.strategy.step_meter import PER_RANK_SLOTS, StepMeter
 
 if not callable(getattr(DDPStrategy, "_register_ddp_hooks", None)):  # pragma: no cover - guarded by a test too
@@ -138,7 +143,8 @@ class RingDDPStrategy(DDPStrategy):
         self._algorithm = algorithm
         self._overlap = overlap
         self._hetero = as_hetero(hetero)
-        self._hook_state = RingHookState(algorithm=algorithm, compressor=as_compressor(compressor))
+        self._guard = StepGuard()
+        self._hook_state = RingHookState(algorithm=algorithm, compressor=as_compressor(compressor), guard=self._guard)
         self._control: Optional[StepControl] = None
         self._control_group: Optional[dist.ProcessGroup] = None  # the per-step control exchange's
         self._comm_group: Optional[dist.ProcessGroup] = None  # the gradient buckets'
@@ -185,6 +191,23 @@ class RingDDPStrategy(DDPStrategy):
     @property
     def hook_state(self) -> RingHookState:
         return self._hook_state
+
+    @property
+    def step_guard(self) -> StepGuard:
+        """The step-or-skip mechanism; inactive until armed (:class:`~lightning_dist.callbacks.NaNRecovery`
+        arms it). Its :meth:`~lightning_dist.strategy.skip.StepGuard.pop_verdicts` tells what each step did."""
+        return self._guard
+
+    @property
+    def control_group(self) -> Optional[dist.ProcessGroup]:
+        """The strategy's own gloo group (CPU tensors on every backend; None with one rank)."""
+        return self._control_group
+
+    @property
+    def loss_scaler(self) -> Optional[torch.amp.GradScaler]:
+        """The precision plugin's gradient scaler (fp16 mixed precision), or None."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
 
     def request_metrics(self, every_n_steps: int) -> None:
         """Gather every rank's measurements to all ranks on every ``every_n_steps``-th step (for logging);
@@ -297,10 +320,40 @@ class RingDDPStrategy(DDPStrategy):
                 self._complete_exchange()
             return result
 
-        output = super().optimizer_step(optimizer, closure_then_agree, model, **kwargs)
-        if agreed:
-            self._finish_step()
+        if not self._guard.armed:
+            output = super().optimizer_step(optimizer, closure_then_agree, model, **kwargs)
+            if agreed:
+                self._finish_step()
+            return output
+        # The step-or-skip point: backward first, then every rank decides alike whether the optimizer steps.
+        result = closure_then_agree()
+        verdict = self._decide(optimizer)
+        if verdict.skipped:
+            self._skip_step(optimizer)
+            return result
+        output = super().optimizer_step(optimizer, _replay(result, closure_then_agree), model, **kwargs)
+        self._finish_step()
         return output
+
+    def _decide(self, optimizer: Any) -> StepVerdict:
+        scaler = self.loss_scaler
+        if scaler is not None and not isinstance(scaler, LossScaler):
+            raise RuntimeError(f"the step guard needs lightning_dist's LossScaler, the precision plugin holds a "
+                               f"{type(scaler).__name__}; NaNRecovery swaps it in at setup")
+        return self._guard.decide(optimizer, scaler, self._control_group, self.global_rank, self.world_size,
+                                  step=self.lightning_module.trainer.global_step)
+
+    def _skip_step(self, optimizer: Any) -> None:
+        """Every rank together: no optimizer step, the compressor's staged state dropped, the scale backed off."""
+        scaler = self.loss_scaler
+        if isinstance(scaler, LossScaler):
+            scaler.skip(optimizer)
+            scaler.update()
+        state = self._hook_state
+        state.compressor.discard()
+        self._meter.step_finished(state.stats, state.exposed_s)
+        state.reset_step()
+        self._exchanged_this_step = False
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -311,10 +364,20 @@ class RingDDPStrategy(DDPStrategy):
         # accumulation window and runs the window's other backward passes under no_sync, so a bucket never
         # holds already-reduced gradients, which would then be summed again unweighted. Manual optimization
         # may backward twice without zero_grad; the hook weights the whole bucket then, as stock DDP does.
+        # With the step guard armed, the same hook also turns a non-finite loss into a NaN gradient, which
+        # every rank then sees in the reduced buckets (lightning_dist.strategy.skip), under manual optimization
+        # too. Under fp16 loss scaling the compressor learns the step's scale first.
         state = self._hook_state
-        scale = state.loss_gradient_scale()
+        automatic = self.lightning_module.automatic_optimization
+        scale = state.loss_gradient_scale() if automatic else 1.0
         handle = None
-        if scale != 1.0 and closure_loss.requires_grad and self.lightning_module.automatic_optimization:
+        self._follow_loss_scale()
+        if self._guard.armed:
+            if closure_loss.requires_grad:
+                factor = self._guard.loss_factor(closure_loss, scale)
+                handle = closure_loss.register_hook(lambda grad: grad * factor)
+                state.weighted_in_autograd = automatic
+        elif scale != 1.0 and closure_loss.requires_grad and automatic:
             handle = closure_loss.register_hook(lambda grad: grad * scale)
             state.weighted_in_autograd = True
         try:
@@ -323,6 +386,17 @@ class RingDDPStrategy(DDPStrategy):
             if handle is not None:
                 handle.remove()
             state.weighted_in_autograd = False
+
+    def _follow_loss_scale(self) -> None:
+        """Under fp16 loss scaling the buckets carry the scale: the compressor learns it (residuals in scaled
+        units follow it, thresholds apply to unscaled values), and the scaler's own unscale_ is the agreed
+        check, so the hook's reduced sums are not needed."""
+        scaler, state = self.loss_scaler, self._hook_state
+        state.check_reduced = scaler is None
+        if scaler is not None and state.compressor.lossy:
+            # LossScaler keeps its scale as a float; torch's GradScaler needs a device synchronisation to read it
+            state.compressor.set_grad_scale(scaler.scale_value if isinstance(scaler, LossScaler)
+                                            else scaler.get_scale())
 
     @override
     def post_backward(self, closure_loss: Any) -> None:
@@ -504,6 +578,19 @@ class RingDDPStrategy(DDPStrategy):
                 description=f"Ring all-reduce DDP, find_unused_parameters=True, start_method={start_method!r}",
                 override=True, start_method=start_method, find_unused_parameters=True,
             )
+
+
+def _replay(result: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
+    """A closure whose first call returns ``result`` (backward already ran) and whose later calls (LBFGS
+    evaluates several times per step) run ``closure`` again."""
+    calls = 0
+
+    def replay() -> Any:
+        nonlocal calls
+        calls += 1
+        return result if calls == 1 else closure()
+
+    return replay
 
 
 def _as_timedelta(timeout: Union[float, int, timedelta, None]) -> timedelta:
