@@ -244,8 +244,28 @@ def validate(cfg: DictConfig) -> None:
             "use at most a few per core"
         )
     problems += _hetero_problems(cfg)
+    problems += _nan_recovery_problems(cfg)
     if problems:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def _nan_recovery_problems(cfg: DictConfig) -> list[str]:
+    """callbacks.nan_recovery: its arguments, and a strategy that can skip a step."""
+    node = (cfg.get("callbacks") or {}).get("nan_recovery")
+    if node is None:
+        return []
+    from lightning_dist.callbacks.nan_recovery import check_settings
+
+    defaults = {"rollback_after": 10, "snapshot_every": 100, "max_rollbacks": 3, "lr_factor": 1.0,
+                "snapshot_device": "cpu", "drift_check_every": 0, "on_drift": "repair", "init_scale": 2.0**16,
+                "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000, "hysteresis": 2,
+                "min_scale": 1.0, "consecutive_hysteresis": False}
+    given = {k: v for k, v in node.items() if k != "_target_"}
+    problems = [f"callbacks.nan_recovery: {p}" for p in check_settings(**{**defaults, **given})]
+    if cfg.strategy.get("_target_", "") != StrategyConf._target_:
+        problems.append("callbacks.nan_recovery needs strategy=ring_ddp (the strategy skips a step on every rank "
+                        "together); use strategy=ring_ddp or drop nan_recovery from callbacks")
+    return problems
 
 
 def _hetero_problems(cfg: DictConfig) -> list[str]:

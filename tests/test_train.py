@@ -180,7 +180,9 @@ def test_multirun_runs_each_job(tmp_path):
 @pytest.mark.parametrize("start_method", ["popen", "spawn"])
 def test_other_launchers_run_the_command(tmp_path, start_method):
     # popen re-runs the command per rank (Lightning passes Hydra the run directory); spawn pickles the job
-    proc = subprocess.run(CLI + [f"strategy.start_method={start_method}", "trainer.max_epochs=1",
+    # spawn also pickles NaNRecovery into the ranks
+    extra = ["callbacks=[dist_metrics,nan_recovery]"] if start_method == "spawn" else []
+    proc = subprocess.run(CLI + extra + [f"strategy.start_method={start_method}", "trainer.max_epochs=1",
                                  "trainer.limit_train_batches=3", "trainer.limit_val_batches=1",
                                  "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}"],
                           capture_output=True, text=True, timeout=300)
@@ -232,3 +234,13 @@ def test_the_hetero_group_builds_the_strategys_batching_and_checks_it_before_any
     validate(_compose("hetero=balanced", "hetero.batch_sizes=[48,16]"))
     with pytest.raises(Exception, match="needs strategy=ring_ddp"):
         build(_compose("strategy=ddp", "hetero=balanced"), str(tmp_path), 0.0)
+
+
+def test_nan_recovery_is_checked_before_any_rank():
+    validate(_compose("callbacks=[nan_recovery]"))
+    for overrides, match in ((["callbacks.nan_recovery.lr_factor=2"], "callbacks.nan_recovery: lr_factor=2"),
+                             (["callbacks.nan_recovery.on_drift=ignore"], "on_drift='ignore'"),
+                             (["callbacks.nan_recovery.min_scale=0"], "min_scale=0"),
+                             (["strategy=ddp"], "nan_recovery needs strategy=ring_ddp")):
+        with pytest.raises(ValueError, match=match):
+            validate(_compose("callbacks=[nan_recovery]", *overrides))

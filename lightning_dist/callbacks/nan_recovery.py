@@ -106,7 +106,7 @@ class NaNRecovery(Callback):
         self.first_bad: Optional[str] = None  # the first skipped step of the current run of them, described
         self.history: list[dict[str, Any]] = []  # skips, rollbacks and drift findings (the last 100)
         # in memory only
-        self.seconds = 0.0  # time in this callback's per-step work
+        self.seconds = 0.0  # CPU time in this callback's per-step work (time.thread_time)
         self._snapshot: Optional[dict[str, Any]] = None
         self._good_since_snapshot = 0
         self._steps_seen = 0
@@ -146,7 +146,7 @@ class NaNRecovery(Callback):
     # -- each step ----------------------------------------------------------------------------------------------
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        started = time.perf_counter()
+        started = time.thread_time()
         verdicts = trainer.strategy.step_guard.pop_verdicts()
         for verdict in verdicts:
             self._steps_seen += 1
@@ -158,7 +158,7 @@ class NaNRecovery(Callback):
             self._check_drift(trainer, pl_module)
         if verdicts and trainer.log_every_n_steps and trainer.global_step % trainer.log_every_n_steps == 0:
             self._log(trainer)
-        self.seconds += time.perf_counter() - started
+        self.seconds += time.thread_time() - started
 
     def _on_good(self, trainer: pl.Trainer, pl_module: pl.LightningModule, verdict: StepVerdict) -> None:
         if self.consecutive:
@@ -311,7 +311,8 @@ def check_settings(**settings: Any) -> list[str]:
             problems.append(f"{name}={value!r} must be an integer >= {least}")
     lr = settings.get("lr_factor")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr <= 1:
-        problems.append(f"lr_factor={lr!r} must be in (0, 1] (1.0 keeps the learning rate at a rollback; 0.5 halves it)")
+        problems.append(f"lr_factor={lr!r} must be in (0, 1] (1.0 keeps the learning rate at a rollback; 0.5 "
+                        "halves it)")
     if settings.get("snapshot_device") not in ("cpu", "same"):
         problems.append(f"snapshot_device={settings.get('snapshot_device')!r} must be 'cpu' or 'same'")
     if settings.get("on_drift") not in DRIFT_ACTIONS:

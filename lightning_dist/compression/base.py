@@ -100,6 +100,9 @@ class Compressor:
     # the loss scale the gradients this compressor sees carry (fp16 mixed precision; 1.0 otherwise): state in
     # gradient units follows it (rescale), thresholds compare against gradient / grad_scale
     grad_scale = 1.0
+    # the payload's format can turn finite gradients into Inf (fp16's range ends at 65504): the step guard then
+    # checks every element of the reduced bucket, not only the sentinel (lightning_dist.strategy.skip)
+    can_overflow = False
 
     def __init__(self, start_step: int = 0) -> None:
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:

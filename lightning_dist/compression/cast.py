@@ -33,6 +33,7 @@ class CastCompressor(Compressor):
         if name not in _DTYPES:
             raise ValueError(f"CastCompressor(name={name!r}): use 'fp16' or 'bf16'")
         self.name = name
+        self.can_overflow = name == "fp16"  # bf16 has float32's range
         self.dtype = _DTYPES[name]
 
     def compress(self, flat: torch.Tensor, layout: BucketLayout) -> tuple[torch.Tensor, Any]:

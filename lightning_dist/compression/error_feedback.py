@@ -52,6 +52,7 @@ class ErrorFeedback(Compressor):
         self.inner = inner
         self.name = inner.name
         self.lossy = inner.lossy
+        self.can_overflow = inner.can_overflow
         self.clip_norm = None if clip_norm is None else float(clip_norm)
         self.residuals = ParamState()
 

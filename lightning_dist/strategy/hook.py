@@ -17,9 +17,9 @@ bucket order. The bucket's reduction has four visible stages, each a
    hook's own process group.
 4. **decompress**: the reduced payload goes back into the bucket's buffer.
 
-With :class:`~lightning_dist.callbacks.NaNRecovery`, each bucket is also summed (float64) before compression
-(this rank's own finiteness, for attribution) and after the all-reduce (the finiteness every rank agrees on):
-:mod:`lightning_dist.strategy.skip`.
+With :class:`~lightning_dist.callbacks.NaNRecovery`, each bucket is also summed before compression (a
+non-finite local gradient turns the bucket's first element, the sentinel, into NaN) and the sentinel is read
+after the all-reduce, where every rank sees the same value: :mod:`lightning_dist.strategy.skip`.
 
 That is the path of *summable* compressors (none, fp16, bf16). The others (int8, top-k, threshold,
 PowerSGD, anything with error feedback) reduce the bucket through their own collectives
@@ -46,6 +46,7 @@ the hook. The strategy reads and resets both once per step.
 # no `from __future__ import annotations`: DDP inspects the hook's real annotations (dist.GradBucket)
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -135,7 +136,9 @@ def ring_comm_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futur
     # during the compressor's warm-up (start_step) the bucket travels dense
     codec = _DENSE if state.compressor.warming_up else state.compressor
     guard = state.guard if state.guard is not None and state.guard.armed else None
-    reduced_check = guard.check_reduced if guard is not None and state.check_reduced else None
+    reduced_check = None
+    if guard is not None and state.check_reduced:
+        reduced_check = functools.partial(guard.check_reduced, every_element=codec.can_overflow)
     if state.worker is None:
         started = time.perf_counter()
         if guard is not None:
