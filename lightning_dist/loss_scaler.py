@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from torch.amp.grad_scaler import OptState
 
@@ -56,7 +57,7 @@ class LossScaler(torch.amp.GradScaler):
         self.consecutive_hysteresis = bool(consecutive_hysteresis)
         self.min_scale = float(min_scale)
         self._hysteresis_left = self.hysteresis
-        self._scale_value = float(init_scale)  # the scale as a Python float (no device sync to read)
+        self._scale_value = _as_float32(init_scale)  # the scale as a Python float (no device sync to read)
         self._good_steps = 0  # consecutive good steps (GradScaler's growth tracker)
         self.exhausted = False  # set by a bad step that found the scale at min_scale already
         self.last_step_bad = False
@@ -134,7 +135,7 @@ class LossScaler(torch.amp.GradScaler):
                     value = grown
                 self._good_steps = 0
                 self._hysteresis_left = self.hysteresis
-        self._scale_value = value
+        self._scale_value = _as_float32(value)  # what torch's float32 scale tensor holds
         scale.fill_(value)
         tracker.fill_(self._good_steps)
         self._per_optimizer_states.clear()
@@ -149,12 +150,16 @@ class LossScaler(torch.amp.GradScaler):
         super().load_state_dict(state_dict)
         if not self._enabled:
             return
-        self._scale_value = float(state_dict["scale"])
+        self._scale_value = _as_float32(state_dict["scale"])
         self._good_steps = int(state_dict["_growth_tracker"])
         self.hysteresis = int(state_dict.get("hysteresis", self.hysteresis))
         self._hysteresis_left = int(state_dict.get("_hysteresis_left", self.hysteresis))
         self.min_scale = float(state_dict.get("min_scale", self.min_scale))
         self.exhausted = False
+
+
+def _as_float32(value: float) -> float:
+    return float(np.float32(value))
 
 
 def check_scaler_settings(**settings: Any) -> list[str]:

@@ -34,17 +34,17 @@ class Net(pl.LightningModule):
     of the first layer's weight gradient before DDP takes it; ``drop`` removes that global batch from the data
     (the reference for a skipped step: the same updates, one fewer step)."""
 
-    def __init__(self, nan_loss=(), inf_grad=(), drop=None):
+    def __init__(self, nan_loss=(), inf_grad=(), drop=None, value=float("inf")):
         super().__init__()
         torch.manual_seed(0)  # the same initial weights in every fit
         self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-        self.nan_loss, self.inf_grad, self.drop = set(nan_loss), set(inf_grad), drop
+        self.nan_loss, self.inf_grad, self.drop, self.value = set(nan_loss), set(inf_grad), drop, value
         self.net[0].weight.register_hook(self._poison)
 
     def _poison(self, grad):
         if (self.global_rank, self.trainer.global_step) in self.inf_grad:
             grad = grad.clone()
-            grad[1, 2] = float("inf")
+            grad[1, 2] = self.value
         return grad
 
     def training_step(self, batch, batch_idx):
@@ -128,6 +128,18 @@ def _faults(rank, world_size):
             compressor = build_compressor(name, **SETTINGS.get(name, {}))
             _, weights = _fit(RingDDPStrategy(compressor=compressor), Net(inf_grad={(0, 3)}), [cb])
             out[f"inf_{name}"] = (weights, reference, cb.skipped, list(cb.history))
+        # nothing to recover: the guard changes no bit (stock DDP's weights)
+        _, out["clean_guarded"] = _fit(RingDDPStrategy(), Net(), [NaNRecovery()])
+        _, out["clean_ddp"] = _fit(DDPStrategy(), Net())
+        # a finite gradient that fp16's wire format cannot hold (1e6 / 2 ranks > 65504): the reduced bucket is
+        # checked in full for fp16, so the overflow is caught though every local gradient was finite
+        cb = NaNRecovery()
+        _, weights = _fit(RingDDPStrategy(compressor="fp16"), Net(inf_grad={(1, 3)}, value=1e6), [cb])
+        out["fp16_overflow"] = (weights, cb.skipped, list(cb.history))
+        # gradient accumulation: a NaN in the first micro-batch of a step
+        cb = NaNRecovery()
+        _, weights = _fit(RingDDPStrategy(), Net(nan_loss={(0, 1)}), [cb], accumulate_grad_batches=2)
+        out["accumulate"] = (weights, cb.skipped)
         # 3. blocking hook, bf16-mixed, heterogeneous batches
         cb = NaNRecovery()
         _, weights = _fit(RingDDPStrategy(overlap=False), Net(nan_loss={(0, 1)}), [cb])
@@ -148,6 +160,14 @@ def _faults(rank, world_size):
             scaler = trainer.precision_plugin.scaler
             out[f"fp16_{name}"] = (weights, cb.skipped, type(scaler).__name__, scaler.scale_value,
                                    trainer.strategy.compressor.grad_scale)
+        # ... and at the floor: 4 -> 2 -> 1, then a bad step at min_scale=1 stops every rank
+        cb = NaNRecovery(init_scale=4.0, hysteresis=1, min_scale=1.0, rollback_after=0)
+        plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=4.0))
+        try:
+            _fit(RingDDPStrategy(), Net(nan_loss={(0, s) for s in range(1, 100)}), [cb], plugins=[plugin])
+            out["fp16_floor"] = None
+        except NaNRecoveryError as error:
+            out["fp16_floor"] = (str(error), cb.skipped)
         # 5. persistent NaN: rollback to the snapshot of step 2, learning rate halved, then recovery
         cb = NaNRecovery(rollback_after=3, snapshot_every=2, lr_factor=0.5)
         trainer, weights = _fit(RingDDPStrategy(), Net(nan_loss={(0, 3), (0, 4), (0, 5)}), [cb], max_epochs=2)
@@ -221,8 +241,18 @@ def test_inf_in_one_gradient_element_with_every_compressor(faults, name):
     assert torch.equal(weights, reference), f"{name}: not the run that skipped step 3"
 
 
-@pytest.mark.parametrize("key", ["blocking", "bf16", "hetero"])
-def test_blocking_hook_bf16_and_hetero(faults, key):
+def test_without_faults_the_guard_changes_no_bit(faults):
+    assert torch.equal(_same_on_both(faults, "clean_guarded"), faults[0]["clean_ddp"])
+
+
+def test_an_overflow_in_fp16_compression_is_caught(faults):
+    _same_on_both(faults, "fp16_overflow")
+    _, skipped, history = faults[0]["fp16_overflow"]
+    assert skipped == 1 and "every local loss and gradient finite" in history[0]["detail"]
+
+
+@pytest.mark.parametrize("key", ["blocking", "bf16", "hetero", "accumulate"])
+def test_blocking_hook_bf16_hetero_and_accumulation(faults, key):
     _same_on_both(faults, key)
     assert faults[0][key][1] == 1
 
@@ -234,6 +264,13 @@ def test_fp16_loss_scaling_backs_off_with_hysteresis(faults, name):
     assert (skipped, kind, scale) == (2, "LossScaler", 2.0**9)  # two bad steps, one cut (hysteresis 2)
     if name == "topk":
         assert grad_scale == 2.0**9  # the compressor followed the scale
+
+
+def test_a_bad_step_at_the_minimum_scale_stops_every_rank(faults):
+    text, skipped = faults[0]["fp16_floor"]
+    assert faults[1]["fp16_floor"] == (text, skipped)
+    assert skipped == 3  # scale 4 and 2 backed off, then bad at 1
+    assert "non-finite at the minimum loss scale (min_scale=1)" in text and "loss on rank(s) [0]" in text
 
 
 def test_persistent_nan_rolls_back_then_recovers(faults):

@@ -6,8 +6,9 @@ the same weights. Bit-identical reduced gradients make that true on identical ha
 rounding, and replicas drift apart one ulp at a time. Nothing in training notices: each rank trains its own
 slightly different model.
 
-:func:`fingerprints` takes one 64-bit hash per parameter and buffer (``torch.hash_tensor``: the XOR of every
-element's bits, on the tensor's device: a one-ulp change anywhere changes it). :func:`compare` all-gathers
+:func:`fingerprints` takes two 64-bit numbers per parameter and buffer, on the tensor's device: the XOR of
+every element's bits (``torch.hash_tensor``) and their wrapping sum; any rounding difference changes one of
+them. :func:`compare` all-gathers
 them (a few bytes per tensor) and names the tensors whose hashes are not the same on every rank, with the
 ranks that differ from rank zero. :func:`repair` broadcasts rank zero's parameters, buffers and optimizer
 state to every rank.
@@ -47,12 +48,27 @@ def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*module.named_parameters(), *((n, b) for n, b in module.named_buffers() if b is not None)]
 
 
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """Two int64 numbers for one tensor: the XOR of its elements' bits (``torch.hash_tensor``) and the wrapping
+    sum of the same bits. The XOR alone misses two elements moved by the same bit pattern (two values one ulp
+    up from the same value); the sum sees those. Both are blind only to a permutation of the elements, which
+    rounding differences do not produce."""
+    t = t.detach()
+    if not t.numel():
+        return torch.zeros(2, dtype=torch.int64)
+    bits = t.reshape(-1).view(_BITS[t.element_size()]) if t.element_size() in _BITS else t.reshape(-1)
+    return torch.stack([torch.hash_tensor(t).view(torch.int64), bits.sum(dtype=torch.int64)]).cpu()
+
+
 def fingerprints(module: nn.Module) -> tuple[list[str], torch.Tensor]:
-    """Names and one int64 hash per parameter and buffer (on the CPU; each hash computed on its tensor's device)."""
+    """Names and one fingerprint (two int64) per parameter and buffer, stacked ``[tensors, 2]`` on the CPU;
+    each computed on its tensor's device."""
     named = _named_tensors(module)
-    hashes = [torch.hash_tensor(t.detach()).view(torch.int64).cpu() if t.numel() else torch.zeros((), dtype=torch.int64)
-              for _, t in named]
-    return [n for n, _ in named], (torch.stack(hashes) if hashes else torch.zeros(0, dtype=torch.int64))
+    prints = [_fingerprint(t) for _, t in named]
+    return [n for n, _ in named], (torch.stack(prints) if prints else torch.zeros(0, 2, dtype=torch.int64))
 
 
 def compare(module: nn.Module, group: Optional[dist.ProcessGroup] = None) -> DriftReport:
@@ -62,10 +78,10 @@ def compare(module: nn.Module, group: Optional[dist.ProcessGroup] = None) -> Dri
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1:
         return DriftReport(checked=len(names))
+    mine = mine.reshape(-1).contiguous()
     everyone = torch.empty(world * mine.numel(), dtype=torch.int64)
     dist.all_gather_into_tensor(everyone, mine, group=group)
-    everyone = everyone.view(world, mine.numel())
-    differs = everyone != everyone[0]
+    differs = (everyone.view(world, len(names), -1) != everyone.view(world, len(names), -1)[0]).any(dim=2)
     mismatched = {names[j]: [r for r in range(world) if differs[r, j]] for j in range(len(names))
                   if bool(differs[:, j].any())}
     return DriftReport(checked=len(names), mismatched=mismatched)

@@ -118,7 +118,8 @@ class StepGuard:
         Subtracting ``total - total`` (0 or NaN) from the first element leaves it bit for bit as it was when the
         sum is finite (``x - 0.0 == x`` for every float, -0.0 included) and makes it NaN when it is not."""
         started = time.thread_time()
-        total = bucket.sum()
+        # half-precision buckets are summed in float32: 100 000 finite fp16 values can add up past 65504
+        total = bucket.sum(dtype=torch.float32) if bucket.element_size() < 4 else bucket.sum()
         if bucket.numel():
             bucket[:1].sub_(total - total)
         self._local.append(total)
