@@ -139,29 +139,25 @@ def ring_comm_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futur
     reduced_check = None
     if guard is not None and state.check_reduced:
         reduced_check = functools.partial(guard.check_reduced, every_element=codec.can_overflow)
-    if state.worker is None:
-        started = time.perf_counter()
+
+    def reduce_job() -> torch.Tensor:  # the general path, to completion: check, weight, reduce, check
         if guard is not None:
             guard.check_local(buffer)
         _weigh(state, buffer)
         _reduce(state, codec, buffer, layout)
         if reduced_check is not None:
             reduced_check(buffer)
+        return buffer
+
+    if state.worker is None:
+        started = time.perf_counter()
+        reduce_job()
         state.exposed_s += time.perf_counter() - started
         return completed_future(buffer)
     if is_last:
         state.handed_at = time.perf_counter()
     what = f"gradient bucket {bucket.index()} ({_short(layout.key)})"
     if not codec.summable:  # its own collectives, run to completion on the worker
-        def reduce_job() -> torch.Tensor:
-            if guard is not None:
-                guard.check_local(buffer)
-            _weigh(state, buffer)
-            _reduce(state, codec, buffer, layout)
-            if reduced_check is not None:
-                reduced_check(buffer)
-            return buffer
-
         return state.worker.submit(reduce_job, what=what, here_if_idle=is_last)
     # Work that only issues the backend's asynchronous all-reduce never blocks; it runs right here when the
     # worker is idle (the order stays DDP's), as does the last bucket, behind which nothing is left to overlap.
