@@ -254,12 +254,11 @@ def _nan_recovery_problems(cfg: DictConfig) -> list[str]:
     node = (cfg.get("callbacks") or {}).get("nan_recovery")
     if node is None:
         return []
-    from lightning_dist.callbacks.nan_recovery import check_settings
+    import inspect
 
-    defaults = {"rollback_after": 10, "snapshot_every": 100, "max_rollbacks": 3, "lr_factor": 1.0,
-                "snapshot_device": "cpu", "drift_check_every": 0, "on_drift": "repair", "init_scale": 2.0**16,
-                "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000, "hysteresis": 2,
-                "min_scale": 1.0, "consecutive_hysteresis": False}
+    from lightning_dist.callbacks.nan_recovery import NaNRecovery, check_settings
+
+    defaults = {name: p.default for name, p in inspect.signature(NaNRecovery).parameters.items()}
     given = {k: v for k, v in node.items() if k != "_target_"}
     problems = [f"callbacks.nan_recovery: {p}" for p in check_settings(**{**defaults, **given})]
     if cfg.strategy.get("_target_", "") != StrategyConf._target_:
