@@ -1,6 +1,7 @@
-"""Lightning callbacks that work with RingDDPStrategy."""
+"""Lightning callbacks that work with RingDDPStrategy (MemoryMonitor also with any other strategy)."""
 
 from lightning_dist.callbacks.dist_metrics import DistMetricsCallback
+from lightning_dist.callbacks.memory_monitor import InsufficientMemoryError, MemoryMonitor
 from lightning_dist.callbacks.nan_recovery import NaNRecovery, NaNRecoveryError
 
-__all__ = ["DistMetricsCallback", "NaNRecovery", "NaNRecoveryError"]
+__all__ = ["DistMetricsCallback", "InsufficientMemoryError", "MemoryMonitor", "NaNRecovery", "NaNRecoveryError"]

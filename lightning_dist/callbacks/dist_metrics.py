@@ -50,13 +50,15 @@ class DistMetricsCallback(Callback):
                 f"log_every_n_steps={log_every_n_steps} must be >= 1, 0 to log nothing, or None for the Trainer's."
             )
         self._every = log_every_n_steps
+        self._interval = 0  # the interval in force this fit (the Trainer's when ours is None)
         self._logged = -1
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._interval = trainer.log_every_n_steps if self._every is None else self._every
         request = getattr(trainer.strategy, "request_metrics", None)
         if request is not None:  # a RingDDPStrategy: ask it to gather on the steps we log
-            request(trainer.log_every_n_steps if self._every is None else self._every)
+            request(self._interval)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -64,6 +66,8 @@ class DistMetricsCallback(Callback):
         fresh = getattr(strategy, "step_metrics_step", -1)
         if fresh == self._logged or not getattr(strategy, "step_metrics", None):
             return  # nothing new since the last log
+        if self._interval <= 0 or (fresh - 1) % self._interval:
+            return  # an exchange another feature asked for (MemoryMonitor's interval), not one of our steps
         self._logged = fresh
         if trainer.is_global_zero:
             for logger in trainer.loggers:

@@ -158,6 +158,17 @@ class Compressor:
     def rescale(self, factor: float) -> None:
         """Multiply state held in scaled gradient units (error-feedback residuals) by ``factor``."""
 
+    # -- memory (MemoryMonitor's pre-flight estimate) ---------------------------------------------------------
+    def state_bytes(self, layout: BucketLayout, element_size: int) -> int:
+        """Bytes of state this compressor holds for the parameters in ``layout`` (gradients of
+        ``element_size`` bytes) at its peak: during a step, the staged state beside the committed one."""
+        return 0
+
+    def workspace_bytes(self, numel: int, element_size: int, world_size: int) -> int:
+        """Bytes of temporaries while it reduces one bucket of ``numel`` elements (freed after the bucket);
+        the transport's own buffers are counted by the caller."""
+        return 0
+
     # -- state ---------------------------------------------------------------------------------------------
     def commit(self) -> None:
         """The optimizer stepped: what this step staged becomes the state."""

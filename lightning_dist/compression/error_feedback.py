@@ -83,6 +83,14 @@ class ErrorFeedback(Compressor):
                 self.residuals.stage(name, residual)
         return flat
 
+    def state_bytes(self, layout: BucketLayout, element_size: int) -> int:
+        # a residual per gradient element, twice at the step's peak: the committed one and the staged new one
+        return 2 * layout.numel * element_size + self.inner.state_bytes(layout, element_size)
+
+    def workspace_bytes(self, numel: int, element_size: int, world_size: int) -> int:
+        # the corrected copy (kept as the staged residual, counted in state_bytes) and this rank's decoded share
+        return numel * element_size + self.inner.workspace_bytes(numel, element_size, world_size)
+
     def set_grad_scale(self, scale: float) -> None:
         super().set_grad_scale(scale)
         self.inner.set_grad_scale(scale)

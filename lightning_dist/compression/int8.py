@@ -76,6 +76,11 @@ class Int8Compressor(Compressor):
         total = torch.cat([dequantize(*unpack(part, region, chunk), chunk) for part in everyone])
         return _scatter(total, spans, flat)
 
+    def workspace_bytes(self, numel: int, element_size: int, world_size: int) -> int:
+        # at the peak of quantize: the padded float32 copy, the random codes and the scaled blocks (4 bytes
+        # each per element), then the int8 codes, the packed message and the decoded sum
+        return numel * (3 * 4 + 2 * 1 + 4)
+
     def commit(self) -> None:
         super().commit()
         self.rng.commit()

@@ -110,6 +110,15 @@ class PowerSGDCompressor(Compressor):
             flat.copy_(work)
         return flat
 
+    def state_bytes(self, layout: BucketLayout, element_size: int) -> int:
+        # a float32 (m x r) factor Q per compressed matrix, committed and staged
+        return 2 * 4 * sum(m * r for _, m, r in filter(None, self.plan(layout)))
+
+    def workspace_bytes(self, numel: int, element_size: int, world_size: int) -> int:
+        # a float32 working copy of a half-precision bucket, and the first round's message (the dense
+        # parameters travel in it: up to the whole bucket); the P and Q factors are small next to them
+        return numel * (4 if element_size != 4 else 0) + numel * 4
+
     def _factor(self, name: str, plan: tuple[int, int, int], like: torch.Tensor) -> torch.Tensor:
         _, m, r = plan
         q = self.q.get(name)

@@ -15,6 +15,7 @@ a NaN or Inf in any rank's bucket reaches every rank.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -44,6 +45,17 @@ class SparseCompressor(Compressor):
     def select(self, flat: torch.Tensor, layout: BucketLayout) -> torch.Tensor:
         """The (int64) indices of ``flat`` to send."""
         raise NotImplementedError
+
+    def sent_fraction(self) -> float:
+        """The most of a bucket one rank sends in a step (for the memory estimate)."""
+        return 1.0
+
+    def workspace_bytes(self, numel: int, element_size: int, world_size: int) -> int:
+        # |g| and the selection mask over the bucket, then the chosen pairs: int64 indices, values, and every
+        # rank's (int32 index, value) payload gathered
+        k = math.ceil(self.sent_fraction() * numel)
+        pair = 4 + self._dtype.itemsize
+        return numel * (element_size + 1) + k * (8 + self._dtype.itemsize) + world_size * k * pair
 
     def reduce(self, flat: torch.Tensor, layout: BucketLayout, transport: Transport,
                sent: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -43,6 +43,9 @@ class ThresholdCompressor(SparseCompressor):
     def describe(self) -> str:
         return f"threshold(threshold={self.threshold:g}, max_ratio={self.max_ratio:g}, values={self.value_dtype})"
 
+    def sent_fraction(self) -> float:
+        return self.max_ratio
+
     def select(self, flat: torch.Tensor, layout: BucketLayout) -> torch.Tensor:
         magnitude = flat.abs()
         chosen = (magnitude >= self.threshold * self.grad_scale) | ~torch.isfinite(flat)  # on unscaled values

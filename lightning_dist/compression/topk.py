@@ -35,6 +35,9 @@ class TopKCompressor(SparseCompressor):
     def describe(self) -> str:
         return f"topk(ratio={self.ratio:g}, values={self.value_dtype})"
 
+    def sent_fraction(self) -> float:
+        return self.ratio
+
     def counts(self, layout: BucketLayout) -> list[int]:
         return [max(1, math.ceil(self.ratio * size)) for size in layout.sizes()]
 

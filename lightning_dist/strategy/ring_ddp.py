@@ -151,7 +151,8 @@ class RingDDPStrategy(DDPStrategy):
         self._worker: Optional[CommWorker] = None
         self._meter = StepMeter()
         self._exchanged_this_step = False
-        self._metrics_every: Optional[int] = None  # set by DistMetricsCallback through request_metrics
+        # feature -> every how many optimizer steps it needs every rank's measurements (request_exchange)
+        self._exchange_every: dict[str, int] = {}
 
     @property
     def algorithm(self) -> str:
@@ -176,6 +177,11 @@ class RingDDPStrategy(DDPStrategy):
     def step_metrics_step(self) -> int:
         """The optimizer step at which :attr:`step_metrics` was last refreshed (-1: not yet)."""
         return self._meter.step_metrics_step
+
+    @property
+    def steps_done(self) -> int:
+        """Optimizer steps (taken or skipped) since this fit started: the same count on every rank."""
+        return self._meter.steps_done
 
     @property
     def totals(self) -> dict[str, float]:
@@ -209,12 +215,27 @@ class RingDDPStrategy(DDPStrategy):
         scaler = getattr(self.precision_plugin, "scaler", None)
         return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
 
+    def request_exchange(self, every_n_steps: int, name: str = "metrics") -> None:
+        """Carry every rank's per-rank slots to all ranks on every ``every_n_steps``-th optimizer step, for the
+        feature ``name`` (DistMetricsCallback: ``"metrics"``, MemoryMonitor: ``"memory"``); 0 withdraws the
+        request. The exchange happens on a step when any request's interval divides the step count (and on
+        every step when an agreed slot is registered), the same steps on every rank."""
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 0:
+            raise ValueError(f"every_n_steps={every_n_steps!r} must be an int >= 1, or 0 to withdraw {name!r}")
+        if every_n_steps:
+            self._exchange_every[name] = every_n_steps
+        else:
+            self._exchange_every.pop(name, None)
+
     def request_metrics(self, every_n_steps: int) -> None:
-        """Gather every rank's measurements to all ranks on every ``every_n_steps``-th step (for logging);
-        0 gathers none (``Trainer(log_every_n_steps=0)`` logs nothing)."""
-        if every_n_steps < 0:
-            raise ValueError(f"every_n_steps={every_n_steps} must be >= 1, or 0 for no metrics")
-        self._metrics_every = every_n_steps or None
+        """:meth:`request_exchange` for DistMetricsCallback's logging steps (0: none, as with
+        ``Trainer(log_every_n_steps=0)``)."""
+        self.request_exchange(every_n_steps, "metrics")
+
+    def exchange_due(self, every_n_steps: int) -> bool:
+        """Whether the coming (or current) optimizer step is one of ``every_n_steps``'s: the test a feature that
+        requested that interval uses to decide whether to fill its slots (the same answer on every rank)."""
+        return every_n_steps > 0 and self._meter.steps_done % every_n_steps == 0
 
     @property
     def control(self) -> StepControl:
@@ -408,7 +429,7 @@ class RingDDPStrategy(DDPStrategy):
         """Every step when a feature needs agreed values, else on logging steps: the same answer on every rank."""
         if self.control.has_agreed or (self._hetero is not None and self._hetero.rebalance):
             return True
-        return self._metrics_every is not None and self._meter.steps_done % self._metrics_every == 0
+        return any(self.exchange_due(every) for every in self._exchange_every.values())
 
     def _start_exchange_early(self) -> None:
         """From the last bucket's hook: start now only if every value in the vector is already final.

@@ -1,0 +1,163 @@
+"""Reading one rank's memory from inside the job: host (psutil, /proc), CUDA (torch's allocator), GPU (NVML).
+
+Every reader is cheap (tens of microseconds) and never raises for a missing source: a value that cannot be
+read is ``-1`` (the per-rank exchange carries numbers only), and :data:`UNAVAILABLE` says which.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from typing import Optional
+
+import psutil
+import torch
+
+UNAVAILABLE = -1.0
+_CGROUP_V2 = "/sys/fs/cgroup/memory.max"
+_CGROUP_V1 = "/sys/fs/cgroup/memory/memory.limit_in_bytes"
+_process: Optional[tuple[int, psutil.Process]] = None
+
+
+def _me() -> psutil.Process:
+    global _process
+    pid = os.getpid()
+    if _process is None or _process[0] != pid:  # a forked rank is another process
+        _process = (pid, psutil.Process(pid))
+    return _process[1]
+
+
+# -- host ---------------------------------------------------------------------------------------------------
+def host_rss() -> int:
+    """This process's resident set size, bytes."""
+    return int(_me().memory_info().rss)
+
+
+def host_rss_peak() -> int:
+    """The highest resident set size since the process started or :func:`reset_host_peak` (Linux's VmHWM);
+    the current RSS where the kernel does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return host_rss()
+
+
+def reset_host_peak() -> bool:
+    """Restart the peak RSS from the current RSS (Linux >= 4.0: ``5 > /proc/self/clear_refs``)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def cgroup_limit(v2: str = _CGROUP_V2, v1: str = _CGROUP_V1) -> Optional[int]:
+    """The memory limit of this process's cgroup (a container, a SLURM job), or None when unlimited."""
+    for path in (v2, v1):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text == "max":
+            return None
+        try:
+            value = int(text)
+        except ValueError:
+            continue
+        return value if value < 2**60 else None  # v1 writes "no limit" as a page-rounded 2**63
+    return None
+
+
+def local_world_size(default: int = 1) -> int:
+    """Ranks on this machine: the launcher's LOCAL_WORLD_SIZE (torchrun), SLURM's tasks per node, or ``default``."""
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(key, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return max(1, default)
+
+
+def host_capacity(ranks_here: int) -> tuple[int, str]:
+    """This rank's share of the machine's memory: physical memory or the cgroup limit, whichever is lower,
+    divided among the ranks on the machine."""
+    total, source = int(psutil.virtual_memory().total), "host memory"
+    limit = cgroup_limit()
+    if limit is not None and limit < total:
+        total, source = limit, "cgroup limit"
+    ranks_here = max(1, ranks_here)
+    if ranks_here > 1:
+        source += f" / {ranks_here} ranks on this machine"
+    return total // ranks_here, source
+
+
+def release_host_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the system (glibc's ``malloc_trim``)."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+# -- CUDA ---------------------------------------------------------------------------------------------------
+def cuda_device(device: torch.device) -> Optional[torch.device]:
+    """``device`` when it is a usable CUDA device, else None (every CUDA reader is skipped then)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def cuda_stats(device: Optional[torch.device]) -> dict[str, float]:
+    """Allocated and reserved bytes (current and peak), allocation retries and OOMs, as torch's caching
+    allocator counts them; every value ``-1`` without a CUDA device."""
+    keys = ("cuda_allocated", "cuda_allocated_peak", "cuda_reserved", "cuda_reserved_peak", "cuda_alloc_retries",
+            "cuda_ooms", "cuda_nontorch")
+    if device is None:
+        return dict.fromkeys(keys, UNAVAILABLE)
+    stats = torch.cuda.memory_stats(device)
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = float(stats.get("reserved_bytes.all.current", 0))
+    return {
+        "cuda_allocated": float(stats.get("allocated_bytes.all.current", 0)),
+        "cuda_allocated_peak": float(stats.get("allocated_bytes.all.peak", 0)),
+        "cuda_reserved": reserved,
+        "cuda_reserved_peak": float(stats.get("reserved_bytes.all.peak", 0)),
+        "cuda_alloc_retries": float(stats.get("num_alloc_retries", 0)),
+        "cuda_ooms": float(stats.get("num_ooms", 0)),
+        # what the device holds outside this process's allocator: the CUDA context, other processes
+        "cuda_nontorch": max(float(total - free) - reserved, 0.0),
+    }
+
+
+def cuda_capacity(device: torch.device) -> tuple[int, str]:
+    """What this process's allocator can reach on ``device``: free memory plus what it already reserved."""
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    name = torch.cuda.get_device_name(device)
+    return int(free + reserved), f"{name}: {total / 2**30:.1f} GiB, less the CUDA context and other processes"
+
+
+class GpuUtilization:
+    """GPU utilisation in percent through NVML (``pip install lightning-dist[gpu]``, i.e. nvidia-ml-py), via
+    ``torch.cuda.utilization``, which maps ``CUDA_VISIBLE_DEVICES`` to NVML's numbering; ``-1`` without it.
+    A first failure (no library, no driver) turns it off for the run."""
+
+    def __init__(self) -> None:
+        self.error: Optional[str] = None
+
+    def read(self, device: Optional[torch.device]) -> float:
+        if device is None or self.error is not None:
+            return UNAVAILABLE
+        try:
+            return float(torch.cuda.utilization(device))
+        except Exception as err:  # noqa: BLE001 - ModuleNotFoundError, pynvml.NVMLError, ...: off for the run
+            self.error = f"{type(err).__name__}: {err}"
+            return UNAVAILABLE
