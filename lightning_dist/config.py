@@ -245,26 +245,40 @@ def validate(cfg: DictConfig) -> None:
         )
     problems += _hetero_problems(cfg)
     problems += _nan_recovery_problems(cfg)
+    problems += _memory_monitor_problems(cfg)
     if problems:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(problems))
 
 
-def _nan_recovery_problems(cfg: DictConfig) -> list[str]:
-    """callbacks.nan_recovery: its arguments, and a strategy that can skip a step."""
-    node = (cfg.get("callbacks") or {}).get("nan_recovery")
-    if node is None:
-        return []
+def _callback_problems(cfg: DictConfig, name: str, cls: type, check: Any) -> list[str]:
+    """callbacks.<name>: its arguments checked by the callback's own ``check_settings``, its defaults taken from
+    its constructor's signature."""
     import inspect
 
+    node = (cfg.get("callbacks") or {}).get(name)
+    if node is None:
+        return []
+    defaults = {key: p.default for key, p in inspect.signature(cls).parameters.items()}
+    given = {k: v for k, v in node.items() if k != "_target_"}
+    return [f"callbacks.{name}: {p}" for p in check(**{**defaults, **given})]
+
+
+def _nan_recovery_problems(cfg: DictConfig) -> list[str]:
+    """callbacks.nan_recovery: its arguments, and a strategy that can skip a step."""
     from lightning_dist.callbacks.nan_recovery import NaNRecovery, check_settings
 
-    defaults = {name: p.default for name, p in inspect.signature(NaNRecovery).parameters.items()}
-    given = {k: v for k, v in node.items() if k != "_target_"}
-    problems = [f"callbacks.nan_recovery: {p}" for p in check_settings(**{**defaults, **given})]
-    if cfg.strategy.get("_target_", "") != StrategyConf._target_:
+    problems = _callback_problems(cfg, "nan_recovery", NaNRecovery, check_settings)
+    if (cfg.get("callbacks") or {}).get("nan_recovery") is not None and \
+            cfg.strategy.get("_target_", "") != StrategyConf._target_:
         problems.append("callbacks.nan_recovery needs strategy=ring_ddp (the strategy skips a step on every rank "
                         "together); use strategy=ring_ddp or drop nan_recovery from callbacks")
     return problems
+
+
+def _memory_monitor_problems(cfg: DictConfig) -> list[str]:
+    from lightning_dist.callbacks.memory_monitor import MemoryMonitor, check_settings
+
+    return _callback_problems(cfg, "memory_monitor", MemoryMonitor, check_settings)
 
 
 def _hetero_problems(cfg: DictConfig) -> list[str]:

@@ -53,6 +53,11 @@ class ApplyPerfCallback(Callback):
         run_preflight(self.perf, self.local_world_size)
 
 
+def _snake(name: str) -> str:
+    """MemoryMonitor -> memory_monitor (the key a callback's run summary has in summary.json)."""
+    return "".join(f"_{c.lower()}" if c.isupper() and i else c.lower() for i, c in enumerate(name))
+
+
 class RunSummaryCallback(Callback):
     """Writes ``summary.json`` from rank zero when fitting ends (atomically: a temp file, then a rename)."""
 
@@ -80,6 +85,9 @@ class RunSummaryCallback(Callback):
             "compressor": strategy.compressor.describe() if hasattr(strategy, "compressor") else "none",
             "comm_time_s_rank0": totals.get("comm_s", 0.0),
             "codec_time_s_rank0": totals.get("codec_s", 0.0),
+            # callbacks that report on the run (MemoryMonitor: the estimate, the peaks, threshold events)
+            **{_snake(type(cb).__name__): cb.run_summary() for cb in trainer.callbacks
+               if callable(getattr(cb, "run_summary", None))},
             "config": self.config,
         }
         tmp = self.path + ".tmp"

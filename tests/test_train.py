@@ -180,8 +180,8 @@ def test_multirun_runs_each_job(tmp_path):
 @pytest.mark.parametrize("start_method", ["popen", "spawn"])
 def test_other_launchers_run_the_command(tmp_path, start_method):
     # popen re-runs the command per rank (Lightning passes Hydra the run directory); spawn pickles the job
-    # spawn also pickles NaNRecovery into the ranks
-    extra = ["callbacks=[dist_metrics,nan_recovery]"] if start_method == "spawn" else []
+    # spawn also pickles NaNRecovery and MemoryMonitor into the ranks
+    extra = ["callbacks=[dist_metrics,nan_recovery,memory_monitor]"] if start_method == "spawn" else []
     proc = subprocess.run(CLI + extra + [f"strategy.start_method={start_method}", "trainer.max_epochs=1",
                                  "trainer.limit_train_batches=3", "trainer.limit_val_batches=1",
                                  "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}"],
@@ -189,6 +189,10 @@ def test_other_launchers_run_the_command(tmp_path, start_method):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["global_step"] == 3 and summary["config"]["strategy"]["start_method"] == start_method
+    if start_method == "spawn":  # MemoryMonitor's estimate and peaks in summary.json
+        memory = summary["memory_monitor"]
+        assert memory["estimate_total_mib"] > 0 and memory["capacity_mib"] > 0
+        assert memory["estimate_mib"]["activations"] > 0 and memory["peaks"]["memory/rss_mib_max"] > 0
 
 
 def test_stock_ddp_refuses_ring_ddp_only_keys():
@@ -244,3 +248,14 @@ def test_nan_recovery_is_checked_before_any_rank():
                              (["strategy=ddp"], "nan_recovery needs strategy=ring_ddp")):
         with pytest.raises(ValueError, match=match):
             validate(_compose("callbacks=[nan_recovery]", *overrides))
+
+
+def test_memory_monitor_is_checked_before_any_rank():
+    validate(_compose("callbacks=[memory_monitor]"))
+    validate(_compose("callbacks=[memory_monitor]", "strategy=ddp"))  # any strategy
+    for overrides, match in ((["callbacks.memory_monitor.stop_at=2"], "callbacks.memory_monitor: stop_at=2"),
+                             (["callbacks.memory_monitor.preflight=maybe"], "preflight='maybe'"),
+                             (["callbacks.memory_monitor.every_n_steps=0"], "every_n_steps=0"),
+                             (["callbacks.memory_monitor.capacity_gib=-1"], "capacity_gib=-1")):
+        with pytest.raises(ValueError, match=match):
+            validate(_compose("callbacks=[memory_monitor]", *overrides))

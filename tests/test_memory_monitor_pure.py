@@ -1,0 +1,281 @@
+"""MemoryMonitor's pieces without ranks: the estimate's parts, the activation probe, the readers, the
+aggregation, the thresholds' decisions, settings and state."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_dist.callbacks import MemoryMonitor
+from lightning_dist.callbacks.memory_monitor import SLOTS, check_settings, summarize
+from lightning_dist.compression import build_compressor
+from lightning_dist.compression.base import BucketLayout
+from lightning_dist.memory import readers
+from lightning_dist.memory.estimate import (
+    ActivationProbe,
+    CommSetup,
+    MiB,
+    estimate_memory,
+    measured_state_bytes,
+    optimizer_state_bytes,
+    optimizer_transient_bytes,
+)
+
+
+def _mlp(dtype=torch.float32):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(dtype)
+
+
+def _step(model, optimizer, dtype=torch.float32):
+    x = torch.randn(8, 16, dtype=dtype)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    "adam": lambda p: torch.optim.Adam(p),
+    "adamw_amsgrad": lambda p: torch.optim.AdamW(p, amsgrad=True),
+    # not in the table: probed on dummy parameters
+    "adagrad": lambda p: torch.optim.Adagrad(p),
+    "rmsprop_momentum": lambda p: torch.optim.RMSprop(p, momentum=0.9, centered=True),
+    "nadam": lambda p: torch.optim.NAdam(p),
+    "adamax": lambda p: torch.optim.Adamax(p),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_optimizer_state_estimate_equals_the_state_after_one_step(name, dtype):
+    model = _mlp(dtype)
+    optimizer = OPTIMIZERS[name](model.parameters())
+    estimate, how = optimizer_state_bytes(optimizer)
+    _step(model, optimizer, dtype)
+    measured = measured_state_bytes(optimizer)
+    assert estimate == pytest.approx(measured, rel=0.02, abs=64), how  # the probe's steps are float32 scalars
+    # Adagrad creates its state in the constructor: measured as it is
+    assert ("probed" in how) == (name in ("rmsprop_momentum", "nadam", "adamax"))
+    assert how.startswith("measured") == (name == "adagrad")
+    if name == "sgd":
+        assert estimate == 0
+    if name == "adam":  # 2 x parameters + a float32 step per tensor
+        assert estimate == 2 * sum(p.numel() * p.element_size() for p in model.parameters()) + 4 * 4
+
+
+def test_an_optimizer_with_state_is_measured_and_one_that_refuses_the_probe_is_named():
+    model = _mlp()
+    optimizer = torch.optim.Adam(model.parameters())
+    _step(model, optimizer)
+    assert optimizer_state_bytes(optimizer) == (measured_state_bytes(optimizer),
+                                                "measured (the optimizer holds state)")
+
+    class Picky(torch.optim.SGD):
+        def __init__(self, params, lr, secret):
+            super().__init__(params, lr=lr)
+
+    bytes_, how = optimizer_state_bytes(Picky(model.parameters(), lr=0.1, secret=1))
+    assert bytes_ == 0 and "probing Picky failed" in how
+
+
+def test_optimizer_temporaries_follow_the_implementation():
+    model = nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 10))
+    total = sum(p.numel() * 4 for p in model.parameters())
+    largest = 100 * 100 * 4
+    assert optimizer_transient_bytes(torch.optim.Adam(model.parameters(), foreach=True))[0] == total
+    assert optimizer_transient_bytes(torch.optim.Adam(model.parameters(), foreach=False))[0] == largest
+    assert optimizer_transient_bytes(torch.optim.Adam(model.parameters(), foreach=True, weight_decay=0.1))[0] == \
+        2 * total  # coupled weight decay: a decayed copy of the gradients too
+    assert optimizer_transient_bytes(torch.optim.AdamW(model.parameters(), foreach=True))[0] == total
+    assert optimizer_transient_bytes(torch.optim.SGD(model.parameters(), lr=0.1, foreach=True))[0] == 0
+    assert optimizer_transient_bytes(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True,
+                                                     foreach=True))[0] == total
+    # CPU parameters and no choice: torch's per-parameter loop
+    kind = optimizer_transient_bytes(torch.optim.Adam(model.parameters()))[1]
+    assert kind.startswith("single")
+
+
+def test_activation_probe_counts_what_autograd_saves_and_changes_nothing():
+    model = _mlp()
+    x = torch.randn(8, 16)
+    with ActivationProbe(exclude=model.parameters()) as probe:
+        out = model(x).sum()
+    # the first Linear saves its input (8 x 16), ReLU its output (8 x 32), which the second Linear saves too;
+    # the weights Linear saves are parameters, not activations
+    assert probe.bytes == 8 * 16 * 4 + 8 * 32 * 4
+    out.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters()))
+    # start/stop from two hooks, idempotent stop; nothing counted after
+    probe = ActivationProbe(exclude=model.parameters())
+    probe.start()
+    probe.start()
+    model(x)
+    assert probe.stop() == probe.stop() == 8 * 16 * 4 + 8 * 32 * 4
+    model(x)
+    assert probe.bytes == 8 * 16 * 4 + 8 * 32 * 4 and not probe.active
+
+
+def test_estimate_parts_follow_buckets_compressor_and_activations():
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 8))
+    n = sum(p.numel() for p in model.parameters())
+    grads = 4 * n
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    est = estimate_memory(model, [sgd], CommSetup(has_buckets=True, buckets_are_views=False, world_size=2))
+    assert est.parts["weights"] == est.parts["gradients"] == est.parts["ddp_buckets"] == grads
+    assert est.parts["optimizer_state"] == grads and "activations" not in est.parts
+    assert "not measured yet" in est.notes["activations"]
+    est = estimate_memory(model, [sgd], CommSetup(has_buckets=True, buckets_are_views=True, world_size=2,
+                                                  transport_buffers=True), activation_bytes=1234)
+    assert est.parts["ddp_buckets"] == 0 and est.parts["activations"] == 1234
+    assert est.parts["comm_workspace"] == grads  # one bucket (the model is smaller than 25 MiB) of scratch
+    topk = build_compressor("topk", ratio=0.01)  # with error feedback
+    est = estimate_memory(model, [sgd], CommSetup(compressor=topk, world_size=2))
+    assert est.parts["compressor_state"] == 2 * grads  # residuals, committed and staged
+    assert est.total == sum(est.parts.values())
+    est.capacity, est.baseline, est.capacity_source = est.total, 1, "test"
+    assert not est.fits and "DOES NOT FIT" in est.table()
+    est.baseline = 0
+    assert est.fits and "fits" in est.table()
+
+
+def test_compressors_report_their_memory():
+    layout = BucketLayout.of([("w", torch.Size([64, 32])), ("b", torch.Size([64]))])
+    assert build_compressor("none").state_bytes(layout, 4) == 0
+    assert build_compressor("fp16").workspace_bytes(1000, 4, 2) == 2000
+    assert build_compressor("int8").state_bytes(layout, 4) == 2 * layout.numel * 4  # error feedback
+    power = build_compressor("powersgd", rank=2, error_feedback=False)
+    assert power.state_bytes(layout, 4) == 2 * 4 * 32 * 2  # Q (32 x 2) for the matrix; the bias goes dense
+    sparse = build_compressor("topk", ratio=0.1, error_feedback=False)
+    assert sparse.workspace_bytes(1000, 4, 4) > sparse.workspace_bytes(1000, 4, 2) > 0  # gathered payloads
+
+
+def test_cgroup_limits_and_capacity(tmp_path, monkeypatch):
+    v2, v1 = tmp_path / "memory.max", tmp_path / "limit_in_bytes"
+    assert readers.cgroup_limit(str(v2), str(v1)) is None  # neither file
+    v2.write_text("max\n")
+    assert readers.cgroup_limit(str(v2), str(v1)) is None
+    v2.write_text("1073741824\n")
+    assert readers.cgroup_limit(str(v2), str(v1)) == 2**30
+    v2.unlink()
+    v1.write_text("9223372036854771712\n")  # v1's "no limit"
+    assert readers.cgroup_limit(str(v2), str(v1)) is None
+    v1.write_text("2147483648\n")
+    assert readers.cgroup_limit(str(v2), str(v1)) == 2**31
+    monkeypatch.setattr(readers, "cgroup_limit", lambda: 2**30)
+    capacity, source = readers.host_capacity(4)
+    assert capacity == 2**28 and source == "cgroup limit / 4 ranks on this machine"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert readers.local_world_size(8) == 3
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    assert readers.local_world_size(8) == 8
+
+
+def test_host_readers_see_an_allocation():
+    readers.release_host_memory()
+    assert readers.reset_host_peak() == os.path.exists("/proc/self/clear_refs")
+    before = readers.host_rss_peak()
+    held = torch.ones(64 * MiB // 4)  # 64 MiB, touched
+    assert readers.host_rss() >= 48 * MiB
+    assert readers.host_rss_peak() - before >= 48 * MiB
+    del held
+
+
+def test_cuda_paths_skip_cleanly_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the device script covers the CUDA paths")
+    assert readers.cuda_device(torch.device("cpu")) is None
+    assert readers.cuda_device(torch.device("cuda", 0)) is None
+    assert set(readers.cuda_stats(None).values()) == {readers.UNAVAILABLE}
+    assert readers.GpuUtilization().read(None) == readers.UNAVAILABLE
+    monitor = MemoryMonitor(oom_snapshot=True)
+    monitor._start_recording(SimpleNamespace(log_dir=None, default_root_dir="."))  # says so, records nothing
+    assert not monitor._recording
+    monitor.on_exception(None, None, torch.OutOfMemoryError("test"))
+    assert monitor.snapshots == []
+
+
+def _row(rss_mib, usage, rank_cuda=False, **extra):
+    row = dict.fromkeys(SLOTS, readers.UNAVAILABLE)
+    row.update(rss=rss_mib * MiB, rss_peak=rss_mib * MiB, usage=usage, capacity=1000.0 * MiB,
+               estimate=100.0 * MiB, measured=rss_mib * MiB / 2, **extra)
+    return row
+
+
+def test_summarize_names_the_rank_and_skips_what_no_rank_has():
+    rows = [_row(300, 0.3), _row(900, 0.9), _row(500, 0.5)]
+    metrics = summarize(rows, per_rank=True)
+    assert metrics["memory/rss_mib_max"] == 900 and metrics["memory/rss_mib_min"] == 300
+    assert metrics["memory/rss_mib_max_rank"] == 1 and metrics["memory/usage_pct_max"] == pytest.approx(90)
+    assert metrics["memory/rank2/rss_mib"] == 500 and metrics["memory/rank0/usage_pct"] == pytest.approx(30)
+    assert metrics["memory/measured_mib_max"] == 450 and metrics["memory/estimate_mib_max"] == 100
+    assert metrics["memory/estimate_error_pct"] == pytest.approx(100 * (100 - 450) / 450)
+    assert not any("cuda" in k or "gpu" in k for k in metrics)
+    rows[0]["gpu_util"], rows[1]["gpu_util"] = 80.0, 20.0  # rank 2 has no NVML
+    metrics = summarize(rows)
+    assert metrics["memory/gpu_util_pct_min"] == 20 and metrics["memory/gpu_util_pct_min_rank"] == 1
+    assert not any("/rank" in k for k in metrics)
+
+
+class _Trainer(SimpleNamespace):
+    def save_checkpoint(self, path):
+        self.saved.append(path)
+
+
+def _trainer(step):
+    return _Trainer(global_step=step, is_global_zero=True, loggers=[], saved=[], should_stop=False,
+                    checkpoint_callback=None, default_root_dir="/runs/x")
+
+
+@pytest.mark.filterwarnings("ignore:MemoryMonitor")  # the warn action warns, as it should
+def test_thresholds_fire_once_per_crossing_and_stop_after_a_checkpoint():
+    monitor = MemoryMonitor(warn_at=0.5, empty_cache_at=0.7, stop_at=0.9)
+    trainer = _trainer(10)
+    monitor._handle(trainer, [_row(100, 0.2), _row(600, 0.6)])
+    assert [(e["action"], e["rank"], e["step"]) for e in monitor.events] == [("warn", 1, 10)]
+    trainer.global_step = 20
+    monitor._handle(trainer, [_row(100, 0.2), _row(650, 0.65)])  # still above: no second warning
+    assert len(monitor.events) == 1
+    trainer.global_step = 30
+    monitor._handle(trainer, [_row(100, 0.2), _row(300, 0.3)])  # fell back: re-armed
+    trainer.global_step = 40
+    monitor._handle(trainer, [_row(950, 0.95), _row(300, 0.3)])
+    assert [(e["action"], e["rank"], e["step"]) for e in monitor.events[1:]] == [
+        ("warn", 0, 40), ("empty_cache", 0, 40), ("stop", 0, 40)]
+    assert trainer.should_stop and trainer.saved == ["/runs/x/checkpoints/memory-stop-step=40.ckpt"]
+    assert monitor.readings == 4 and monitor.peaks["memory/rss_mib_max"] == 950
+
+
+def test_settings_are_checked_with_their_fix():
+    assert check_settings(every_n_steps=None, warn_at=0.9, empty_cache_at=None, stop_at=None, preflight="warn",
+                          capacity_gib=None, snapshot_entries=10) == []
+    problems = check_settings(every_n_steps=0, warn_at=90, stop_at=True, preflight="loud", capacity_gib=0,
+                              snapshot_entries=0)
+    assert len(problems) == 6
+    with pytest.raises(ValueError, match=r"warn_at=90 must be a fraction of capacity in \(0, 1.5\]"):
+        MemoryMonitor(warn_at=90)
+    with pytest.raises(ValueError, match="preflight='loud'"):
+        MemoryMonitor(preflight="loud")
+
+
+@pytest.mark.filterwarnings("ignore:MemoryMonitor")
+def test_state_round_trips():
+    monitor = MemoryMonitor(warn_at=0.5)
+    monitor._handle(_trainer(5), [_row(600, 0.6)])
+    restored = MemoryMonitor()
+    restored.load_state_dict(monitor.state_dict())
+    assert restored.events == monitor.events and restored.peaks == monitor.peaks and restored.readings == 1
