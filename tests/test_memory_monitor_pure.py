@@ -272,6 +272,16 @@ def test_settings_are_checked_with_their_fix():
         MemoryMonitor(preflight="loud")
 
 
+def test_nan_recovery_reports_its_snapshot():
+    from lightning_dist.callbacks import NaNRecovery
+
+    parts = {"weights": 10, "optimizer_state": 20, "gradients": 10}
+    assert NaNRecovery().memory_parts(parts, on_accelerator=False) == {"nan_recovery_snapshot": 30}
+    assert NaNRecovery().memory_parts(parts, on_accelerator=True) == {}  # in host memory: not the GPU's
+    assert NaNRecovery(snapshot_device="same").memory_parts(parts, on_accelerator=True) == {
+        "nan_recovery_snapshot": 30}
+
+
 @pytest.mark.filterwarnings("ignore:MemoryMonitor")
 def test_state_round_trips():
     monitor = MemoryMonitor(warn_at=0.5)

@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_dist import MemoryMonitor, RingDDPStrategy
+from lightning_dist import MemoryMonitor, NaNRecovery, RingDDPStrategy
 from lightning_dist.callbacks import InsufficientMemoryError
 from lightning_dist.memory import readers
 from lightning_dist.testing import launched_externally, run_ranks
@@ -110,11 +110,11 @@ def _ranks(rank, world_size, tmp):
                                 empty_cache_at=(held + 0.75 * GiB) / GiB / capacity,
                                 stop_at=(held + GiB) / GiB / capacity, log_per_rank=True)
         logger = Memory()
-        trainer = _fit(RingDDPStrategy(), Small(), [Allocate(1, 3, 1.5), monitor], logger=logger,
+        trainer = _fit(RingDDPStrategy(), Small(), [Allocate(1, 3, 1.5), NaNRecovery(), monitor], logger=logger,
                        log_every_n_steps=3, default_root_dir=os.path.join(tmp, "ring"))
         out["ring"] = dict(events=monitor.events, global_step=trainer.global_step, logged=logger.logged,
                            ckpts=sorted(os.listdir(os.path.join(tmp, "ring", "checkpoints"))),
-                           state=monitor.state_dict(), estimate=monitor.estimate.total, seconds=monitor.seconds)
+                           state=monitor.state_dict(), parts=dict(monitor.estimate.parts))
         del trainer
         # 2. stock DDP: one all-gather every 2 steps; rank 1 takes 0.5 GiB at step 2
         monitor = MemoryMonitor(every_n_steps=2, warn_at=None)
@@ -176,6 +176,12 @@ def test_thresholds_fire_on_every_rank_at_the_same_step(results):
         assert results[r]["ring"]["global_step"] == step < 8  # stopped early, together
     assert results[0]["ring"]["ckpts"] == [f"memory-stop-step={step}.ckpt"]
     assert results[0]["ring"]["state"]["events"] == events[0]
+
+
+def test_the_estimate_counts_activations_and_other_callbacks_copies(results):
+    parts = results[0]["ring"]["parts"]
+    assert parts["activations"] > 0  # measured in the first forward pass
+    assert parts["nan_recovery_snapshot"] == parts["weights"] + parts["optimizer_state"]  # on the CPU
 
 
 def test_dist_metrics_keep_their_own_interval(results):

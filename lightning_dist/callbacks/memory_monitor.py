@@ -6,12 +6,13 @@ What it does, with its defaults (``MemoryMonitor()``; any strategy, ``ring_ddp``
 1. **Pre-flight estimate.** Weights, gradients, DDP's gradient buckets, optimizer state (SGD, SGD with
    momentum, Adam/AdamW from torch's documented state; any other optimizer probed on dummy parameters), the
    optimizer's temporaries, the compressor's residuals and the transport's buffers
-   (:mod:`lightning_dist.memory.estimate`), plus the activations the first forward pass saves for backward,
-   counted as it runs (no extra step, nothing changed). Before the first backward, every rank's total is held
-   against its capacity: CUDA memory the process can reach, or on CPU the machine's memory (or its cgroup
-   limit) shared among the ranks on it. ``preflight="warn"`` warns when a rank will not fit, ``"error"`` stops
-   every rank with :class:`InsufficientMemoryError` before gradients or optimizer state exist, ``"off"`` skips
-   it. Rank zero logs the estimate as a table.
+   (:mod:`lightning_dist.memory.estimate`), what other callbacks keep (NaNRecovery's snapshot: any callback
+   with a ``memory_parts(parts, on_accelerator)`` method adds its own), plus the activations the first
+   forward pass saves for backward, counted as it runs (no extra step, nothing changed). Before the first
+   backward, every rank's total is held against its capacity: CUDA memory the process can reach, or on CPU
+   the machine's memory (or its cgroup limit) shared among the ranks on it. ``preflight="warn"`` warns when
+   a rank will not fit, ``"error"`` stops every rank with :class:`InsufficientMemoryError` before gradients
+   or optimizer state exist, ``"off"`` skips it. Rank zero logs the estimate as a table.
 
 2. **Watching.** Every ``every_n_steps`` optimizer steps (default: the Trainer's ``log_every_n_steps``) each
    rank reads its host RSS (current, and peak since the last reading), and on CUDA the caching allocator's
@@ -193,6 +194,12 @@ class MemoryMonitor(Callback):
                              compressor=getattr(strategy, "compressor", None) if self._ring else None,
                              world_size=trainer.world_size, transport_buffers=self._ring)
         est = estimate_memory(pl_module, trainer.optimizers, comm, activation_bytes=activations)
+        for callback in trainer.callbacks:  # callbacks that hold copies (NaNRecovery's snapshot) say how much
+            parts = getattr(callback, "memory_parts", None)
+            if callable(parts) and callback is not self:
+                for name, value in parts(dict(est.parts), self._cuda is not None).items():
+                    est.parts[name] = int(value)
+                    est.notes[name] = f"held by {type(callback).__name__}"
         est.capacity = self._capacity
         if self.estimate is not None:
             est.capacity_source = self.estimate.capacity_source

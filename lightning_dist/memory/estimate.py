@@ -293,7 +293,8 @@ def _comm_parts(est: MemoryEstimate, params: list[tuple[str, torch.nn.Parameter]
         workspace += bucket_bytes
     if workspace:
         est.parts["comm_workspace"] = workspace
-        est.notes["comm_workspace"] = f"per bucket in flight (largest {bucket_bytes / MiB:.1f} MiB)"
+        est.notes["comm_workspace"] = (f"transport staging and compressor temporaries, per bucket in flight "
+                                       f"(largest {bucket_bytes / MiB:.1f} MiB)")
 
 
 # -- activations ------------------------------------------------------------------------------------------------
