@@ -205,7 +205,7 @@ def test_cuda_paths_skip_cleanly_without_a_gpu():
     monitor = MemoryMonitor(oom_snapshot=True)
     monitor._start_recording(SimpleNamespace(log_dir=None, default_root_dir="."))  # says so, records nothing
     assert not monitor._recording
-    monitor.on_exception(None, None, torch.OutOfMemoryError("test"))
+    monitor.on_exception(None, None, torch.cuda.OutOfMemoryError("test"))
     assert monitor.snapshots == []
 
 
@@ -289,3 +289,30 @@ def test_state_round_trips():
     restored = MemoryMonitor()
     restored.load_state_dict(monitor.state_dict())
     assert restored.events == monitor.events and restored.peaks == monitor.peaks and restored.readings == 1
+
+
+def test_cuda_readings_map_the_allocators_counters(monkeypatch):
+    stats = {"allocated_bytes.all.current": 3 * MiB, "allocated_bytes.all.peak": 5 * MiB,
+             "reserved_bytes.all.current": 8 * MiB, "reserved_bytes.all.peak": 10 * MiB,
+             "num_alloc_retries": 2, "num_ooms": 1}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: stats)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * MiB, 120 * MiB))
+    got = readers.cuda_stats(torch.device("cuda", 0))
+    assert got == {"cuda_allocated": 3 * MiB, "cuda_allocated_peak": 5 * MiB, "cuda_reserved": 8 * MiB,
+                   "cuda_reserved_peak": 10 * MiB, "cuda_alloc_retries": 2, "cuda_ooms": 1,
+                   "cuda_nontorch": 12 * MiB}  # 20 MiB in use on the device, 8 of them ours
+
+
+def test_an_oom_snapshot_is_dumped_once_with_rank_and_step(tmp_path, monkeypatch):
+    dumped = []
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: dumped.append(path))
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: None)
+    monitor = MemoryMonitor(oom_snapshot=True)
+    monitor._cuda, monitor._recording = torch.device("cuda", 0), True
+    monitor._snapshot_dir, monitor._trainer_step = str(tmp_path / "snaps"), lambda: 17
+    monitor.on_exception(None, None, torch.cuda.OutOfMemoryError("CUDA out of memory"))
+    monitor.on_exception(None, None, torch.cuda.OutOfMemoryError("again"))  # the first OOM is the one kept
+    assert dumped == [str(tmp_path / "snaps" / "oom-rank0-step17.pickle")] == monitor.snapshots
+    monitor._recording = True
+    monitor.on_exception(None, None, ValueError("not an OOM"))
+    assert len(dumped) == 1 and not monitor._recording  # recording stops with the fit either way

@@ -405,7 +405,7 @@ class MemoryMonitor(Callback):
         if self._probe is not None:
             self._probe.stop()
             self._probe = None
-        if isinstance(exception, torch.OutOfMemoryError):
+        if isinstance(exception, torch.cuda.OutOfMemoryError):
             self._dump("oom")
         self._stop_recording()
 
