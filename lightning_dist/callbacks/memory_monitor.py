@@ -138,6 +138,7 @@ class MemoryMonitor(Callback):
         self._armed = {action: True for action in self.thresholds}
         self._gpu = readers.GpuUtilization()
         self._recording = False
+        self._compared = False  # the estimate-against-measurement line was logged
 
     # -- set-up -----------------------------------------------------------------------------------------------
     @override
@@ -164,6 +165,7 @@ class MemoryMonitor(Callback):
                                                                           *pl_module.buffers()) if not t.is_cuda)
         self._measured = 0.0
         self._armed = dict.fromkeys(self.thresholds, True)
+        self._compared = False
         self._preflight_pending = self.preflight != "off"
         if self.oom_snapshot:
             self._start_recording(trainer)
@@ -333,6 +335,13 @@ class MemoryMonitor(Callback):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
+        if not self._compared and trainer.global_step >= 3 and "memory/estimate_error_pct" in metrics:
+            # a few steps in (optimizer state allocated, a whole step's peak seen): say how the estimate did
+            self._compared = True
+            rank_zero_info(f"MemoryMonitor: estimated {metrics['memory/estimate_mib_max']:.1f} MiB, measured "
+                           f"{metrics['memory/measured_mib_max']:.1f} MiB on rank "
+                           f"{int(metrics['memory/measured_mib_max_rank'])} so far "
+                           f"({metrics['memory/estimate_error_pct']:+.0f}%)")
         usage = [row["usage"] for row in rows]
         if max(usage) < 0:
             return
