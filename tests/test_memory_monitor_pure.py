@@ -89,6 +89,16 @@ def test_an_optimizer_with_state_is_measured_and_one_that_refuses_the_probe_is_n
     assert bytes_ == 0 and "probing Picky failed" in how
 
 
+def test_the_probe_ignores_what_a_scheduler_adds_to_the_group():
+    model = _mlp()
+    optimizer = torch.optim.RMSprop(model.parameters(), lr=0.01, momentum=0.9)
+    torch.optim.lr_scheduler.StepLR(optimizer, step_size=10)  # adds initial_lr to every group
+    estimate, how = optimizer_state_bytes(optimizer)
+    assert "probed RMSprop" in how
+    _step(model, optimizer)
+    assert estimate == pytest.approx(measured_state_bytes(optimizer), rel=0.02, abs=64)
+
+
 def test_optimizer_temporaries_follow_the_implementation():
     model = nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 10))
     total = sum(p.numel() * 4 for p in model.parameters())
@@ -100,7 +110,14 @@ def test_optimizer_temporaries_follow_the_implementation():
     assert optimizer_transient_bytes(torch.optim.AdamW(model.parameters(), foreach=True))[0] == total
     assert optimizer_transient_bytes(torch.optim.SGD(model.parameters(), lr=0.1, foreach=True))[0] == 0
     assert optimizer_transient_bytes(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True,
+                                                     foreach=True))[0] == 0  # nesterov updates in place
+    assert optimizer_transient_bytes(torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1,
                                                      foreach=True))[0] == total
+    assert optimizer_transient_bytes(torch.optim.Adam(model.parameters(), foreach=True, maximize=True))[0] == \
+        2 * total  # the negated gradients
+    if "decoupled_weight_decay" in torch.optim.Adam.__init__.__code__.co_varnames:
+        assert optimizer_transient_bytes(torch.optim.Adam(model.parameters(), foreach=True, weight_decay=0.1,
+                                                          decoupled_weight_decay=True))[0] == total
     # CPU parameters and no choice: torch's per-parameter loop
     kind = optimizer_transient_bytes(torch.optim.Adam(model.parameters()))[1]
     assert kind.startswith("single")
@@ -129,6 +146,20 @@ def test_activation_probe_counts_what_autograd_saves_and_changes_nothing():
     assert probe.bytes == 8 * 16 * 4 + 8 * 32 * 4 and not probe.active
 
 
+def test_a_probed_graph_dropped_without_backward_is_freed():
+    import gc
+    import weakref
+
+    model = _mlp()
+    with ActivationProbe(exclude=model.parameters()) as probe:
+        out = torch.tanh(model(torch.randn(8, 16)))  # tanh saves its output
+    assert probe.bytes > 0
+    ref = weakref.ref(out)
+    del out
+    gc.collect()
+    assert ref() is None
+
+
 def test_estimate_parts_follow_buckets_compressor_and_activations():
     model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 8))
     n = sum(p.numel() for p in model.parameters())
@@ -141,7 +172,8 @@ def test_estimate_parts_follow_buckets_compressor_and_activations():
     est = estimate_memory(model, [sgd], CommSetup(has_buckets=True, buckets_are_views=True, world_size=2,
                                                   transport_buffers=True), activation_bytes=1234)
     assert est.parts["ddp_buckets"] == 0 and est.parts["activations"] == 1234
-    assert est.parts["comm_workspace"] == grads  # one bucket (the model is smaller than 25 MiB) of scratch
+    # a bucket of scratch for each of two threads (one bucket: the model is smaller than 25 MiB)
+    assert est.parts["comm_workspace"] == 2 * grads
     topk = build_compressor("topk", ratio=0.01)  # with error feedback
     est = estimate_memory(model, [sgd], CommSetup(compressor=topk, world_size=2))
     assert est.parts["compressor_state"] == 2 * grads  # residuals, committed and staged
@@ -164,17 +196,25 @@ def test_compressors_report_their_memory():
 
 
 def test_cgroup_limits_and_capacity(tmp_path, monkeypatch):
-    v2, v1 = tmp_path / "memory.max", tmp_path / "limit_in_bytes"
-    assert readers.cgroup_limit(str(v2), str(v1)) is None  # neither file
-    v2.write_text("max\n")
-    assert readers.cgroup_limit(str(v2), str(v1)) is None
-    v2.write_text("1073741824\n")
-    assert readers.cgroup_limit(str(v2), str(v1)) == 2**30
-    v2.unlink()
-    v1.write_text("9223372036854771712\n")  # v1's "no limit"
-    assert readers.cgroup_limit(str(v2), str(v1)) is None
-    v1.write_text("2147483648\n")
-    assert readers.cgroup_limit(str(v2), str(v1)) == 2**31
+    root, proc = tmp_path / "cgroup", tmp_path / "proc_self_cgroup"
+    assert readers.cgroup_limit(str(root), str(proc)) is None  # no /proc entry, no files
+    # cgroup v2, a SLURM job: the job's limit, not the step's "max" nor the unlimited root
+    proc.write_text("0::/system.slice/slurmstepd.scope/job_5/step_0\n")
+    for rel, text in (("", None), ("system.slice", "max"), ("system.slice/slurmstepd.scope/job_5", "2147483648"),
+                      ("system.slice/slurmstepd.scope/job_5/step_0", "max")):
+        (root / rel).mkdir(parents=True, exist_ok=True)
+        if text is not None:
+            (root / rel / "memory.max").write_text(text + "\n")
+    assert readers.cgroup_limit(str(root), str(proc)) == 2**31
+    (root / "memory.max").write_text("1073741824\n")  # a container's own group, seen at the mount's root
+    assert readers.cgroup_limit(str(root), str(proc)) == 2**30
+    # cgroup v1: the memory controller's hierarchy; its "no limit" is a huge number
+    proc.write_text("12:cpu,cpuacct:/job_7\n5:memory:/slurm/job_7\n")
+    (root / "memory" / "slurm" / "job_7").mkdir(parents=True)
+    (root / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert readers.cgroup_limit(str(root), str(proc)) is None
+    (root / "memory" / "slurm" / "job_7" / "memory.limit_in_bytes").write_text("3221225472\n")
+    assert readers.cgroup_limit(str(root), str(proc)) == 3 * 2**30
     monkeypatch.setattr(readers, "cgroup_limit", lambda: 2**30)
     capacity, source = readers.host_capacity(4)
     assert capacity == 2**28 and source == "cgroup limit / 4 ranks on this machine"
@@ -188,11 +228,14 @@ def test_cgroup_limits_and_capacity(tmp_path, monkeypatch):
 def test_host_readers_see_an_allocation():
     readers.release_host_memory()
     assert readers.reset_host_peak() == os.path.exists("/proc/self/clear_refs")
-    before = readers.host_rss_peak()
+    rss, peak = readers.host_rss(), readers.host_rss_peak()
     held = torch.ones(64 * MiB // 4)  # 64 MiB, touched
-    assert readers.host_rss() >= 48 * MiB
-    assert readers.host_rss_peak() - before >= 48 * MiB
+    assert readers.host_rss() - rss >= 48 * MiB
     del held
+    readers.release_host_memory()
+    assert readers.host_rss_peak() - peak >= 48 * MiB  # the peak remembers it after it was freed
+    readers.reset_host_peak()
+    assert readers.host_rss_peak() - peak < 32 * MiB  # ... until it restarts
 
 
 def test_cuda_paths_skip_cleanly_without_a_gpu():
@@ -205,7 +248,7 @@ def test_cuda_paths_skip_cleanly_without_a_gpu():
     monitor = MemoryMonitor(oom_snapshot=True)
     monitor._start_recording(SimpleNamespace(log_dir=None, default_root_dir="."))  # says so, records nothing
     assert not monitor._recording
-    monitor.on_exception(None, None, torch.cuda.OutOfMemoryError("test"))
+    monitor.on_exception(SimpleNamespace(strategy=None), None, torch.cuda.OutOfMemoryError("test"))
     assert monitor.snapshots == []
 
 
@@ -303,16 +346,43 @@ def test_cuda_readings_map_the_allocators_counters(monkeypatch):
                    "cuda_nontorch": 12 * MiB}  # 20 MiB in use on the device, 8 of them ours
 
 
-def test_an_oom_snapshot_is_dumped_once_with_rank_and_step(tmp_path, monkeypatch):
+def test_oom_snapshots_name_rank_and_step_and_the_observer_is_not_a_leak(tmp_path, monkeypatch):
+    import gc
+    import weakref
+
+    from lightning_dist.callbacks import memory_monitor as mm
+
     dumped = []
     monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: dumped.append(path))
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: None)
-    monitor = MemoryMonitor(oom_snapshot=True)
-    monitor._cuda, monitor._recording = torch.device("cuda", 0), True
-    monitor._snapshot_dir, monitor._trainer_step = str(tmp_path / "snaps"), lambda: 17
-    monitor.on_exception(None, None, torch.cuda.OutOfMemoryError("CUDA out of memory"))
-    monitor.on_exception(None, None, torch.cuda.OutOfMemoryError("again"))  # the first OOM is the one kept
-    assert dumped == [str(tmp_path / "snaps" / "oom-rank0-step17.pickle")] == monitor.snapshots
-    monitor._recording = True
-    monitor.on_exception(None, None, ValueError("not an OOM"))
-    assert len(dumped) == 1 and not monitor._recording  # recording stops with the fit either way
+    attached = []
+    monkeypatch.setattr(torch._C, "_cuda_attach_out_of_memory_observer", attached.append, raising=False)
+    monkeypatch.setattr(mm, "_OOM_ATTACHED", False)
+    monitor = MemoryMonitor(oom_snapshot=True, snapshot_dir=str(tmp_path / "snaps"))
+    trainer = _trainer(17)
+    trainer.strategy = SimpleNamespace()
+    monitor._cuda = torch.device("cuda", 0)
+    monitor._start_recording(trainer)
+    (observer,) = attached
+    observer(0, 1 << 30, 0, 0)  # the allocator's observer, at a failed allocation
+    observer(0, 1 << 30, 0, 0)  # a retry at the same step overwrites the same file
+    path = str(tmp_path / "snaps" / "oom-rank0-step17.pickle")
+    assert dumped == [path, path] and monitor.snapshots == [path]
+    monitor.on_exception(trainer, None, torch.cuda.OutOfMemoryError("CUDA out of memory"))
+    assert len(dumped) == 2  # the observer's snapshot of this step is the one kept
+    observer(0, 1 << 30, 0, 0)  # the fit is over: nothing records, nothing is written
+    assert len(dumped) == 2 and not monitor._recording
+    # without an observer, the exception itself dumps; a second fit attaches no second observer
+    monitor._start_recording(trainer)
+    assert len(attached) == 1
+    trainer.global_step = 20
+    monitor.on_exception(trainer, None, torch.cuda.OutOfMemoryError("CUDA out of memory"))
+    assert dumped[-1].endswith("oom-rank0-step20.pickle")
+    monitor._start_recording(trainer)
+    monitor.on_exception(trainer, None, ValueError("not an OOM"))
+    assert len(dumped) == 3 and not monitor._recording
+    # the observer holds neither the monitor nor the trainer
+    ref = weakref.ref(trainer)
+    del trainer
+    gc.collect()
+    assert ref() is None

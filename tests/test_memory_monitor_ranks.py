@@ -56,6 +56,26 @@ class Small(pl.LightningModule):
         return DataLoader(data, batch_size=4, sampler=DistributedSampler(data, shuffle=False))
 
 
+class TwoOptimizers(Small):
+    """Manual optimization, two optimizer steps per batch: global_step advances by 2, and ring_ddp exchanges on
+    each optimizer step."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        for opt in self.optimizers():
+            x, y = batch
+            loss = nn.functional.cross_entropy(self.net(x), y)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.net[0].parameters(), lr=0.01), torch.optim.SGD(self.net[1].parameters(), lr=0.01)]
+
+
 class Memory(Logger):
     def __init__(self):
         super().__init__()
@@ -121,6 +141,11 @@ def _ranks(rank, world_size, tmp):
         logger = Memory()
         _fit(DDPStrategy(), Small(), [Allocate(1, 2, 0.5), monitor], logger=logger, log_every_n_steps=1)
         out["ddp"] = dict(logged=logger.logged, readings=monitor.readings, events=monitor.events)
+        # manual optimization, two optimizers: every reading arrives (not a later exchange's empty slots)
+        for name, strategy in (("manual_ring", RingDDPStrategy()), ("manual_ddp", DDPStrategy())):
+            monitor = MemoryMonitor(every_n_steps=2, warn_at=None)
+            _fit(strategy, TwoOptimizers(), [monitor], max_steps=12)
+            out[name] = dict(readings=monitor.readings, rss=monitor.last.get("memory/rss_mib_min", 0.0))
         # 3. pre-flight error on every rank before the first backward
         monitor = MemoryMonitor(preflight="error", capacity_gib=0.01)
         try:
@@ -187,17 +212,26 @@ def test_the_estimate_counts_activations_and_other_callbacks_copies(results):
 def test_dist_metrics_keep_their_own_interval(results):
     steps = [s for s, m in results[0]["ring"]["logged"] if any(k.startswith("dist/") for k in m)]
     # exchanges on the strategy's steps 0, 3, 6: logged after them, at global steps 1 (empty: no step before), 4, 7
-    assert steps and all((s - 1) % 3 == 0 for s in steps), steps
+    assert steps == [4], steps
     memory_steps = [s for s, m in results[0]["ring"]["logged"] if "memory/rss_mib_max" in m]
-    assert len(memory_steps) >= 3 and memory_steps == sorted(memory_steps)
+    assert memory_steps == [1, 2, 3, 4]  # every step (every_n_steps=1) until the stop at 4
 
 
 def test_stock_ddp_gathers_every_n_steps(results):
     logged = [(s, m) for s, m in results[0]["ddp"]["logged"] if "memory/rss_mib_max" in m]
-    assert [s for s, _ in logged] == [1, 3, 5, 7]
+    assert [s for s, _ in logged] == [2, 4, 6, 8]
     assert logged[-1][1]["memory/rss_mib_max_rank"] == 1.0
     assert results[1]["ddp"]["readings"] == results[0]["ddp"]["readings"] == 4
     assert results[0]["ddp"]["events"] == []
+
+
+@pytest.mark.parametrize("name", ["manual_ring", "manual_ddp"])
+def test_several_optimizer_steps_per_batch(results, name):
+    for r in range(2):
+        # 12 optimizer steps (6 batches), a reading every 2: ring_ddp fills on the first step of a batch whose
+        # exchange is due (6); stock DDP reads once per batch that crosses an interval (6)
+        assert results[r][name]["readings"] == 6, results[r][name]
+        assert results[r][name]["rss"] > 100  # real values, not a later exchange's empty slots
 
 
 def test_preflight_error_stops_every_rank(results):

@@ -11,8 +11,8 @@ What it does, with its defaults (``MemoryMonitor()``; any strategy, ``ring_ddp``
    forward pass saves for backward, counted as it runs (no extra step, nothing changed). Before the first
    backward, every rank's total is held against its capacity: CUDA memory the process can reach, or on CPU
    the machine's memory (or its cgroup limit) shared among the ranks on it. ``preflight="warn"`` warns when
-   a rank will not fit, ``"error"`` stops every rank with :class:`InsufficientMemoryError` before gradients
-   or optimizer state exist, ``"off"`` skips it. Rank zero logs the estimate as a table.
+   a rank will not fit, ``"error"`` stops every rank with :class:`InsufficientMemoryError` before the first
+   backward (no gradients yet, nor optimizer state unless a checkpoint restored it), ``"off"`` skips it. Rank zero logs the estimate as a table.
 
 2. **Watching.** Every ``every_n_steps`` optimizer steps (default: the Trainer's ``log_every_n_steps``) each
    rank reads its host RSS (current, and peak since the last reading), and on CUDA the caching allocator's
@@ -26,12 +26,15 @@ What it does, with its defaults (``MemoryMonitor()``; any strategy, ``ring_ddp``
    reserved CUDA memory on a GPU). At ``warn_at`` rank zero warns, naming the rank; at ``empty_cache_at`` every
    rank empties the CUDA cache (on CPU: collects garbage and trims the heap); at ``stop_at`` every rank saves a
    checkpoint (``memory-stop-step=N.ckpt`` next to the ModelCheckpoint's, else under ``default_root_dir``)
-   and training stops after that step. Every rank decides from the same gathered values, so every rank acts
+   and training stops after that step (Lightning's ``min_steps`` / ``min_epochs`` still hold). Every rank decides from the same gathered values, so every rank acts
    at the same step. Each fires once per crossing (again after usage fell back below it).
 
 4. **OOM snapshots** (``oom_snapshot=True``, CUDA only): torch's allocator history is recorded from the start
-   of fit, and an out-of-memory error dumps it (``torch.cuda.memory._dump_snapshot``) to
-   ``<log_dir>/memory_snapshots/oom-rank{r}-step{N}.pickle``, for https://pytorch.org/memory_viz.
+   of fit and dumped (``torch.cuda.memory._dump_snapshot``) to
+   ``<log_dir>/memory_snapshots/oom-rank{r}-step{N}.pickle``, for https://pytorch.org/memory_viz: by torch's
+   out-of-memory observer at the failed allocation, before anything is freed (where the build has one; an
+   OOM torch recovers from, such as a convolution retrying with less workspace, fires it too: at most 8 per
+   fit), else when the out-of-memory error reaches Lightning.
 
 Logged metrics (rank zero, through Lightning's loggers; ``_mib`` values in MiB, ``_pct`` in percent):
 
@@ -55,6 +58,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -74,6 +78,16 @@ SLOTS = ("rss", "rss_peak", "usage", "capacity", "estimate", "measured", "cuda_a
 _BYTES = ("rss", "rss_peak", "cuda_allocated", "cuda_allocated_peak", "cuda_reserved", "cuda_reserved_peak")
 _COUNTS = ("cuda_alloc_retries", "cuda_ooms")
 _HISTORY = 100
+_MAX_SNAPSHOTS = 8  # snapshots the OOM observer writes per fit (recoverable OOMs fire it too)
+# torch's OOM observer cannot be detached: one per process, calling the monitor whose fit records allocations
+_OOM_TARGET: Optional[weakref.ref] = None
+_OOM_ATTACHED = False
+
+
+def _oom_observer(device: int, alloc: int, device_alloc: int, device_free: int) -> None:
+    monitor = _OOM_TARGET() if _OOM_TARGET is not None else None
+    if monitor is not None:
+        monitor._dump("oom", observed=True)
 
 
 class InsufficientMemoryError(RuntimeError):
@@ -134,10 +148,13 @@ class MemoryMonitor(Callback):
         self._probe: Optional[ActivationProbe] = None
         self._preflight_pending = False
         self._filled_at = -1  # the strategy step whose exchange carries our values (ring_ddp)
-        self._last_global_step = -1
+        self._captured: Optional[list[list[float]]] = None  # every rank's values from that exchange
+        self._last_global_step = 0
         self._armed = {action: True for action in self.thresholds}
         self._gpu = readers.GpuUtilization()
         self._recording = False
+        self._snapshot_dir = ""
+        self._trainer_ref: Optional[weakref.ref] = None  # weak: the OOM observer outlives the fit
         self._compared = False  # the estimate-against-measurement line was logged
 
     # -- set-up -----------------------------------------------------------------------------------------------
@@ -166,6 +183,8 @@ class MemoryMonitor(Callback):
         self._measured = 0.0
         self._armed = dict.fromkeys(self.thresholds, True)
         self._compared = False
+        self._filled_at, self._captured, self._last_global_step = -1, None, trainer.global_step
+        self.snapshots, self.seconds = [], 0.0
         self._preflight_pending = self.preflight != "off"
         if self.oom_snapshot:
             self._start_recording(trainer)
@@ -274,18 +293,35 @@ class MemoryMonitor(Callback):
         started = time.thread_time()
         rows: Optional[list[list[float]]] = None
         if self._ring:
-            if self._filled_at >= 0 and self._steps(trainer) > self._filled_at:  # the step and its exchange ran
-                control = trainer.strategy.control
-                columns = [control.per_rank(f"mem_{name}") for name in SLOTS]
-                rows = [list(row) for row in zip(*columns)]
-                self._filled_at = -1
-        elif trainer.global_step != self._last_global_step:  # an optimizer step (not an accumulation batch)
+            self._capture(trainer)  # a skipped step (NaNRecovery) has no on_before_optimizer_step
+            rows, self._captured = self._captured, None
+            if self._filled_at >= 0 and self._steps(trainer) > self._filled_at:
+                self._filled_at = -1  # that step's exchange was overwritten by a later one: this reading is lost
+        elif trainer.global_step // self._every != self._last_global_step // self._every:
+            # an optimizer step into a new interval (global_step can advance by more than 1 per batch: manual
+            # optimization with several optimizers; not at all on an accumulation batch); every rank alike
             self._last_global_step = trainer.global_step
-            if (trainer.global_step - 1) % self._every == 0:
-                rows = self._gather(trainer, list(self._read().values()))
+            rows = self._gather(trainer, list(self._read().values()))
         if rows is not None:
             self._handle(trainer, [dict(zip(SLOTS, row)) for row in rows])
         self.seconds += time.thread_time() - started
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        if self._ring:
+            self._capture(trainer)
+
+    def _capture(self, trainer: pl.Trainer) -> None:
+        """Under ring_ddp: copy every rank's values once the exchange of the step we filled has completed,
+        before a later exchange in the same batch (a second optimizer) replaces them."""
+        strategy = trainer.strategy
+        if self._filled_at < 0 or strategy.last_exchange_step != self._filled_at:
+            return
+        control = strategy.control
+        columns = [control.per_rank(f"mem_{name}") for name in SLOTS]
+        self._captured = [list(row) for row in zip(*columns)]
+        self._filled_at = -1
 
     def _read(self) -> dict[str, float]:
         """This rank's values, in :data:`SLOTS` order; peaks restart afterwards when ``reset_peaks``."""
@@ -381,53 +417,69 @@ class MemoryMonitor(Callback):
 
     # -- OOM snapshots --------------------------------------------------------------------------------------
     def _start_recording(self, trainer: pl.Trainer) -> None:
+        global _OOM_ATTACHED, _OOM_TARGET
         if self._cuda is None:
             rank_zero_info("MemoryMonitor: oom_snapshot needs a CUDA device; this run has none, so no snapshot")
             return
         self._snapshot_dir = self.snapshot_dir or os.path.join(trainer.log_dir or trainer.default_root_dir,
                                                                "memory_snapshots")
-        self._trainer_step = lambda: trainer.global_step
+        self._trainer_ref = weakref.ref(trainer)
         torch.cuda.memory._record_memory_history(max_entries=self.snapshot_entries)
         self._recording = True
+        _OOM_TARGET = weakref.ref(self)
         attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
-        if attach is not None:  # dump at the moment of the failed allocation, before anything is freed
-            attach(lambda *args: self._dump("oom"))
+        if attach is not None and not _OOM_ATTACHED:  # one observer per process; it cannot be detached
+            attach(_oom_observer)
+            _OOM_ATTACHED = True
 
-    def _dump(self, why: str) -> Optional[str]:
-        if not self._recording:
+    def _dump(self, why: str, observed: bool = False) -> Optional[str]:
+        """Write the allocator's history; from the observer (the moment of a failed allocation, which torch may
+        still recover from, e.g. a convolution retrying with less workspace) at most ``_MAX_SNAPSHOTS`` times."""
+        if not self._recording or (observed and len(self.snapshots) >= _MAX_SNAPSHOTS):
             return None
-        self._recording = False  # one snapshot per fit: the first OOM is the informative one
         os.makedirs(self._snapshot_dir, exist_ok=True)
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         path = os.path.join(self._snapshot_dir, f"{why}-rank{rank}-step{self._trainer_step()}.pickle")
-        torch.cuda.memory._dump_snapshot(path)
-        self.snapshots.append(path)
+        torch.cuda.memory._dump_snapshot(path)  # a later OOM at the same step overwrites it: the latest wins
+        if path not in self.snapshots:
+            self.snapshots.append(path)
         return path
 
     def _stop_recording(self) -> None:
-        if self._cuda is not None and self.oom_snapshot:
+        global _OOM_TARGET
+        if self._recording:
             self._recording = False
             torch.cuda.memory._record_memory_history(enabled=None)
+        if _OOM_TARGET is not None and _OOM_TARGET() is self:
+            _OOM_TARGET = None
+        self._trainer_ref = None
+
+    def _trainer_step(self) -> int:
+        trainer = self._trainer_ref() if self._trainer_ref is not None else None
+        return trainer.global_step if trainer is not None else -1
+
+    def _release(self, trainer: pl.Trainer) -> None:
+        """What a fit leaves behind, whether it ended or failed: the probe, the recording, the exchange request."""
+        if self._probe is not None:
+            self._probe.stop()
+            self._probe = None
+        self._stop_recording()
+        request = getattr(trainer.strategy, "request_exchange", None)
+        if self._ring and request is not None:
+            request(0, "memory")
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if self._probe is not None:
-            self._probe.stop()
-            self._probe = None
-        if isinstance(exception, torch.cuda.OutOfMemoryError):
-            self._dump("oom")
-        self._stop_recording()
+        if isinstance(exception, torch.cuda.OutOfMemoryError) and self._recording:
+            step = self._trainer_step()
+            if not any(path.endswith(f"-step{step}.pickle") for path in self.snapshots):
+                self._dump("oom")  # no observer in this torch build, or it did not fire at this step
+        self._release(trainer)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        if self._probe is not None:
-            self._probe.stop()
-            self._probe = None
-        self._stop_recording()
-        if self._ring:
-            trainer.strategy.request_exchange(0, "memory")
+        if stage == "fit":
+            self._release(trainer)
 
     # -- state ------------------------------------------------------------------------------------------------
     @override

@@ -273,7 +273,6 @@ class NaNRecovery(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
 
-    @override
     def memory_parts(self, parts: dict[str, int], on_accelerator: bool) -> dict[str, int]:
         """What the snapshot adds to MemoryMonitor's estimate of the device's memory: a copy of the weights and
         the optimizer state, where it lives (host memory with ``snapshot_device="cpu"`` on a GPU: not counted)."""
@@ -281,6 +280,7 @@ class NaNRecovery(Callback):
             return {}
         return {"nan_recovery_snapshot": parts.get("weights", 0) + parts.get("optimizer_state", 0)}
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"skipped": self.skipped, "consecutive": self.consecutive, "rollbacks": self.rollbacks,
                 "drift_checks": self.drift_checks, "drift_mismatches": self.drift_mismatches,

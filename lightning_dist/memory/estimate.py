@@ -16,6 +16,7 @@ resident memory a training run shows, and above it rather than below.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -131,7 +132,10 @@ def probe_state_multiple(optimizer: torch.optim.Optimizer, group: dict[str, Any]
     Returns (state bytes per parameter byte, fixed bytes per parameter tensor). The copy is the same class with
     the group's settings, on float32 CPU tensors; the real optimizer and model are not touched.
     """
-    settings = {k: v for k, v in group.items() if k != "params"}
+    # only what the constructor takes (an LR scheduler adds initial_lr to the group), and nothing that needs a
+    # CUDA tensor (fused and capturable do not change the state's size)
+    accepted = inspect.signature(type(optimizer)).parameters
+    settings = {k: v for k, v in group.items() if k in accepted and k not in ("params", "fused", "capturable")}
     sizes, found = (1024, 4096), []
     for n in sizes:
         param = torch.nn.Parameter(torch.linspace(-1.0, 1.0, n))
@@ -195,11 +199,14 @@ def optimizer_transient_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, st
         if not params:
             continue
         kind = _multi_tensor(optimizer, group, params)
+        maximize = int(bool(group.get("maximize", False)))  # the negated gradients
         if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
-            # sqrt(exp_avg_sq); Adam's (coupled) weight decay adds a decayed copy of the gradients
-            copies = 1 + (type(optimizer) is torch.optim.Adam and group.get("weight_decay", 0) != 0)
+            # sqrt(exp_avg_sq); coupled weight decay (Adam's, unless decoupled_weight_decay) adds a decayed copy
+            coupled = type(optimizer) is torch.optim.Adam and not group.get("decoupled_weight_decay", False)
+            copies = 1 + int(coupled and group.get("weight_decay", 0) != 0) + maximize
         elif type(optimizer) is torch.optim.SGD:
-            copies = int(group.get("weight_decay", 0) != 0) + int(bool(group.get("nesterov", False)))
+            # the decayed gradients; nesterov's update is in place
+            copies = int(group.get("weight_decay", 0) != 0) + maximize
         else:
             copies = 1  # unknown: one parameter-sized temporary
         if kind == "fused":
@@ -290,7 +297,9 @@ def _comm_parts(est: MemoryEstimate, params: list[tuple[str, torch.nn.Parameter]
             est.notes["compressor_state"] = f"{compressor.describe()}: residuals / factors"
     workspace = compressor.workspace_bytes(bucket_numel, element, comm.world_size) if compressor is not None else 0
     if comm.transport_buffers:
-        workspace += bucket_bytes
+        # a scratch pool per thread that runs collectives (the communication worker, and the autograd thread
+        # when it reduces a bucket itself), each up to a bucket (the ring's staging is 2/N of it, the tree's all)
+        workspace += 2 * bucket_bytes
     if workspace:
         est.parts["comm_workspace"] = workspace
         est.notes["comm_workspace"] = (f"transport staging and compressor temporaries, per bucket in flight "
@@ -332,7 +341,9 @@ class ActivationProbe:
             key, size = id(tensor), tensor.numel() * tensor.element_size()
         if key not in self._skip:
             self._seen[key] = max(self._seen.get(key, 0), size)
-        return tensor
+        # detached: a saved *output* returned as it is would point back at its own grad_fn, a cycle through C++
+        # that the garbage collector cannot free if the graph is dropped without a backward
+        return tensor.detach()
 
     @staticmethod
     def _unpack(tensor: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,6 @@ import psutil
 import torch
 
 UNAVAILABLE = -1.0
-_CGROUP_V2 = "/sys/fs/cgroup/memory.max"
-_CGROUP_V1 = "/sys/fs/cgroup/memory/memory.limit_in_bytes"
 _process: Optional[tuple[int, psutil.Process]] = None
 
 
@@ -56,22 +54,46 @@ def reset_host_peak() -> bool:
         return False
 
 
-def cgroup_limit(v2: str = _CGROUP_V2, v1: str = _CGROUP_V1) -> Optional[int]:
-    """The memory limit of this process's cgroup (a container, a SLURM job), or None when unlimited."""
-    for path in (v2, v1):
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-        except OSError:
+def _read_limit(path: str) -> Optional[int]:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    if not text.isdigit():
+        return None  # "max": no limit at this level
+    value = int(text)
+    return value if value < 2**60 else None  # v1 writes "no limit" as a page-rounded 2**63
+
+
+def cgroup_limit(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -> Optional[int]:
+    """The lowest memory limit on the way from this process's cgroup up to the root (cgroup v2's ``memory.max``
+    or v1's ``memory.limit_in_bytes``): a container's, a SLURM job's (``.../job_N``), a systemd slice's. None
+    when nothing limits it."""
+    try:
+        with open(proc) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    candidates = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
             continue
-        if text == "max":
-            return None
-        try:
-            value = int(text)
-        except ValueError:
+        controllers, rel = parts[1], parts[2].strip("/")
+        if controllers == "":  # v2, the unified hierarchy
+            base, name = root, "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = os.path.join(root, "memory"), "memory.limit_in_bytes"
+        else:
             continue
-        return value if value < 2**60 else None  # v1 writes "no limit" as a page-rounded 2**63
-    return None
+        while True:  # the process's own group, its parents, and the mount's root (a container's own group)
+            candidates.append(os.path.join(base, rel, name))
+            if not rel:
+                break
+            rel = os.path.dirname(rel)
+    limits = [limit for limit in map(_read_limit, dict.fromkeys(candidates)) if limit is not None]
+    return min(limits) if limits else None
 
 
 def local_world_size(default: int = 1) -> int:

@@ -8,9 +8,10 @@ Features register named slots once at set-up (the same names in the same order o
   measured (compute time, time in communication, bytes sent), so rank zero can log the straggler signal
   without a collective of its own.
 
-The strategy exchanges on every step when any agreed slot is registered, and otherwise only on the steps
-whose measurements will be logged; both depend only on values every rank shares (the registered names,
-the step count, the logging interval), so all ranks exchange on the same steps.
+The strategy exchanges on every step when any agreed slot is registered, and otherwise only on the steps a
+feature asked for (``RingDDPStrategy.request_exchange``: DistMetricsCallback's logging steps, MemoryMonitor's
+readings); both depend only on values every rank shares (the registered names, the step count, the
+requested intervals), so all ranks exchange on the same steps.
 
 One float64 vector carries both, reduced once per step: one collective per step, not one per feature.
 float64 keeps sample counts and byte counts exact up to 2**53.

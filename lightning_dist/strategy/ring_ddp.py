@@ -179,6 +179,13 @@ class RingDDPStrategy(DDPStrategy):
         return self._meter.step_metrics_step
 
     @property
+    def last_exchange_step(self) -> int:
+        """The value of :attr:`steps_done` during the step whose exchange completed last (-1: none yet): a
+        feature that filled per-rank slots on step ``s`` reads them while this equals ``s``."""
+        step = self._meter.step_metrics_step
+        return step - 1 if step >= 0 else -1
+
+    @property
     def steps_done(self) -> int:
         """Optimizer steps (taken or skipped) since this fit started: the same count on every rank."""
         return self._meter.steps_done
