@@ -3,16 +3,16 @@ every rank acts on together, and CUDA memory snapshots on an out-of-memory error
 
 What it does, with its defaults (``MemoryMonitor()``; any strategy, ``ring_ddp`` or stock ``ddp``):
 
-1. **Pre-flight estimate.** Weights, gradients, DDP's gradient buckets, optimizer state (SGD, SGD with
-   momentum, Adam/AdamW from torch's documented state; any other optimizer probed on dummy parameters), the
-   optimizer's temporaries, the compressor's residuals and the transport's buffers
-   (:mod:`lightning_dist.memory.estimate`), what other callbacks keep (NaNRecovery's snapshot: any callback
-   with a ``memory_parts(parts, on_accelerator)`` method adds its own), plus the activations the first
-   forward pass saves for backward, counted as it runs (no extra step, nothing changed). Before the first
-   backward, every rank's total is held against its capacity: CUDA memory the process can reach, or on CPU
-   the machine's memory (or its cgroup limit) shared among the ranks on it. ``preflight="warn"`` warns when
-   a rank will not fit, ``"error"`` stops every rank with :class:`InsufficientMemoryError` before the first
-   backward (no gradients yet, nor optimizer state unless a checkpoint restored it), ``"off"`` skips it. Rank zero logs the estimate as a table.
+1. **Pre-flight estimate.** Weights, gradients, DDP's gradient buckets, optimizer state (SGD, SGD with momentum,
+   Adam/AdamW from torch's documented state; any other optimizer probed on dummy parameters), the optimizer's
+   temporaries, the compressor's residuals and the transport's buffers (:mod:`lightning_dist.memory.estimate`), what
+   other callbacks keep (NaNRecovery's snapshot: any callback with a ``memory_parts(parts, on_accelerator)`` method
+   adds its own), plus the activations the first forward pass saves for backward, counted as it runs (no extra step,
+   nothing changed). Before the first backward, every rank's total is held against its capacity: CUDA memory the
+   process can reach, or on CPU the machine's memory (or its cgroup limit) shared among the ranks on it.
+   ``preflight="warn"`` warns when a rank will not fit, ``"error"`` stops every rank with
+   :class:`InsufficientMemoryError` before the first backward (no gradients yet, nor optimizer state unless a
+   checkpoint restored it), ``"off"`` skips it. Rank zero logs the estimate as a table.
 
 2. **Watching.** Every ``every_n_steps`` optimizer steps (default: the Trainer's ``log_every_n_steps``) each
    rank reads its host RSS (current, and peak since the last reading), and on CUDA the caching allocator's
@@ -22,12 +22,13 @@ What it does, with its defaults (``MemoryMonitor()``; any strategy, ``ring_ddp``
    ``every_n_steps`` steps carries them. Rank zero logs, for each quantity, the max and min over ranks and the
    rank that holds the max (``memory/rss_mib_max``, ``memory/rss_mib_min``, ``memory/rss_mib_max_rank``, ...).
 
-3. **Thresholds.** ``usage`` is a rank's peak since the last reading over its capacity (host RSS on CPU,
-   reserved CUDA memory on a GPU). At ``warn_at`` rank zero warns, naming the rank; at ``empty_cache_at`` every
-   rank empties the CUDA cache (on CPU: collects garbage and trims the heap); at ``stop_at`` every rank saves a
-   checkpoint (``memory-stop-step=N.ckpt`` next to the ModelCheckpoint's, else under ``default_root_dir``)
-   and training stops after that step (Lightning's ``min_steps`` / ``min_epochs`` still hold). Every rank decides from the same gathered values, so every rank acts
-   at the same step. Each fires once per crossing (again after usage fell back below it).
+3. **Thresholds.** ``usage`` is a rank's peak since the last reading over its capacity (host RSS on CPU, reserved
+   CUDA memory on a GPU). At ``warn_at`` rank zero warns, naming the rank; at ``empty_cache_at`` every rank empties
+   the CUDA cache (on CPU: collects garbage and trims the heap); at ``stop_at`` every rank saves a checkpoint
+   (``memory-stop-step=N.ckpt`` next to the ModelCheckpoint's, else under ``default_root_dir``) and training stops
+   after that step (Lightning's ``min_steps`` / ``min_epochs`` still hold). Every rank decides from the same
+   gathered values, so every rank acts at the same step. Each fires once per crossing (again after usage fell back
+   below it).
 
 4. **OOM snapshots** (``oom_snapshot=True``, CUDA only): torch's allocator history is recorded from the start
    of fit and dumped (``torch.cuda.memory._dump_snapshot``) to
