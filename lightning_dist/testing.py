@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import Logger
 
 _GRACE_S = 3.0  # after a rank fails, how long the others get to report before they are killed
 
@@ -193,3 +194,19 @@ class Slowdown(Callback):
         backward = time.perf_counter() - self._backward_started - waited
         if self._forward > 0 and backward > 0:
             self._backward_per_forward = backward / self._forward
+
+
+class RecordingLogger(Logger):
+    """A Lightning logger that keeps what was logged, as ``(step, metrics)`` pairs in :attr:`logged` (tests)."""
+
+    name, version = "recording", 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[Any, dict[str, float]]] = []
+
+    def log_metrics(self, metrics: dict[str, float], step: Any = None) -> None:
+        self.logged.append((step, dict(metrics)))
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass

@@ -130,7 +130,7 @@ def test_activation_probe_counts_what_autograd_saves_and_changes_nothing():
         out = model(x).sum()
     # the first Linear saves its input (8 x 16), ReLU its output (8 x 32), which the second Linear saves too;
     # the weights Linear saves are parameters, not activations
-    assert probe.bytes == 8 * 16 * 4 + 8 * 32 * 4
+    assert probe.bytes == 8 * 16 * 4 + 8 * 32 * 4 and probe.largest == 8 * 32 * 4
     out.backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -170,8 +170,10 @@ def test_estimate_parts_follow_buckets_compressor_and_activations():
     assert est.parts["optimizer_state"] == grads and "activations" not in est.parts
     assert "not measured yet" in est.notes["activations"]
     est = estimate_memory(model, [sgd], CommSetup(has_buckets=True, buckets_are_views=True, world_size=2,
-                                                  transport_buffers=True), activation_bytes=1234)
+                                                  transport_buffers=True), activation_bytes=1234,
+                         largest_activation=500)
     assert est.parts["ddp_buckets"] == 0 and est.parts["activations"] == 1234
+    assert est.parts["activation_grads"] == 1500  # backward's temporaries: 3 x the largest
     # a bucket of scratch for each of two threads (one bucket: the model is smaller than 25 MiB)
     assert est.parts["comm_workspace"] == 2 * grads
     topk = build_compressor("topk", ratio=0.01)  # with error feedback

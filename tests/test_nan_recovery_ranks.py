@@ -13,7 +13,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
@@ -23,7 +22,7 @@ from lightning_dist import LossScaler, NaNRecovery, RingDDPStrategy
 from lightning_dist.callbacks import NaNRecoveryError
 from lightning_dist.compression import COMPRESSORS, build_compressor
 from lightning_dist.hetero import HeteroBatching
-from lightning_dist.testing import launched_externally, run_ranks
+from lightning_dist.testing import RecordingLogger, launched_externally, run_ranks
 
 N_SAMPLES, BATCH, STEPS = 96, 8, 6  # 2 ranks: 6 optimizer steps per epoch
 SETTINGS = {"topk": {"ratio": 0.1}, "threshold": {"threshold": 1e-3, "max_ratio": 0.2}, "powersgd": {"rank": 2}}
@@ -68,22 +67,6 @@ class Net(pl.LightningModule):
         return DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data, shuffle=False))
 
 
-class Memory(Logger):
-    """Keeps what was logged."""
-
-    def __init__(self):
-        super().__init__()
-        self.logged = []
-
-    name, version = "memory", 0
-
-    def log_metrics(self, metrics, step=None):
-        self.logged.append((step, dict(metrics)))
-
-    def log_hyperparams(self, *args, **kwargs):
-        pass
-
-
 class Drift(Callback):
     """Nudges one weight on rank 1 by one ulp after global step ``at`` (before NaNRecovery's check)."""
 
@@ -115,7 +98,7 @@ def _faults(rank, world_size):
         # 1. NaN loss on rank 1 at step 2, against a run that skips step 2's batch on every rank
         _, out["reference"] = _fit(RingDDPStrategy(), Net(drop=2))
         _, out["ddp_reference"] = _fit(DDPStrategy(), Net(drop=2))
-        memory = Memory()
+        memory = RecordingLogger()
         cb = NaNRecovery()
         _, weights = _fit(RingDDPStrategy(), Net(nan_loss={(1, 2)}), [cb], logger=memory, log_every_n_steps=1)
         out["nan_loss"] = (weights, cb.skipped, list(cb.history), memory.logged)

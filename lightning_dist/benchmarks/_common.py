@@ -113,6 +113,17 @@ def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return "\n".join([line(cells[0]), rule] + [line(row) for row in cells[1:]])
 
 
+def step_boxplot(ax: Any, data: Sequence[Sequence[float]], labels: Sequence[str], title: str,
+                 **tick_options: Any) -> None:
+    """Per-run median step times (ms) of several configurations: a box per configuration, every run as a dot."""
+    ax.boxplot(data, showfliers=False)
+    ax.set_xticks(range(1, len(labels) + 1), labels, **tick_options)
+    for i, values in enumerate(data, start=1):
+        ax.plot(np.full(len(values), i) + np.linspace(-0.08, 0.08, len(values)), values, "o", ms=3, alpha=0.6)
+    ax.set(ylabel="step time, ms (per-run median)", title=title)
+    ax.grid(alpha=0.3, axis="y")
+
+
 def progress(message: str) -> None:
     """A progress line on stderr, so stdout holds only the results."""
     print(message, file=sys.stderr, flush=True)

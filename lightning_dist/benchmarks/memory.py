@@ -1,7 +1,7 @@
 """MemoryMonitor, measured: how close its pre-flight estimate comes to the memory a run really takes, and what
 watching memory costs a training step.
 
-Run ``python -m lightning_dist.benchmarks.memory`` (about five minutes on a 2-core machine; ``--quick`` is a
+Run ``python -m lightning_dist.benchmarks.memory`` (about three and a half minutes on a 2-core machine; ``--quick`` is a
 smoke run; ``--parts estimate`` or ``--parts cost`` runs one half). Two parts:
 
 **A. The estimate against measurement.** One group of 2 gloo ranks (:func:`~lightning_dist.testing.run_ranks`,
@@ -70,6 +70,7 @@ from lightning_dist.benchmarks._common import (
     output_dir,
     progress,
     quiet_lightning,
+    step_boxplot,
     step_times,
     summarize,
     write_results,
@@ -88,15 +89,15 @@ TARGET_FRACTION = 0.01  # the monitor's own work below 1% of the step at its def
 ESTIMATE_STEPS = 3
 ESTIMATE_DEADLINE_S = 900.0
 COST_WORKLOAD = "digits"
-COST_STEPS, COST_WARMUP, COST_ROUNDS = 300, 10, 8  # 300 steps: 6 readings at the default interval of 50
+COST_STEPS, COST_WARMUP, COST_ROUNDS = 300, 10, 12  # 300 steps: 6 readings at the default interval of 50
 QUICK_STEPS, QUICK_WARMUP, QUICK_EVERY = 15, 5, 5
 QUICK_ESTIMATE_CONFIGS = ("ring/sgd-momentum", "ddp/adam")
 # the estimate's parts in the table's and the plot's order; any other part follows
 PART_ORDER = ("weights", "gradients", "ddp_buckets", "optimizer_state", "optimizer_step", "compressor_state",
-              "comm_workspace", "activations")
+              "comm_workspace", "activations", "activation_grads")
 PART_LABELS = {"weights": "weights", "gradients": "grads", "ddp_buckets": "buckets", "optimizer_state": "opt state",
                "optimizer_step": "opt step", "compressor_state": "compressor", "comm_workspace": "comm",
-               "activations": "activations"}
+               "activations": "activations", "activation_grads": "act. grads"}
 
 
 # -- part A: the models and configurations ---------------------------------------------------------------------
@@ -456,7 +457,8 @@ def plot_estimates(summary: Sequence[dict[str, Any]], path: Path) -> Path:
         ax.bar(x - width / 2, values, width, bottom=bottom, color=colors[part], label=PART_LABELS.get(part, part))
         bottom += values
     grown = np.array([s["grown_mib"] for s in summary])
-    ax.bar(x + width / 2, grown, width, color="0.35", label="measured growth (peak RSS)")
+    ax.bar(x + width / 2, grown, width, color="white", edgecolor="black", hatch="//",
+           label="measured growth (peak RSS)")
     for i, s in enumerate(summary):
         band = [i - width - 0.04, i + width + 0.04]
         ax.fill_between(band, (1 - TARGET_ERROR) * grown[i], (1 + TARGET_ERROR) * grown[i], color="red", alpha=0.1,
@@ -465,7 +467,7 @@ def plot_estimates(summary: Sequence[dict[str, Any]], path: Path) -> Path:
             ax.plot(band, [edge * grown[i]] * 2, color="red", ls="--", lw=1)
         ax.plot(i + width / 2, s["monitor_measured_mib"], "k_", ms=14, mew=2,
                 label="the monitor's own measure" if i == 0 else None)
-        ax.annotate(f"{s['error_pct']:+.0f}%", (i - width / 2, bottom[i]), ha="center", va="bottom",
+        ax.annotate(f"{s['error_pct']:+.1f}%", (i - width / 2, bottom[i]), ha="center", va="bottom",
                     fontsize="small")
     ax.set_xticks(x, [s["config"] for s in summary], rotation=30, ha="right")
     ax.set(ylabel="MiB per rank (rank 0)", title="MemoryMonitor's estimate (stacked by part, error on top) against\n"
@@ -487,12 +489,7 @@ def plot_cost(runs: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]],
     for ax, s in zip(axes, summary):
         data = [[1e3 * r["median_s"] for r in runs if r["strategy"] == s["strategy"] and r["monitored"] == m]
                 for m in (False, True)]
-        ax.boxplot(data, showfliers=False)
-        for i, values in enumerate(data, start=1):
-            ax.plot(np.full(len(values), i) + np.linspace(-0.08, 0.08, len(values)), values, "o", ms=3, alpha=0.6)
-        ax.set_xticks([1, 2], [s["strategy"], "+ MemoryMonitor"])
-        ax.set(ylabel="step time, ms (per-run median)", title=f"{s['strategy']}: paired {s['paired_ratio']:.3f}x")
-        ax.grid(alpha=0.3, axis="y")
+        step_boxplot(ax, data, [s["strategy"], "+ MemoryMonitor"], f"{s['strategy']}: paired {s['paired_ratio']:.3f}x")
     ax = axes[-1]
     names = [s["strategy"] for s in summary]
     x = np.arange(len(names))

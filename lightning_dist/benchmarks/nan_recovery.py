@@ -44,6 +44,7 @@ from lightning_dist.benchmarks._common import (
     output_dir,
     progress,
     quiet_lightning,
+    step_boxplot,
     step_times,
     summarize,
     write_results,
@@ -140,13 +141,7 @@ def plot(runs: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]], path
     for ax, s in zip(axes, summary):
         data = [[1e3 * r["median_s"] for r in runs if r["workload"] == s["workload"] and r["config"] == c]
                 for c in CONFIGS]
-        ax.boxplot(data, showfliers=False)
-        for i, values in enumerate(data, start=1):
-            ax.plot(np.full(len(values), i) + np.linspace(-0.08, 0.08, len(values)), values, "o", ms=3, alpha=0.6)
-        ax.set_xticks([1, 2], ["ring_ddp", "+ NaNRecovery"])
-        ax.set(ylabel="step time, ms (per-run median)",
-               title=f"{s['workload']}: paired {s['paired_ratio']:.3f}x")
-        ax.grid(alpha=0.3, axis="y")
+        step_boxplot(ax, data, ["ring_ddp", "+ NaNRecovery"], f"{s['workload']}: paired {s['paired_ratio']:.3f}x")
     ax = axes[-1]
     names = [s["workload"] for s in summary]
     bottom = np.zeros(len(summary))

@@ -70,6 +70,7 @@ from lightning_dist.benchmarks._common import (
     output_dir,
     progress,
     quiet_lightning,
+    step_boxplot,
     step_times,
     summarize,
     write_results,
@@ -290,17 +291,12 @@ def plot(runs: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]], path
         labels = [s["config"] for s in mine]
         data = [[1e3 * r["median_s"] for r in runs if r["workload"] == name and r["config"] == label]
                 for label in labels]
-        ax.boxplot(data, showfliers=False)
-        ax.set_xticks(range(1, len(labels) + 1), labels, rotation=35, ha="right")
-        for i, values in enumerate(data, start=1):
-            ax.plot(np.full(len(values), i) + np.linspace(-0.08, 0.08, len(values)), values, "o", ms=3, alpha=0.6)
+        step_boxplot(ax, data, labels, f"{name}: {workload.description}", rotation=35, ha="right")
         stock_ms = 1e3 * mine[0]["median_s"]
         ax.axhline(stock_ms, color="gray", lw=1, label="ddp median")
         ax.axhline(workload.target_ratio * stock_ms, color="red", ls="--", lw=1,
                    label=f"{workload.target_ratio}x ddp (target: {', '.join(workload.targets)})")
-        ax.set(ylabel="step time, ms (per-run median)", title=f"{name}: {workload.description}")
         ax.title.set_fontsize("small")
-        ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize="x-small")
     fig.suptitle(f"{WORLD_SIZE} CPU ranks, gloo: stock DDP vs ring_ddp (overlapped and /blocking hook)")
     fig.savefig(path, dpi=110)

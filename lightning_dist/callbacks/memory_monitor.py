@@ -210,12 +210,13 @@ class MemoryMonitor(Callback):
         return readers.host_capacity(readers.local_world_size(getattr(trainer, "num_devices", 1)))
 
     def _estimate(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                  activations: Optional[int]) -> MemoryEstimate:
+                  activations: Optional[int], largest: int = 0) -> MemoryEstimate:
         strategy = trainer.strategy
         comm = comm_setup_of(getattr(strategy, "model", None) or pl_module,
                              compressor=getattr(strategy, "compressor", None) if self._ring else None,
                              world_size=trainer.world_size, transport_buffers=self._ring)
-        est = estimate_memory(pl_module, trainer.optimizers, comm, activation_bytes=activations)
+        est = estimate_memory(pl_module, trainer.optimizers, comm, activation_bytes=activations,
+                              largest_activation=largest)
         for callback in trainer.callbacks:  # callbacks that hold copies (NaNRecovery's snapshot) say how much
             parts = getattr(callback, "memory_parts", None)
             if callable(parts) and callback is not self:
@@ -251,9 +252,9 @@ class MemoryMonitor(Callback):
     def _finish_probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         started = time.thread_time()
         assert self._probe is not None
-        activations = self._probe.stop()
+        activations, largest = self._probe.stop(), self._probe.largest
         self._probe = None
-        self.estimate = self._estimate(trainer, pl_module, activations=activations)
+        self.estimate = self._estimate(trainer, pl_module, activations=activations, largest=largest)
         if self._preflight_pending:
             self._check_preflight(trainer)
         else:
