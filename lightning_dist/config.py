@@ -111,6 +111,7 @@ class TrainConf:
     callbacks: dict[str, Any] = field(default_factory=dict)  # name -> {_target_: ..., ...}
     seed: int = 0
     ckpt_path: Optional[str] = None  # resume from this checkpoint (a path)
+    resume: str = "never"  # never | auto: the newest valid checkpoint under <run dir>/checkpoints (ckpt_path wins)
 
 
 def stock_ddp_strategy(timeout: float, algorithm: Optional[str] = None, overlap: Optional[bool] = None,
@@ -197,9 +198,11 @@ def run_dir_name() -> str:
 
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=timedelta(seconds=120))
-        key = f"lightning_dist/run_dir/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        # the first attempt's rank 0 names it; restarts (torchrun --max-restarts) find the same name, and with it
+        # the checkpoints resume=auto looks for
+        key = "lightning_dist/run_dir"
         if os.environ.get("RANK", "0") == "0":
-            store.set(key, time.strftime("%Y-%m-%d_%H-%M-%S"))
+            store.compare_set(key, "", time.strftime("%Y-%m-%d_%H-%M-%S"))
         return f"torchrun-{store.get(key).decode()}"
     return time.strftime("%Y-%m-%d/%H-%M-%S")  # Hydra's own layout
 
@@ -236,6 +239,9 @@ def validate(cfg: DictConfig) -> None:
             "strategy.start_method=fork with trainer.accelerator=gpu: CUDA cannot be used in forked processes; "
             "add strategy.start_method=popen"
         )
+    if cfg.get("resume", "never") not in ("never", "auto"):
+        problems.append(f"resume={cfg.resume!r}: use resume=auto (the newest valid checkpoint of this run directory) "
+                        "or resume=never; ckpt_path=PATH resumes from one file")
     if cfg.strategy.timeout <= 0:
         problems.append(f"strategy.timeout={cfg.strategy.timeout}: seconds, > 0 (default 1800)")
     if t.accelerator == "cpu" and isinstance(devices, int) and devices > (os.cpu_count() or 1) * 4:
@@ -246,6 +252,7 @@ def validate(cfg: DictConfig) -> None:
     problems += _hetero_problems(cfg)
     problems += _nan_recovery_problems(cfg)
     problems += _memory_monitor_problems(cfg)
+    problems += _fault_tolerance_problems(cfg)
     if problems:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(problems))
 
@@ -279,6 +286,12 @@ def _memory_monitor_problems(cfg: DictConfig) -> list[str]:
     from lightning_dist.callbacks.memory_monitor import MemoryMonitor, check_settings
 
     return _callback_problems(cfg, "memory_monitor", MemoryMonitor, check_settings)
+
+
+def _fault_tolerance_problems(cfg: DictConfig) -> list[str]:
+    from lightning_dist.callbacks.fault_tolerance import FaultTolerance, check_settings
+
+    return _callback_problems(cfg, "fault_tolerance", FaultTolerance, check_settings)
 
 
 def _hetero_problems(cfg: DictConfig) -> list[str]:

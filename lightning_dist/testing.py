@@ -210,3 +210,41 @@ class RecordingLogger(Logger):
 
     def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
         pass
+
+
+class InjectFault(Callback):
+    """A fault on one rank at one global step, for tests and the ``faults`` benchmark only.
+
+    ``kind``: ``"raise"`` (a RuntimeError in the training step), ``"kill"`` (SIGKILL to itself: no Python
+    cleanup at all), ``"stall"`` (sleeps ``stall_s`` at the start of the step: alive, sockets open, no
+    progress, as a stuck data loader), ``"signal"`` (sends itself ``signum``, SIGTERM by default, as a
+    scheduler's preemption would). ``once_file``: when given, the fault happens only if that file does not
+    exist yet, and creates it (a restarted attempt then runs clean).
+    """
+
+    KINDS = ("raise", "kill", "stall", "signal")
+
+    def __init__(self, kind: str, rank: int, step: int, stall_s: float = 3600.0, signum: int = int(signal.SIGTERM),
+                 once_file: str | None = None) -> None:
+        if kind not in self.KINDS:
+            raise ValueError(f"InjectFault kind={kind!r}: use one of {self.KINDS}")
+        self.kind, self.rank, self.step, self.stall_s, self.signum = kind, rank, step, stall_s, signum
+        self.once_file = once_file
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_rank != self.rank or trainer.global_step != self.step:
+            return
+        if self.once_file is not None:
+            if os.path.exists(self.once_file):
+                return
+            with open(self.once_file, "w") as f:
+                f.write(f"{self.kind} at step {self.step} on rank {self.rank}\n")
+        print(f"[InjectFault] rank {self.rank}: {self.kind} at global step {self.step}", flush=True)
+        if self.kind == "raise":
+            raise RuntimeError(f"injected fault on rank {self.rank} at global step {self.step}")
+        if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "stall":
+            time.sleep(self.stall_s)
+        if self.kind == "signal":
+            os.kill(os.getpid(), self.signum)

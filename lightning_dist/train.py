@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import lightning_dist  # noqa: F401 - registers the strategies
 from lightning_dist.config import local_world_size, register_configs, resolve_devices, run_dir_name, validate
+from lightning_dist.fault.resume import choose as choose_checkpoint
 from lightning_dist.perf import PerfConfig, run_preflight
 from lightning_dist.profiling import AllThreadsProfiler
 
@@ -134,7 +135,10 @@ def run(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
     started = time.time()
     pl.seed_everything(cfg.seed, workers=True)
     trainer, model, data = build(cfg, output_dir, started)
-    trainer.fit(model, datamodule=data, ckpt_path=cfg.ckpt_path, weights_only=True)
+    ckpt_path = cfg.ckpt_path
+    if ckpt_path is None and cfg.resume == "auto":
+        ckpt_path = choose_checkpoint(os.path.join(output_dir, "checkpoints"))
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
     path = os.path.join(output_dir, "summary.json")
     if trainer.is_global_zero and os.path.exists(path):
         with open(path) as fh:

@@ -30,6 +30,7 @@ What it changes in :class:`~lightning.pytorch.strategies.DDPStrategy`:
 
 from __future__ import annotations
 
+import warnings
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -41,7 +42,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.data import extract_batch_size
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -528,7 +529,10 @@ class RingDDPStrategy(DDPStrategy):
         self._stop_worker()  # first: it may still use the comm group
         for group in (self._comm_group, self._control_group):
             if group is not None and dist.is_initialized():
-                dist.destroy_process_group(group)
+                try:
+                    dist.destroy_process_group(group)
+                except (RuntimeError, ValueError) as err:  # already gone with the default group after a fault
+                    rank_zero_debug(f"RingDDPStrategy.teardown: {type(err).__name__}: {err}")
         self._comm_group = self._control_group = None
         self._hook_state.process_group = self._hook_state.transport = None
         release_scratch()
@@ -552,6 +556,15 @@ class RingDDPStrategy(DDPStrategy):
             checkpoint = {**checkpoint, CHECKPOINT_KEY: {"compressor": {
                 "describe": self.compressor.describe(), "world_size": self.world_size, "ranks": states}}}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def local_checkpoint_state(self) -> dict[str, Any]:
+        """What :meth:`save_checkpoint` adds, with this rank's compressor state only and no collective: for an
+        emergency checkpoint written by one rank while the others may be gone. The other ranks' entries are
+        None; a run resumed from it restarts their per-rank state (residuals, generators) at zero."""
+        ranks: list[Any] = [None] * self.world_size
+        ranks[self.global_rank] = self.compressor.state_dict()
+        return {CHECKPOINT_KEY: {"compressor": {"describe": self.compressor.describe(), "world_size": self.world_size,
+                                                "ranks": ranks}}}
 
     def _gather_compressor_states(self) -> list[dict[str, Any]]:
         mine = self.compressor.state_dict()
@@ -580,13 +593,19 @@ class RingDDPStrategy(DDPStrategy):
                            f"{compressor.describe()}: its state starts afresh.")
             return
         ranks = saved["ranks"]
-        if saved["world_size"] == self.world_size:
+        if saved["world_size"] == self.world_size and ranks[self.global_rank] is not None:
             compressor.load_state_dict(ranks[self.global_rank])
+        elif saved["world_size"] == self.world_size:  # an emergency checkpoint: another rank's state only
+            mine = next(state for state in ranks if state is not None)
+            warnings.warn(f"rank {self.global_rank}: the checkpoint holds another rank's compressor state only (an "
+                          "emergency checkpoint): this rank's error-feedback residuals and generators restart at "
+                          "zero; shared state (step count, PowerSGD factors) is restored.", stacklevel=2)
+            compressor.load_state_dict(mine, shared_only=True)
         else:
             rank_zero_warn(f"The checkpoint was written by {saved['world_size']} ranks, this run has "
                            f"{self.world_size}: per-rank compressor state (error-feedback residuals, random "
                            "generators) starts afresh; shared state (step count, PowerSGD factors) is restored.")
-            compressor.load_state_dict(ranks[0], shared_only=True)
+            compressor.load_state_dict(next(state for state in ranks if state is not None), shared_only=True)
 
     @classmethod
     @override

@@ -1,0 +1,1 @@
+"""Fault tolerance: atomic checkpoints, the progress watchdog, emergency checkpoints, resume."""

@@ -1,0 +1,63 @@
+"""``resume=auto``: the newest complete, valid checkpoint of a run, chosen once and used by every rank.
+
+Candidates are every ``*.ckpt`` under the run's checkpoint directory (regular ones, ``emergency/`` ones),
+verified (:func:`lightning_dist.fault.checkpoint.find_checkpoints`: a checksum mismatch or a truncated file is
+skipped with a warning), newest by global step; at the same step a regular checkpoint beats an emergency one.
+
+Every rank must resume from the same file, although the files may change while ranks start. So one process
+decides: under a Lightning launcher the launching process, before any rank starts (it passes the choice to the
+ranks it starts in ``LIGHTNING_DIST_RESUME``); under torchrun, rank 0 of each attempt, which publishes it in
+the rendezvous store under the attempt's number, where the other ranks read it.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Optional
+
+from lightning_dist.fault.checkpoint import CheckpointInfo, newest_valid
+
+ENV = "LIGHTNING_DIST_RESUME"
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ
+
+
+def describe(info: CheckpointInfo) -> str:
+    kind = info.kind if info.rank is None else f"{info.kind} (rank {info.rank})"
+    return f"{info.path}: {kind}, global step {info.global_step}"
+
+
+def choose(checkpoint_dir: str) -> Optional[str]:
+    """The checkpoint every rank of this launch resumes from (None: start afresh)."""
+    if ENV in os.environ:  # a rank started by a launcher that already chose
+        return os.environ[ENV] or None
+    if _under_torchrun():
+        import torch.distributed as dist
+
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=300), wait_for_workers=False)
+        key = f"lightning_dist/resume/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        if os.environ.get("RANK", "0") == "0":
+            info = newest_valid([checkpoint_dir])
+            store.set(key, info.path if info is not None else "")
+            _say(info)
+        chosen = store.get(key).decode()
+        return chosen or None
+    info = newest_valid([checkpoint_dir])
+    os.environ[ENV] = info.path if info is not None else ""  # what the ranks this process starts will use
+    _say(info)
+    return info.path if info is not None else None
+
+
+def _say(info: Optional[CheckpointInfo]) -> None:
+    if info is None:
+        print("[lightning_dist] resume=auto: no valid checkpoint yet, starting afresh", flush=True)
+        return
+    print(f"[lightning_dist] resume=auto: resuming from {describe(info)}", flush=True)
+    if info.kind == "emergency":
+        print("[lightning_dist] an emergency checkpoint holds the state of one rank at the fault: the other ranks' "
+              "compressor residuals and random generators restart, and a fault inside a step may have left that "
+              "step half done", flush=True)
