@@ -101,9 +101,8 @@ class FaultTolerance(Callback):
         self._signal_at = 0.0
         self._previous_handlers: dict[int, Any] = {}
         self._emergency = False  # dumping an emergency checkpoint: no collective anywhere
-        self._rng_to_restore: Optional[dict[str, Any]] = None
         self._last_agreed_step = 0
-        self._fault_lock = threading.Lock()
+        self._fault_lock: Optional[threading.Lock] = None  # made in setup: the callback is pickled for spawn
 
     # -- set-up and teardown --------------------------------------------------------------------------------
     @override
@@ -112,6 +111,7 @@ class FaultTolerance(Callback):
             return
         self._trainer = trainer  # set only in a rank's process (a fork or spawn launcher's parent is not a rank)
         self._handled = False
+        self._fault_lock = threading.Lock()
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default: make it atomic
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
@@ -147,9 +147,6 @@ class FaultTolerance(Callback):
                 signum = getattr(signal, name, None)
                 if signum is not None:
                     self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
-        if self._rng_to_restore is not None:  # resumed: draw what the uninterrupted run would have drawn
-            rng.restore(self._rng_to_restore)
-            self._rng_to_restore = None
         self._last_agreed_step = trainer.global_step
         self._tick(trainer)
 
@@ -303,7 +300,7 @@ class FaultTolerance(Callback):
 
     def _write_emergency(self, trainer: pl.Trainer, reason: str) -> Optional[str]:
         """This rank's own state, no collective: model, optimizer, loops, callbacks, compressor, generators."""
-        with self._fault_lock:
+        with self._fault_lock or contextlib.nullcontext():
             if self._emergency:
                 return None
             self._emergency = True
@@ -354,7 +351,9 @@ class FaultTolerance(Callback):
                           "its generators continue from the seed, so the run is not bit-identical to an "
                           "uninterrupted one", stacklevel=2)
             return
-        self._rng_to_restore = saved["ranks"][trainer.global_rank]
+        # now, before the fit loop creates its data iterator (which draws a seed from torch's generator, as the
+        # uninterrupted run's did after this checkpoint); the sanity check in between runs under isolate_rng
+        rng.restore(saved["ranks"][trainer.global_rank])
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -30,6 +30,7 @@ What it changes in :class:`~lightning.pytorch.strategies.DDPStrategy`:
 
 from __future__ import annotations
 
+import os
 import warnings
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
@@ -38,6 +39,8 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -257,6 +260,21 @@ class RingDDPStrategy(DDPStrategy):
         return self._control
 
     # -- set-up ---------------------------------------------------------------------------------------------
+    @override
+    def setup_distributed(self) -> None:
+        store = _attempt_store(self._timeout)
+        if store is None:
+            super().setup_distributed()
+            return
+        # DDPStrategy.setup_distributed, with the store of this attempt
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
+                              device_id=device_id, store=store)
+
     @override
     def _configure_launcher(self) -> None:
         # When torchrun, SLURM or another launcher created the processes, every rank already runs this script:
@@ -597,9 +615,10 @@ class RingDDPStrategy(DDPStrategy):
             compressor.load_state_dict(ranks[self.global_rank])
         elif saved["world_size"] == self.world_size:  # an emergency checkpoint: another rank's state only
             mine = next(state for state in ranks if state is not None)
-            warnings.warn(f"rank {self.global_rank}: the checkpoint holds another rank's compressor state only (an "
-                          "emergency checkpoint): this rank's error-feedback residuals and generators restart at "
-                          "zero; shared state (step count, PowerSGD factors) is restored.", stacklevel=2)
+            if compressor.lossy:
+                warnings.warn(f"rank {self.global_rank}: the checkpoint holds another rank's compressor state only "
+                              "(an emergency checkpoint): this rank's error-feedback residuals and generators restart "
+                              "at zero; shared state (step count, PowerSGD factors) is restored.", stacklevel=2)
             compressor.load_state_dict(mine, shared_only=True)
         else:
             rank_zero_warn(f"The checkpoint was written by {saved['world_size']} ranks, this run has "
@@ -638,6 +657,21 @@ def _replay(result: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
         return result if calls == 1 else closure()
 
     return replay
+
+
+def _attempt_store(timeout: timedelta) -> Optional[dist.Store]:
+    """Under torchrun's agent store, a view of it private to this restart attempt (None elsewhere).
+
+    torch 2.13 initialises the default group on the agent's store without a per-attempt prefix (it assumes a new
+    store per attempt), but torchrun's c10d rendezvous keeps one store for the agent's life: after a restart, a
+    rank can read the previous attempt's peer addresses and fail with "Gloo connectFullMesh failed ... Connection
+    refused" (seen in 3 of 5 restarts here). The prefix keeps every attempt's keys apart.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in os.environ:
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout, wait_for_workers=False)
+    return dist.PrefixStore(f"lightning_dist/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def _as_timedelta(timeout: Union[float, int, timedelta, None]) -> timedelta:

@@ -1,0 +1,248 @@
+"""FaultTolerance with real faults in real launched jobs (the training command, 2 and 3 CPU ranks), each under a
+hard deadline, each checked for leftover processes; and a bit-identical resume from a regular checkpoint.
+
+What each launcher does with each fault on rank 1 at step 5 (the README's table; each row asserted here):
+
+- raises: under fork, spawn, popen (Lightning's default) and torchrun alike, rank 1 and rank 0 (whose next
+  collective fails within seconds) each write an emergency checkpoint and exit 1; torchrun's
+  ``--max-restarts`` then restarts the job and ``resume=auto`` resumes it;
+- SIGKILL: rank 0 writes an emergency checkpoint and exits 1 (rank 1 had no chance);
+- stalls: the watchdog ends both ranks after ``timeout_s``, each with an emergency checkpoint, exit 124 (under
+  popen rank 1 may first see its launcher, rank 0, gone);
+- SIGTERM on every rank: every rank agrees at the next step, saves ``preempted-step=N.ckpt``, exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning.pytorch as pl
+import psutil
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dist import FaultTolerance, RingDDPStrategy
+from lightning_dist.fault.checkpoint import find_checkpoints, verify
+from lightning_dist.hetero import HeteroBatching
+from lightning_dist.testing import launched_externally, run_ranks
+
+pytestmark = pytest.mark.slow
+CLI = [sys.executable, "-m", "lightning_dist.train"]
+FT = ["callbacks=[checkpoint,fault_tolerance]", "callbacks.fault_tolerance.timeout_s=8",
+      "callbacks.fault_tolerance.poll_s=1", "trainer.enable_progress_bar=false"]
+TIMEOUT_S = 8
+
+
+def _inject(kind, rank=1, step=5, name="inject", **extra):
+    node = f"+callbacks.{name}"
+    return [f"{node}._target_=lightning_dist.testing.InjectFault", f"{node}.kind={kind}", f"{node}.rank={rank}",
+            f"{node}.step={step}"] + [f"{node}.{k}={v}" for k, v in extra.items()]
+
+
+@dataclass
+class Run:
+    rc: int
+    log: str
+    seconds: float
+    out: Path
+    leftover: list[str]
+
+    def checkpoints(self, kind=""):
+        return sorted(p.name for p in self.out.rglob(f"{kind}*.ckpt"))
+
+
+def _leftover(pgid: int) -> list[str]:
+    """Processes still in the job's session a few seconds after it ended (none should be)."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        alive = []
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(" ".join(proc.info["cmdline"] or [])[:120])
+            except (ProcessLookupError, psutil.Error):
+                continue
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def _launch(out: Path, *overrides: str, start_method="fork", deadline=150, cmd=None) -> Run:
+    args = cmd or CLI + [f"strategy.start_method={start_method}", "trainer.max_epochs=1", *FT, *overrides,
+                         f"hydra.run.dir={out}"]
+    started = time.monotonic()
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=deadline)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        raise AssertionError(f"the job did not end within {deadline} s:\n{log[-3000:]}") from None
+    seconds = time.monotonic() - started
+    leftover = _leftover(proc.pid)
+    if leftover:
+        os.killpg(proc.pid, signal.SIGKILL)
+    return Run(proc.returncode, log, seconds, out, leftover)
+
+
+def _summary(run: Run) -> dict:
+    return json.loads((run.out / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every faulty job once (about two minutes on 2 cores); the tests below read them."""
+    tmp = tmp_path_factory.mktemp("faults")
+    got = {}
+    got["raise"] = _launch(tmp / "raise", *_inject("raise"))
+    got["raise3"] = _launch(tmp / "raise3", "trainer.devices=3", *_inject("raise"))
+    got["kill"] = _launch(tmp / "kill", *_inject("kill"))
+    got["stall"] = _launch(tmp / "stall", *_inject("stall"))
+    got["sigterm"] = _launch(tmp / "sigterm", *_inject("signal", rank=0, name="sig0"),
+                             *_inject("signal", rank=1, name="sig1"), start_method="popen")
+    for start_method in ("popen", "spawn"):
+        got[f"raise_{start_method}"] = _launch(tmp / f"raise_{start_method}", *_inject("raise"),
+                                               start_method=start_method)
+    # resume=auto after the fork job's fault, with the newest emergency checkpoint corrupted on disk
+    shutil.copytree(tmp / "raise", tmp / "resumed")
+    victim = tmp / "resumed" / "checkpoints" / "emergency" / "emergency-rank0-step=5.ckpt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    got["resumed"] = _launch(tmp / "resumed", "resume=auto")
+    # torchrun: one failure at the first step of epoch 2 (just after the epoch-end checkpoint), one restart,
+    # resume=auto; against the same job uninterrupted
+    once = tmp / "once"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "--max-restarts", "1", "-m", "lightning_dist.train", "strategy.start_method=popen", "resume=auto",
+                "trainer.max_epochs=2", *FT]
+    got["torchrun"] = _launch(tmp / "torchrun", cmd=torchrun + _inject("raise", step=23, once_file=str(once))
+                              + [f"hydra.run.dir={tmp / 'torchrun'}"], deadline=240)
+    got["torchrun_ref"] = _launch(tmp / "torchrun_ref", cmd=torchrun + [f"hydra.run.dir={tmp / 'torchrun_ref'}"],
+                                  deadline=240)
+    return got
+
+
+def test_no_process_is_left_behind(runs):
+    for name, run in runs.items():
+        assert run.leftover == [], (name, run.leftover)
+
+
+@pytest.mark.parametrize("name", ["raise", "raise_popen", "raise_spawn"])
+def test_an_exception_saves_every_ranks_own_state_and_exits_non_zero(runs, name):
+    run = runs[name]
+    assert run.rc != 0 and "injected fault on rank 1 at global step 5" in run.log
+    assert run.checkpoints("emergency") == ["emergency-rank0-step=5.ckpt", "emergency-rank1-step=5.ckpt"]
+    for path in run.out.rglob("emergency-*.ckpt"):
+        meta = verify(path)
+        assert meta["verified"] and meta["kind"] == "emergency" and meta["global_step"] == 5
+    assert run.seconds < 60
+
+
+def test_three_ranks(runs):
+    run = runs["raise3"]
+    assert run.rc != 0
+    assert run.checkpoints("emergency") == [f"emergency-rank{r}-step=5.ckpt" for r in range(3)]
+
+
+def test_a_killed_rank(runs):
+    run = runs["kill"]
+    assert run.rc != 0 and run.seconds < 60
+    assert run.checkpoints("emergency") == ["emergency-rank0-step=5.ckpt"]  # rank 1 had no chance
+
+
+def test_a_stalled_rank_is_named_and_every_rank_is_gone_within_the_bound(runs):
+    run = runs["stall"]
+    assert run.rc != 0
+    assert "rank 1 (step 5) stopped making progress first" in run.log
+    assert "no rank has made progress for" in run.log  # the watchdog (exit code 124), not a collective timeout
+    assert run.seconds < TIMEOUT_S + 40  # start-up, 5 steps, the timeout, a few polls
+    assert run.checkpoints("emergency") == ["emergency-rank0-step=5.ckpt", "emergency-rank1-step=5.ckpt"]
+
+
+def test_sigterm_on_every_rank_stops_cleanly_after_an_agreed_checkpoint(runs):
+    run = runs["sigterm"]
+    assert run.rc == 0, run.log[-3000:]
+    assert "SIGTERM on ranks 0, 1: every rank stops at global step 6" in run.log
+    assert "preempted-step=6.ckpt" in run.checkpoints()
+    assert verify(run.out / "checkpoints" / "preempted-step=6.ckpt")["verified"]
+    assert _summary(run)["global_step"] == 6
+
+
+def test_resume_skips_a_corrupt_checkpoint_and_finishes(runs):
+    run = runs["resumed"]
+    assert run.rc == 0, run.log[-3000:]
+    assert "skipping checkpoint" in run.log and "emergency-rank0-step=5.ckpt" in run.log
+    assert "resuming from" in run.log and "emergency-rank1-step=5.ckpt: emergency (rank 1), global step 5" in run.log
+    assert _summary(run)["global_step"] == 23  # the rest of the epoch
+
+
+def test_torchrun_restarts_resumes_and_matches_the_uninterrupted_run(runs):
+    run, ref = runs["torchrun"], runs["torchrun_ref"]
+    assert run.rc == 0 and ref.rc == 0, run.log[-3000:]
+    assert "injected fault on rank 1 at global step 23" in run.log
+    assert "resuming from" in run.log and "regular, global step 23" in run.log
+    got, want = _summary(run), _summary(ref)
+    assert got["global_step"] == want["global_step"] == 46
+    assert got["metrics"] == want["metrics"]  # bit-identical: the same loss and accuracy to the last digit
+
+
+# -- a regular checkpoint resumes bit-identically: generators per rank, compressor, heterogeneous sampler ---------
+class Dropout(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 4))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self):
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(128, 16, generator=gen)
+        return DataLoader(TensorDataset(x, x[:, :4].argmax(1)), batch_size=8)
+
+
+def _fit(tmp, epochs, ckpt_path=None):
+    pl.seed_everything(0, verbose=False)
+    strategy = RingDDPStrategy(compressor="int8", hetero=HeteroBatching(batch_sizes=[12, 4]))
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp, save_top_k=-1, every_n_epochs=1)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,
+                         callbacks=[FaultTolerance(timeout_s=30, poll_s=1), checkpoint], enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    model = Dropout()
+    trainer.fit(model, ckpt_path=ckpt_path, weights_only=True)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _resume_ranks(rank, world_size, tmp):
+    with launched_externally(rank, world_size), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        straight = _fit(os.path.join(tmp, "straight"), epochs=3)
+        _fit(os.path.join(tmp, "first"), epochs=1)
+        (info,) = find_checkpoints([os.path.join(tmp, "first")])
+        resumed = _fit(os.path.join(tmp, "second"), epochs=3, ckpt_path=info.path)
+    return straight, resumed, info.meta
+
+
+def test_a_regular_checkpoint_resumes_bit_identically(tmp_path):
+    results = run_ranks(_resume_ranks, 2, str(tmp_path), deadline_s=120)
+    for straight, resumed, meta in results:
+        assert meta["verified"] and meta["kind"] == "regular"  # written by AtomicCheckpointIO
+        assert torch.equal(straight, resumed)
+    assert torch.equal(results[0][0], results[1][0])  # and the replicas agree
