@@ -259,3 +259,12 @@ def test_memory_monitor_is_checked_before_any_rank():
                              (["callbacks.memory_monitor.capacity_gib=-1"], "capacity_gib=-1")):
         with pytest.raises(ValueError, match=match):
             validate(_compose("callbacks=[memory_monitor]", *overrides))
+
+
+def test_fault_tolerance_and_resume_are_checked_before_any_rank():
+    validate(_compose("callbacks=[checkpoint,fault_tolerance]", "resume=auto"))
+    for overrides, match in ((["callbacks.fault_tolerance.timeout_s=0"], "callbacks.fault_tolerance: timeout_s=0"),
+                             (["callbacks.fault_tolerance.poll_s=40"], "poll_s=40 must be at most half"),
+                             (["resume=sometimes"], "resume='sometimes'")):
+        with pytest.raises(ValueError, match=match):
+            validate(_compose("callbacks=[checkpoint,fault_tolerance]", *overrides))

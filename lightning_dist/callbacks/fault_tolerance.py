@@ -114,6 +114,8 @@ class FaultTolerance(Callback):
         self._fault_lock = threading.Lock()
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default: make it atomic
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        if isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO):
+            trainer.strategy.checkpoint_io.guard = self.paused  # a long write is not a stall
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -36,10 +36,10 @@ import os
 import secrets
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -284,7 +284,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's :class:`TorchCheckpointIO` with atomic, checksummed saves and verified loads for local paths.
 
     Use it as ``Trainer(plugins=[AtomicCheckpointIO()])``. Remote (``://``) paths behave as in the parent class.
+    ``guard``, when set, wraps each local write (FaultTolerance sets it to its watchdog's ``paused``, so a long
+    write is not taken for a stall).
     """
+
+    guard: Optional[Callable[[str], AbstractContextManager[Any]]] = None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
                         storage_options: Any | None = None) -> None:
@@ -296,7 +300,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 " implement your own `CheckpointIO` to define how `storage_options` should be used."
             )
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        save_checkpoint(checkpoint, path, meta={"kind": "regular"})
+        with self.guard(f"writing {path}") if self.guard is not None else nullcontext():
+            save_checkpoint(checkpoint, path, meta={"kind": "regular"})
 
     def load_checkpoint(self, path: str | os.PathLike, map_location: Callable | Any = lambda storage, loc: storage,
                         weights_only: bool | None = None) -> dict[str, Any]:

@@ -1,0 +1,155 @@
+"""The progress watchdog and FaultTolerance's pieces without launching anything: a shared in-memory store, two
+"ranks" as threads, timeouts of a fraction of a second."""
+
+from __future__ import annotations
+
+import io
+import random
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_dist.callbacks import FaultTolerance
+from lightning_dist.callbacks.fault_tolerance import check_settings
+from lightning_dist.fault import rng
+from lightning_dist.fault.watchdog import Fault, Watchdog
+
+
+class Store:
+    """What the watchdog uses of a torch.distributed Store: ``add``; ``broken`` makes it fail like a dead host."""
+
+    def __init__(self):
+        self.values, self.lock, self.broken = {}, threading.Lock(), False
+
+    def add(self, key, delta):
+        if self.broken:
+            raise RuntimeError("Connection reset by peer")
+        with self.lock:
+            self.values[key] = self.values.get(key, 0) + delta
+            return self.values[key]
+
+
+def _watchdogs(store, n=2, timeout=0.4, poll=0.05, pause_timeout=5.0, check=None):
+    found = [[] for _ in range(n)]
+    dogs = [Watchdog(store, r, n, "test", timeout, poll, pause_timeout, found[r].append, backstop=False, check=check)
+            for r in range(n)]
+    return dogs, found
+
+
+def _wait(found, seconds=3.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not all(found):
+        time.sleep(0.02)
+
+
+def test_a_stall_is_seen_by_every_rank_and_the_first_to_stop_is_named():
+    dogs, found = _watchdogs(Store())
+    for dog in dogs:
+        dog.start()
+    # both make progress for a while; then rank 1 stops first (its step), rank 0 one tick later (its collective)
+    for step in range(5):
+        for dog in dogs:
+            dog.tick(step)
+        time.sleep(0.06)
+    dogs[0].tick(5)
+    _wait(found)
+    for dog in dogs:
+        dog.stop()
+    for r in range(2):
+        (fault,) = found[r]
+        assert fault.kind == "stall" and fault.culprits == (1,) and fault.step == 4
+        assert "rank 1 (step 4) stopped making progress first" in fault.message and f"this is rank {r}" in fault.message
+
+
+def test_progress_keeps_the_watch_quiet():
+    dogs, found = _watchdogs(Store(), timeout=0.3)
+    for dog in dogs:
+        dog.start()
+    until = time.monotonic() + 1.2  # four timeouts
+    step = 0
+    while time.monotonic() < until:
+        step += 1
+        for dog in dogs:
+            dog.tick(step)
+        time.sleep(0.03)
+    for dog in dogs:
+        dog.stop()
+    assert found == [[], []]
+
+
+def test_a_pause_holds_the_verdict_until_it_lasts_too_long():
+    dogs, found = _watchdogs(Store(), timeout=0.3, pause_timeout=1.0)
+    for dog in dogs:
+        dog.start()
+    with dogs[0].paused("writing a checkpoint"):
+        time.sleep(0.7)  # no progress anywhere for more than the timeout, but rank 0 is in a known long operation
+        assert found == [[], []]
+        _wait(found, 1.5)  # ... until the pause itself overstays
+    for dog in dogs:
+        dog.stop()
+    (fault,) = found[0]
+    assert fault.kind == "paused_too_long" and "writing a checkpoint" in fault.message
+    assert found[1] == [] or found[1][0].kind == "stall"  # rank 1 then sees no progress (the pause ended with it)
+
+
+def test_an_unreachable_store_and_a_vanished_launcher_are_faults(monkeypatch):
+    store = Store()
+    dogs, found = _watchdogs(store, n=1)
+    dogs[0].start()
+    dogs[0].tick(1)
+    store.broken = True
+    _wait(found)
+    dogs[0].stop()
+    assert found[0][0].kind == "store_unreachable" and "Connection reset" in found[0][0].message
+    dogs, found = _watchdogs(Store(), n=1)
+    monkeypatch.setattr("os.getppid", lambda: -1)  # the launcher (this process's parent) is gone
+    dogs[0].start()
+    _wait(found)
+    dogs[0].stop()
+    assert found[0][0].kind == "launcher_gone"
+
+
+def test_a_check_can_raise_its_own_fault():
+    fault = Fault("stop_timeout", "SIGTERM arrived 61 s ago")
+    dogs, found = _watchdogs(Store(), n=1, check=lambda: fault)
+    dogs[0].start()
+    _wait(found)
+    dogs[0].stop()
+    assert found[0] == [fault]
+
+
+def test_generators_round_trip_through_a_weights_only_checkpoint():
+    torch.manual_seed(3)
+    random.seed(3)
+    np.random.seed(3)
+    buffer = io.BytesIO()
+    torch.save(rng.capture(), buffer)
+    want = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    buffer.seek(0)
+    rng.restore(torch.load(buffer, weights_only=True))
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == want
+
+
+def test_settings_and_the_signal_flag():
+    assert check_settings(timeout_s=60, poll_s=2, pause_timeout_s=600, agree_every_n_steps=1, stop_timeout_s=60,
+                          exit_grace_s=15) == []
+    problems = check_settings(timeout_s=2, poll_s=2, pause_timeout_s=0, agree_every_n_steps=0, stop_timeout_s=-1,
+                              exit_grace_s=True)
+    assert any("pause_timeout_s=0" in p for p in problems) and any("agree_every_n_steps=0" in p for p in problems)
+    assert any("exit_grace_s=True" in p for p in problems)
+    with pytest.raises(ValueError, match="poll_s=5 must be at most half of timeout_s=6"):
+        FaultTolerance(timeout_s=6, poll_s=5)
+    callback = FaultTolerance(stop_timeout_s=0.05)
+    assert callback._stop_overdue() is None
+    callback._on_signal(signal.SIGTERM, None)
+    callback._on_signal(signal.SIGUSR1, None)  # the first signal is the one kept
+    assert callback._signal == signal.SIGTERM and callback._stop_overdue() is None
+    time.sleep(0.1)
+    fault = callback._stop_overdue()
+    assert fault is not None and fault.kind == "stop_timeout" and "SIGTERM" in fault.message
+    callback.stopped_by = "SIGTERM on rank 0"  # the ranks agreed: nothing overdue
+    assert callback._stop_overdue() is None
