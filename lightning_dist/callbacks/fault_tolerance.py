@@ -8,7 +8,7 @@ save copies a temporary file across filesystems without fsync; on a fault nothin
 With ``FaultTolerance()`` (any strategy; every rank):
 
 1. **A rank raises**: it writes an emergency checkpoint of its own state, with no collective
-   (``<dirpath>/emergency/emergency-rank{r}-step{N}.ckpt``: a temporary file in the same directory, fsync,
+   (``<dirpath>/emergency/emergency-rank{r}-step={N}.ckpt``: a temporary file in the same directory, fsync,
    ``os.replace``, a SHA-256 sidecar; :mod:`lightning_dist.fault.checkpoint`), and the exception goes on to
    Lightning and the launcher with its traceback. If the process has not ended ``exit_grace_s`` seconds later
    (a teardown or ``atexit`` handler stuck on a dead peer), it is ended with exit code 1.
@@ -275,7 +275,9 @@ class FaultTolerance(Callback):
         print(f"[lightning_dist] rank {trainer.global_rank} failed at global step {trainer.global_step}:\n{text}",
               file=sys.stderr, flush=True)
         self._write_emergency(trainer, f"{type(exception).__name__}: {exception}")
-        self._release()
+        if self._watchdog is not None:  # the process is ending; the flag-only signal handlers stay (Lightning's
+            self._watchdog.stop()       # would run a collective against the dead peer when the launcher SIGTERMs)
+            self._watchdog = None
         if trainer.world_size > 1:
             _exit_later(self.exit_grace_s, EXIT_EXCEPTION)  # if a teardown or atexit handler hangs on a dead peer
 

@@ -158,6 +158,11 @@ class Watchdog:
                 failures = 0
             except Exception as err:  # noqa: BLE001 - the store's process died or the link is down
                 failures += 1
+                if now - last_change > self.timeout_s and not self._paused:
+                    # the stall verdict was due anyway (a peer that reached it first took the store with it)
+                    self._raise(self._stall(self.last_seen, now - last_change) if self.last_seen else
+                                Fault("stall", f"rank {self.rank}: no progress for {now - last_change:.0f} s"))
+                    return
                 if failures >= STORE_FAILURES:
                     self._raise(Fault("store_unreachable", f"rank {self.rank}: the rendezvous store has not answered "
                                                            f"{failures} polls in a row ({type(err).__name__}: {err}); "
