@@ -174,10 +174,12 @@ def test_a_stalled_rank_is_named_and_every_rank_is_gone_within_the_bound(runs):
 def test_sigterm_on_every_rank_stops_cleanly_after_an_agreed_checkpoint(runs):
     run = runs["sigterm"]
     assert run.rc == 0, run.log[-3000:]
-    assert "SIGTERM on ranks 0, 1: every rank stops at global step 6" in run.log
-    assert "preempted-step=6.ckpt" in run.checkpoints()
-    assert verify(run.out / "checkpoints" / "preempted-step=6.ckpt")["verified"]
-    assert _summary(run)["global_step"] == 6
+    # the signal arrives at the start of step 5, after the step's flags were filled: step 6's exchange carries
+    # it, and every rank stops once step 6 is done (global step 7)
+    assert "SIGTERM on ranks 0, 1: every rank stops at global step 7" in run.log
+    assert "preempted-step=7.ckpt" in run.checkpoints()
+    assert verify(run.out / "checkpoints" / "preempted-step=7.ckpt")["verified"]
+    assert _summary(run)["global_step"] == 7
 
 
 def test_resume_skips_a_corrupt_checkpoint_and_finishes(runs):

@@ -20,8 +20,9 @@ With ``FaultTolerance()`` (any strategy; every rank):
    ``with fault_tolerance.paused("why"):``.
 3. **SIGTERM or SIGUSR1** (preemption, SLURM's warning signal): the handler only sets a flag (Lightning's
    handler, which runs a collective inside the signal handler, is replaced for the fit). Every
-   ``agree_every_n_steps`` optimizer steps the ranks exchange their flags in one small all-reduce, so every
-   rank learns of a stop request at the same step: every rank saves a regular checkpoint
+   ``agree_every_n_steps`` optimizer steps every rank's flag reaches every rank (on ring_ddp's per-step control
+   exchange, beside the last gradient bucket; under other strategies in one small all-gather), so every rank
+   learns of a stop request at the same step: every rank saves a regular checkpoint
    (``preempted-step=N.ckpt``) and training ends cleanly. If that has not happened ``stop_timeout_s`` after the
    signal (a peer stuck), the rank writes an emergency checkpoint and exits with code 143.
 4. **Checkpoints**: every checkpoint the Trainer writes goes through
@@ -47,13 +48,13 @@ import warnings
 from typing import Any, Iterator, Optional
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_dist.callbacks.rank_values import RankValues
 from lightning_dist.fault import rng
 from lightning_dist.fault.checkpoint import AtomicCheckpointIO, save_checkpoint
 from lightning_dist.fault.watchdog import Fault, Watchdog, open_store
@@ -71,8 +72,8 @@ class FaultTolerance(Callback):
             optimizer step or one validation batch can take longer).
         poll_s: seconds between the watchdog's looks at the store.
         pause_timeout_s: the longest a checkpoint write (or another ``paused`` operation) may take.
-        agree_every_n_steps: optimizer steps between the ranks' exchanges of stop requests (one tiny
-            all-reduce each time).
+        agree_every_n_steps: optimizer steps between the ranks' exchanges of stop requests (ring_ddp: on its
+            control exchange; other strategies: one tiny all-gather each time).
         stop_timeout_s: seconds after a stop signal before a rank gives up on agreement and exits with an
             emergency checkpoint.
         exit_grace_s: seconds after an exception before a process still running is ended.
@@ -101,7 +102,7 @@ class FaultTolerance(Callback):
         self._signal_at = 0.0
         self._previous_handlers: dict[int, Any] = {}
         self._emergency = False  # dumping an emergency checkpoint: no collective anywhere
-        self._last_agreed_step = 0
+        self._values = RankValues("ft", ("signal",))  # every rank's stop request, every N steps
         self._fault_lock: Optional[threading.Lock] = None  # made in setup: the callback is pickled for spawn
 
     # -- set-up and teardown --------------------------------------------------------------------------------
@@ -112,6 +113,7 @@ class FaultTolerance(Callback):
         self._trainer = trainer  # set only in a rank's process (a fork or spawn launcher's parent is not a rank)
         self._handled = False
         self._fault_lock = threading.Lock()
+        self._values.setup(trainer, self.agree_every_n_steps)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default: make it atomic
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         if isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO):
@@ -149,7 +151,6 @@ class FaultTolerance(Callback):
                 signum = getattr(signal, name, None)
                 if signum is not None:
                     self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
-        self._last_agreed_step = trainer.global_step
         self._tick(trainer)
 
     def _release(self) -> None:
@@ -165,6 +166,7 @@ class FaultTolerance(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._release()
+            self._values.teardown(trainer)
             trainer.fit_loop.__dict__.pop("run", None)  # the class's own run again
             self._trainer = None
 
@@ -185,6 +187,7 @@ class FaultTolerance(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self._tick(trainer)
+        self._values.fill(trainer, self._request)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -197,6 +200,7 @@ class FaultTolerance(Callback):
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
         self._tick(trainer)
+        self._values.capture(trainer)
 
     @override
     def on_validation_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -217,37 +221,22 @@ class FaultTolerance(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self._tick(trainer)
-        step = trainer.global_step
-        if step == self._last_agreed_step or step % self.agree_every_n_steps:
-            return  # not an optimizer step (accumulation), or not one of the agreement steps: the same on all
-        self._last_agreed_step = step
-        requested = self._agree_on_stop(trainer)
-        if requested is not None:
-            self._stop(trainer, requested)
+        rows = self._values.collect(trainer, self._request)
+        if rows is None:
+            return  # not an agreement step: the same on every rank
+        senders = [r for r, (value,) in enumerate(rows) if value]
+        if senders:
+            name = signal.Signals(int(rows[senders[0]][0])).name
+            self._stop(trainer, f"{name} on rank{'s' if len(senders) > 1 else ''} {', '.join(map(str, senders))}")
 
     # -- signals: a flag, then agreement at a step every rank shares ------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self._signal is None:
             self._signal, self._signal_at = signum, time.monotonic()
 
-    def _agree_on_stop(self, trainer: pl.Trainer) -> Optional[str]:
-        """One all-reduce of every rank's stop request (the signal's number, 0 for none): the same verdict on
-        every rank. Returns what was requested and by which rank, or None."""
-        mine = float(self._signal or 0)
-        if trainer.world_size == 1 or not dist.is_initialized():
-            values = [mine]
-        else:
-            group = getattr(trainer.strategy, "control_group", None)  # ring_ddp: its own gloo group, CPU tensors
-            device = torch.device("cpu") if group is not None else trainer.strategy.root_device
-            vec = torch.zeros(trainer.world_size, dtype=torch.float64, device=device)
-            vec[trainer.global_rank] = mine
-            dist.all_reduce(vec, group=group)
-            values = vec.tolist()
-        senders = [r for r, v in enumerate(values) if v]
-        if not senders:
-            return None
-        name = signal.Signals(int(values[senders[0]])).name
-        return f"{name} on rank{'s' if len(senders) > 1 else ''} {', '.join(map(str, senders))}"
+    def _request(self) -> list[float]:
+        """This rank's stop request: the signal's number, 0 for none."""
+        return [float(self._signal or 0)]
 
     def _stop(self, trainer: pl.Trainer, requested: str) -> None:
         path = os.path.join(self.dirpath or trainer.default_root_dir, f"preempted-step={trainer.global_step}.ckpt")

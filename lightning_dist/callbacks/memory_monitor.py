@@ -69,6 +69,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_dist.callbacks.rank_values import RankValues, gather
 from lightning_dist.memory import readers
 from lightning_dist.memory.estimate import ActivationProbe, MemoryEstimate, MiB, comm_setup_of, estimate_memory
 
@@ -141,16 +142,13 @@ class MemoryMonitor(Callback):
         self.seconds = 0.0  # CPU time in this callback's per-step work (time.thread_time)
         self.last: dict[str, float] = {}  # the last reading's metrics, identical on every rank
         self._every = 0
-        self._ring = False
         self._cuda: Optional[torch.device] = None
         self._capacity = 0
         self._rss_at_setup = self._bytes_at_setup = 0
         self._measured = 0.0
         self._probe: Optional[ActivationProbe] = None
         self._preflight_pending = False
-        self._filled_at = -1  # the strategy step whose exchange carries our values (ring_ddp)
-        self._captured: Optional[list[list[float]]] = None  # every rank's values from that exchange
-        self._last_global_step = 0
+        self._values = RankValues("mem", SLOTS)  # every rank's readings, every N steps
         self._armed = {action: True for action in self.thresholds}
         self._gpu = readers.GpuUtilization()
         self._recording = False
@@ -163,16 +161,10 @@ class MemoryMonitor(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        from lightning_dist.strategy import RingDDPStrategy
-
         strategy = trainer.strategy
         self._every = self.every_n_steps or trainer.log_every_n_steps or 50
         self._cuda = readers.cuda_device(strategy.root_device)
-        self._ring = isinstance(strategy, RingDDPStrategy)
-        if self._ring:  # the same names in the same order on every rank
-            for name in SLOTS:
-                strategy.control.register(f"mem_{name}", per_rank=True)
-            strategy.request_exchange(self._every, "memory")
+        self._values.setup(trainer, self._every)
         if self.reset_peaks:
             readers.reset_host_peak()
             if self._cuda is not None:
@@ -184,7 +176,6 @@ class MemoryMonitor(Callback):
         self._measured = 0.0
         self._armed = dict.fromkeys(self.thresholds, True)
         self._compared = False
-        self._filled_at, self._captured, self._last_global_step = -1, None, trainer.global_step
         self.snapshots, self.seconds = [], 0.0
         self._preflight_pending = self.preflight != "off"
         if self.oom_snapshot:
@@ -212,9 +203,12 @@ class MemoryMonitor(Callback):
     def _estimate(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                   activations: Optional[int], largest: int = 0) -> MemoryEstimate:
         strategy = trainer.strategy
+        from lightning_dist.strategy import RingDDPStrategy
+
+        ring = isinstance(strategy, RingDDPStrategy)  # its compressor and its transport's buffers count
         comm = comm_setup_of(getattr(strategy, "model", None) or pl_module,
-                             compressor=getattr(strategy, "compressor", None) if self._ring else None,
-                             world_size=trainer.world_size, transport_buffers=self._ring)
+                             compressor=getattr(strategy, "compressor", None) if ring else None,
+                             world_size=trainer.world_size, transport_buffers=ring)
         est = estimate_memory(pl_module, trainer.optimizers, comm, activation_bytes=activations,
                               largest_activation=largest)
         for callback in trainer.callbacks:  # callbacks that hold copies (NaNRecovery's snapshot) say how much
@@ -237,11 +231,7 @@ class MemoryMonitor(Callback):
         started = time.thread_time()
         if self._probe is not None and not self._probe.active:  # the fit's first forward pass
             self._probe.start()
-        if self._ring and trainer.strategy.exchange_due(self._every) and self._filled_at != self._steps(trainer):
-            control = trainer.strategy.control
-            for name, value in self._read().items():
-                control.set(f"mem_{name}", value)
-            self._filled_at = self._steps(trainer)
+        self._values.fill(trainer, self._read)
         self.seconds += time.thread_time() - started
 
     @override
@@ -266,7 +256,7 @@ class MemoryMonitor(Callback):
         self._preflight_pending = False
         est = self.estimate
         assert est is not None
-        rows = self._gather(trainer, [float(est.needed), float(est.capacity), float(est.total)])
+        rows = gather(trainer, [float(est.needed), float(est.capacity), float(est.total)])
         rank_zero_info(f"MemoryMonitor: estimated peak memory of rank 0\n{est.table()}")
         short = [(r, row) for r, row in enumerate(rows) if row[1] > 0 and row[0] > row[1]]
         if not short:
@@ -283,27 +273,13 @@ class MemoryMonitor(Callback):
         rank_zero_warn(message)
 
     # -- every N steps: read, gather, log, act --------------------------------------------------------------
-    @staticmethod
-    def _steps(trainer: pl.Trainer) -> int:
-        return int(getattr(trainer.strategy, "steps_done", trainer.global_step))
-
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._probe is not None and self._probe.active:  # manual optimization without a backward
             self._finish_probe(trainer, pl_module)
         started = time.thread_time()
-        rows: Optional[list[list[float]]] = None
-        if self._ring:
-            self._capture(trainer)  # a skipped step (NaNRecovery) has no on_before_optimizer_step
-            rows, self._captured = self._captured, None
-            if self._filled_at >= 0 and self._steps(trainer) > self._filled_at:
-                self._filled_at = -1  # that step's exchange was overwritten by a later one: this reading is lost
-        elif trainer.global_step // self._every != self._last_global_step // self._every:
-            # an optimizer step into a new interval (global_step can advance by more than 1 per batch: manual
-            # optimization with several optimizers; not at all on an accumulation batch); every rank alike
-            self._last_global_step = trainer.global_step
-            rows = self._gather(trainer, list(self._read().values()))
+        rows = self._values.collect(trainer, self._read)
         if rows is not None:
             self._handle(trainer, [dict(zip(SLOTS, row)) for row in rows])
         self.seconds += time.thread_time() - started
@@ -311,21 +287,9 @@ class MemoryMonitor(Callback):
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
-        if self._ring:
-            self._capture(trainer)
+        self._values.capture(trainer)
 
-    def _capture(self, trainer: pl.Trainer) -> None:
-        """Under ring_ddp: copy every rank's values once the exchange of the step we filled has completed,
-        before a later exchange in the same batch (a second optimizer) replaces them."""
-        strategy = trainer.strategy
-        if self._filled_at < 0 or strategy.last_exchange_step != self._filled_at:
-            return
-        control = strategy.control
-        columns = [control.per_rank(f"mem_{name}") for name in SLOTS]
-        self._captured = [list(row) for row in zip(*columns)]
-        self._filled_at = -1
-
-    def _read(self) -> dict[str, float]:
+    def _read(self) -> list[float]:
         """This rank's values, in :data:`SLOTS` order; peaks restart afterwards when ``reset_peaks``."""
         cuda = readers.cuda_stats(self._cuda)
         rss, rss_peak = readers.host_rss(), readers.host_rss_peak()
@@ -347,21 +311,7 @@ class MemoryMonitor(Callback):
             readers.reset_host_peak()
             if self._cuda is not None:
                 torch.cuda.reset_peak_memory_stats(self._cuda)
-        return {name: values[name] for name in SLOTS}
-
-    def _gather(self, trainer: pl.Trainer, values: list[float]) -> list[list[float]]:
-        """Every rank's ``values``, in rank order, on every rank: one collective."""
-        strategy, world = trainer.strategy, trainer.world_size
-        if world <= 1 or not dist.is_available() or not dist.is_initialized():
-            return [values]
-        vec = torch.tensor(values, dtype=torch.float64)
-        group = getattr(strategy, "control_group", None)
-        if group is not None:  # ring_ddp's own gloo group: CPU tensors on every backend
-            out = [torch.empty_like(vec) for _ in range(world)]
-            dist.all_gather(out, vec, group=group)
-            return [t.tolist() for t in out]
-        gathered = strategy.all_gather(vec.to(strategy.root_device))
-        return gathered.reshape(world, -1).cpu().tolist()
+        return [values[name] for name in SLOTS]
 
     def _handle(self, trainer: pl.Trainer, rows: list[dict[str, float]]) -> None:
         self.readings += 1
@@ -466,9 +416,7 @@ class MemoryMonitor(Callback):
             self._probe.stop()
             self._probe = None
         self._stop_recording()
-        request = getattr(trainer.strategy, "request_exchange", None)
-        if self._ring and request is not None:
-            request(0, "memory")
+        self._values.teardown(trainer)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
