@@ -1,0 +1,188 @@
+"""A simulated cluster on one machine, for tests and benchmarks (not on any product code path).
+
+``SimCluster(hosts=2, rate_mbit=100, delay_ms=0.5)`` makes N Linux network namespaces ("hosts"), each with its
+loopback up and one interface, ``eth0``, a veth pair whose other end joins a bridge in the root namespace; every
+host gets an address on a private /24 (10.77.<k>.<i+1>). Each link is shaped in both directions (``tc netem``: rate
+and delay; where the kernel lacks netem, ``tbf``: the rate only), so traffic between hosts crosses a real network
+hop at a real rate, unlike loopback. :meth:`SimCluster.popen` starts a process inside a host (``ip netns exec``) in
+its own session; :meth:`SimCluster.torchrun` builds the multi-node ``torchrun`` command for one host (static
+rendezvous on host 0's address; ``GLOO_SOCKET_IFNAME=eth0``, since a host's name resolves to 127.0.0.1).
+:meth:`SimCluster.cut` takes a host's link down without a reset being sent, as a pulled cable would.
+
+Leaving the context removes every process it started, every namespace, link and the bridge, also when the body
+raised. Only the namespaces' own private addresses are used: no traffic leaves them. It needs root and iproute2
+(``ip``, ``tc``); :func:`unavailable` says why not where it cannot run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+_COUNTER = [0]
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+
+
+def unavailable() -> Optional[str]:
+    """None when namespaces can be made here, else the reason (for a test's skip message)."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"iproute2 is not installed ({', '.join(missing)} missing): apt-get install iproute2"
+    name = f"ldprobe{os.getpid() % 100000}"
+    made = _ip("netns", "add", name, check=False)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    _ip("netns", "del", name, check=False)
+    return None
+
+
+class SimCluster:
+    """N shaped hosts; use as a context manager (see the module docstring)."""
+
+    def __init__(self, hosts: int, rate_mbit: float = 1000.0, delay_ms: float = 0.25) -> None:
+        if hosts < 1:
+            raise ValueError(f"hosts={hosts} must be >= 1")
+        _COUNTER[0] += 1
+        tag = f"{os.getpid() % 10000}{_COUNTER[0]}"
+        self.hosts, self.rate_mbit, self.delay_ms = hosts, rate_mbit, delay_ms
+        self.bridge = f"ldb{tag}"[:15]
+        self.namespaces = [f"ld{tag}h{i}" for i in range(hosts)]
+        self.links = [f"ld{tag}v{i}"[:15] for i in range(hosts)]
+        self.subnet = 10 + (os.getpid() + _COUNTER[0]) % 200
+        self.addresses = [f"10.77.{self.subnet}.{i + 1}" for i in range(hosts)]
+        self._procs: list[subprocess.Popen] = []
+        self._up = False
+        self.delay_applied = False
+
+    # -- life cycle ------------------------------------------------------------------------------------------
+    def __enter__(self) -> SimCluster:
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _build(self) -> None:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("link", "set", self.bridge, "up")
+        self._up = True
+        for ns, link, addr in zip(self.namespaces, self.links, self.addresses):
+            _ip("netns", "add", ns)
+            _ip("link", "add", link, "type", "veth", "peer", "name", f"{link}p")
+            _ip("link", "set", f"{link}p", "netns", ns)
+            _ip("-n", ns, "link", "set", f"{link}p", "name", "eth0")
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("link", "set", link, "master", self.bridge)
+            _ip("link", "set", link, "up")
+        self.shape(self.rate_mbit, self.delay_ms)
+
+    def close(self) -> None:
+        """Kill what was started, remove the namespaces (their ends of the links go with them), the bridge."""
+        for proc in self._procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        self._procs = []
+        for ns in self.namespaces:
+            # anything still running inside (a process that escaped its session) goes first
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False)
+            for pid in pids.stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _ip("netns", "del", ns, check=False)
+        for link in self.links:
+            _ip("link", "del", link, check=False)
+        _ip("link", "del", self.bridge, check=False)
+        self._up = False
+
+    # -- links -------------------------------------------------------------------------------------------------
+    def _qdisc(self, host: int, *spec: str) -> subprocess.CompletedProcess:
+        last = None
+        for args in (["-n", self.namespaces[host]], []):  # both directions: the host's egress and the bridge's
+            dev = "eth0" if args else self.links[host]
+            last = subprocess.run(["tc", *args, "qdisc", "replace", "dev", dev, "root", *spec],
+                                  capture_output=True, text=True, check=False, timeout=30)
+            if last.returncode != 0:
+                return last
+        assert last is not None
+        return last
+
+    def shape(self, rate_mbit: float, delay_ms: float, host: Optional[int] = None) -> None:
+        """Every link (or one host's) at ``rate_mbit`` each way, with ``delay_ms`` one way per direction where the
+        kernel has ``netem`` (:attr:`delay_applied` says; without it, ``tbf`` shapes the rate only)."""
+        rate_bytes = rate_mbit * 1e6 / 8
+        for i in ([host] if host is not None else range(self.hosts)):
+            # netem's queue must hold a bandwidth-delay product of full segments, or it drops instead of delaying
+            limit = max(1000, int(rate_bytes * max(delay_ms, 1.0) / 1e3 / 1500) * 4)
+            done = self._qdisc(i, "netem", "rate", f"{rate_mbit}mbit", "delay", f"{delay_ms}ms", "limit", str(limit))
+            self.delay_applied = done.returncode == 0
+            if not self.delay_applied:  # no netem in this kernel: a token bucket, 10 ms of burst
+                burst = str(max(int(rate_bytes / 100), 15000))
+                done = self._qdisc(i, "tbf", "rate", f"{rate_mbit}mbit", "burst", burst, "latency", "100ms")
+                if done.returncode != 0:
+                    raise RuntimeError(f"cannot shape host {i}'s link: {done.stderr.strip()}")
+        if host is None:
+            self.rate_mbit, self.delay_ms = rate_mbit, delay_ms
+
+    def cut(self, host: int) -> None:
+        """Take ``host``'s link down on the bridge's side: its packets vanish, and nobody is sent a reset (TCP on
+        both sides just retransmits), as with a pulled cable or a dead switch port."""
+        _ip("link", "set", self.links[host], "down")
+
+    # -- processes ------------------------------------------------------------------------------------------
+    def popen(self, host: int, cmd: Sequence[str], env: Optional[dict[str, str]] = None,
+              **kwargs: Any) -> subprocess.Popen:
+        """Start ``cmd`` inside ``host``, in a session of its own (killed as a whole on close)."""
+        proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[host], *cmd],
+                                env={**os.environ, **(env or {})}, start_new_session=True, **kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def torchrun(self, host: int, args: Sequence[str], port: int = 29500, nproc: int = 1) -> list[str]:
+        """The command that starts ``nproc`` ranks on ``host`` of a static multi-node torchrun job."""
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.hosts), "--node-rank", str(host),
+                "--nproc-per-node", str(nproc), "--master-addr", self.addresses[0], "--master-port", str(port),
+                *args]
+
+    @staticmethod
+    def env() -> dict[str, str]:
+        """What every rank inside a host needs: gloo on the host's interface (its name resolves to 127.0.0.1)."""
+        return {"GLOO_SOCKET_IFNAME": "eth0", "TP_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
+
+    def wait(self, procs: Sequence[subprocess.Popen], timeout: float) -> list[Optional[int]]:
+        """Wait for ``procs`` until ``timeout`` seconds in all; the exit codes (None: still running)."""
+        deadline = time.monotonic() + timeout
+        codes: list[Optional[int]] = []
+        for proc in procs:
+            try:
+                codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        return codes
