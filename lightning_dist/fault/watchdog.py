@@ -89,6 +89,7 @@ class Watchdog:
         self._published = {"ticks": 0, "step": 0, "paused": 0}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._io: Optional[threading.Thread] = None  # the store call in flight (a dead link can block it)
         self._parent = os.getppid()
         self.fault: Optional[Fault] = None
         self.last_seen: list[tuple[int, int, int]] = []  # every rank's (ticks, step, paused) at the last poll
@@ -139,12 +140,33 @@ class Watchdog:
         return [tuple(int(self.store.add(self._key(r, name), 0)) for name in ("ticks", "step", "paused"))
                 for r in range(self.world_size)]
 
+    def _poll_store(self) -> list[tuple[int, int, int]]:
+        """One publish-and-read on a daemon thread of its own, waited for at most ``2 * poll_s`` (at least 2 s): a
+        link that went down without a reset can block a store call far beyond the store's own timeout."""
+        if self._io is not None and self._io.is_alive():
+            raise TimeoutError("the previous store call has not returned")  # still stuck: do not pile up more
+        box: dict[str, Any] = {}
+
+        def call() -> None:
+            try:
+                box["seen"] = self._publish_and_read()
+            except BaseException as err:  # noqa: BLE001 - handed to the watchdog thread
+                box["error"] = err
+
+        self._io = threading.Thread(target=call, name="lightning_dist-watchdog-store", daemon=True)
+        self._io.start()
+        self._io.join(max(2.0, 2 * self.poll_s))
+        if self._io.is_alive():
+            raise TimeoutError(f"the store did not answer within {max(2.0, 2 * self.poll_s):.0f} s")
+        if "error" in box:
+            raise box["error"]
+        return box["seen"]
+
     def _run(self) -> None:
         last_change, last, failures = time.monotonic(), None, 0
         while not self._stop.wait(self.poll_s):
             if self.backstop:  # if this thread cannot run (the GIL held by a hang), faulthandler ends the process
                 faulthandler.dump_traceback_later(self.timeout_s + 2 * self.poll_s + 10.0, exit=True)
-            now = time.monotonic()
             found = self.check() if self.check is not None else None
             if found is not None:
                 self._raise(found)
@@ -153,10 +175,12 @@ class Watchdog:
                 self._raise(Fault("launcher_gone", f"rank {self.rank}: the process that launched it (pid "
                                                    f"{self._parent}) is gone; ending this rank too"))
                 return
+            now = time.monotonic()
             try:
-                seen = self._publish_and_read()
+                seen = self._poll_store()
                 failures = 0
             except Exception as err:  # noqa: BLE001 - the store's process died or the link is down
+                now = time.monotonic()
                 failures += 1
                 if now - last_change > self.timeout_s and not self._paused:
                     # the stall verdict was due anyway (a peer that reached it first took the store with it)
@@ -166,7 +190,8 @@ class Watchdog:
                 if failures >= STORE_FAILURES:
                     self._raise(Fault("store_unreachable", f"rank {self.rank}: the rendezvous store has not answered "
                                                            f"{failures} polls in a row ({type(err).__name__}: {err}); "
-                                                           "the process hosting it (rank 0 or the launcher) is gone"))
+                                                           "the process hosting it (rank 0 or the launcher) is gone, "
+                                                           "or the link to it is down"))
                     return
                 continue
             self.last_seen = seen

@@ -1,0 +1,112 @@
+"""The simulated cluster (network namespaces, shaped links) and faults across real network hops: a link taken
+down mid-training without a reset, a host's processes killed. Every rank is gone within FaultTolerance's bound,
+the checkpoints verify, and ``resume=auto`` finishes the run. Skipped, with the reason, where namespaces cannot
+be made (no root, no iproute2)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lightning_dist.fault.checkpoint import verify
+from lightning_dist.simcluster import SimCluster, unavailable
+
+REASON = unavailable()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+TIMEOUT_S = 10
+# the watchdog's own bound: the timeout, a few polls, the emergency write, the exit
+BOUND_S = TIMEOUT_S + 15
+
+SERVER = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", 5999)); s.listen(1)
+c, _ = s.accept(); n = 0; t = time.monotonic()
+while True:
+    b = c.recv(1 << 20)
+    if not b: break
+    n += len(b)
+print(n * 8 / 1e6 / (time.monotonic() - t), flush=True)
+"""
+CLIENT = """
+import socket, sys
+s = socket.create_connection((sys.argv[1], 5999)); data = b"x" * (1 << 20)
+for _ in range(int(sys.argv[2])): s.sendall(data)
+s.close()
+"""
+
+
+def _ours():
+    names = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return names, spaces
+
+
+def test_links_are_shaped_and_everything_is_removed():
+    with SimCluster(2, rate_mbit=100) as cluster:
+        assert all(ns in _ours()[1] for ns in cluster.namespaces)
+        server = cluster.popen(0, [sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        cluster.popen(1, [sys.executable, "-c", CLIENT, cluster.addresses[0], "25"]).wait(60)
+        mbit = float(server.communicate(timeout=60)[0])
+        names = (cluster.bridge, *cluster.namespaces)
+    assert 70 < mbit < 110  # 100 Mbit/s, less TCP's overhead
+    links, spaces = _ours()
+    assert not any(name in links or name in spaces for name in names)
+
+
+def _job(cluster, out, epochs, *extra):
+    args = ["-m", "lightning_dist.train", "trainer.devices=1", f"trainer.num_nodes={cluster.hosts}",
+            f"trainer.max_epochs={epochs}", "trainer.enable_progress_bar=false",
+            "callbacks=[checkpoint,fault_tolerance]", f"callbacks.fault_tolerance.timeout_s={TIMEOUT_S}",
+            "callbacks.fault_tolerance.poll_s=1", f"hydra.run.dir={out}", *extra]
+    logs = [open(f"{out}.host{i}.log", "a") for i in range(cluster.hosts)]  # the resumed job appends
+    return [cluster.popen(i, cluster.torchrun(i, args), env=cluster.env(), stdout=logs[i], stderr=subprocess.STDOUT)
+            for i in range(cluster.hosts)]
+
+
+def _fault_then_resume(tmp_path, fault):
+    out = str(tmp_path / fault)
+    with SimCluster(2, rate_mbit=1000) as cluster:
+        procs = _job(cluster, out, 2)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(f"{out}/checkpoints/last.ckpt"):  # the first epoch's checkpoint: mid-training
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no epoch-end checkpoint"
+            time.sleep(0.1)
+        struck = time.monotonic()
+        if fault == "cut":
+            cluster.cut(1)
+        else:
+            os.killpg(procs[1].pid, signal.SIGKILL)  # host 1's torchrun agent and its session
+        codes = cluster.wait(procs, BOUND_S + 30)
+        gone_s = time.monotonic() - struck
+        workers = subprocess.run(["pgrep", "-f", f"hydra.run.dir={out}"], capture_output=True, text=True).stdout
+    checkpoints = sorted(glob.glob(f"{out}/checkpoints/**/*.ckpt", recursive=True))
+    metas = {os.path.basename(path): verify(path) for path in checkpoints}
+    # resume on a fresh, healthy cluster
+    with SimCluster(2, rate_mbit=1000) as cluster:
+        resumed = cluster.wait(_job(cluster, out, 2, "resume=auto"), 180)
+    logs = "".join(open(f"{out}.host{i}.log").read() for i in range(2))
+    return codes, gone_s, workers, metas, resumed, json.loads(open(f"{out}/summary.json").read()), logs
+
+
+@pytest.mark.parametrize("fault", ["cut", "kill"])
+def test_a_host_fault_ends_every_rank_within_the_bound_and_the_run_resumes(tmp_path, fault):
+    codes, gone_s, workers, metas, resumed, summary, logs = _fault_then_resume(tmp_path, fault)
+    assert None not in codes and all(code != 0 for code in codes), codes
+    assert gone_s < BOUND_S, gone_s
+    assert workers.strip() == ""  # no rank left behind anywhere
+    assert all(meta["verified"] for meta in metas.values()) and "last.ckpt" in metas
+    emergency = [name for name in metas if name.startswith("emergency-rank0")]
+    assert emergency, metas  # host 0's rank saved its state
+    if fault == "cut":  # host 1's rank was alive: it saved too, though it could reach nobody
+        assert any(name.startswith("emergency-rank1") for name in metas), metas
+        assert "no rank has made progress" in logs
+    assert resumed == [0, 0] and "resume=auto: resuming from" in logs
+    assert summary["global_step"] == 46  # both epochs done
