@@ -147,7 +147,8 @@ class SimCluster:
             self.delay_applied = done.returncode == 0
             if not self.delay_applied:  # no netem in this kernel: a token bucket, 10 ms of burst
                 burst = str(max(int(rate_bytes / 100), 15000))
-                done = self._qdisc(i, "tbf", "rate", f"{rate_mbit}mbit", "burst", burst, "latency", f"{self.queue_ms}ms")
+                queue = f"{self.queue_ms}ms"
+                done = self._qdisc(i, "tbf", "rate", f"{rate_mbit}mbit", "burst", burst, "latency", queue)
                 if done.returncode != 0:
                     raise RuntimeError(f"cannot shape host {i}'s link: {done.stderr.strip()}")
         if host is None:
