@@ -113,6 +113,16 @@ def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return "\n".join([line(cells[0]), rule] + [line(row) for row in cells[1:]])
 
 
+def figure_row(panels: int, width: float, height: float = 4.2) -> tuple[Any, list[Any]]:
+    """A matplotlib figure (Agg, no display needed) with ``panels`` axes side by side."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, list(fig.subplots(1, panels, squeeze=False)[0])
+
+
 def step_boxplot(ax: Any, data: Sequence[Sequence[float]], labels: Sequence[str], title: str,
                  **tick_options: Any) -> None:
     """Per-run median step times (ms) of several configurations: a box per configuration, every run as a dot."""

@@ -66,6 +66,7 @@ from typing_extensions import override
 
 from lightning_dist.benchmarks._common import (
     environment,
+    figure_row,
     format_table,
     output_dir,
     progress,
@@ -480,12 +481,7 @@ def plot_estimates(summary: Sequence[dict[str, Any]], path: Path) -> Path:
 
 def plot_cost(runs: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]], path: Path) -> Path:
     """Per strategy, per-run median step times with and without the monitor; then the self-timed fractions."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(3.6 * len(summary) + 4.5, 4.2), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, len(summary) + 1, squeeze=False)[0]
+    fig, axes = figure_row(len(summary) + 1, 3.6 * len(summary) + 4.5)
     for ax, s in zip(axes, summary):
         data = [[1e3 * r["median_s"] for r in runs if r["strategy"] == s["strategy"] and r["monitored"] == m]
                 for m in (False, True)]

@@ -40,6 +40,7 @@ from typing_extensions import override
 
 from lightning_dist.benchmarks._common import (
     environment,
+    figure_row,
     format_table,
     output_dir,
     progress,
@@ -132,12 +133,7 @@ def table(summary: Sequence[dict[str, Any]]) -> str:
 
 
 def plot(runs: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]], path: Path) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(4.2 * len(summary) + 4.5, 4.2), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, len(summary) + 1, squeeze=False)[0]
+    fig, axes = figure_row(len(summary) + 1, 4.2 * len(summary) + 4.5)
     for ax, s in zip(axes, summary):
         data = [[1e3 * r["median_s"] for r in runs if r["workload"] == s["workload"] and r["config"] == c]
                 for c in CONFIGS]

@@ -14,7 +14,8 @@ What it changes in :class:`~lightning.pytorch.strategies.DDPStrategy`:
 - exchanges the step's control values and per-rank measurements in one small collective
   (:class:`~lightning_dist.strategy.control.StepControl`), complete before the optimizer steps: every step
   when a feature registered a value all ranks must agree on (started after backward, when the values are
-  final), otherwise only on logging steps, started alongside the last gradient bucket and hidden behind it;
+  final), otherwise only on the steps a feature requested (:meth:`RingDDPStrategy.request_exchange`), started
+  alongside the last gradient bucket and hidden behind it;
 - compresses the buckets with a :class:`~lightning_dist.compression.Compressor` (``compressor=``), commits its
   per-step state after the optimizer stepped, and saves every rank's state in checkpoints;
 - with ``hetero=`` (:class:`~lightning_dist.hetero.HeteroBatching`), rebuilds the training loader so each
@@ -228,7 +229,8 @@ class RingDDPStrategy(DDPStrategy):
 
     def request_exchange(self, every_n_steps: int, name: str = "metrics") -> None:
         """Carry every rank's per-rank slots to all ranks on every ``every_n_steps``-th optimizer step, for the
-        feature ``name`` (DistMetricsCallback: ``"metrics"``, MemoryMonitor: ``"memory"``); 0 withdraws the
+        feature ``name`` (DistMetricsCallback: ``"metrics"``; callbacks built on
+        :class:`~lightning_dist.callbacks.rank_values.RankValues`: their feature name); 0 withdraws the
         request. The exchange happens on a step when any request's interval divides the step count (and on
         every step when an agreed slot is registered), the same steps on every rank."""
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 0:
