@@ -1,0 +1,66 @@
+"""notebooks/*.ipynb: committed without outputs, and executed end to end on small settings.
+
+Each notebook runs on a Jupyter kernel of this very environment (``python3``: ipykernel's kernel, which
+jupyter_client starts with this interpreter) with ``LIGHTNING_DIST_NB_SMALL=1``, in a temporary directory.
+A cell that runs past ``CELL_TIMEOUT_S`` fails the test; the kernel is then killed with its whole process group,
+which holds the ranks Lightning forked from it, so nothing is left behind.
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+CELL_TIMEOUT_S = 150  # the longest cell trains several 2-rank jobs: ~20 s on 2 cores with small settings
+# the least each notebook must draw (a plot helper that silently draws nothing would otherwise pass)
+MIN_FIGURES = {"01-quickstart.ipynb": 4, "02-compression.ipynb": 4, "03-heterogeneous.ipynb": 4}
+
+
+def _execute(nb, cwd, **kwargs):
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                            resources={"metadata": {"path": str(cwd)}}, **kwargs)
+    return client.execute()
+
+
+def test_every_notebook_is_here():
+    assert [p.name for p in NOTEBOOKS] == sorted(MIN_FIGURES)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_committed_without_outputs_and_with_a_parameters_cell(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata.kernelspec.name == "python3"
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
+    dirty = [i for i, cell in enumerate(code) if cell.outputs or cell.execution_count is not None]
+    assert not dirty, f"{path.name}: code cells {dirty} hold outputs; clear them before committing"
+    parameters = [cell for cell in code if "parameters" in cell.metadata.get("tags", [])]
+    assert len(parameters) == 1 and "small_settings()" in parameters[0].source
+
+
+def test_the_kernel_runs_this_environments_python(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import sys; print(sys.prefix)")])
+    _execute(nb, tmp_path)
+    assert nb.cells[0].outputs[0].text.strip() == sys.prefix
+
+
+@pytest.mark.slow  # each trains 2-rank jobs forked from its kernel: 10-25 s on 2 cores
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs_on_small_settings(path, tmp_path, monkeypatch):
+    monkeypatch.setenv("LIGHTNING_DIST_NB_SMALL", "1")  # the kernel inherits this process's environment
+    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    nb = nbformat.read(path, as_version=4)
+    started = time.perf_counter()
+    _execute(nb, tmp_path)  # raises CellExecutionError, with the cell and its traceback, if any cell fails
+    elapsed = time.perf_counter() - started
+    outputs = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
+    assert not [out for out in outputs if out.output_type == "error"]
+    figures = sum(1 for out in outputs if "image/png" in out.get("data", {}))
+    assert figures >= MIN_FIGURES[path.name], f"{path.name} drew {figures} figures"
+    print(f"{path.name}: executed in {elapsed:.1f} s on {os.cpu_count()} cores")
