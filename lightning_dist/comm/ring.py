@@ -10,8 +10,10 @@ With ``t`` counting all ``2 (N - 1)`` steps, rank ``r`` sends chunk ``(r - t) mo
 ``(r - t - 1) mod N`` at step ``t``, in both phases: the chunk received at step ``t`` is the one sent at
 step ``t + 1``. So the ring is one pipeline. Each chunk is cut into segments; a segment is forwarded the
 moment it has been reduced, while the later segments of the same chunk are still on the wire, and the
-receives of step ``t + 1`` are posted before step ``t`` is processed (gloo moves data only once the
-receiver has posted its buffer). Large messages then approach the bandwidth of gloo's own C++ all_reduce.
+receives of step ``t + 1`` are posted before step ``t`` is processed, those of steps 0 and 1 before anything
+is sent (gloo moves data only once the receiver's notice that it posted its buffer has arrived, and the notice
+queues behind data already sent on the same connection). Large messages then reach the bandwidth of gloo's
+own C++ all_reduce, on loopback and across hosts.
 
 Every chunk is summed along one chain and then copied, so all ranks end with bit-identical results.
 """
