@@ -90,3 +90,36 @@ def test_comm_stats_totals_and_reset():
     assert [r.algorithm for r in stats.records] == ["ring", "tree"]
     stats.reset()
     assert stats.calls == 0 and stats.records == [] and stats.dense_bytes == 0 and stats.codec_seconds == 0
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ring_posts_its_first_two_steps_receives_before_it_sends(monkeypatch, world_size):
+    """A gloo send waits for the receiver's ready notice, which queues behind data already sent on the same
+    connection: at 2 ranks a receive posted after our first send made the two directions take turns."""
+    import torch.distributed as dist
+
+    from lightning_dist.comm._common import GroupView
+    from lightning_dist.comm.ring import _pipelined_ring
+
+    calls: list[str] = []
+
+    class Done:
+        def wait(self) -> bool:
+            return True
+
+    def isend(tensor, dst, group=None):
+        calls.append("send")
+        return Done()
+
+    def irecv(tensor, src, group=None):
+        calls.append("recv")
+        return Done()
+
+    monkeypatch.setattr(dist, "isend", isend)
+    monkeypatch.setattr(dist, "irecv", irecv)
+    numel, segment = 12 * world_size, 4  # three segments per chunk
+    _pipelined_ring(torch.zeros(numel), GroupView(None, 0, world_size, tuple(range(world_size))), segment)
+    per_step = numel // world_size // segment
+    steps = 2 * (world_size - 1)
+    assert calls.count("recv") == calls.count("send") == steps * per_step
+    assert calls[: 2 * per_step] == ["recv"] * (2 * per_step)
