@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import nbformat
+import psutil
 import pytest
 from nbclient import NotebookClient
 
@@ -22,10 +23,20 @@ CELL_TIMEOUT_S = 150  # the longest cell trains several 2-rank jobs: ~20 s on 2 
 MIN_FIGURES = {"01-quickstart.ipynb": 4, "02-compression.ipynb": 4, "03-heterogeneous.ipynb": 4}
 
 
-def _execute(nb, cwd, **kwargs):
-    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                            resources={"metadata": {"path": str(cwd)}}, **kwargs)
+def _execute(nb, cwd):
+    # shutdown_kernel="immediate": at the end, or when a cell fails or times out, the kernel is killed at once
+    # with its process group (jupyter_client starts it in a session of its own), forked ranks included, rather
+    # than asked to shut down while a rank may be stuck in a collective
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", shutdown_kernel="immediate",
+                            resources={"metadata": {"path": str(cwd)}})
     return client.execute()
+
+
+def _gone(pid):
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def test_every_notebook_is_here():
@@ -48,6 +59,17 @@ def test_the_kernel_runs_this_environments_python(tmp_path):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import sys; print(sys.prefix)")])
     _execute(nb, tmp_path)
     assert nb.cells[0].outputs[0].text.strip() == sys.prefix
+
+
+def test_processes_the_kernel_started_end_with_it(tmp_path):
+    source = "import subprocess; child = subprocess.Popen(['sleep', '600']); print(child.pid)"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
+    _execute(nb, tmp_path)
+    pid = int(nb.cells[0].outputs[0].text)
+    deadline = time.monotonic() + 10
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(pid), f"process {pid}, started by the kernel, outlived it"
 
 
 @pytest.mark.slow  # each trains 2-rank jobs forked from its kernel: 10-25 s on 2 cores

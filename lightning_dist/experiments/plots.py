@@ -152,12 +152,13 @@ def plot_rank_metrics(ax: Any, run: Run, name: str, *, ylabel: Optional[str] = N
 def plot_epoch_times(ax: Any, runs: Sequence[Run], rank: int = 0) -> Any:
     """Training time of every epoch (rank ``rank``, validation excluded), bars grouped by epoch, one per run."""
     width = 0.8 / max(len(runs), 1)
+    epochs = 0
     for i, run in enumerate(runs):
         times = run.epoch_times(rank)
+        epochs = max(epochs, len(times))
         ax.bar(np.arange(len(times)) + i * width, times, width=width, label=run.name)
     ax.set(xlabel="epoch", ylabel=f"training time per epoch, s (rank {rank})")
-    ax.set_xticks(np.arange(max((len(r.epoch_times(rank)) for r in runs), default=0)) + 0.4 - width / 2)
-    ax.set_xticklabels(range(max((len(r.epoch_times(rank)) for r in runs), default=0)))
+    ax.set_xticks(np.arange(epochs) + 0.4 - width / 2, [str(e) for e in range(epochs)])
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize="small")
     return ax

@@ -151,8 +151,11 @@ def _fresh(save_dir: str | os.PathLike) -> str:
 
 
 def _read(name: str, save_dir: str, metrics: list[Record], wall_s: float) -> Run:
+    summary: dict[str, Any] = {}
     summary_path = os.path.join(save_dir, "summary.json")
-    summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
+    if os.path.exists(summary_path):
+        with open(summary_path) as fh:
+            summary = json.load(fh)
     return Run(name, save_dir, metrics, read_timeline(save_dir), summary, wall_s)
 
 
@@ -226,8 +229,7 @@ def compose_config(overrides: Sequence[str] = ()) -> Any:
     """``lightning-dist-train``'s config with these overrides (Hydra's compose API), checked against its schema."""
     from hydra import compose, initialize_config_module
 
-    from lightning_dist.config import validate
-    from lightning_dist.train import register_configs
+    from lightning_dist.config import register_configs, validate
 
     register_configs()
     with initialize_config_module("lightning_dist.conf", version_base="1.3"):
