@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import hydra
 import lightning.pytorch as pl
@@ -97,8 +97,13 @@ class RunSummaryCallback(Callback):
         os.replace(tmp, self.path)
 
 
-def build(cfg: DictConfig, output_dir: str, started: float) -> tuple[pl.Trainer, pl.LightningModule, Any]:
-    """Instantiate trainer, model and data from a composed config (all in the launching process)."""
+def build(
+    cfg: DictConfig, output_dir: str, started: float, extra_callbacks: Sequence[Callback] = ()
+) -> tuple[pl.Trainer, pl.LightningModule, Any]:
+    """Instantiate trainer, model and data from a composed config (all in the launching process).
+
+    ``extra_callbacks`` (Python callers such as :func:`lightning_dist.experiments.fit_config`) follow the
+    config's callbacks and precede the run summary writer."""
     validate(cfg)
     plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     perf = instantiate(plain["perf"])  # validated here, applied in each rank by ApplyPerfCallback
@@ -115,6 +120,7 @@ def build(cfg: DictConfig, output_dir: str, started: float) -> tuple[pl.Trainer,
             node["dirpath"] = os.path.join(output_dir, "checkpoints")  # recorded in summary.json as used
         callbacks.append(instantiate(node))
     callbacks.append(ApplyPerfCallback(perf, local_world_size(cfg.trainer.devices, cfg.trainer.accelerator)))
+    callbacks.extend(extra_callbacks)
     callbacks.append(RunSummaryCallback(os.path.join(output_dir, "summary.json"), plain, started))
     trainer_kwargs = dict(plain["trainer"])
     trainer_kwargs["devices"] = resolve_devices(trainer_kwargs["devices"])

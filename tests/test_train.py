@@ -268,3 +268,14 @@ def test_fault_tolerance_and_resume_are_checked_before_any_rank():
                              (["resume=sometimes"], "resume='sometimes'")):
         with pytest.raises(ValueError, match=match):
             validate(_compose("callbacks=[checkpoint,fault_tolerance]", *overrides))
+
+
+def test_build_adds_a_python_callers_callbacks_before_the_run_summary(tmp_path):
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_dist.train import RunSummaryCallback
+
+    extra = Callback()
+    callbacks = build(_compose(), str(tmp_path), 0.0, extra_callbacks=[extra])[0].callbacks
+    summary = next(i for i, cb in enumerate(callbacks) if isinstance(cb, RunSummaryCallback))
+    assert extra in callbacks and callbacks.index(extra) < summary

@@ -21,7 +21,6 @@ from lightning_dist.experiments.records import (
 )
 from lightning_dist.experiments.runs import (
     SMALL_ENV,
-    ApplyPerf,
     Run,
     compose_config,
     fit_config,
@@ -32,6 +31,6 @@ from lightning_dist.experiments.runs import (
     summary_callback,
 )
 
-__all__ = ["ApplyPerf", "JsonlLogger", "Run", "SMALL_ENV", "StepTimeline", "compose_config", "epoch_times",
+__all__ = ["JsonlLogger", "Run", "SMALL_ENV", "StepTimeline", "compose_config", "epoch_times",
            "fit_config", "fit_digits", "last", "load_run", "per_rank", "quiet_logs", "read_csv_metrics", "read_jsonl",
            "read_timeline", "series", "small_settings", "summary_callback"]

@@ -29,7 +29,6 @@ from typing import Any, Optional, Sequence
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from typing_extensions import override
 
 from lightning_dist.examples import DigitsCNN, DigitsDataModule
 from lightning_dist.experiments.records import (
@@ -43,9 +42,10 @@ from lightning_dist.experiments.records import (
     read_timeline,
     series,
 )
-from lightning_dist.perf import PerfConfig, apply_perf
+from lightning_dist.perf import PerfConfig
 from lightning_dist.strategy import RingDDPStrategy
 from lightning_dist.testing import Slowdown
+from lightning_dist.train import ApplyPerfCallback
 
 SMALL_ENV = "LIGHTNING_DIST_NB_SMALL"  # "1": the notebooks' small settings (what the test suite runs)
 TIMEOUT_S = 120.0  # a collective waits this long for a stalled peer: a broken run fails instead of hanging
@@ -129,20 +129,6 @@ class Run:
         }
 
 
-class ApplyPerf(Callback):
-    """Applies :mod:`lightning_dist.perf`'s settings in every rank, quietly: above all one share of the machine's
-    cores per rank (intra-op threads = cores / ranks here). Forked ranks otherwise keep the notebook's thread
-    count each, and N ranks with all the cores each contend for them: a rank's compute time then depends on what
-    the other ranks do at that moment, which is exactly what a timeline or a speed measurement must not show."""
-
-    def __init__(self, perf: Optional[PerfConfig] = None) -> None:
-        self.perf = perf or PerfConfig()
-
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        apply_perf(self.perf, max(1, trainer.num_devices))
-
-
 def _fresh(save_dir: str | os.PathLike) -> str:
     path = os.fspath(save_dir)
     shutil.rmtree(path, ignore_errors=True)
@@ -208,7 +194,9 @@ def fit_digits(
     strategy_kwargs.setdefault("timeout", timedelta(seconds=TIMEOUT_S))
     strategy = RingDDPStrategy(start_method=start_method, **strategy_kwargs)
     logger = JsonlLogger(save_dir)
-    extra: list[Callback] = [ApplyPerf(), StepTimeline(save_dir), *callbacks]
+    # the command's own per-rank perf settings: above all one share of the cores per rank (forked ranks otherwise
+    # keep the notebook's thread count each and contend, which a timeline or a speed measurement must not show)
+    extra: list[Callback] = [ApplyPerfCallback(PerfConfig(warn=False), devices), StepTimeline(save_dir), *callbacks]
     if slowdown:
         extra.append(Slowdown(slowdown))
     config = {"name": name, "devices": devices, "epochs": epochs, "batch_size": batch_size,
@@ -252,8 +240,8 @@ def fit_config(name: str, save_dir: str | os.PathLike, overrides: Sequence[str] 
     cfg = compose_config(overrides)
     save_dir = _fresh(save_dir)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    trainer, model, data = build(cfg, save_dir, time.time())
-    trainer.callbacks.extend([*([StepTimeline(save_dir)] if timeline else []), *callbacks])
+    trainer, model, data = build(cfg, save_dir, time.time(),
+                                 extra_callbacks=[*([StepTimeline(save_dir)] if timeline else []), *callbacks])
     started = time.perf_counter()
     trainer.fit(model, datamodule=data)
     wall_s = time.perf_counter() - started
