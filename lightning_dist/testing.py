@@ -27,6 +27,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 
+_KEPT_GROUPS: list = []  # see _child: process groups a rank holds until it exits
 _GRACE_S = 3.0  # after a rank fails, how long the others get to report before they are killed
 
 
@@ -52,6 +53,11 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, store_path: str, 
             # fn's reference cycles may still hold the group: free them now, while it exists, not later on one
             # of gloo's threads, where the group's destructor would join that very thread and abort the rank
             gc.collect()
+            # A callback gloo ran on its own thread (a comm hook's ``then``) may still be dropping its closure when
+            # fn returns; if that drop is the group's last reference, the group's destructor joins that very thread
+            # and aborts the rank ("Resource deadlock avoided"). The groups are kept alive here until the child
+            # exits (os._exit: no destructors run), so their last reference is never dropped on gloo's thread.
+            _KEPT_GROUPS.extend(dist.distributed_c10d._world.pg_map)
             dist.destroy_process_group()
         # plain pickle to bytes: the queue's own pickler would pass tensors as shared-memory handles,
         # which break once this process exits before the parent has read them
