@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
+from lightning_dist.benchmarks._common import figure_row
 from lightning_dist.experiments import (
     JsonlLogger,
     Run,
@@ -127,12 +126,6 @@ def _fake_run(directory, name="r", acc=0.9, sent=1024.0):
     return Run(name, str(directory), metrics, read_timeline(_write_timeline(directory / name)), summary, 1.0)
 
 
-def _axes(n=1):
-    fig = Figure()
-    FigureCanvasAgg(fig)
-    return fig, list(fig.subplots(1, n, squeeze=False)[0])
-
-
 def test_run_summarises_bytes_and_final_values(tmp_path):
     run = _fake_run(tmp_path, sent=1024.0)
     assert run.steps == 4 and run.bytes_per_step == 1024.0 and run.dense_bytes_per_step == 4096.0
@@ -144,7 +137,7 @@ def test_run_summarises_bytes_and_final_values(tmp_path):
 def test_plots_draw_every_figure_the_notebooks_use(tmp_path):
     runs = [_fake_run(tmp_path, "dense", 0.97, 4096.0), _fake_run(tmp_path, "fp16", 0.96, 2048.0),
             _fake_run(tmp_path, "bf16", 0.96, 2048.0)]
-    fig, (a, b, c, d, e, f, g) = _axes(7)
+    fig, (a, b, c, d, e, f, g) = figure_row(7, 6.4, 4.8)
     plots.plot_metric(a, runs, "train/loss", smooth=2)
     assert len(a.lines) == 3
     plots.plot_quality_vs_bytes(b, runs, reference="dense")

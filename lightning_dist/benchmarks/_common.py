@@ -113,14 +113,15 @@ def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return "\n".join([line(cells[0]), rule] + [line(row) for row in cells[1:]])
 
 
-def figure_row(panels: int, width: float, height: float = 4.2) -> tuple[Any, list[Any]]:
-    """A matplotlib figure (Agg, no display needed) with ``panels`` axes side by side."""
+def figure_row(panels: int, width: float, height: float = 4.2, **subplots: Any) -> tuple[Any, list[Any]]:
+    """A matplotlib figure (Agg, no display needed) with ``panels`` axes side by side; ``subplots`` go to
+    ``Figure.subplots`` (``width_ratios=[2, 1]``)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)
-    return fig, list(fig.subplots(1, panels, squeeze=False)[0])
+    return fig, list(fig.subplots(1, panels, squeeze=False, **subplots)[0])
 
 
 def step_boxplot(ax: Any, data: Sequence[Sequence[float]], labels: Sequence[str], title: str,

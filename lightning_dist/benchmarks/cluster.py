@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -63,6 +62,7 @@ from typing import Any, Optional, Sequence
 
 from lightning_dist.benchmarks._common import (
     environment,
+    figure_row,
     format_table,
     output_dir,
     progress,
@@ -203,8 +203,9 @@ def run_record(raw: dict[str, Any], warmup: int) -> dict[str, Any]:
     def med(key: str) -> Optional[float]:
         return _median([s[key] for s in timed if key in s])
 
+    ordered = sorted(times)
     return {"params": raw.get("params"), "timed_steps": len(times), "median_s": _median(times),
-            "p25_s": float(sorted(times)[len(times) // 4]), "p75_s": float(sorted(times)[(3 * len(times)) // 4]),
+            "p25_s": float(ordered[len(times) // 4]), "p75_s": float(ordered[(3 * len(times)) // 4]),
             "exposed_median_s": med("exposed_s"), "comm_median_s": med("comm_s"),
             "bytes_sent_per_step": med("bytes_sent"), "dense_bytes_per_step": med("dense_bytes")}
 
@@ -307,14 +308,10 @@ def busbw_table(busbw: Sequence[dict[str, Any]]) -> str:
 def plot(records: Sequence[dict[str, Any]], busbw: Sequence[dict[str, Any]], path: Path) -> Path:
     """Left: step time per configuration, grouped by (hosts, rate), log y. Right: busbw ring vs native."""
     import numpy as np
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
 
     groups = list(dict.fromkeys((r["hosts"], r["rate_mbit"]) for r in records))
     configs = list(dict.fromkeys(r["config"] for r in records))
-    fig = Figure(figsize=(6 + 1.8 * max(len(groups), 1), 4.6), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax, bx = fig.subplots(1, 2, width_ratios=[2, 1])
+    fig, (ax, bx) = figure_row(2, 6 + 1.8 * max(len(groups), 1), 4.6, width_ratios=[2, 1])
     width = 0.8 / max(len(configs), 1)
     by_key = {(r["hosts"], r["rate_mbit"], r["config"]): r for r in records}
     for i, config in enumerate(configs):
@@ -354,13 +351,7 @@ def _launch(hosts: int, rate_mbit: float, worker_args: list[str], port: int, tim
         env = {**cluster.env(), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         procs = [cluster.popen(i, cluster.torchrun(i, cmd_args, port=port), env=env, stdout=log,
                                stderr=subprocess.STDOUT) for i in range(hosts)]
-        codes = cluster.wait(procs, timeout_s)
-        for proc, code in zip(procs, codes):
-            if code is None:  # past the deadline: our own process group (the cluster removes the rest)
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        codes = cluster.wait(procs, timeout_s)  # those past the deadline die with the cluster
     return codes, time.perf_counter() - start
 
 

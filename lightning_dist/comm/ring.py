@@ -112,18 +112,13 @@ def _pipelined_ring(flat: torch.Tensor, view: GroupView, segment: int) -> tuple[
     # the same connection: at N = 2 (left == right, one TCP connection) a receive posted after our own 8 MiB
     # send lets the peer start sending only once those 8 MiB are on the wire, and the two directions take
     # turns instead of running at once (1.5x the time on a 100 Mbit/s link; the cluster benchmark).
-    pending = post_receives(0)
-    early = post_receives(1) if steps > 1 else []
+    pending, upcoming = post_receives(0), post_receives(1)  # steps >= 2: this runs on 2 ranks or more
     sends: list[dist.Work] = []
     sent = received = 0
     for a, b in segments(r % n):  # step 0 sends this rank's own chunk as it is
         sends.append(dist.isend(flat[a:b], dst=right, group=view.group))
         sent += (b - a) * esize
     for step in range(steps):
-        if step == 0:
-            upcoming = early
-        else:
-            upcoming = post_receives(step + 1) if step + 1 < steps else []
         for work, a, b, dst in pending:
             work.wait()
             received += (b - a) * esize
@@ -132,7 +127,8 @@ def _pipelined_ring(flat: torch.Tensor, view: GroupView, segment: int) -> tuple[
             if step + 1 < steps:  # forward the finished segment as part of step + 1
                 sends.append(dist.isend(flat[a:b], dst=right, group=view.group))
                 sent += (b - a) * esize
-        pending = upcoming
+        # step + 2 lands in the staging buffer step's sums were just read from
+        pending, upcoming = upcoming, (post_receives(step + 2) if step + 2 < steps else [])
     for work in sends:
         work.wait()
     return sent, received

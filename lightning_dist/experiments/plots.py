@@ -72,7 +72,8 @@ def plot_quality_vs_bytes(ax: Any, runs: Sequence[Run], key: str = "val/acc", *,
         x, y = run.bytes_per_step / 1024, scale * value
         ax.plot([x], [y], "*" if run.name == reference else "o", ms=12 if run.name == reference else 8,
                 color=color)
-        spot = stacked[round(math.log10(x), 2)] = stacked.get(round(math.log10(x), 2), -1) + 1
+        decade = round(math.log10(x), 2)
+        spot = stacked[decade] = stacked.get(decade, -1) + 1
         ax.annotate(run.name, (x, y), textcoords="offset points", xytext=(6, 4 - 11 * spot), fontsize="small",
                     color=color)
         if run.name == reference:

@@ -573,8 +573,7 @@ class RingDDPStrategy(DDPStrategy):
         # state (residuals, random generator) is its own, so all of them travel to rank zero first.
         states = self._gather_compressor_states()
         if self.is_global_zero:
-            checkpoint = {**checkpoint, CHECKPOINT_KEY: {"compressor": {
-                "describe": self.compressor.describe(), "world_size": self.world_size, "ranks": states}}}
+            checkpoint = {**checkpoint, **self._compressor_entry(states)}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def local_checkpoint_state(self) -> dict[str, Any]:
@@ -583,6 +582,10 @@ class RingDDPStrategy(DDPStrategy):
         None; a run resumed from it restarts their per-rank state (residuals, generators) at zero."""
         ranks: list[Any] = [None] * self.world_size
         ranks[self.global_rank] = self.compressor.state_dict()
+        return self._compressor_entry(ranks)
+
+    def _compressor_entry(self, ranks: list[Any]) -> dict[str, Any]:
+        """The checkpoint's entry for the compressor: its description and every rank's state (None: not saved)."""
         return {CHECKPOINT_KEY: {"compressor": {"describe": self.compressor.describe(), "world_size": self.world_size,
                                                 "ranks": ranks}}}
 
@@ -613,20 +616,20 @@ class RingDDPStrategy(DDPStrategy):
                            f"{compressor.describe()}: its state starts afresh.")
             return
         ranks = saved["ranks"]
+        first = next(state for state in ranks if state is not None)  # shared state is the same on every rank
         if saved["world_size"] == self.world_size and ranks[self.global_rank] is not None:
             compressor.load_state_dict(ranks[self.global_rank])
         elif saved["world_size"] == self.world_size:  # an emergency checkpoint: another rank's state only
-            mine = next(state for state in ranks if state is not None)
             if compressor.lossy:
                 warnings.warn(f"rank {self.global_rank}: the checkpoint holds another rank's compressor state only "
                               "(an emergency checkpoint): this rank's error-feedback residuals and generators restart "
                               "at zero; shared state (step count, PowerSGD factors) is restored.", stacklevel=2)
-            compressor.load_state_dict(mine, shared_only=True)
+            compressor.load_state_dict(first, shared_only=True)
         else:
             rank_zero_warn(f"The checkpoint was written by {saved['world_size']} ranks, this run has "
                            f"{self.world_size}: per-rank compressor state (error-feedback residuals, random "
                            "generators) starts afresh; shared state (step count, PowerSGD factors) is restored.")
-            compressor.load_state_dict(next(state for state in ranks if state is not None), shared_only=True)
+            compressor.load_state_dict(first, shared_only=True)
 
     @classmethod
     @override
