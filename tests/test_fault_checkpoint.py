@@ -331,3 +331,33 @@ def test_trainer_writes_verified_checkpoints_and_resumes(tmp_path):
     second.fit(_Tiny(), ckpt_path=path, weights_only=True)
     assert second.global_step == 3
     assert newest_valid([tmp_path]).global_step == 3
+
+
+def test_newest_valid_checksums_only_until_one_verifies(tmp_path, monkeypatch):
+    for step in (1, 2, 3, 4):
+        save_checkpoint(_lightning_like(step), tmp_path / f"step={step}.ckpt")
+    hashed = []
+    real = ckpt_mod._sha256
+    monkeypatch.setattr(ckpt_mod, "_sha256", lambda path: hashed.append(path.name) or real(path))
+    assert newest_valid([tmp_path]).global_step == 4 and hashed == ["step=4.ckpt"]
+    hashed.clear()
+    _flip_middle_byte(tmp_path / "step=4.ckpt")
+    with pytest.warns(UserWarning, match=r"step=4.ckpt: .*checksum"):
+        info = newest_valid([tmp_path])
+    assert info.global_step == 3 and info.meta["verified"] and hashed == ["step=4.ckpt", "step=3.ckpt"]
+
+
+def test_resume_choice_is_reused_by_the_ranks_of_one_run_only(tmp_path, monkeypatch):
+    from lightning_dist.fault import resume
+
+    for var in (resume.ENV, resume.ENV_DIR, "TORCHELASTIC_RUN_ID"):
+        monkeypatch.setenv(var, "")  # recorded, so that what choose() sets is undone after the test
+        monkeypatch.delenv(var)
+    first, second = tmp_path / "job0" / "checkpoints", tmp_path / "job1" / "checkpoints"
+    for directory, step in ((first, 3), (second, 7)):
+        directory.mkdir(parents=True)
+        save_checkpoint(_lightning_like(step), directory / f"step={step}.ckpt")
+    assert resume.choose(str(first)) == str(first / "step=3.ckpt")
+    save_checkpoint(_lightning_like(5), first / "step=5.ckpt")  # a rank started later resumes as its launcher chose
+    assert resume.choose(str(first)) == str(first / "step=3.ckpt")
+    assert resume.choose(str(second)) == str(second / "step=7.ckpt")  # a sweep's next job, in the same process

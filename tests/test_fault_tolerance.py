@@ -14,6 +14,7 @@ What each launcher does with each fault on rank 1 at step 5 (the README's table;
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,7 @@ from lightning_dist.testing import launched_externally, run_ranks
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "lightning_dist.train"]
+JOB_VAR = "LIGHTNING_DIST_TEST_JOB"  # set for each launched job: its processes are found by it
 FT = ["callbacks=[checkpoint,fault_tolerance]", "callbacks.fault_tolerance.timeout_s=8",
       "callbacks.fault_tolerance.poll_s=1", "trainer.enable_progress_bar=false"]
 TIMEOUT_S = 8
@@ -62,17 +65,30 @@ class Run:
         return sorted(p.name for p in self.out.rglob(f"{kind}*.ckpt"))
 
 
-def _leftover(pgid: int) -> list[str]:
-    """Processes still in the job's session a few seconds after it ended (none should be)."""
+def _members(job: str) -> dict[int, str]:
+    """Live processes of the job, found by the variable every one of them inherits (torchrun starts its workers in
+    sessions of their own, so neither the job's process group nor its session finds them)."""
+    found = {}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if proc.environ().get(JOB_VAR) == job and proc.status() != psutil.STATUS_ZOMBIE:
+                found[proc.pid] = " ".join(proc.info["cmdline"] or [])[:120]
+        except psutil.Error:
+            continue
+    return found
+
+
+def _kill(job: str) -> None:
+    for pid in _members(job):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _leftover(job: str) -> list[str]:
+    """Processes of the job still alive a few seconds after it ended (none should be)."""
     deadline = time.monotonic() + 5.0
     while True:
-        alive = []
-        for proc in psutil.process_iter(["pid", "cmdline"]):
-            try:
-                if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(" ".join(proc.info["cmdline"] or [])[:120])
-            except (ProcessLookupError, psutil.Error):
-                continue
+        alive = list(_members(job).values())
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.2)
@@ -81,18 +97,23 @@ def _leftover(pgid: int) -> list[str]:
 def _launch(out: Path, *overrides: str, start_method="fork", deadline=150, cmd=None) -> Run:
     args = cmd or CLI + [f"strategy.start_method={start_method}", "trainer.max_epochs=1", *FT, *overrides,
                          f"hydra.run.dir={out}"]
+    job = uuid.uuid4().hex
     started = time.monotonic()
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, JOB_VAR: job})
     try:
         log, _ = proc.communicate(timeout=deadline)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill(job)
         log, _ = proc.communicate()
         raise AssertionError(f"the job did not end within {deadline} s:\n{log[-3000:]}") from None
+    except BaseException:  # pytest-timeout, Ctrl-C: nothing of the job outlives the test
+        _kill(job)
+        raise
     seconds = time.monotonic() - started
-    leftover = _leftover(proc.pid)
+    leftover = _leftover(job)
     if leftover:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill(job)
     return Run(proc.returncode, log, seconds, out, leftover)
 
 

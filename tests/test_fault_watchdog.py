@@ -20,7 +20,8 @@ from lightning_dist.fault.watchdog import Fault, Watchdog
 
 
 class Store:
-    """What the watchdog uses of a torch.distributed Store: ``add``; ``broken`` makes it fail like a dead host."""
+    """What the watchdog uses of a torch.distributed Store (``add``, ``multi_get``); ``broken`` makes it fail like a
+    dead host."""
 
     def __init__(self):
         self.values, self.lock, self.broken = {}, threading.Lock(), False
@@ -31,6 +32,12 @@ class Store:
         with self.lock:
             self.values[key] = self.values.get(key, 0) + delta
             return self.values[key]
+
+    def multi_get(self, keys):
+        if self.broken:
+            raise RuntimeError("Connection reset by peer")
+        with self.lock:
+            return [str(self.values[key]).encode() for key in keys]  # a missing key: KeyError, as a store would block
 
 
 def _watchdogs(store, n=2, timeout=0.4, poll=0.05, pause_timeout=5.0, check=None):
@@ -153,3 +160,33 @@ def test_settings_and_the_signal_flag():
     assert fault is not None and fault.kind == "stop_timeout" and "SIGTERM" in fault.message
     callback.stopped_by = "SIGTERM on rank 0"  # the ranks agreed: nothing overdue
     assert callback._stop_overdue() is None
+
+
+def test_a_watchdog_fault_lets_the_training_threads_emergency_write_finish(monkeypatch):
+    from lightning_dist.callbacks import fault_tolerance as ft
+
+    exits = []
+    monkeypatch.setattr(ft.os, "_exit", exits.append)
+    monkeypatch.setattr(ft, "_exit_later", lambda seconds, code: None)
+    callback = FaultTolerance()
+    callback._trainer, callback._fault_lock, callback._emergency_done = object(), threading.Lock(), threading.Event()
+    callback._emergency = True  # the training thread failed first and is writing its emergency checkpoint
+    watchdog = threading.Thread(target=callback._on_fault, args=(Fault("store_unreachable", "store gone"),))
+    watchdog.start()
+    watchdog.join(0.3)
+    assert exits == []  # still waiting for the write, not cutting it off
+    callback._emergency_done.set()
+    watchdog.join(5)
+    assert exits == [ft.EXIT_STALL]
+
+
+def test_the_signal_handlers_from_before_the_fit_are_in_force_after_it(tmp_path):
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                         callbacks=[FaultTolerance()])
+    trainer.fit(BoringModel())
+    assert {signum: signal.getsignal(signum) for signum in before} == before

@@ -64,6 +64,11 @@ RNG_KEY = "lightning_dist_rng"  # the checkpoint's entry for every rank's random
 _SIGNALS = ("SIGTERM", "SIGUSR1")
 
 
+def _signums() -> list[int]:
+    """The numbers of :data:`_SIGNALS` this platform has."""
+    return [signum for name in _SIGNALS if (signum := getattr(signal, name, None)) is not None]
+
+
 class FaultTolerance(Callback):
     """No hung ranks, emergency checkpoints, agreed preemption stops, resumable random state.
 
@@ -100,8 +105,11 @@ class FaultTolerance(Callback):
         self._watchdog: Optional[Watchdog] = None
         self._signal: Optional[int] = None  # set by the handler: the only thing it does
         self._signal_at = 0.0
-        self._previous_handlers: dict[int, Any] = {}
+        self._previous_handlers: dict[int, Any] = {}  # what _release puts back: the handlers from before the fit
+        self._original_handlers: dict[int, Any] = {}
+        self._handled = False
         self._emergency = False  # dumping an emergency checkpoint: no collective anywhere
+        self._emergency_done: Optional[threading.Event] = None  # made in setup, set when that write has ended
         self._values = RankValues("ft", ("signal",))  # every rank's stop request, every N steps
         self._fault_lock: Optional[threading.Lock] = None  # made in setup: the callback is pickled for spawn
 
@@ -113,6 +121,9 @@ class FaultTolerance(Callback):
         self._trainer = trainer  # set only in a rank's process (a fork or spawn launcher's parent is not a rank)
         self._handled = False
         self._fault_lock = threading.Lock()
+        self._emergency_done = threading.Event()
+        # before Lightning registers its own (Lightning restores these at its teardown, which runs before ours)
+        self._original_handlers = {signum: signal.getsignal(signum) for signum in _signums()}
         self._values.setup(trainer, self.agree_every_n_steps)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default: make it atomic
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
@@ -147,10 +158,9 @@ class FaultTolerance(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # after Lightning registered its own handlers (just before the fit loop), so ours are the ones in force
         if threading.current_thread() is threading.main_thread():
-            for name in _SIGNALS:
-                signum = getattr(signal, name, None)
-                if signum is not None:
-                    self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+            for signum in _signums():
+                in_force = signal.signal(signum, self._on_signal)
+                self._previous_handlers[signum] = self._original_handlers.get(signum, in_force)
         self._tick(trainer)
 
     def _release(self) -> None:
@@ -275,6 +285,9 @@ class FaultTolerance(Callback):
         code = EXIT_STOP_TIMEOUT if fault.kind == "stop_timeout" else EXIT_STALL
         trainer = self._trainer
         if trainer is not None:
+            if self._emergency and self._emergency_done is not None:
+                # the training thread is writing its own (it failed first): let that write finish, not cut it off
+                self._emergency_done.wait(self.pause_timeout_s)
             _exit_later(max(self.exit_grace_s, 10.0), code)  # the emergency write itself must not hang us
             self._write_emergency(trainer, f"watchdog: {fault.message}")
         os._exit(code)
@@ -315,6 +328,9 @@ class FaultTolerance(Callback):
             print(f"[lightning_dist] rank {rank}: the emergency checkpoint could not be written: "
                   f"{type(err).__name__}: {err}", file=sys.stderr, flush=True)
             return None
+        finally:
+            if self._emergency_done is not None:
+                self._emergency_done.set()
 
     # -- random generators in every checkpoint ------------------------------------------------------------------
     @override

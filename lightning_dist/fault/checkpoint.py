@@ -255,23 +255,49 @@ def find_checkpoints(dirs: Iterable[str | os.PathLike], pattern: str = "*.ckpt",
     """
     found = []
     for path in _candidates(dirs, pattern, recursive):
-        try:
-            meta = verify(path)
-            mtime = path.stat().st_mtime
-        except (CheckpointError, OSError) as e:
-            warnings.warn(f"skipping checkpoint {path}: {e}", UserWarning, stacklevel=2)
-            continue
-        found.append(CheckpointInfo(
-            path=str(path), global_step=_int_or(meta.get("global_step"), -1), epoch=_int_or(meta.get("epoch"), -1),
-            kind=meta.get("kind", "regular"), rank=meta.get("rank"), mtime=mtime, meta=meta,
-        ))
+        if info := _described(path, verify):
+            found.append(info)
     return sorted(found, key=CheckpointInfo.sort_key, reverse=True)
 
 
 def newest_valid(dirs: Iterable[str | os.PathLike], pattern: str = "*.ckpt") -> CheckpointInfo | None:
-    """The newest valid checkpoint in ``dirs`` (searched recursively), or None if there is none."""
-    found = find_checkpoints(dirs, pattern)
-    return found[0] if found else None
+    """The newest valid checkpoint in ``dirs`` (searched recursively), or None if there is none.
+
+    The candidates are ranked by what their sidecars say (a checkpoint without one must load instead), then
+    checksummed newest first until one verifies: a run's older checkpoints are not read at all. Skipped ones warn
+    as in :func:`find_checkpoints`.
+    """
+    claimed = []
+    for path in _candidates(dirs, pattern, True):
+        if info := _described(path, _claims):
+            claimed.append(info)
+    for info in sorted(claimed, key=CheckpointInfo.sort_key, reverse=True):
+        if info.meta["sha256"] is None:  # no sidecar: _claims has load-checked it already
+            return info
+        if verified := _described(Path(info.path), verify):
+            return verified
+    return None
+
+
+def _claims(path: Path) -> dict:
+    """What the sidecar says of ``path`` (its checksum unchecked), or the load check's meta without a sidecar."""
+    sidecar = _sidecar(path)
+    return _read_sidecar(path, sidecar) if sidecar.exists() else _load_check(path)
+
+
+def _described(path: Path, check: Callable[[Path], dict]) -> CheckpointInfo | None:
+    """``path`` as a :class:`CheckpointInfo` with ``check``'s meta, or None (with a warning, attributed to the caller
+    of :func:`find_checkpoints` or :func:`newest_valid`) if the check fails."""
+    try:
+        meta = check(path)
+        mtime = path.stat().st_mtime
+    except (CheckpointError, OSError) as e:
+        warnings.warn(f"skipping checkpoint {path}: {e}", UserWarning, stacklevel=3)
+        return None
+    return CheckpointInfo(
+        path=str(path), global_step=_int_or(meta.get("global_step"), -1), epoch=_int_or(meta.get("epoch"), -1),
+        kind=meta.get("kind", "regular"), rank=meta.get("rank"), mtime=mtime, meta=meta,
+    )
 
 
 # ---- Lightning plugin ------------------------------------------------------------------------------------------

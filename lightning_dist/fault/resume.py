@@ -1,8 +1,9 @@
 """``resume=auto``: the newest complete, valid checkpoint of a run, chosen once and used by every rank.
 
 Candidates are every ``*.ckpt`` under the run's checkpoint directory (regular ones, ``emergency/`` ones),
-verified (:func:`lightning_dist.fault.checkpoint.find_checkpoints`: a checksum mismatch or a truncated file is
-skipped with a warning), newest by global step; at the same step a regular checkpoint beats an emergency one.
+newest by global step; at the same step a regular checkpoint beats an emergency one. The newest that verifies
+is taken (:func:`lightning_dist.fault.checkpoint.newest_valid`: a checksum mismatch or a truncated file is
+skipped with a warning, and the older ones are not read).
 
 Every rank must resume from the same file, although the files may change while ranks start. So one process
 decides: under a Lightning launcher the launching process, before any rank starts (it passes the choice to the
@@ -19,6 +20,7 @@ from typing import Optional
 from lightning_dist.fault.checkpoint import CheckpointInfo, newest_valid
 
 ENV = "LIGHTNING_DIST_RESUME"
+ENV_DIR = "LIGHTNING_DIST_RESUME_DIR"  # the checkpoint directory the choice in ENV was made for
 
 
 def _under_torchrun() -> bool:
@@ -32,8 +34,8 @@ def describe(info: CheckpointInfo) -> str:
 
 def choose(checkpoint_dir: str) -> Optional[str]:
     """The checkpoint every rank of this launch resumes from (None: start afresh)."""
-    if ENV in os.environ:  # a rank started by a launcher that already chose
-        return os.environ[ENV] or None
+    if ENV in os.environ and os.environ.get(ENV_DIR) == os.path.abspath(checkpoint_dir):
+        return os.environ[ENV] or None  # a rank started by a launcher that already chose (not a sweep's next job)
     if _under_torchrun():
         import torch.distributed as dist
 
@@ -48,6 +50,7 @@ def choose(checkpoint_dir: str) -> Optional[str]:
         return chosen or None
     info = newest_valid([checkpoint_dir])
     os.environ[ENV] = info.path if info is not None else ""  # what the ranks this process starts will use
+    os.environ[ENV_DIR] = os.path.abspath(checkpoint_dir)
     _say(info)
     return info.path if info is not None else None
 

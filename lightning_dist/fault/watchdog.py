@@ -87,6 +87,7 @@ class Watchdog:
         self._paused: list[str] = []  # what this rank is doing that may take long (a stack: nested pauses)
         self._paused_since = 0.0
         self._published = {"ticks": 0, "step": 0, "paused": 0}
+        self._keys_made = False  # every rank's keys exist (made by add(key, 0)): one multi_get reads them all
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._io: Optional[threading.Thread] = None  # the store call in flight (a dead link can block it)
@@ -137,8 +138,13 @@ class Watchdog:
             if delta:
                 self.store.add(self._key(self.rank, name), delta)
                 self._published[name] = value
-        return [tuple(int(self.store.add(self._key(r, name), 0)) for name in ("ticks", "step", "paused"))
-                for r in range(self.world_size)]
+        keys = [self._key(r, name) for r in range(self.world_size) for name in ("ticks", "step", "paused")]
+        if not self._keys_made:  # a key no rank has written yet would block multi_get until it is
+            for key in keys:
+                self.store.add(key, 0)
+            self._keys_made = True
+        values = [int(value) for value in self.store.multi_get(keys)]  # one round trip, not 3 per rank
+        return [tuple(values[3 * r: 3 * r + 3]) for r in range(self.world_size)]
 
     def _poll_store(self) -> list[tuple[int, int, int]]:
         """One publish-and-read on a daemon thread of its own, waited for at most ``2 * poll_s`` (at least 2 s): a
