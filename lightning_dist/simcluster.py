@@ -55,7 +55,7 @@ class SimCluster:
         if hosts < 1:
             raise ValueError(f"hosts={hosts} must be >= 1")
         _COUNTER[0] += 1
-        tag = f"{os.getpid() % 10000}{_COUNTER[0]}"
+        tag = f"{os.getpid() % 100000:05d}{_COUNTER[0] % 100:02d}"  # fixed widths: two tags never read alike
         # queue_ms: how long a packet may wait in tbf's queue before it is dropped (its "latency"). The ring and
         # native all-reduce reach the line rate with 100 ms and with 500 ms alike (2 hosts, 100 Mbit/s)
         self.hosts, self.rate_mbit, self.delay_ms, self.queue_ms = hosts, rate_mbit, delay_ms, queue_ms
@@ -65,6 +65,9 @@ class SimCluster:
         self.subnet = 10 + (os.getpid() + _COUNTER[0]) % 200
         self.addresses = [f"10.77.{self.subnet}.{i + 1}" for i in range(hosts)]
         self._procs: list[subprocess.Popen] = []
+        # what this cluster made, and so may remove: a name that clashed with another cluster's is never its own
+        self._made_namespaces: list[str] = []
+        self._made_links: list[str] = []
         self._up = False
         self.delay_applied = False
 
@@ -82,11 +85,13 @@ class SimCluster:
 
     def _build(self) -> None:
         _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("link", "set", self.bridge, "up")
         self._up = True
+        _ip("link", "set", self.bridge, "up")
         for ns, link, addr in zip(self.namespaces, self.links, self.addresses):
             _ip("netns", "add", ns)
+            self._made_namespaces.append(ns)
             _ip("link", "add", link, "type", "veth", "peer", "name", f"{link}p")
+            self._made_links.append(link)
             _ip("link", "set", f"{link}p", "netns", ns)
             _ip("-n", ns, "link", "set", f"{link}p", "name", "eth0")
             _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
@@ -110,7 +115,7 @@ class SimCluster:
             except subprocess.TimeoutExpired:
                 pass
         self._procs = []
-        for ns in self.namespaces:
+        for ns in self._made_namespaces:
             # anything still running inside (a process that escaped its session) goes first
             pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False)
             for pid in pids.stdout.split():
@@ -119,10 +124,11 @@ class SimCluster:
                 except (ProcessLookupError, ValueError):
                     pass
             _ip("netns", "del", ns, check=False)
-        for link in self.links:
+        for link in self._made_links:
             _ip("link", "del", link, check=False)
-        _ip("link", "del", self.bridge, check=False)
-        self._up = False
+        if self._up:
+            _ip("link", "del", self.bridge, check=False)
+        self._made_namespaces, self._made_links, self._up = [], [], False
 
     # -- links -------------------------------------------------------------------------------------------------
     def _qdisc(self, host: int, *spec: str) -> subprocess.CompletedProcess:

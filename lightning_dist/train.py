@@ -136,11 +136,13 @@ def build(
     return trainer, model, data
 
 
-def run(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
-    """Train as configured; returns the summary rank zero wrote (empty on other ranks)."""
+def run(cfg: DictConfig, output_dir: str, extra_callbacks: Sequence[Callback] = (),
+        verbose: bool = True) -> dict[str, Any]:
+    """Train as configured; returns the summary rank zero wrote (empty on other ranks). ``extra_callbacks``
+    go to :func:`build`; ``verbose=False`` keeps the seed's message out of a notebook's output."""
     started = time.time()
-    pl.seed_everything(cfg.seed, workers=True)
-    trainer, model, data = build(cfg, output_dir, started)
+    pl.seed_everything(cfg.seed, workers=True, verbose=verbose)
+    trainer, model, data = build(cfg, output_dir, started, extra_callbacks)
     ckpt_path = cfg.ckpt_path
     if ckpt_path is None and cfg.resume == "auto":
         ckpt_path = choose_checkpoint(os.path.join(output_dir, "checkpoints"))

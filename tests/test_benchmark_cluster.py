@@ -104,7 +104,8 @@ def test_quick_run_on_a_simulated_cluster(tmp_path):
     reason = simcluster.unavailable()
     if reason is not None:
         pytest.skip(reason)
-    payload = cluster.main(["--quick", "--out", str(tmp_path)])
+    # a run's own deadline well inside pytest's: a hung run is a FAILED record with its log's tail, not a timeout
+    payload = cluster.main(["--quick", "--run-timeout", "150", "--out", str(tmp_path)])
     for name in ("cluster.json", "cluster.txt", "cluster.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert json.loads((tmp_path / "cluster.json").read_text())["records"] == payload["records"]

@@ -76,6 +76,7 @@ def test_processes_the_kernel_started_end_with_it(tmp_path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs_on_small_settings(path, tmp_path, monkeypatch):
     monkeypatch.setenv("LIGHTNING_DIST_NB_SMALL", "1")  # the kernel inherits this process's environment
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebooks' run directories (tempfile.mkdtemp) go here too
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     nb = nbformat.read(path, as_version=4)
     started = time.perf_counter()

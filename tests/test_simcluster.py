@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +28,7 @@ BOUND_S = TIMEOUT_S + 15
 SERVER = """
 import socket, sys, time
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", 5999)); s.listen(1)
+print("listening", flush=True)
 c, _ = s.accept(); n = 0; t = time.monotonic()
 while True:
     b = c.recv(1 << 20)
@@ -52,7 +54,7 @@ def test_links_are_shaped_and_everything_is_removed():
     with SimCluster(2, rate_mbit=100) as cluster:
         assert all(ns in _ours()[1] for ns in cluster.namespaces)
         server = cluster.popen(0, [sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
-        time.sleep(0.5)
+        assert server.stdout.readline().strip() == "listening"  # not a fixed sleep: start-up is slow under load
         cluster.popen(1, [sys.executable, "-c", CLIENT, cluster.addresses[0], "25"]).wait(60)
         mbit = float(server.communicate(timeout=60)[0])
         names = (cluster.bridge, *cluster.namespaces)
@@ -66,15 +68,23 @@ def _job(cluster, out, epochs, *extra):
             f"trainer.max_epochs={epochs}", "trainer.enable_progress_bar=false",
             "callbacks=[checkpoint,fault_tolerance]", f"callbacks.fault_tolerance.timeout_s={TIMEOUT_S}",
             "callbacks.fault_tolerance.poll_s=1", f"hydra.run.dir={out}", *extra]
-    logs = [open(f"{out}.host{i}.log", "a") for i in range(cluster.hosts)]  # the resumed job appends
-    return [cluster.popen(i, cluster.torchrun(i, args), env=cluster.env(), stdout=logs[i], stderr=subprocess.STDOUT)
-            for i in range(cluster.hosts)]
+    procs = []
+    for i in range(cluster.hosts):
+        with open(f"{out}.host{i}.log", "a") as log:  # the resumed job appends; the child keeps its own copy
+            procs.append(cluster.popen(i, cluster.torchrun(i, args), env=cluster.env(), stdout=log,
+                                       stderr=subprocess.STDOUT))
+    return procs
 
 
 def _fault_then_resume(tmp_path, fault):
     out = str(tmp_path / fault)
+    # The second epoch takes under a second here, less than host 1's rank may need to notice its launcher is gone:
+    # host 0's rank holds still for 3 s at its first step, so the fault always lands with training left to do
+    hold = "+callbacks.hold"
+    held = [f"{hold}._target_=lightning_dist.testing.InjectFault", f"{hold}.kind=stall", f"{hold}.rank=0",
+            f"{hold}.step=23", f"{hold}.stall_s=3"]
     with SimCluster(2, rate_mbit=1000) as cluster:
-        procs = _job(cluster, out, 2)
+        procs = _job(cluster, out, 2, *held)
         deadline = time.monotonic() + 120
         while not os.path.exists(f"{out}/checkpoints/last.ckpt"):  # the first epoch's checkpoint: mid-training
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no epoch-end checkpoint"
@@ -92,8 +102,8 @@ def _fault_then_resume(tmp_path, fault):
     # resume on a fresh, healthy cluster
     with SimCluster(2, rate_mbit=1000) as cluster:
         resumed = cluster.wait(_job(cluster, out, 2, "resume=auto"), 180)
-    logs = "".join(open(f"{out}.host{i}.log").read() for i in range(2))
-    return codes, gone_s, workers, metas, resumed, json.loads(open(f"{out}/summary.json").read()), logs
+    logs = "".join(Path(f"{out}.host{i}.log").read_text() for i in range(2))
+    return codes, gone_s, workers, metas, resumed, json.loads(Path(f"{out}/summary.json").read_text()), logs
 
 
 @pytest.mark.parametrize("fault", ["cut", "kill"])

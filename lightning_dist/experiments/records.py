@@ -178,6 +178,7 @@ class StepTimeline(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        self._close()  # a fit that failed before its teardown left it open
         os.makedirs(self.save_dir, exist_ok=True)
         self._file = open(os.path.join(self.save_dir, f"timeline-rank{trainer.global_rank}.jsonl"), "w",
                           buffering=1)  # line-buffered: every record reaches the file as it is written
@@ -217,8 +218,16 @@ class StepTimeline(Callback):
         self._row = {}
 
     @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close()  # Lightning runs no teardown after a failure
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and self._file is not None:
+        if stage == "fit":
+            self._close()
+
+    def _close(self) -> None:
+        if self._file is not None:
             self._file.close()
             self._file = None
 

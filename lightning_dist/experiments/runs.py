@@ -8,7 +8,7 @@ Two ways in, one result (:class:`Run`):
   :class:`~lightning_dist.experiments.records.StepTimeline` and ``lightning-dist-train``'s own
   ``summary.json`` writer attached;
 - :func:`fit_config`: the Hydra configs of ``lightning-dist-train``, composed with overrides
-  (``["compression=topk", "compression.ratio=0.01"]``) and built by :func:`lightning_dist.train.build`, the
+  (``["compression=topk", "compression.ratio=0.01"]``) and run by :func:`lightning_dist.train.run`, the
   command's own code path: the run writes the same ``summary.json`` and ``csv/metrics.csv`` the command does.
 
 Each run's files live in its own directory (``save_dir``), which is emptied first; the result reads them back
@@ -28,8 +28,10 @@ from datetime import timedelta
 from typing import Any, Optional, Sequence
 
 import lightning.pytorch as pl
+from hydra import compose, initialize_config_module
 from lightning.pytorch.callbacks import Callback
 
+from lightning_dist.config import register_configs, validate
 from lightning_dist.examples import DigitsCNN, DigitsDataModule
 from lightning_dist.experiments.records import (
     JsonlLogger,
@@ -45,7 +47,7 @@ from lightning_dist.experiments.records import (
 from lightning_dist.perf import PerfConfig
 from lightning_dist.strategy import RingDDPStrategy
 from lightning_dist.testing import Slowdown
-from lightning_dist.train import ApplyPerfCallback
+from lightning_dist.train import ApplyPerfCallback, RunSummaryCallback, run
 
 SMALL_ENV = "LIGHTNING_DIST_NB_SMALL"  # "1": the notebooks' small settings (what the test suite runs)
 TIMEOUT_S = 120.0  # a collective waits this long for a stalled peer: a broken run fails instead of hanging
@@ -149,8 +151,7 @@ def summary_callback(save_dir: str | os.PathLike, config: Optional[dict[str, Any
     """``lightning-dist-train``'s ``summary.json`` writer for ``save_dir``: at the end of fit rank zero writes the
     final metrics, wall time, steps, the gradient bytes it sent over the run (and the dense ring's), the
     compression ratio, comm and codec time, and ``config``. Make it right before ``fit`` (its clock starts)."""
-    from lightning_dist.train import RunSummaryCallback  # the command's own writer
-
+    # the command's own writer
     return RunSummaryCallback(os.path.join(os.fspath(save_dir), "summary.json"), dict(config or {}), time.time())
 
 
@@ -215,10 +216,6 @@ def fit_digits(
 
 def compose_config(overrides: Sequence[str] = ()) -> Any:
     """``lightning-dist-train``'s config with these overrides (Hydra's compose API), checked against its schema."""
-    from hydra import compose, initialize_config_module
-
-    from lightning_dist.config import register_configs, validate
-
     register_configs()
     with initialize_config_module("lightning_dist.conf", version_base="1.3"):
         cfg = compose("config", overrides=list(overrides))
@@ -230,20 +227,16 @@ def fit_config(name: str, save_dir: str | os.PathLike, overrides: Sequence[str] 
                callbacks: Sequence[Callback] = (), timeline: bool = True) -> Run:
     """Train as ``lightning-dist-train <overrides>`` would, in this process's ranks, writing into ``save_dir``.
 
-    The config is composed with Hydra's compose API and built by :func:`lightning_dist.train.build`: the same
-    model, data, strategy, compressor, callbacks, ``csv/metrics.csv`` and ``summary.json`` as the command.
+    The config is composed with Hydra's compose API and run by :func:`lightning_dist.train.run`: the same
+    model, data, strategy, compressor, callbacks, checkpoint choice (``ckpt_path=``), ``csv/metrics.csv`` and
+    ``summary.json`` as the command.
     Its default ``strategy.start_method=fork`` is the notebook launcher. ``callbacks`` are added to the
     command's, and a :class:`StepTimeline` unless ``timeline=False``.
     """
-    from lightning_dist.train import build
-
     cfg = compose_config(overrides)
     save_dir = _fresh(save_dir)
-    pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    trainer, model, data = build(cfg, save_dir, time.time(),
-                                 extra_callbacks=[*([StepTimeline(save_dir)] if timeline else []), *callbacks])
     started = time.perf_counter()
-    trainer.fit(model, datamodule=data)
+    run(cfg, save_dir, extra_callbacks=[*([StepTimeline(save_dir)] if timeline else []), *callbacks], verbose=False)
     wall_s = time.perf_counter() - started
     return _read(name, save_dir, read_csv_metrics(os.path.join(save_dir, "csv", "metrics.csv")), wall_s)
 
