@@ -24,7 +24,7 @@ from lightning_dist.compression import Compressor
 from lightning_dist.profiling import AllThreadsProfiler
 from lightning_dist.strategy import RingHookState, ring_comm_hook
 from lightning_dist.strategy.comm_worker import THREAD_NAME, CommWorker, CommWorkerError
-from lightning_dist.strategy.control import StepControl
+from lightning_dist.strategy.exchange import StepExchange
 from lightning_dist.testing import launched_externally, run_ranks
 
 
@@ -254,7 +254,7 @@ class Observer(Callback):
     def setup(self, trainer, pl_module, stage):
         if self.register_agreed:
             trainer.strategy.control.register("test_flag")
-        original = StepControl.start
+        original = StepExchange.start
 
         def start(control, group=None):
             self.starts.append("in backward" if self.in_backward else "after backward")

@@ -12,7 +12,7 @@ import lightning_dist
 from lightning_dist import RingDDPStrategy
 from lightning_dist.comm import CallRecord
 from lightning_dist.compression import Compressor, NoCompressor
-from lightning_dist.strategy import StepControl
+from lightning_dist.strategy import StepExchange
 
 
 def test_private_lightning_method_we_override_still_exists_and_is_called():
@@ -117,7 +117,7 @@ def test_step_control_layout_and_reading():
     # two ranks' vectors, summed by hand as the exchange would
     vecs = []
     for rank in range(2):
-        control = StepControl(rank, 2)
+        control = StepExchange(rank, 2)
         control.register("samples")
         control.register("bad_step")
         control.register("compute_s", per_rank=True)
@@ -134,7 +134,7 @@ def test_step_control_layout_and_reading():
     with pytest.raises(KeyError, match="not registered"):
         control.set("stop", 1)
     with pytest.raises(RuntimeError, match="exchange"):
-        StepControl(0, 1).agreed("samples")
+        StepExchange(0, 1).agreed("samples")
 
 
 def test_package_exports():

@@ -1,7 +1,8 @@
-"""RingDDPStrategy, its DDP comm hook, and the per-step control exchange."""
+"""RingDDPStrategy, its DDP comm hook, the per-step exchange, and the seam features use it through."""
 
-from lightning_dist.strategy.control import StepControl
+from lightning_dist.strategy.exchange import StepExchange
+from lightning_dist.strategy.features import RingFeatures, features_of
 from lightning_dist.strategy.hook import RingHookState, ring_comm_hook
 from lightning_dist.strategy.ring_ddp import RingDDPStrategy
 
-__all__ = ["RingDDPStrategy", "RingHookState", "StepControl", "ring_comm_hook"]
+__all__ = ["RingDDPStrategy", "RingFeatures", "RingHookState", "StepExchange", "features_of", "ring_comm_hook"]

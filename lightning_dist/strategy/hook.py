@@ -120,6 +120,11 @@ class RingHookState:
             self.exposed_s += max(0.0, self.clock.done_at - self.handed_at)
             self.handed_at = None
 
+    def backward_window(self) -> Optional[tuple[float, float]]:
+        """``(handed, done)`` of the backward pass in progress: when DDP handed over its last bucket to the worker
+        and when the latest bucket reduction finished; None when no bucket was handed over (blocking hook)."""
+        return None if self.handed_at is None else (self.handed_at, max(self.handed_at, self.clock.done_at))
+
     def reset_step(self) -> None:
         self.stats.reset()
         self.exposed_s, self.handed_at = 0.0, None

@@ -12,7 +12,7 @@ What it changes in :class:`~lightning.pytorch.strategies.DDPStrategy`:
 - weights each rank's gradients by its share of the step in autograd (a hook on the loss's gradient, under
   automatic optimization), so the comm hook needs no pass of its own over the buckets;
 - exchanges the step's control values and per-rank measurements in one small collective
-  (:class:`~lightning_dist.strategy.control.StepControl`), complete before the optimizer steps: every step
+  (:class:`~lightning_dist.strategy.exchange.StepExchange`), complete before the optimizer steps: every step
   when a feature registered a value all ranks must agree on (started after backward, when the values are
   final), otherwise only on the steps a feature requested (:meth:`RingDDPStrategy.request_exchange`), started
   alongside the last gradient bucket and hidden behind it;
@@ -58,7 +58,8 @@ from lightning_dist.hetero.batching import as_hetero
 from lightning_dist.hetero.loader import prefetch_horizon
 from lightning_dist.loss_scaler import LossScaler
 from lightning_dist.strategy.comm_worker import CommWorker
-from lightning_dist.strategy.control import StepControl
+from lightning_dist.strategy.exchange import StepExchange
+from lightning_dist.strategy.features import RingFeatures
 from lightning_dist.strategy.hook import RingHookState, ring_comm_hook
 from lightning_dist.strategy.skip import StepGuard, StepVerdict
 from lightning_dist.strategy.step_meter import PER_RANK_SLOTS, StepMeter
@@ -150,7 +151,7 @@ class RingDDPStrategy(DDPStrategy):
         self._hetero = as_hetero(hetero)
         self._guard = StepGuard()
         self._hook_state = RingHookState(algorithm=algorithm, compressor=as_compressor(compressor), guard=self._guard)
-        self._control: Optional[StepControl] = None
+        self._control: Optional[StepExchange] = None
         self._control_group: Optional[dist.ProcessGroup] = None  # the per-step control exchange's
         self._comm_group: Optional[dist.ProcessGroup] = None  # the gradient buckets'
         self._worker: Optional[CommWorker] = None
@@ -158,6 +159,12 @@ class RingDDPStrategy(DDPStrategy):
         self._exchanged_this_step = False
         # feature -> every how many optimizer steps it needs every rank's measurements (request_exchange)
         self._exchange_every: dict[str, int] = {}
+        self._features = RingFeatures(self)
+
+    @property
+    def features(self) -> RingFeatures:
+        """The seam through which callbacks, experiments and benchmarks use this strategy."""
+        return self._features
 
     @property
     def algorithm(self) -> str:
@@ -251,12 +258,12 @@ class RingDDPStrategy(DDPStrategy):
         return every_n_steps > 0 and self._meter.steps_done % every_n_steps == 0
 
     @property
-    def control(self) -> StepControl:
+    def control(self) -> StepExchange:
         """The per-step exchange; features register their slots on it in a callback's ``setup`` or later."""
         if self._control is None:
             if not dist.is_initialized():
                 raise RuntimeError("the step control exists once the processes have started (inside Trainer.fit)")
-            self._control = StepControl(self.global_rank, self.world_size)
+            self._control = StepExchange(self.global_rank, self.world_size)
             for name in PER_RANK_SLOTS:
                 self._control.register(f"rank_{name}", per_rank=True)
         return self._control

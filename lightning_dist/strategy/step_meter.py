@@ -18,7 +18,7 @@ import time
 from typing import Optional
 
 from lightning_dist.comm import CommStats
-from lightning_dist.strategy.control import StepControl
+from lightning_dist.strategy.exchange import StepExchange
 
 # Per-rank slots of the control exchange: what each rank measured in the previous step.
 PER_RANK_SLOTS = ("samples", "compute_s", "comm_s", "exposed_s", "bytes_sent", "dense_bytes", "codec_s", "step_s")
@@ -54,7 +54,7 @@ class StepMeter:
     def backward_done(self) -> None:
         self._backward_done = time.perf_counter()
 
-    def exchanged(self, control: StepControl, world_size: int) -> None:
+    def exchanged(self, control: StepExchange, world_size: int) -> None:
         """Every rank's values arrived on this step's exchange: refresh what the metrics callback logs."""
         self.step_metrics = metrics_from(control, world_size)
         self.step_metrics_step = self.steps_done + 1
@@ -82,7 +82,7 @@ class StepMeter:
         self._last_step_end, self._step_started, self._backward_done = now, None, None
 
 
-def metrics_from(control: StepControl, world_size: int) -> dict[str, float]:
+def metrics_from(control: StepExchange, world_size: int) -> dict[str, float]:
     """The logged metrics, from the per-rank rows of an exchange (they describe the previous step)."""
     step = control.per_rank("rank_step_s")
     if max(step) <= 0:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 
-class StepControl:
+class StepExchange:
     """Named slots, filled locally, summed across ranks by :meth:`start` and :meth:`wait`."""
 
     def __init__(self, rank: int, world_size: int) -> None:

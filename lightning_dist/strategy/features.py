@@ -1,0 +1,131 @@
+"""The one seam between :class:`~lightning_dist.strategy.RingDDPStrategy` and the features built on it.
+
+Callbacks, experiments, benchmarks and tests read and ask the strategy only through :class:`RingFeatures`, found
+with :func:`features_of`; under any other strategy :func:`features_of` returns ``None``, and that is the one
+place a feature finds out (as Lightning's callbacks reach the accelerator through typed attributes, never
+``getattr`` on private names).
+
+What a feature may use:
+
+- **the step counter** :attr:`RingFeatures.step`: optimizer steps (taken or skipped) since this fit started,
+  the same on every rank; :attr:`RingFeatures.exchange_step` is the value it had during the step whose
+  exchange completed last;
+- **the per-step exchange** (:class:`~lightning_dist.strategy.exchange.StepExchange`): register named slots,
+  fill them, read every rank's values; ask for an interval with :meth:`RingFeatures.request_exchange`, test
+  :meth:`RingFeatures.exchange_due`; :attr:`RingFeatures.exchange_group` is the strategy's gloo group, for a
+  feature's own rare collective (CPU tensors on every backend);
+- **measurements**: :attr:`RingFeatures.last_step` (this rank's own last step), :attr:`RingFeatures.step_metrics`
+  (every rank's, from the last exchange, identical on every rank), :attr:`RingFeatures.totals` (this rank's
+  over the fit), :meth:`RingFeatures.backward_window` (when backward handed over its last bucket and when the
+  last reduction finished);
+- **mechanisms a policy drives**: :attr:`RingFeatures.step_guard` (step-or-skip, armed by NaNRecovery),
+  :attr:`RingFeatures.loss_scaler` (fp16 loss scaling), :attr:`RingFeatures.compressor` (its state, for
+  snapshots) and :meth:`RingFeatures.local_checkpoint_state` (an emergency checkpoint's entry, no collective).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_dist.compression import Compressor
+from lightning_dist.strategy.exchange import StepExchange
+from lightning_dist.strategy.skip import StepGuard
+
+if TYPE_CHECKING:
+    from lightning_dist.strategy.ring_ddp import RingDDPStrategy
+
+
+class RingFeatures:
+    """What features may read and ask of a :class:`~lightning_dist.strategy.RingDDPStrategy` (its
+    :attr:`~lightning_dist.strategy.RingDDPStrategy.features`)."""
+
+    def __init__(self, strategy: RingDDPStrategy) -> None:
+        self._strategy = strategy
+
+    # -- the step counter -------------------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Optimizer steps (taken or skipped) since this fit started: the same count on every rank."""
+        return self._strategy.steps_done
+
+    @property
+    def exchange_step(self) -> int:
+        """:attr:`step` during the step whose exchange completed last (-1: none yet): a feature that filled its
+        per-rank slots on step ``s`` reads them while this equals ``s``."""
+        return self._strategy.last_exchange_step
+
+    # -- the per-step exchange --------------------------------------------------------------------------------
+    @property
+    def exchange(self) -> StepExchange:
+        """The per-step exchange; register slots on it in a callback's ``setup`` or later (inside ``fit``)."""
+        return self._strategy.control
+
+    @property
+    def exchange_group(self) -> Optional[dist.ProcessGroup]:
+        """The strategy's own gloo group (CPU tensors on every backend; None with one rank)."""
+        return self._strategy.control_group
+
+    def request_exchange(self, every_n_steps: int, name: str) -> None:
+        """Carry every rank's per-rank slots to all ranks on every ``every_n_steps``-th optimizer step, for the
+        feature ``name`` (0 withdraws the request). The same steps on every rank."""
+        self._strategy.request_exchange(every_n_steps, name)
+
+    def exchange_due(self, every_n_steps: int) -> bool:
+        """Whether the coming (or current) optimizer step is one of ``every_n_steps``'s (the same on every rank)."""
+        return self._strategy.exchange_due(every_n_steps)
+
+    # -- measurements -----------------------------------------------------------------------------------------
+    @property
+    def last_step(self) -> dict[str, float]:
+        """This rank's own measurements of its last optimizer step (no collective involved)."""
+        return self._strategy.last_step
+
+    @property
+    def step_metrics(self) -> dict[str, float]:
+        """Every rank's measurements (the ``dist/*`` metrics) of the step before :attr:`exchange_step`, identical
+        on every rank; empty until an exchange carried a complete step."""
+        return self._strategy.step_metrics
+
+    @property
+    def totals(self) -> dict[str, float]:
+        """This rank's running totals over the fit: steps, bytes sent, comm and exposed seconds, samples."""
+        return self._strategy.totals
+
+    def backward_window(self) -> Optional[tuple[float, float]]:
+        """During ``on_after_backward``: ``(handed, done)``, the ``perf_counter`` at which this backward pass
+        handed over its last gradient bucket and at which the last bucket reduction finished; None when no bucket
+        was handed over to the communication thread (``overlap=False``, or an accumulation pass)."""
+        return self._strategy.hook_state.backward_window()
+
+    # -- mechanisms a policy drives ---------------------------------------------------------------------------
+    @property
+    def step_guard(self) -> StepGuard:
+        """The step-or-skip mechanism; inactive until armed (NaNRecovery arms it)."""
+        return self._strategy.step_guard
+
+    @property
+    def loss_scaler(self) -> Optional[torch.amp.GradScaler]:
+        """The precision plugin's gradient scaler (fp16 mixed precision), or None."""
+        return self._strategy.loss_scaler
+
+    @property
+    def compressor(self) -> Compressor:
+        """The gradient compressor (state staged per step: committed after the optimizer stepped)."""
+        return self._strategy.compressor
+
+    def local_checkpoint_state(self) -> dict[str, Any]:
+        """The checkpoint entry :meth:`~lightning_dist.strategy.RingDDPStrategy.save_checkpoint` adds, with this
+        rank's compressor state only and no collective (an emergency checkpoint, written while peers may be
+        gone)."""
+        return self._strategy.local_checkpoint_state()
+
+
+def features_of(strategy: Any) -> Optional[RingFeatures]:
+    """The strategy's feature seam, or None when it is not a :class:`~lightning_dist.strategy.RingDDPStrategy`:
+    the one place a feature finds out which strategy it runs under."""
+    from lightning_dist.strategy.ring_ddp import RingDDPStrategy
+
+    return strategy.features if isinstance(strategy, RingDDPStrategy) else None
