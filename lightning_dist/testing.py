@@ -27,6 +27,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 
+from lightning_dist.strategy.features import features_of
+
 _KEPT_GROUPS: list = []  # see _child: process groups a rank holds until it exits
 _GRACE_S = 3.0  # after a rank fails, how long the others get to report before they are killed
 
@@ -193,10 +195,10 @@ class Slowdown(Callback):
         self._backward_started = time.perf_counter()
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
-        state = getattr(trainer.strategy, "hook_state", None)
-        waited = 0.0  # the end of backward waits for the other ranks' buckets: not this rank's work
-        if state is not None and state.handed_at is not None:
-            waited = max(0.0, state.clock.done_at - state.handed_at)
+        features = features_of(trainer.strategy)
+        window = features.backward_window() if features is not None else None
+        # the end of backward waits for the other ranks' buckets: not this rank's work
+        waited = window[1] - window[0] if window is not None else 0.0
         backward = time.perf_counter() - self._backward_started - waited
         if self._forward > 0 and backward > 0:
             self._backward_per_forward = backward / self._forward

@@ -18,6 +18,7 @@ from lightning_dist.compression import (
 )
 from lightning_dist.compression.emulate import emulate_reduce
 from lightning_dist.strategy import RingDDPStrategy
+from lightning_dist.strategy.checkpoint import restore_compressor
 
 LAYOUT = BucketLayout.of([("fc.weight", torch.Size([48, 40])), ("fc.bias", torch.Size([48])),
                           ("conv.weight", torch.Size([8, 4, 3, 3])), ("head.weight", torch.Size([10, 48]))])
@@ -322,8 +323,8 @@ def test_bad_arguments_name_the_value_and_the_fix(name, kwargs, match):
 
 
 def test_the_strategy_takes_a_name_a_dict_or_an_instance():
-    assert isinstance(RingDDPStrategy(compressor=None).compressor, NoCompressor)
-    topk = RingDDPStrategy(compressor="topk").compressor
+    assert isinstance(RingDDPStrategy(compressor=None).features.compressor, NoCompressor)
+    topk = RingDDPStrategy(compressor="topk").features.compressor
     assert isinstance(topk, ErrorFeedback) and topk.describe() == "topk(ratio=0.01, values=bf16)+ef"
     from_hydra = {"_target_": "lightning_dist.compression.build_compressor", "name": "powersgd", "rank": 4}
     assert as_compressor(from_hydra).describe() == "powersgd(rank=4)+ef"
@@ -354,6 +355,11 @@ def _checkpoint(compressor, world_size, name="powersgd"):
                                               "ranks": ranks}}}
 
 
+def _restore(strategy, checkpoint):
+    """What RingDDPStrategy.load_model_state_dict does with the checkpoint's compressor entry."""
+    restore_compressor(strategy.features.compressor, checkpoint, strategy.global_rank, strategy.world_size)
+
+
 @pytest.fixture(autouse=True)
 def _rank_zero(monkeypatch):
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -363,8 +369,8 @@ def _rank_zero(monkeypatch):
 
 def test_a_checkpoint_from_another_world_size_restores_only_shared_state(recwarn):
     strategy = _strategy(build_compressor("powersgd"), 2)
-    strategy._restore_compressor(_checkpoint(strategy.compressor, 3))
-    compressor = strategy.compressor
+    _restore(strategy, _checkpoint(strategy.features.compressor, 3))
+    compressor = strategy.features.compressor
     assert compressor.steps == 1 and len(compressor.residuals) == 0  # per-rank residuals start at zero
     assert len(compressor.inner.q) == 3  # PowerSGD's factors are the same on every rank: kept
     assert any("written by 3 ranks" in str(w.message) for w in recwarn)
@@ -372,13 +378,13 @@ def test_a_checkpoint_from_another_world_size_restores_only_shared_state(recwarn
 
 def test_a_checkpoint_of_another_compressor_or_none_starts_afresh(recwarn):
     strategy = _strategy(build_compressor("topk"), 2)
-    strategy._restore_compressor(_checkpoint(build_compressor("powersgd"), 2))
-    assert strategy.compressor.steps == 0
+    _restore(strategy, _checkpoint(build_compressor("powersgd"), 2))
+    assert strategy.features.compressor.steps == 0
     assert any("compressor was powersgd(rank=2)+ef" in str(w.message) for w in recwarn)
-    strategy._restore_compressor({})
+    _restore(strategy, {})
     assert any("holds no compressor state" in str(w.message) for w in recwarn)
     same = _strategy(build_compressor("powersgd"), 2, rank=1)
-    same._restore_compressor(_checkpoint(same.compressor, 2))
-    assert same.compressor.steps == 1 and len(same.compressor.residuals) == 4
-    saved = _checkpoint(same.compressor, 2)["lightning_dist"]["compressor"]["ranks"][1]["residuals"]
-    assert torch.equal(same.compressor.residuals.get("fc.weight"), saved["fc.weight"])  # this rank's own
+    _restore(same, _checkpoint(same.features.compressor, 2))
+    assert same.features.compressor.steps == 1 and len(same.features.compressor.residuals) == 4
+    saved = _checkpoint(same.features.compressor, 2)["lightning_dist"]["compressor"]["ranks"][1]["residuals"]
+    assert torch.equal(same.features.compressor.residuals.get("fc.weight"), saved["fc.weight"])  # this rank's own

@@ -98,9 +98,9 @@ class _Sampler:
 def test_each_rank_is_weighted_by_its_share_of_the_global_batch():
     hetero = HeteroBatching(batch_sizes=[3, 1])
     hetero.sampler = _Sampler()
-    assert hetero.loss_scale(0, 0, 0) == 0.75 and hetero.loss_scale(0, 0, 1) == 0.25
-    assert hetero.loss_scale(0, 1, 0) + hetero.loss_scale(0, 1, 1) == 1.0
-    assert hetero.loss_scale(0, 2, 1) == 0.25
+    assert hetero.share(0, 0, 0) == 0.75 and hetero.share(0, 0, 1) == 0.25
+    assert hetero.share(0, 1, 0) + hetero.share(0, 1, 1) == 1.0
+    assert hetero.share(0, 2, 1) == 0.25
 
 
 # ---- rebalancing --------------------------------------------------------------------------------------------

@@ -81,7 +81,7 @@ def _fits(rank, world_size, workdir):
         # online: rank 1 three times slower; decisions within the epoch every 4 steps and at epoch ends
         hetero = HeteroBatching(window=3, every_n_steps=4, threshold=0.1)
         model, trainer, _ = _fit(RingDDPStrategy(hetero=hetero), callbacks=[Slowdown({1: 3.0})], max_epochs=3)
-        out["rebalanced"] = (model.seen, hetero.events, trainer.strategy.step_metrics)
+        out["rebalanced"] = (model.seen, hetero.events, trainer.strategy.features.step_metrics)
         # mid-epoch checkpoint (step 9 of 14), resumed: the same weights as without the interruption
         _, _, straight = _fit(RingDDPStrategy(hetero=HeteroBatching(batch_sizes=[12, 4])))
         checkpoint = ModelCheckpoint(dirpath=workdir, filename="mid", every_n_train_steps=9, save_top_k=-1)

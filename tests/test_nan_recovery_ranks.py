@@ -142,7 +142,7 @@ def _faults(rank, world_size):
                                     Net(nan_loss={(1, 1), (1, 2)}), [cb], plugins=[plugin])
             scaler = trainer.precision_plugin.scaler
             out[f"fp16_{name}"] = (weights, cb.skipped, type(scaler).__name__, scaler.scale_value,
-                                   trainer.strategy.compressor.grad_scale)
+                                   trainer.strategy.features.compressor.grad_scale)
         # ... and at the floor: 4 -> 2 -> 1, then a bad step at min_scale=1 stops every rank
         cb = NaNRecovery(init_scale=4.0, hysteresis=1, min_scale=1.0, rollback_after=0)
         plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=4.0))

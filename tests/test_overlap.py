@@ -253,14 +253,14 @@ class Observer(Callback):
 
     def setup(self, trainer, pl_module, stage):
         if self.register_agreed:
-            trainer.strategy.control.register("test_flag")
+            trainer.strategy.features.exchange.register("test_flag")
         original = StepExchange.start
 
         def start(control, group=None):
             self.starts.append("in backward" if self.in_backward else "after backward")
             original(control, group)
 
-        trainer.strategy.control.start = start.__get__(trainer.strategy.control)
+        trainer.strategy.features.exchange.start = start.__get__(trainer.strategy.features.exchange)
 
     def on_before_backward(self, trainer, pl_module, loss):
         self.in_backward = True
@@ -293,8 +293,8 @@ def _in_process_fits(rank, world_size, trace_dir):
             out[f"threads_after_fit{fit}"] = _worker_threads()
         out["worker_seen"] = observer.worker_seen
         out["starts_metrics_only"] = observer.starts
-        out["step_metrics"] = dict(strategy.step_metrics)
-        out["totals"] = dict(strategy.totals)
+        out["step_metrics"] = dict(strategy.features.step_metrics)
+        out["totals"] = dict(strategy.features.totals)
 
         # 2. an agreed slot: the exchange waits until backward is over
         observer = Observer(register_agreed=True)
@@ -309,13 +309,13 @@ def _in_process_fits(rank, world_size, trace_dir):
         observer = Observer()
         trainer = _trainer(RingDDPStrategy(timeout=30), [observer], max_steps=3, log_every_n_steps=0)
         trainer.fit(TinyModule())
-        out["log_every_0"] = (trainer.global_step, trainer.strategy.step_metrics, observer.starts)
+        out["log_every_0"] = (trainer.global_step, trainer.strategy.features.step_metrics, observer.starts)
 
         # 4. where the 1/N weighting happens: in autograd under automatic optimization, in the hook under manual
         for name, module in (("automatic", TinyModule), ("manual", ManualModule)):
             recorder = FlagRecorder()
             strategy = RingDDPStrategy(timeout=30, compressor=recorder)
-            recorder._state = strategy.hook_state
+            recorder._state = strategy._hook_state
             _trainer(strategy, max_steps=2).fit(module())
             out[f"weighted_in_autograd_{name}"] = sorted(set(recorder.seen))
 

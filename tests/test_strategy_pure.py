@@ -74,7 +74,7 @@ def test_the_strategy_pickles_for_the_spawn_launcher():
 
     strategy = pickle.loads(pickle.dumps(RingDDPStrategy(start_method="spawn", algorithm="ring")))
     assert strategy.algorithm == "ring" and strategy.overlap
-    strategy.hook_state.stats.record(CallRecord("ring", 1, 4, 4, 0.1))  # its lock was recreated
+    strategy._hook_state.stats.record(CallRecord("ring", 1, 4, 4, 0.1))  # its lock was recreated
 
 
 def test_other_ddp_keywords_pass_through_and_timeout_converts():
@@ -103,14 +103,14 @@ def test_bad_arguments_name_the_value(kwargs, match):
 
 
 def test_compressor_argument():
-    assert isinstance(RingDDPStrategy().hook_state.compressor, NoCompressor)
-    assert isinstance(RingDDPStrategy(compressor="none").hook_state.compressor, NoCompressor)
+    assert isinstance(RingDDPStrategy().features.compressor, NoCompressor)
+    assert isinstance(RingDDPStrategy(compressor="none").features.compressor, NoCompressor)
 
     class Custom(Compressor):
         name = "custom"
 
     custom = Custom()
-    assert RingDDPStrategy(compressor=custom).hook_state.compressor is custom
+    assert RingDDPStrategy(compressor=custom).features.compressor is custom
 
 
 def test_step_control_layout_and_reading():

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dist import RingDDPStrategy
 from lightning_dist.compression import Compressor
-from lightning_dist.strategy import RingHookState, ring_comm_hook
+from lightning_dist.strategy import RingHookState, features_of, ring_comm_hook
 from lightning_dist.strategy.comm_worker import CommWorker
 from lightning_dist.testing import run_ranks
 
@@ -85,11 +85,11 @@ class ParamChecksum(Callback):
 
     def on_fit_end(self, trainer, pl_module):
         if trainer.is_global_zero:
-            strategy = trainer.strategy
+            features = features_of(trainer.strategy)
             with open(self.path, "w") as fh:
                 json.dump({"mismatches": self.mismatches, "steps": self.steps,
-                           "step_metrics": getattr(strategy, "step_metrics", {}),
-                           "totals": getattr(strategy, "totals", {})}, fh)
+                           "step_metrics": features.step_metrics if features else {},
+                           "totals": features.totals if features else {}}, fh)
 
 
 class AgreedFlag(Callback):
@@ -100,14 +100,14 @@ class AgreedFlag(Callback):
         self.path, self.seen = path, []
 
     def setup(self, trainer, pl_module, stage):
-        trainer.strategy.control.register("test_flag")  # as a later feature would, in its setup
+        trainer.strategy.features.exchange.register("test_flag")  # as a later feature would, in its setup
 
     def on_after_backward(self, trainer, pl_module):
         if trainer.global_rank == 1 and trainer.global_step % 3 == 0:
-            trainer.strategy.control.set("test_flag", trainer.global_step + 1)
+            trainer.strategy.features.exchange.set("test_flag", trainer.global_step + 1)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.seen.append(trainer.strategy.control.agreed("test_flag"))
+        self.seen.append(trainer.strategy.features.exchange.agreed("test_flag"))
 
     def on_fit_end(self, trainer, pl_module):
         with open(f"{self.path}.rank{trainer.global_rank}", "w") as fh:

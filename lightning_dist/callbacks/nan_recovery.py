@@ -53,7 +53,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_dist.loss_scaler import LossScaler, check_scaler_settings
-from lightning_dist.strategy import replicas
+from lightning_dist.strategy import RingFeatures, features_of, replicas
 from lightning_dist.strategy.skip import StepVerdict
 
 DRIFT_ACTIONS = ("repair", "stop", "warn")
@@ -110,19 +110,18 @@ class NaNRecovery(Callback):
         self._snapshot: Optional[dict[str, Any]] = None
         self._good_since_snapshot = 0
         self._steps_seen = 0
+        self._ring: Optional[RingFeatures] = None  # the strategy's feature seam, from setup to teardown
 
     # -- set-up ---------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        from lightning_dist.strategy import RingDDPStrategy
-
-        strategy = trainer.strategy
-        if not isinstance(strategy, RingDDPStrategy):
+        features = features_of(trainer.strategy)
+        if features is None:
             raise ValueError(
                 f"NaNRecovery needs RingDDPStrategy (strategy='ring_ddp'), which can skip a step on every rank "
-                f"together; the Trainer's strategy is {type(strategy).__name__}. In 32-bit precision backward "
+                f"together; the Trainer's strategy is {type(trainer.strategy).__name__}. In 32-bit precision backward "
                 "runs inside optimizer.step and no callback can veto the update. Use strategy='ring_ddp' "
                 "(a drop-in for DDP) or remove NaNRecovery."
             )
@@ -130,24 +129,30 @@ class NaNRecovery(Callback):
         scaler = getattr(plugin, "scaler", None)
         if isinstance(scaler, torch.amp.GradScaler) and not isinstance(scaler, LossScaler) and scaler.is_enabled():
             plugin.scaler = LossScaler.like(scaler, **self.scaler_settings)
-        strategy.step_guard.arm()
+        features.step_guard.arm()
+        self._ring = features
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        guard = getattr(trainer.strategy, "step_guard", None)
-        if guard is not None:
-            guard.disarm()
+        if stage == "fit" and self._ring is not None:
+            self._ring.step_guard.disarm()
+            self._ring = None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        trainer.strategy.step_guard.pop_verdicts()  # nothing from an earlier fit counts
+        self._features().step_guard.pop_verdicts()  # nothing from an earlier fit counts
         self._take_snapshot(trainer, pl_module)
+
+    def _features(self) -> RingFeatures:
+        if self._ring is None:
+            raise RuntimeError("NaNRecovery is used outside a fit: its setup(stage='fit') did not run")
+        return self._ring
 
     # -- each step ----------------------------------------------------------------------------------------------
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         started = time.thread_time()
-        verdicts = trainer.strategy.step_guard.pop_verdicts()
+        verdicts = self._features().step_guard.pop_verdicts()
         for verdict in verdicts:
             self._steps_seen += 1
             if verdict.skipped:
@@ -176,7 +181,7 @@ class NaNRecovery(Callback):
             self.first_bad = verdict.describe()
         self._remember("skip", verdict.step, detail=verdict.describe())
         rank_zero_warn(f"NaNRecovery: skipped the step on every rank: {verdict.describe()}")
-        scaler = trainer.strategy.loss_scaler
+        scaler = self._features().loss_scaler
         if isinstance(scaler, LossScaler) and scaler.exhausted:
             self._stop(trainer, f"a step was non-finite at the minimum loss scale (min_scale={scaler.min_scale:g})")
         if self.rollback_after and self.consecutive >= self.rollback_after:
@@ -204,7 +209,7 @@ class NaNRecovery(Callback):
             "model": _copy(pl_module.state_dict(), device),
             "optimizers": [_copy(opt.state_dict(), device) for opt in trainer.optimizers],
             "schedulers": [_copy(cfg.scheduler.state_dict(), device) for cfg in trainer.lr_scheduler_configs],
-            "compressor": trainer.strategy.compressor.state_dict(),
+            "compressor": self._features().compressor.state_dict(),
         }
         self._good_since_snapshot = 0
 
@@ -217,7 +222,7 @@ class NaNRecovery(Callback):
             optimizer.zero_grad(set_to_none=True)
         for cfg, state in zip(trainer.lr_scheduler_configs, snapshot["schedulers"]):
             cfg.scheduler.load_state_dict(copy.deepcopy(state))
-        trainer.strategy.compressor.load_state_dict(snapshot["compressor"])
+        self._features().compressor.load_state_dict(snapshot["compressor"])
         if self.lr_factor != 1.0:
             for optimizer in trainer.optimizers:
                 for group in optimizer.param_groups:
@@ -237,8 +242,7 @@ class NaNRecovery(Callback):
 
     # -- replica drift ----------------------------------------------------------------------------------------
     def _check_drift(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        strategy = trainer.strategy
-        report = replicas.compare(pl_module, group=strategy.control_group)
+        report = replicas.compare(pl_module, group=self._features().exchange_group)
         self.drift_checks += 1
         if report.agree:
             return
@@ -261,7 +265,7 @@ class NaNRecovery(Callback):
         del self.history[:-100]
 
     def metrics(self, trainer: pl.Trainer) -> dict[str, float]:
-        scaler = trainer.strategy.loss_scaler
+        scaler = self._features().loss_scaler
         scale = scaler.scale_value if isinstance(scaler, LossScaler) else (scaler.get_scale() if scaler else 1.0)
         return {"nan/skipped_steps": float(self.skipped), "nan/loss_scale": float(scale),
                 "nan/rollbacks": float(self.rollbacks), "nan/drift_checks": float(self.drift_checks),

@@ -1,4 +1,4 @@
-"""Every rank's values to every rank, every N optimizer steps, for a callback: on RingDDPStrategy's per-rank control
+"""Every rank's values to every rank, every N optimizer steps, for a callback: on RingDDPStrategy's per-rank exchange
 slots (no collective of their own: they ride the step's control exchange, which starts beside the last gradient
 bucket), under any other strategy one small all-gather. MemoryMonitor (memory readings) and FaultTolerance
 (stop requests) share it.
@@ -22,6 +22,8 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
+from lightning_dist.strategy.features import RingFeatures, features_of
+
 
 class RankValues:
     """Named per-rank values of one callback, gathered every ``every`` optimizer steps (see the module docstring)."""
@@ -29,64 +31,57 @@ class RankValues:
     def __init__(self, feature: str, names: Sequence[str]) -> None:
         self.feature, self.names = feature, tuple(names)
         self.every = 0
-        self._ring = False
+        self._ring: Optional[RingFeatures] = None  # the strategy's feature seam under ring_ddp
         self._filled_at = -1  # the strategy step whose exchange carries our values (ring_ddp)
         self._captured: Optional[list[list[float]]] = None
         self._last_global_step = 0
 
     def setup(self, trainer: pl.Trainer, every: int) -> None:
         """From the callback's ``setup``, on every rank: the same names, in the same order."""
-        from lightning_dist.strategy import RingDDPStrategy
-
-        strategy = trainer.strategy
         self.every = every
-        self._ring = isinstance(strategy, RingDDPStrategy)
-        if self._ring:
+        self._ring = features_of(trainer.strategy)
+        if self._ring is not None:
             for name in self.names:
-                strategy.control.register(self._slot(name), per_rank=True)
-            strategy.request_exchange(every, self.feature)
+                self._ring.exchange.register(self._slot(name), per_rank=True)
+            self._ring.request_exchange(every, self.feature)
         self._filled_at, self._captured, self._last_global_step = -1, None, trainer.global_step
 
     def teardown(self, trainer: pl.Trainer) -> None:
-        request = getattr(trainer.strategy, "request_exchange", None)
-        if self._ring and request is not None:
-            request(0, self.feature)
+        if self._ring is not None:
+            self._ring.request_exchange(0, self.feature)
+            self._ring = None
 
     def _slot(self, name: str) -> str:
         return f"{self.feature}_{name}"
 
-    @staticmethod
-    def _steps(trainer: pl.Trainer) -> int:
-        return int(getattr(trainer.strategy, "steps_done", trainer.global_step))
-
     def fill(self, trainer: pl.Trainer, read: Callable[[], Sequence[float]]) -> None:
         """ring_ddp: when the coming step exchanges (and once per step), this rank's values into its slots."""
-        if not self._ring or not trainer.strategy.exchange_due(self.every):
+        ring = self._ring
+        if ring is None or not ring.exchange_due(self.every):
             return
-        step = self._steps(trainer)
+        step = ring.step
         if self._filled_at == step:
             return
-        control = trainer.strategy.control
         for name, value in zip(self.names, read()):
-            control.set(self._slot(name), float(value))
+            ring.exchange.set(self._slot(name), float(value))
         self._filled_at = step
 
     def capture(self, trainer: pl.Trainer) -> None:
         """ring_ddp: keep every rank's values once the exchange of the step we filled has completed."""
-        if not self._ring or self._filled_at < 0 or trainer.strategy.last_exchange_step != self._filled_at:
+        ring = self._ring
+        if ring is None or self._filled_at < 0 or ring.exchange_step != self._filled_at:
             return
-        control = trainer.strategy.control
-        columns = [control.per_rank(self._slot(name)) for name in self.names]
+        columns = [ring.exchange.per_rank(self._slot(name)) for name in self.names]
         self._captured = [list(row) for row in zip(*columns)]
         self._filled_at = -1
 
     def collect(self, trainer: pl.Trainer, read: Callable[[], Sequence[float]]) -> Optional[list[list[float]]]:
         """Every rank's values (``rows[r]`` is rank ``r``'s) on the batch end that completes an interval, else None.
         ``read`` is called only where this rank's values are gathered now (not under ring_ddp)."""
-        if self._ring:
+        if self._ring is not None:
             self.capture(trainer)  # a skipped step (NaNRecovery) has no on_before_optimizer_step
             rows, self._captured = self._captured, None
-            if self._filled_at >= 0 and self._steps(trainer) > self._filled_at:
+            if self._filled_at >= 0 and self._ring.step > self._filled_at:
                 self._filled_at = -1  # that step's exchange was overwritten by a later one: this reading is lost
             return rows
         if trainer.global_step // self.every == self._last_global_step // self.every:
@@ -96,13 +91,14 @@ class RankValues:
 
 
 def gather(trainer: pl.Trainer, values: list[float]) -> list[list[float]]:
-    """Every rank's ``values``, in rank order, on every rank: one collective (ring_ddp's gloo control group, else
+    """Every rank's ``values``, in rank order, on every rank: one collective (ring_ddp's gloo exchange group, else
     the strategy's own all-gather on its device)."""
     strategy, world = trainer.strategy, trainer.world_size
     if world <= 1 or not dist.is_available() or not dist.is_initialized():
         return [values]
     vec = torch.tensor(values, dtype=torch.float64)
-    group = getattr(strategy, "control_group", None)
+    features = features_of(strategy)
+    group = features.exchange_group if features is not None else None
     if group is not None:  # CPU tensors on every backend
         out = [torch.empty_like(vec) for _ in range(world)]
         dist.all_gather(out, vec, group=group)

@@ -32,6 +32,8 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
+from lightning_dist.strategy.features import features_of
+
 Record = dict[str, Any]
 
 
@@ -197,13 +199,14 @@ class StepTimeline(Callback):
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         now = time.perf_counter()
-        state = getattr(trainer.strategy, "hook_state", None)
-        handed = getattr(state, "handed_at", None)
-        if handed is None:  # not RingDDPStrategy, or no bucket this backward (accumulation): no wait to split out
+        features = features_of(trainer.strategy)
+        window = features.backward_window() if features is not None else None
+        if window is None:  # not RingDDPStrategy, or no bucket this backward (accumulation): no wait to split out
             self._row["compute_end"] = self._row["comm_end"] = self._offset + now
             return
+        handed, done = window
         self._row["compute_end"] = self._offset + handed
-        self._row["comm_end"] = self._offset + max(handed, state.clock.done_at)
+        self._row["comm_end"] = self._offset + done
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

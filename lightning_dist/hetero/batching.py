@@ -8,13 +8,13 @@ Three ways to size, one mechanism:
 
 The global batch ``B`` (default: world size x the training loader's batch size) never changes, so the
 optimisation is the same as uniform training's; only who computes which sample changes (see
-:mod:`.sampler`). Gradients are weighted by sample count (:meth:`HeteroBatching.rank_weight`), so a step
+:mod:`.sampler`). Gradients are weighted by sample count (each rank's share, :meth:`HeteroBatching.share`), so a step
 equals one single-process step over the union of the ranks' batches, for a loss that is a mean over the
 samples of a batch (token-level losses would need token counts instead).
 
 Online rebalancing. Every rank's compute time and sample count per step (``compute_s``: forward and backward
 less the communication backward waited for, so a fast rank's waiting for a slow one is not counted as its
-work) ride on the strategy's per-step control exchange; every rank keeps the same moving window of them, so
+work) ride on the strategy's per-step exchange; every rank keeps the same moving window of them, so
 every rank reaches the same decision without a collective of its own. When the spread of the window's mean
 compute times, ``max / min - 1``, exceeds ``threshold``, the sizes change to ones that equalise compute
 time (from a time model per rank, ``a_i + c_i b``, fitted to the sizes measured before and after the last
@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from lightning_dist.hetero.loader import hetero_dataloader, prefetch_horizon
 from lightning_dist.hetero.plan import BatchPlan, split_batch
 
 
@@ -190,7 +191,7 @@ class HeteroBatching:
         equal = (self.global_batch + sum(a / c for a, c in zip(fixed, per_sample))) / sum(1 / c for c in per_sample)
         return [max((equal - a) / c, 1e-6) for a, c in zip(fixed, per_sample)]
 
-    def after_exchange(self, compute_s: Sequence[float], samples: Sequence[float], steps_done: int,
+    def after_exchange(self, compute_s: Sequence[float], samples: Sequence[float], step: int,
                        batches_in_epoch: int) -> Optional[dict[str, Any]]:
         """The strategy's hand-over after each exchange: observe the step, and decide when a decision is due.
 
@@ -204,7 +205,7 @@ class HeteroBatching:
         current = epoch * per_epoch + next_batch - 1
         if next_batch >= min(per_epoch, batches_in_epoch):
             first = (epoch + 1) * per_epoch
-        elif self.every_n_steps and (steps_done + 1) % self.every_n_steps == 0:
+        elif self.every_n_steps and (step + 1) % self.every_n_steps == 0:
             first = current + self.horizon + 1
         else:
             return None
@@ -232,7 +233,25 @@ class HeteroBatching:
         self.events.append(event)
         return event
 
-    def loss_scale(self, epoch: int, batch_idx: int, rank: int) -> float:
+    # -- the strategy's hand-overs during a fit --------------------------------------------------------------
+    def training_loader(self, dataloader: Any, world_size: int, rank: int) -> Any:
+        """This rank's training loader, rebuilt around the plan (:func:`~lightning_dist.hetero.hetero_dataloader`),
+        whose sampler the fit's hand-overs below drive."""
+        loader = hetero_dataloader(dataloader, self, world_size, rank)
+        self.sampler, self.horizon = loader.batch_sampler, prefetch_horizon(loader)
+        return loader
+
+    @property
+    def attached(self) -> bool:
+        return self.sampler is not None
+
+    def start_batch(self, epoch: int, batch_idx: int, rank: int) -> float:
+        """Batch ``batch_idx`` of ``epoch`` starts on this rank: mark it consumed (rebalancing never changes a
+        batch the loop has reached) and return this rank's :meth:`share` of it."""
+        self.sampler.consumed = (epoch, batch_idx + 1)
+        return self.share(epoch, batch_idx, rank)
+
+    def share(self, epoch: int, batch_idx: int, rank: int) -> float:
         """What rank ``rank``'s loss gradient for batch ``batch_idx`` of ``epoch`` is multiplied by: its share of
         the global batch, from the plan (every rank knows every rank's size for every batch before any gradient
         travels), so the sum over ranks is the mean over every sample of the global batch.
@@ -244,6 +263,16 @@ class HeteroBatching:
         """
         sizes = self.sampler.sizes(epoch, batch_idx)
         return sizes[rank] / sum(sizes)
+
+def describe_event(event: dict[str, Any]) -> list[str]:
+    """What a rebalance event says in the log: the new sizes, and what a binding cap costs."""
+    lines = [f"compute-time spread {100 * event['spread']:.1f}% -> batch sizes {event['old']} -> {event['new']} "
+             f"from batch {event['from_step']}"]
+    if "capped" in event:
+        lines.append(f"a batch-size cap binds: {event['new']} instead of {event['capped']['without_caps']}, "
+                     f"~{100 * event['capped']['step_time_lost']:.0f}% longer steps than without it")
+    return lines
+
 
 def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0

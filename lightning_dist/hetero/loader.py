@@ -14,12 +14,14 @@ checkpoint written mid-epoch resumes at the next batch of the same epoch, with t
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-from lightning_dist.hetero.batching import HeteroBatching
 from lightning_dist.hetero.sampler import HeteroBatchSampler
+
+if TYPE_CHECKING:
+    from lightning_dist.hetero.batching import HeteroBatching
 
 
 class HeteroDataLoader(DataLoader):

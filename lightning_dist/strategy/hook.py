@@ -7,11 +7,10 @@ bucket order. The bucket's reduction has four visible stages, each a
 1. **weight**: scale the local gradient by this rank's share of the step (``1 / N`` with equal batches).
    Under RingDDPStrategy with automatic optimization this has already happened in autograd: the
    strategy multiplies the gradient flowing out of the loss by the share
-   (:meth:`RingHookState.loss_gradient_scale`), so every gradient arrives weighted and the hook skips a
-   pass over the bucket (stock DDP fuses the same scaling into its copy into the bucket; a separate pass
-   cost ~3% of a bandwidth-bound CPU step). Under manual optimization, or when backward did not go
-   through the strategy (DDP used directly), the hook multiplies the bucket here instead. At 2 ranks both
-   are exact (a power of two), so ring_ddp and stock DDP agree bit for bit.
+   (:meth:`RingHookState.step_share`, :mod:`lightning_dist.strategy.stepping`), so every gradient arrives
+   weighted and the hook skips a pass over the bucket (stock DDP fuses the same scaling into its copy into the
+   bucket; a separate pass costs a bandwidth-bound CPU step a few percent). Under manual optimization, or when
+   backward did not go through the strategy (DDP used directly), the hook multiplies the bucket here instead.
 2. **compress**: the compressor turns the bucket into a payload (:mod:`lightning_dist.compression`).
 3. **transport**: ``ring``, ``tree``, ``native`` or ``auto`` all-reduce of the payload, by sum, on the
    hook's own process group.
@@ -81,12 +80,12 @@ class RingHookState:
     worker: Optional[CommWorker] = None  # None: reduce on the autograd thread (blocking)
     # -- per-step inputs, set by the strategy
     world_size: int = 1
-    weight: Optional[float] = None  # this rank's share of the step's samples; None means 1 / world_size
+    share: Optional[float] = None  # this rank's share of the step's samples; None means 1 / world_size
     # True while a backward runs whose loss gradient the strategy already scaled by the share: the weight
     # stage then has nothing left to do
     weighted_in_autograd: bool = False
     # called on the autograd thread when DDP hands over the step's last bucket: the strategy starts the
-    # per-step control exchange here, so that it travels alongside that bucket
+    # per-step exchange here, so that it travels alongside that bucket
     on_last_bucket: Optional[Callable[[], None]] = None
     # finiteness checks of each bucket, local before compression and reduced after the all-reduce (armed by
     # NaNRecovery; see lightning_dist.strategy.skip); None or unarmed: no checks
@@ -110,9 +109,36 @@ class RingHookState:
             self.transport = Transport(self.algorithm, self.process_group, self.stats)
         return self.transport
 
-    def loss_gradient_scale(self) -> float:
+    def step_share(self) -> float:
         """This rank's share of the step: what the gradient of the loss is multiplied by."""
-        return 1.0 / self.world_size if self.weight is None else self.weight
+        return 1.0 / self.world_size if self.share is None else self.share
+
+    def bind(self, model: torch.nn.Module, group: Optional[dist.ProcessGroup], world_size: int,
+             on_last_bucket: Optional[Callable[[], None]]) -> None:
+        """Attach to a freshly wrapped DDP model: its parameters' names, the comm group, no cached buckets."""
+        self.world_size, self.process_group, self.on_last_bucket = world_size, group, on_last_bucket
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.transport = None
+        self._layouts.clear()
+        self._dense_bytes.clear()
+        self.param_names = {id(p): name for name, p in model.named_parameters()}
+
+    def start_worker(self, name: str, device: torch.device) -> None:
+        """The communication thread that overlaps the buckets' reduction with backward."""
+        on_start = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+        self.worker = CommWorker(name=name, on_start=on_start).start()
+
+    def stop_worker(self, timeout_s: float) -> Optional[str]:
+        """End the communication thread; a warning when it is still blocked in a collective after ``timeout_s``."""
+        worker, self.worker = self.worker, None
+        if worker is None or worker.stop(timeout_s):
+            return None
+        return (f"{worker.name} is still blocked in a collective {timeout_s:.0f}s after teardown (a peer stopped "
+                "answering); it is a daemon thread and ends with the process.")
+
+    def unbind(self) -> None:
+        """After teardown: no group, no transport (the groups are destroyed)."""
+        self.process_group = self.transport = None
 
     def close_backward(self) -> None:
         """After a backward pass (all its buckets reduced): add the time backward waited for the last of them."""
@@ -194,7 +220,7 @@ _DENSE = NoCompressor()
 def _weigh(state: RingHookState, buffer: torch.Tensor) -> None:
     with _stage("lightning_dist.weight"):
         if not state.weighted_in_autograd:
-            buffer.mul_(state.loss_gradient_scale())
+            buffer.mul_(state.step_share())
 
 
 def _reduce(state: RingHookState, codec: Compressor, buffer: torch.Tensor, layout: BucketLayout) -> torch.Tensor:

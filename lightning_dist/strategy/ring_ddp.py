@@ -1,38 +1,30 @@
 """``RingDDPStrategy``: Lightning's DDP with every gradient bucket routed through lightning_dist's hook.
 
-What it changes in :class:`~lightning.pytorch.strategies.DDPStrategy`:
+Like Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy`, the class is a set of overrides that
+delegate; each mechanism lives in a module beside it:
 
-- registers :func:`~lightning_dist.strategy.hook.ring_comm_hook` on every device. Lightning's
+- :mod:`.hook` (with :mod:`.comm_worker`): the DDP comm hook, registered on every device. Lightning's
   ``_register_ddp_hooks`` (private, hence the ``lightning>=2.6,<2.7`` pin and a test that fails if it goes)
-  registers hooks only on CUDA and drops them silently on CPU;
-- overlaps communication with backward: the hook returns a pending Future per bucket; work that would block
-  (our ring's and tree's loops) runs on a :class:`~lightning_dist.strategy.comm_worker.CommWorker` thread,
-  the backend's asynchronous all-reduce is issued right away; all of it on a process group of its own
-  (``overlap=False`` reduces on the autograd thread instead);
-- weights each rank's gradients by its share of the step in autograd (a hook on the loss's gradient, under
-  automatic optimization), so the comm hook needs no pass of its own over the buckets;
-- exchanges the step's control values and per-rank measurements in one small collective
-  (:class:`~lightning_dist.strategy.exchange.StepExchange`), complete before the optimizer steps: every step
-  when a feature registered a value all ranks must agree on (started after backward, when the values are
-  final), otherwise only on the steps a feature requested (:meth:`RingDDPStrategy.request_exchange`), started
-  alongside the last gradient bucket and hidden behind it;
-- compresses the buckets with a :class:`~lightning_dist.compression.Compressor` (``compressor=``), commits its
-  per-step state after the optimizer stepped, and saves every rank's state in checkpoints;
-- with ``hetero=`` (:class:`~lightning_dist.hetero.HeteroBatching`), rebuilds the training loader so each
-  rank's share of the global batch follows its speed, weights the gradients by sample count, and rebalances
-  from the per-step exchange;
-- skips a step on every rank together when any rank's loss or gradient is non-finite, once
-  :class:`~lightning_dist.callbacks.NaNRecovery` arms :attr:`step_guard` (:mod:`lightning_dist.strategy.skip`):
-  the closure runs first, then the optimizer steps or not, and the compressor commits or discards its state;
-- keeps per-step metrics (bytes sent, time in communication, each rank's compute time and throughput) that
-  :class:`~lightning_dist.callbacks.DistMetricsCallback` logs from rank zero. The strategy adds that
-  callback to the Trainer itself when the user has not.
+  registers hooks only on CUDA and drops them silently on CPU. With ``overlap=True`` each bucket travels on
+  a communication thread while backward computes the next, on a process group of the strategy's own;
+- :mod:`.stepping`: the rank's share of the step applied in autograd, and step-or-skip on every rank together
+  (:mod:`.skip` holds the finiteness mechanism, :class:`~lightning_dist.callbacks.NaNRecovery` the policy);
+- :mod:`.schedule` (with :mod:`.exchange`): the one small per-step exchange of measurements and agreed values,
+  on the steps features ask for, complete before the optimizer steps;
+- :mod:`.step_meter` and :mod:`.dist_metrics`: each rank's per-step measurements, logged from rank zero by
+  DistMetricsCallback, which the strategy adds to the Trainer when the user has not;
+- :mod:`.checkpoint`: every rank's compressor state in checkpoints, and its restore;
+- :mod:`lightning_dist.hetero`: with ``hetero=``, the training loader rebuilt so each rank's share of the
+  global batch follows its speed, rebalanced from the exchange;
+- :mod:`lightning_dist.launch`: under torchrun, a view of the launcher's store private to the restart attempt.
+
+Features (callbacks, experiments, benchmarks) use the strategy only through :attr:`RingDDPStrategy.features`
+(:mod:`.features`).
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -53,16 +45,23 @@ from typing_extensions import override
 
 from lightning_dist.comm import check_algorithm, release_scratch
 from lightning_dist.compression import Compressor, as_compressor
-from lightning_dist.hetero import HeteroBatching, hetero_dataloader
-from lightning_dist.hetero.batching import as_hetero
-from lightning_dist.hetero.loader import prefetch_horizon
-from lightning_dist.loss_scaler import LossScaler
-from lightning_dist.strategy.comm_worker import CommWorker
-from lightning_dist.strategy.exchange import StepExchange
+from lightning_dist.hetero import HeteroBatching
+from lightning_dist.hetero.batching import as_hetero, describe_event
+from lightning_dist.strategy.checkpoint import compressor_entry, gather_states, restore_compressor
+from lightning_dist.strategy.dist_metrics import DistMetricsCallback
 from lightning_dist.strategy.features import RingFeatures
 from lightning_dist.strategy.hook import RingHookState, ring_comm_hook
-from lightning_dist.strategy.skip import StepGuard, StepVerdict
-from lightning_dist.strategy.step_meter import PER_RANK_SLOTS, StepMeter
+from lightning_dist.strategy.schedule import ExchangeSchedule
+from lightning_dist.strategy.skip import StepGuard
+from lightning_dist.strategy.step_meter import StepMeter
+from lightning_dist.strategy.stepping import (
+    decide_step,
+    follow_loss_scale,
+    loss_scaler_of,
+    replay,
+    shared_backward,
+    skip_step,
+)
 
 if not callable(getattr(DDPStrategy, "_register_ddp_hooks", None)):  # pragma: no cover - guarded by a test too
     raise ImportError(
@@ -72,7 +71,6 @@ if not callable(getattr(DDPStrategy, "_register_ddp_hooks", None)):  # pragma: n
 
 DEFAULT_TIMEOUT_S = default_pg_timeout.total_seconds()  # torch.distributed's: a hung collective fails then
 WORKER_JOIN_TIMEOUT_S = 10.0  # teardown waits this long for the communication worker to end
-CHECKPOINT_KEY = "lightning_dist"  # the checkpoint's entry for every rank's compressor state
 
 
 class RingDDPStrategy(DDPStrategy):
@@ -149,21 +147,17 @@ class RingDDPStrategy(DDPStrategy):
         self._algorithm = algorithm
         self._overlap = overlap
         self._hetero = as_hetero(hetero)
-        self._guard = StepGuard()
+        self._guard = StepGuard()  # step-or-skip, armed by NaNRecovery
         self._hook_state = RingHookState(algorithm=algorithm, compressor=as_compressor(compressor), guard=self._guard)
-        self._control: Optional[StepExchange] = None
-        self._control_group: Optional[dist.ProcessGroup] = None  # the per-step control exchange's
-        self._comm_group: Optional[dist.ProcessGroup] = None  # the gradient buckets'
-        self._worker: Optional[CommWorker] = None
-        self._meter = StepMeter()
-        self._exchanged_this_step = False
-        # feature -> every how many optimizer steps it needs every rank's measurements (request_exchange)
-        self._exchange_every: dict[str, int] = {}
+        self._comm_group: Optional[dist.ProcessGroup] = None  # the gradient buckets' own group
+        self._schedule = ExchangeSchedule()  # the per-step exchange, on a gloo group of its own
+        self._schedule.every_step = bool(self._hetero is not None and self._hetero.rebalance)
+        self._meter = StepMeter()  # this rank's per-step measurements; its step count is the strategy's
         self._features = RingFeatures(self)
 
     @property
     def features(self) -> RingFeatures:
-        """The seam through which callbacks, experiments and benchmarks use this strategy."""
+        """The seam through which callbacks, experiments and benchmarks use this strategy (:func:`features_of`)."""
         return self._features
 
     @property
@@ -173,100 +167,6 @@ class RingDDPStrategy(DDPStrategy):
     @property
     def overlap(self) -> bool:
         return self._overlap
-
-    @property
-    def last_step(self) -> dict[str, float]:
-        """This rank's own measurements of its last optimizer step (no collective involved)."""
-        return self._meter.last_step
-
-    @property
-    def step_metrics(self) -> dict[str, float]:
-        """What DistMetricsCallback logs: every rank's measurements of the step before the last exchange,
-        identical on every rank; they ride on that exchange, so they arrive one step late."""
-        return self._meter.step_metrics
-
-    @property
-    def step_metrics_step(self) -> int:
-        """The optimizer step at which :attr:`step_metrics` was last refreshed (-1: not yet)."""
-        return self._meter.step_metrics_step
-
-    @property
-    def last_exchange_step(self) -> int:
-        """The value of :attr:`steps_done` during the step whose exchange completed last (-1: none yet): a
-        feature that filled per-rank slots on step ``s`` reads them while this equals ``s``."""
-        step = self._meter.step_metrics_step
-        return step - 1 if step >= 0 else -1
-
-    @property
-    def steps_done(self) -> int:
-        """Optimizer steps (taken or skipped) since this fit started: the same count on every rank."""
-        return self._meter.steps_done
-
-    @property
-    def totals(self) -> dict[str, float]:
-        """This rank's running totals over the fit: steps, bytes sent, comm and exposed seconds, samples."""
-        return self._meter.totals
-
-    @property
-    def compressor(self) -> Compressor:
-        """The gradient compressor (its state is staged per step: ``commit`` after the optimizer stepped,
-        ``discard`` when the ranks agreed to skip)."""
-        return self._hook_state.compressor
-
-    @property
-    def hook_state(self) -> RingHookState:
-        return self._hook_state
-
-    @property
-    def step_guard(self) -> StepGuard:
-        """The step-or-skip mechanism; inactive until armed (:class:`~lightning_dist.callbacks.NaNRecovery`
-        arms it). Its :meth:`~lightning_dist.strategy.skip.StepGuard.pop_verdicts` tells what each step did."""
-        return self._guard
-
-    @property
-    def control_group(self) -> Optional[dist.ProcessGroup]:
-        """The strategy's own gloo group (CPU tensors on every backend; None with one rank)."""
-        return self._control_group
-
-    @property
-    def loss_scaler(self) -> Optional[torch.amp.GradScaler]:
-        """The precision plugin's gradient scaler (fp16 mixed precision), or None."""
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
-
-    def request_exchange(self, every_n_steps: int, name: str = "metrics") -> None:
-        """Carry every rank's per-rank slots to all ranks on every ``every_n_steps``-th optimizer step, for the
-        feature ``name`` (DistMetricsCallback: ``"metrics"``; callbacks built on
-        :class:`~lightning_dist.callbacks.rank_values.RankValues`: their feature name); 0 withdraws the
-        request. The exchange happens on a step when any request's interval divides the step count (and on
-        every step when an agreed slot is registered), the same steps on every rank."""
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 0:
-            raise ValueError(f"every_n_steps={every_n_steps!r} must be an int >= 1, or 0 to withdraw {name!r}")
-        if every_n_steps:
-            self._exchange_every[name] = every_n_steps
-        else:
-            self._exchange_every.pop(name, None)
-
-    def request_metrics(self, every_n_steps: int) -> None:
-        """:meth:`request_exchange` for DistMetricsCallback's logging steps (0: none, as with
-        ``Trainer(log_every_n_steps=0)``)."""
-        self.request_exchange(every_n_steps, "metrics")
-
-    def exchange_due(self, every_n_steps: int) -> bool:
-        """Whether the coming (or current) optimizer step is one of ``every_n_steps``'s: the test a feature that
-        requested that interval uses to decide whether to fill its slots (the same answer on every rank)."""
-        return every_n_steps > 0 and self._meter.steps_done % every_n_steps == 0
-
-    @property
-    def control(self) -> StepExchange:
-        """The per-step exchange; features register their slots on it in a callback's ``setup`` or later."""
-        if self._control is None:
-            if not dist.is_initialized():
-                raise RuntimeError("the step control exists once the processes have started (inside Trainer.fit)")
-            self._control = StepExchange(self.global_rank, self.world_size)
-            for name in PER_RANK_SLOTS:
-                self._control.register(f"rank_{name}", per_rank=True)
-        return self._control
 
     # -- set-up ---------------------------------------------------------------------------------------------
     @override
@@ -303,8 +203,6 @@ class RingDDPStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
-        from lightning_dist.callbacks.dist_metrics import DistMetricsCallback
-
         # as stock DDP: barebones mode (it also sets log_every_n_steps=0) runs no logging callback
         wanted = not getattr(trainer, "barebones", False)
         if wanted and not any(isinstance(cb, DistMetricsCallback) for cb in trainer.callbacks):
@@ -318,141 +216,56 @@ class RingDDPStrategy(DDPStrategy):
         self._stop_worker()  # a fit that failed before teardown may have left one
         # Two groups of our own, made by every rank here in the same order: the gradient buckets' (the
         # default backend, so NCCL for CUDA tensors), driven by the worker thread, never interleaving with
-        # what DDP and Lightning run on the default group from the main thread; and the control vector's,
-        # a CPU tensor on every backend, so gloo.
+        # what DDP and Lightning run on the default group from the main thread; and the exchange's, a CPU
+        # tensor on every backend, so gloo.
         if self.world_size > 1:
             self._comm_group = dist.new_group(timeout=self._timeout)
-            self._control_group = dist.new_group(backend="gloo", timeout=self._timeout)
+            self._schedule.group = dist.new_group(backend="gloo", timeout=self._timeout)
         state = self._hook_state
-        state.world_size = self.world_size
-        state.process_group = self._comm_group
-        state.rank = dist.get_rank(self._comm_group) if self._comm_group is not None else 0
-        state.transport = None
-        state._layouts.clear()
-        state._dense_bytes.clear()
-        state.param_names = {id(p): name for name, p in self.model.module.named_parameters()}
-        state.on_last_bucket = self._start_exchange_early
+        state.bind(self.model.module, self._comm_group, self.world_size, on_last_bucket=self._start_exchange_early)
         if self._overlap:
-            device = self.root_device
-            on_start = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
-            self._worker = state.worker = CommWorker(name=f"rank{self.global_rank}", on_start=on_start).start()
+            state.start_worker(f"rank{self.global_rank}", self.root_device)
         self.model.register_comm_hook(state, ring_comm_hook)
 
     def _stop_worker(self) -> None:
-        worker, self._worker = self._worker, None
-        self._hook_state.worker = None
-        if worker is not None and not worker.stop(WORKER_JOIN_TIMEOUT_S):
-            rank_zero_warn(
-                f"{worker.name} is still blocked in a collective {WORKER_JOIN_TIMEOUT_S:.0f}s after teardown "
-                "(a peer stopped answering); it is a daemon thread and ends with the process."
-            )
+        warning = self._hook_state.stop_worker(WORKER_JOIN_TIMEOUT_S)
+        if warning is not None:
+            rank_zero_warn(warning)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        # a new fit starts counting afresh (the same strategy object may fit twice)
+        self._meter.reset()
+        self._schedule.step_finished()
+        self._hook_state.reset_step()
 
     # -- each step --------------------------------------------------------------------------------------------
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self._hetero is None or trainer is None or not trainer.training or not isinstance(dataloader, DataLoader):
+            return dataloader  # validation and test loaders keep their own settings
+        return self._hetero.training_loader(dataloader, self.world_size, self.global_rank)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
         self._meter.batch_started(_batch_size(batch))
-        if self._hetero is not None and self._hetero.sampler is not None:
-            self._weigh_hetero_batch(args[1] if len(args) > 1 else kwargs["batch_idx"])
+        if self._hetero is not None and self._hetero.attached:  # the share, from the plan every rank holds
+            batch_idx = args[1] if len(args) > 1 else kwargs["batch_idx"]
+            self._hook_state.share = self._hetero.start_batch(self.lightning_module.trainer.current_epoch,
+                                                              batch_idx, self.global_rank)
         return super().training_step(*args, **kwargs)
 
     @override
-    def optimizer_step(
-        self,
-        optimizer: Any,
-        closure: Callable[[], Any],
-        model: Any = None,
-        **kwargs: Any,
-    ) -> Any:
-        agreed = False
-
-        def closure_then_agree() -> Any:
-            # Runs backward (and with it every bucket hook), then completes the step's exchange, so every
-            # rank holds the same control values before any parameter changes.
-            nonlocal agreed
-            result = closure()
-            if not agreed:
-                agreed = True
-                self._complete_exchange()
-            return result
-
-        if not self._guard.armed:
-            output = super().optimizer_step(optimizer, closure_then_agree, model, **kwargs)
-            if agreed:
-                self._finish_step()
-            return output
-        # The step-or-skip point: backward first, then every rank decides alike whether the optimizer steps.
-        result = closure_then_agree()
-        verdict = self._decide(optimizer)
-        if verdict.skipped:
-            self._skip_step(optimizer)
-            return result
-        output = super().optimizer_step(optimizer, _replay(result, closure_then_agree), model, **kwargs)
-        self._finish_step()
-        return output
-
-    def _decide(self, optimizer: Any) -> StepVerdict:
-        scaler = self.loss_scaler
-        if scaler is not None and not isinstance(scaler, LossScaler):
-            raise RuntimeError(f"the step guard needs lightning_dist's LossScaler, the precision plugin holds a "
-                               f"{type(scaler).__name__}; NaNRecovery swaps it in at setup")
-        return self._guard.decide(optimizer, scaler, self._control_group, self.global_rank, self.world_size,
-                                  step=self.lightning_module.trainer.global_step)
-
-    def _skip_step(self, optimizer: Any) -> None:
-        """Every rank together: no optimizer step, the compressor's staged state dropped, the scale backed off."""
-        scaler = self.loss_scaler
-        if isinstance(scaler, LossScaler):
-            scaler.skip(optimizer)
-            scaler.update()
-        state = self._hook_state
-        state.compressor.discard()
-        self._meter.step_finished(state.stats, state.exposed_s)
-        state.reset_step()
-        self._exchanged_this_step = False
-
-    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        # Weight this rank's gradients in autograd: a hook on the loss multiplies the gradient flowing out of
-        # it by the rank's share, so the buckets arrive weighted and the comm hook saves a pass over each.
-        # The loss itself (what callbacks and loggers see) is untouched; the hook is removed right after.
-        # Only under automatic optimization: there Lightning zeroes the gradients at the start of each
-        # accumulation window and runs the window's other backward passes under no_sync, so a bucket never
-        # holds already-reduced gradients, which would then be summed again unweighted. Manual optimization
-        # may backward twice without zero_grad; the hook weights the whole bucket then, as stock DDP does.
-        # With the step guard armed, the same hook also turns a non-finite loss into a NaN gradient, which
-        # every rank then sees in the reduced buckets (lightning_dist.strategy.skip), under manual optimization
-        # too. Under fp16 loss scaling the compressor learns the step's scale first.
-        state = self._hook_state
-        automatic = self.lightning_module.automatic_optimization
-        scale = state.loss_gradient_scale() if automatic else 1.0
-        handle = None
-        self._follow_loss_scale()
-        if self._guard.armed:
-            if closure_loss.requires_grad:
-                factor = self._guard.loss_factor(closure_loss, scale)
-                handle = closure_loss.register_hook(lambda grad: grad * factor)
-                state.weighted_in_autograd = automatic
-        elif scale != 1.0 and closure_loss.requires_grad and automatic:
-            handle = closure_loss.register_hook(lambda grad: grad * scale)
-            state.weighted_in_autograd = True
-        try:
+        # the loss gradient carries this rank's share (and NaN for a non-finite loss with the guard armed)
+        follow_loss_scale(self._loss_scaler(), self._hook_state)
+        with shared_backward(closure_loss, self._hook_state, self._guard,
+                             automatic=self.lightning_module.automatic_optimization):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        finally:
-            if handle is not None:
-                handle.remove()
-            state.weighted_in_autograd = False
-
-    def _follow_loss_scale(self) -> None:
-        """Under fp16 loss scaling the buckets carry the scale: the compressor learns it (residuals in scaled
-        units follow it, thresholds apply to unscaled values), and the scaler's own unscale_ is the agreed
-        check, so the hook's reduced sums are not needed."""
-        scaler, state = self.loss_scaler, self._hook_state
-        state.check_reduced = scaler is None
-        if scaler is not None and state.compressor.lossy:
-            # LossScaler keeps its scale as a float; torch's GradScaler needs a device synchronisation to read it
-            state.compressor.set_grad_scale(scaler.scale_value if isinstance(scaler, LossScaler)
-                                            else scaler.get_scale())
 
     @override
     def post_backward(self, closure_loss: Any) -> None:
@@ -460,183 +273,108 @@ class RingDDPStrategy(DDPStrategy):
         self._hook_state.close_backward()
         super().post_backward(closure_loss)
 
-    def _exchange_due(self) -> bool:
-        """Every step when a feature needs agreed values, else on logging steps: the same answer on every rank."""
-        if self.control.has_agreed or (self._hetero is not None and self._hetero.rebalance):
-            return True
-        return any(self.exchange_due(every) for every in self._exchange_every.values())
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        exchanged = False
+
+        def closure_then_exchange() -> Any:
+            # Runs backward (and with it every bucket hook), then completes the step's exchange, so every
+            # rank holds the same values before any parameter changes.
+            nonlocal exchanged
+            result = closure()
+            if not exchanged:
+                exchanged = True
+                self._complete_exchange()
+            return result
+
+        if not self._guard.armed:
+            output = super().optimizer_step(optimizer, closure_then_exchange, model, **kwargs)
+            if exchanged:
+                self._finish_step(skipped=False)
+            return output
+        # The step-or-skip point: backward first, then every rank decides alike whether the optimizer steps.
+        result = closure_then_exchange()
+        scaler = self._loss_scaler()
+        verdict = decide_step(self._guard, optimizer, scaler, self._schedule.group, self.global_rank,
+                              self.world_size, step=self.lightning_module.trainer.global_step)
+        if verdict.skipped:
+            skip_step(optimizer, scaler)
+            self._finish_step(skipped=True)
+            return result
+        output = super().optimizer_step(optimizer, replay(result, closure_then_exchange), model, **kwargs)
+        self._finish_step(skipped=False)
+        return output
 
     def _start_exchange_early(self) -> None:
-        """From the last bucket's hook: start now only if every value in the vector is already final.
-
-        Per-rank measurements describe the previous step, so they are; agreed values may still be set
-        after this point (in the last bucket's own checks, in ``on_after_backward``), so with any agreed slot
-        registered, or under manual optimization (a backward need not be followed by a step), the exchange
-        waits until backward is over.
-        """
-        if self.control.has_agreed or not self.lightning_module.automatic_optimization:
-            return
-        self._start_exchange()
-
-    def _start_exchange(self) -> None:
-        control = self.control
-        if control.in_flight or self._exchanged_this_step or not self._exchange_due():
-            return
-        for name, value in self.last_step.items():  # this rank's complete measurements of the previous step
-            control.set(f"rank_{name}", value)
-        control.start(self._control_group)
+        """From the last bucket's hook: the exchange travels beside that bucket when nothing in it can change."""
+        self._schedule.start_early(self._meter.step, self._meter.last_step,
+                                   self.lightning_module.automatic_optimization)
 
     def _complete_exchange(self) -> None:
-        """After backward: start the exchange if it is due and not started yet, and wait for it."""
+        """After backward: the exchange, if due, done; then the hetero plan may rebalance from it."""
         self._meter.backward_done()
-        if self._exchanged_this_step:  # a closure evaluated twice (LBFGS): one exchange per step
+        if not self._schedule.complete(self._meter.step, self._meter.last_step):
             return
-        self._start_exchange()
-        if self.control.in_flight:
-            self.control.wait()
-            self._exchanged_this_step = True
-            self._meter.exchanged(self.control, self.world_size)
-            if self._hetero is not None and self._hetero.rebalance and self._hetero.sampler is not None:
-                self._consider_rebalance()
-
-    # -- heterogeneous batching ----------------------------------------------------------------------------------
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        dataloader = super().process_dataloader(dataloader)
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self._hetero is None or trainer is None or not trainer.training or not isinstance(dataloader, DataLoader):
-            return dataloader  # validation and test loaders keep their own settings
-        loader = hetero_dataloader(dataloader, self._hetero, self.world_size, self.global_rank)
-        self._hetero.sampler, self._hetero.horizon = loader.batch_sampler, prefetch_horizon(loader)
-        return loader
-
-    def _weigh_hetero_batch(self, batch_idx: int) -> None:
-        """This rank's share of the step's samples, from the plan every rank shares (before any bucket travels)."""
-        trainer, hetero = self.lightning_module.trainer, self._hetero
-        assert hetero is not None
-        epoch = trainer.current_epoch
-        self._hook_state.weight = hetero.loss_scale(epoch, batch_idx, self.global_rank)
-        hetero.sampler.consumed = (epoch, batch_idx + 1)
-
-    def _consider_rebalance(self) -> None:
-        """After the exchange: every rank holds the same measurements, so every rank decides alike."""
-        hetero, control = self._hetero, self.control
-        assert hetero is not None
-        event = hetero.after_exchange(control.per_rank("rank_compute_s"), control.per_rank("rank_samples"),
-                                      self._meter.steps_done, self.lightning_module.trainer.num_training_batches)
-        if event is not None:
-            rank_zero_info(f"RingDDPStrategy: compute-time spread {100 * event['spread']:.1f}% -> batch sizes "
-                           f"{event['old']} -> {event['new']} from batch {event['from_step']}")
-            if "capped" in event:
-                rank_zero_info(f"RingDDPStrategy: a batch-size cap binds: {event['new']} instead of "
-                               f"{event['capped']['without_caps']}, ~{100 * event['capped']['step_time_lost']:.0f}% "
-                               "longer steps than without it")
+        exchange = self._schedule.exchange
+        self._meter.exchanged(exchange, self.world_size)
+        hetero = self._hetero
+        if hetero is None or not hetero.rebalance or not hetero.attached:
+            return
+        # every rank holds the same measurements now, so every rank decides alike
+        event = hetero.after_exchange(exchange.per_rank("rank_compute_s"), exchange.per_rank("rank_samples"),
+                                      self._meter.step, self.lightning_module.trainer.num_training_batches)
+        for line in describe_event(event) if event is not None else ():
+            rank_zero_info(f"RingDDPStrategy: {line}")
         if self._meter.step_metrics:  # empty on the first step: no previous step to describe
             self._meter.step_metrics["hetero/rebalances"] = float(len(hetero.events))
 
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        self._reset_run()
+    def _finish_step(self, skipped: bool) -> None:
+        """The compressor's staged state kept (the optimizer stepped) or dropped (every rank skipped); this step's
+        own measurements recorded (the next exchange carries them to every rank)."""
+        state = self._hook_state
+        state.compressor.discard() if skipped else state.compressor.commit()
+        self._meter.step_finished(state.stats, state.exposed_s)
+        state.reset_step()
+        self._schedule.step_finished()
 
-    def _reset_run(self) -> None:
-        """A new fit starts counting afresh (the same strategy object may fit twice)."""
-        self._meter.reset()
-        self._exchanged_this_step = False
-        self._hook_state.reset_step()
+    def _loss_scaler(self) -> Optional[torch.amp.GradScaler]:
+        return loss_scaler_of(self.precision_plugin)
 
+    # -- end of a fit -----------------------------------------------------------------------------------------
     @override
     def on_train_end(self) -> None:
-        if self._control is not None and self._control.in_flight:
-            self._control.wait()  # every rank started it, so every rank can finish it
+        self._schedule.drain()  # every rank started it, so every rank can finish it
         super().on_train_end()
 
     @override
     def teardown(self) -> None:
         self._stop_worker()  # first: it may still use the comm group
-        for group in (self._comm_group, self._control_group):
+        for group in (self._comm_group, self._schedule.group):
             if group is not None and dist.is_initialized():
                 try:
                     dist.destroy_process_group(group)
                 except (RuntimeError, ValueError) as err:  # already gone with the default group after a fault
                     rank_zero_debug(f"RingDDPStrategy.teardown: {type(err).__name__}: {err}")
-        self._comm_group = self._control_group = None
-        self._hook_state.process_group = self._hook_state.transport = None
+        self._comm_group = self._schedule.group = None
+        self._hook_state.unbind()
         release_scratch()
         super().teardown()
 
-    def _finish_step(self) -> None:
-        """Record this step's own measurements; the next exchange carries them to every rank."""
-        state = self._hook_state
-        state.compressor.commit()  # the optimizer stepped: the compressor's staged state becomes its state
-        self._meter.step_finished(state.stats, state.exposed_s)
-        state.reset_step()
-        self._exchanged_this_step = False
-
-    # -- checkpoints ----------------------------------------------------------------------------------------
+    # -- checkpoints: every rank's compressor state (lightning_dist.strategy.checkpoint) -----------------------
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         # Every rank calls this (Lightning's trainer.save_checkpoint); rank zero writes. Each rank's compressor
         # state (residuals, random generator) is its own, so all of them travel to rank zero first.
-        states = self._gather_compressor_states()
+        compressor = self._hook_state.compressor
+        states = gather_states(compressor, self.world_size, self._schedule.group)
         if self.is_global_zero:
-            checkpoint = {**checkpoint, **self._compressor_entry(states)}
+            checkpoint = {**checkpoint, **compressor_entry(compressor, self.world_size, states)}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    def local_checkpoint_state(self) -> dict[str, Any]:
-        """What :meth:`save_checkpoint` adds, with this rank's compressor state only and no collective: for an
-        emergency checkpoint written by one rank while the others may be gone. The other ranks' entries are
-        None; a run resumed from it restarts their per-rank state (residuals, generators) at zero."""
-        ranks: list[Any] = [None] * self.world_size
-        ranks[self.global_rank] = self.compressor.state_dict()
-        return self._compressor_entry(ranks)
-
-    def _compressor_entry(self, ranks: list[Any]) -> dict[str, Any]:
-        """The checkpoint's entry for the compressor: its description and every rank's state (None: not saved)."""
-        return {CHECKPOINT_KEY: {"compressor": {"describe": self.compressor.describe(), "world_size": self.world_size,
-                                                "ranks": ranks}}}
-
-    def _gather_compressor_states(self) -> list[dict[str, Any]]:
-        mine = self.compressor.state_dict()
-        if self.world_size == 1 or not dist.is_initialized():
-            return [mine]
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self._control_group)
-        return everyone
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
-        self._restore_compressor(checkpoint)
-
-    def _restore_compressor(self, checkpoint: dict[str, Any]) -> None:
-        """This rank's compressor state from a checkpoint; what cannot apply starts afresh, with a warning."""
-        compressor = self.compressor
-        saved = (checkpoint.get(CHECKPOINT_KEY) or {}).get("compressor")
-        if saved is None:
-            if compressor.lossy:
-                rank_zero_warn(f"The checkpoint holds no compressor state (it was written by another strategy): "
-                               f"{compressor.describe()} starts with zero residuals and fresh factors.")
-            return
-        if saved["describe"] != compressor.describe():
-            rank_zero_warn(f"The checkpoint's compressor was {saved['describe']}, this run's is "
-                           f"{compressor.describe()}: its state starts afresh.")
-            return
-        ranks = saved["ranks"]
-        first = next(state for state in ranks if state is not None)  # shared state is the same on every rank
-        if saved["world_size"] == self.world_size and ranks[self.global_rank] is not None:
-            compressor.load_state_dict(ranks[self.global_rank])
-        elif saved["world_size"] == self.world_size:  # an emergency checkpoint: another rank's state only
-            if compressor.lossy:
-                warnings.warn(f"rank {self.global_rank}: the checkpoint holds another rank's compressor state only "
-                              "(an emergency checkpoint): this rank's error-feedback residuals and generators restart "
-                              "at zero; shared state (step count, PowerSGD factors) is restored.", stacklevel=2)
-            compressor.load_state_dict(first, shared_only=True)
-        else:
-            rank_zero_warn(f"The checkpoint was written by {saved['world_size']} ranks, this run has "
-                           f"{self.world_size}: per-rank compressor state (error-feedback residuals, random "
-                           "generators) starts afresh; shared state (step count, PowerSGD factors) is restored.")
-            compressor.load_state_dict(first, shared_only=True)
+        restore_compressor(self._hook_state.compressor, checkpoint, self.global_rank, self.world_size)
 
     @classmethod
     @override
@@ -656,19 +394,6 @@ class RingDDPStrategy(DDPStrategy):
                 description=f"Ring all-reduce DDP, find_unused_parameters=True, start_method={start_method!r}",
                 override=True, start_method=start_method, find_unused_parameters=True,
             )
-
-
-def _replay(result: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
-    """A closure whose first call returns ``result`` (backward already ran) and whose later calls (LBFGS
-    evaluates several times per step) run ``closure`` again."""
-    calls = 0
-
-    def replay() -> Any:
-        nonlocal calls
-        calls += 1
-        return result if calls == 1 else closure()
-
-    return replay
 
 
 def _attempt_store(timeout: timedelta) -> Optional[dist.Store]:

@@ -3,7 +3,7 @@
 :class:`StepMeter` is the strategy's stopwatch: it stamps the first ``training_step`` of a step, the end of
 backward (all bucket Futures done) and the end of the step, and reads the hook's per-step counters
 (bytes and seconds inside the transport, communication backward did not hide). Its ``last_step`` values
-ride, one step late, on the strategy's per-step control exchange (:data:`PER_RANK_SLOTS`), and
+ride, one step late, on the strategy's per-step exchange (:data:`PER_RANK_SLOTS`), and
 :func:`metrics_from` turns every rank's row into the ``dist/*`` metrics that
 :class:`~lightning_dist.callbacks.DistMetricsCallback` logs.
 
@@ -20,7 +20,7 @@ from typing import Optional
 from lightning_dist.comm import CommStats
 from lightning_dist.strategy.exchange import StepExchange
 
-# Per-rank slots of the control exchange: what each rank measured in the previous step.
+# Per-rank slots of the exchange: what each rank measured in the previous step.
 PER_RANK_SLOTS = ("samples", "compute_s", "comm_s", "exposed_s", "bytes_sent", "dense_bytes", "codec_s", "step_s")
 
 
@@ -36,12 +36,12 @@ class StepMeter:
         self._backward_done: Optional[float] = None
         self._last_step_end: Optional[float] = None
         self._samples = 0  # samples this rank used in the current step
-        self.steps_done = 0  # optimizer steps since fit started: the same count on every rank
+        self.step = 0  # optimizer steps (taken or skipped) since fit started: the same count on every rank
         # this rank's own measurements of the last step, always available, no collective involved
         self.last_step: dict[str, float] = {}
         # every rank's measurements of the step before the last exchange, identical on every rank
         self.step_metrics: dict[str, float] = {}
-        self.step_metrics_step = -1  # ``steps_done + 1`` when step_metrics was last refreshed
+        self.exchange_step = -1  # ``step`` during the step whose exchange refreshed step_metrics (-1: none)
         # this rank's running totals over the run (for summary.json)
         self.totals: dict[str, float] = {"steps": 0, "bytes_sent": 0.0, "dense_bytes": 0.0, "comm_s": 0.0,
                                          "codec_s": 0.0, "exposed_s": 0.0, "samples": 0.0}
@@ -54,10 +54,10 @@ class StepMeter:
     def backward_done(self) -> None:
         self._backward_done = time.perf_counter()
 
-    def exchanged(self, control: StepExchange, world_size: int) -> None:
+    def exchanged(self, exchange: StepExchange, world_size: int) -> None:
         """Every rank's values arrived on this step's exchange: refresh what the metrics callback logs."""
-        self.step_metrics = metrics_from(control, world_size)
-        self.step_metrics_step = self.steps_done + 1
+        self.step_metrics = metrics_from(exchange, world_size)
+        self.exchange_step = self.step
 
     def step_finished(self, stats: CommStats, exposed_s: float) -> None:
         """Record this step's own measurements (the next exchange carries them to every rank)."""
@@ -78,22 +78,22 @@ class StepMeter:
                            ("samples", self._samples)):
             self.totals[key] += value
         self._samples = 0
-        self.steps_done += 1
+        self.step += 1
         self._last_step_end, self._step_started, self._backward_done = now, None, None
 
 
-def metrics_from(control: StepExchange, world_size: int) -> dict[str, float]:
+def metrics_from(exchange: StepExchange, world_size: int) -> dict[str, float]:
     """The logged metrics, from the per-rank rows of an exchange (they describe the previous step)."""
-    step = control.per_rank("rank_step_s")
+    step = exchange.per_rank("rank_step_s")
     if max(step) <= 0:
         return {}  # the first step's exchange carries no previous step
-    samples = control.per_rank("rank_samples")
-    compute = control.per_rank("rank_compute_s")
-    comm = control.per_rank("rank_comm_s")
-    exposed = control.per_rank("rank_exposed_s")
-    sent = control.per_rank("rank_bytes_sent")
-    dense = control.per_rank("rank_dense_bytes")
-    codec = control.per_rank("rank_codec_s")
+    samples = exchange.per_rank("rank_samples")
+    compute = exchange.per_rank("rank_compute_s")
+    comm = exchange.per_rank("rank_comm_s")
+    exposed = exchange.per_rank("rank_exposed_s")
+    sent = exchange.per_rank("rank_bytes_sent")
+    dense = exchange.per_rank("rank_dense_bytes")
+    codec = exchange.per_rank("rank_codec_s")
     metrics = {
         "dist/step_time_ms": 1e3 * max(step),
         "dist/throughput": sum(samples) / max(step),

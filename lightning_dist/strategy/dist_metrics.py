@@ -1,12 +1,13 @@
 """Logs RingDDPStrategy's per-step communication and straggler metrics from rank zero.
 
-Every rank measures every step (``strategy.last_step`` holds its own values). On the steps this callback
-logs, the strategy carries every rank's values to all ranks on its per-step control exchange, which
-travels alongside the last gradient bucket (no collective of this callback's own); the callback hands
+Every rank measures every step (:attr:`~lightning_dist.strategy.RingFeatures.last_step` holds its own values).
+On the steps this callback logs, the strategy carries every rank's values to all ranks on its per-step exchange,
+which travels alongside the last gradient bucket (no collective of this callback's own); the callback hands
 them to Lightning's loggers from rank zero. The values describe the optimizer step before the logged one.
 The strategy adds this callback to the Trainer by itself (not under ``Trainer(barebones=True)``); add it
 yourself to change ``log_every_n_steps``. With ``log_every_n_steps=0`` (the Trainer's or this callback's)
-nothing is gathered or logged.
+nothing is gathered or logged. It is the strategy's own reporting, so it lives beside the strategy
+(``lightning_dist.callbacks`` exports it with the other callbacks).
 
 Logged metrics (``r`` is a rank index):
 
@@ -40,9 +41,11 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_dist.strategy.features import features_of
+
 
 class DistMetricsCallback(Callback):
-    """Logs ``strategy.step_metrics`` every ``log_every_n_steps`` optimizer steps (default: the Trainer's)."""
+    """Logs the strategy's ``step_metrics`` every ``log_every_n_steps`` optimizer steps (default: the Trainer's)."""
 
     def __init__(self, log_every_n_steps: Optional[int] = None) -> None:
         if log_every_n_steps is not None and log_every_n_steps < 0:
@@ -56,19 +59,21 @@ class DistMetricsCallback(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._interval = trainer.log_every_n_steps if self._every is None else self._every
-        request = getattr(trainer.strategy, "request_metrics", None)
-        if request is not None:  # a RingDDPStrategy: ask it to gather on the steps we log
-            request(self._interval)
+        features = features_of(trainer.strategy)
+        if features is not None:  # ask the strategy to exchange on the steps we log
+            features.request_exchange(self._interval, "metrics")
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        strategy = trainer.strategy
-        fresh = getattr(strategy, "step_metrics_step", -1)
-        if fresh == self._logged or not getattr(strategy, "step_metrics", None):
+        features = features_of(trainer.strategy)
+        if features is None:
+            return
+        fresh = features.exchange_step
+        if fresh == self._logged or not features.step_metrics:
             return  # nothing new since the last log
-        if self._interval <= 0 or (fresh - 1) % self._interval:
+        if self._interval <= 0 or fresh % self._interval:
             return  # an exchange another feature asked for (MemoryMonitor's interval), not one of our steps
         self._logged = fresh
         if trainer.is_global_zero:
             for logger in trainer.loggers:
-                logger.log_metrics(strategy.step_metrics, step=trainer.global_step)
+                logger.log_metrics(features.step_metrics, step=trainer.global_step)
