@@ -4,6 +4,7 @@ The hook is also checked without Lightning against a single-process reference ov
 Lightning runs use the fork launcher (fast start) and a 60 s collective timeout, so nothing can hang.
 """
 
+import copy
 import csv
 import hashlib
 import json
@@ -15,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.demos import Transformer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
@@ -27,7 +29,12 @@ from lightning_dist.strategy import RingHookState, features_of, ring_comm_hook
 from lightning_dist.strategy.comm_worker import CommWorker
 from lightning_dist.testing import run_ranks
 
-WEIGHT_TOLERANCE = 1e-6  # stock vs ring_ddp; in practice the weights come out bit-identical at 2 ranks
+# stock vs ring_ddp after a fit, for runs that take another path than the plain one (accumulation, manual
+# optimization, unused parameters); the plain runs are checked bit for bit
+WEIGHT_TOLERANCE = 1e-6
+# one step's reduced gradient, ring_ddp against stock DDP, relative to the tensor's largest element: float32
+# rounding of a differently ordered product (the share applied before the backward kernels, not after)
+STEP_GRADIENT_TOLERANCE = 1e-5
 
 
 def _dataset():
@@ -68,6 +75,62 @@ class ManualModule(TinyModule):
         if batch_idx % 2 == 1:
             opt.step()
             opt.zero_grad()
+
+
+class AttentionModule(TinyModule):
+    """Lightning's demo transformer (embedding, attention, dropout), small: PyTorch's CPU backward of it is not
+    exactly homogeneous under a power-of-two scale at these sizes, so weighting the loss gradient by the share
+    (ring_ddp) and weighting the summed gradient (stock DDP) differ in the last bits (embedding.weight and the
+    attention's in_proj_weight, ~1e-11 absolute)."""
+
+    def __init__(self, unused_branch: bool = False):
+        pl.LightningModule.__init__(self)
+        self.net = Transformer(vocab_size=500, ninp=200, nhead=2, nhid=200, nlayers=2, dropout=0.2)
+
+    @staticmethod
+    def loss(net, batch):
+        tokens, target = batch
+        return nn.functional.nll_loss(net(tokens, target), target.view(-1))
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(self.net, batch)
+
+    def train_dataloader(self):
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, 500, (64, 36), generator=gen)
+        return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+
+
+class StockGradientCheck(Callback):
+    """Per step, before the optimizer: ring_ddp's reduced gradient against stock DDP's from the same weights, batch
+    and dropout masks (every rank's plain local gradient over N, summed), as the largest difference relative to
+    the largest reference element of each tensor; rank zero writes the worst per step and how many tensors
+    differed at all."""
+
+    def __init__(self, path):
+        self.path, self.worst, self.differing = path, [], 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batch, self.rng = batch, torch.get_rng_state()  # the forward's dropout masks come from here
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        reference = copy.deepcopy(pl_module.net)  # the weights of this step, before the update
+        after = torch.get_rng_state()
+        torch.set_rng_state(self.rng)
+        pl_module.loss(reference, self.batch).backward()
+        torch.set_rng_state(after)
+        worst = 0.0
+        for ours, ref in zip(pl_module.net.parameters(), reference.parameters()):
+            stock = ref.grad / trainer.world_size
+            dist.all_reduce(stock)
+            self.differing += int(not torch.equal(ours.grad, stock))
+            worst = max(worst, ((ours.grad - stock).abs().max() / stock.abs().max().clamp_min(1e-30)).item())
+        self.worst.append(worst)
+
+    def on_fit_end(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            with open(self.path, "w") as fh:
+                json.dump({"worst": self.worst, "differing": self.differing}, fh)
 
 
 class ParamChecksum(Callback):
@@ -159,17 +222,33 @@ def runs(tmp_path_factory):
     out["manual"] = _fit(tmp, "manual", RingDDPStrategy(algorithm="tree", start_method="fork", timeout=60),
                          module=ManualModule, logger=CSVLogger(str(tmp), name="manual_csv", version=""))
     out["acc_flags"] = [json.loads((tmp / f"acc.rank{r}").read_text()) for r in (0, 1)]
+    out["attention"] = _fit(tmp, "attention", RingDDPStrategy(algorithm="ring", start_method="fork", timeout=60),
+                            module=AttentionModule, extra_callbacks=[StockGradientCheck(str(tmp / "attention_grads"))])
+    out["attention_grads"] = json.loads((tmp / "attention_grads").read_text())
     out["csv"] = str(tmp / "csv" / "metrics.csv")
     return out
 
 
 @pytest.mark.parametrize("algorithm", ["auto", "ring", "tree", "native", "auto_blocking"])
-def test_same_weights_as_stock_ddp(runs, algorithm):
+def test_bit_identical_to_stock_ddp_on_a_homogeneous_model(runs, algorithm):
+    # a Linear-Tanh-Linear model: its backward is exactly homogeneous under the power-of-two share (1/2), so the
+    # share applied in autograd gives stock DDP's weights bit for bit, after 16 steps of SGD with momentum
     stock, _ = runs["stock"]
     ours, _ = runs[algorithm]
     for key in stock:
         diff = (stock[key] - ours[key]).abs().max().item()
-        assert diff <= WEIGHT_TOLERANCE, f"{key}: max |diff| {diff} with algorithm={algorithm}"
+        assert torch.equal(stock[key], ours[key]), f"{key}: max |diff| {diff} with algorithm={algorithm}"
+
+
+def test_equal_to_stock_ddp_within_rounding_per_step_with_an_embedding_and_attention(runs):
+    # what the README promises where backward kernels are not homogeneous: each step's reduced gradient equals
+    # stock DDP's from the same weights within float rounding (over a fit the two runs then drift apart as any
+    # two float runs do), and the ranks stay bit-identical
+    _, report = runs["attention"]
+    grads = runs["attention_grads"]
+    assert report["steps"] == 16 and report["mismatches"] == 0
+    assert len(grads["worst"]) == 16
+    assert max(grads["worst"]) <= STEP_GRADIENT_TOLERANCE, grads["worst"]
 
 
 @pytest.mark.parametrize("algorithm", ["auto", "ring", "tree", "native", "auto_blocking", "find_unused",

@@ -1,5 +1,5 @@
 """Every rank's values to every rank, every N optimizer steps, for a callback: on RingDDPStrategy's per-rank exchange
-slots (no collective of their own: they ride the step's control exchange, which starts beside the last gradient
+slots (no collective of their own: they ride the step's exchange, which starts beside the last gradient
 bucket), under any other strategy one small all-gather. MemoryMonitor (memory readings) and FaultTolerance
 (stop requests) share it.
 

@@ -1,4 +1,4 @@
-"""Per-step control values that every rank must agree on, exchanged together in one small collective.
+"""Per-step values that every rank must agree on or see from every rank, exchanged together in one small collective.
 
 Features register named slots once at set-up (the same names in the same order on every rank):
 
@@ -61,7 +61,7 @@ class StepExchange:
     def set(self, name: str, value: float) -> None:
         """This rank's value for ``name`` in the coming exchange (0 when never set)."""
         if name not in self._agreed and name not in self._per_rank:
-            raise KeyError(f"control slot {name!r} is not registered; registered: {self._agreed + self._per_rank}")
+            raise KeyError(f"exchange slot {name!r} is not registered; registered: {self._agreed + self._per_rank}")
         self._refuse_in_flight(f"set {name!r}")
         self._local[name] = float(value)
 
