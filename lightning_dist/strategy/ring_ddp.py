@@ -37,7 +37,6 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
-from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
@@ -47,6 +46,7 @@ from lightning_dist.comm import check_algorithm, release_scratch
 from lightning_dist.compression import Compressor, as_compressor
 from lightning_dist.hetero import HeteroBatching
 from lightning_dist.hetero.batching import as_hetero, describe_event
+from lightning_dist.strategy import stepping
 from lightning_dist.strategy.checkpoint import compressor_entry, gather_states, restore_compressor
 from lightning_dist.strategy.dist_metrics import DistMetricsCallback
 from lightning_dist.strategy.features import RingFeatures
@@ -54,14 +54,6 @@ from lightning_dist.strategy.hook import RingHookState, ring_comm_hook
 from lightning_dist.strategy.schedule import ExchangeSchedule
 from lightning_dist.strategy.skip import StepGuard
 from lightning_dist.strategy.step_meter import StepMeter
-from lightning_dist.strategy.stepping import (
-    decide_step,
-    follow_loss_scale,
-    loss_scaler_of,
-    replay,
-    shared_backward,
-    skip_step,
-)
 
 if not callable(getattr(DDPStrategy, "_register_ddp_hooks", None)):  # pragma: no cover - guarded by a test too
     raise ImportError(
@@ -252,7 +244,7 @@ class RingDDPStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
-        self._meter.batch_started(_batch_size(batch))
+        self._meter.batch_started(batch)
         if self._hetero is not None and self._hetero.attached:  # the share, from the plan every rank holds
             batch_idx = args[1] if len(args) > 1 else kwargs["batch_idx"]
             self._hook_state.share = self._hetero.start_batch(self.lightning_module.trainer.current_epoch,
@@ -262,8 +254,8 @@ class RingDDPStrategy(DDPStrategy):
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         # the loss gradient carries this rank's share (and NaN for a non-finite loss with the guard armed)
-        follow_loss_scale(self._loss_scaler(), self._hook_state)
-        with shared_backward(closure_loss, self._hook_state, self._guard,
+        stepping.follow_loss_scale(self._loss_scaler(), self._hook_state)
+        with stepping.shared_backward(closure_loss, self._hook_state, self._guard,
                              automatic=self.lightning_module.automatic_optimization):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
@@ -295,13 +287,13 @@ class RingDDPStrategy(DDPStrategy):
         # The step-or-skip point: backward first, then every rank decides alike whether the optimizer steps.
         result = closure_then_exchange()
         scaler = self._loss_scaler()
-        verdict = decide_step(self._guard, optimizer, scaler, self._schedule.group, self.global_rank,
+        verdict = stepping.decide_step(self._guard, optimizer, scaler, self._schedule.group, self.global_rank,
                               self.world_size, step=self.lightning_module.trainer.global_step)
         if verdict.skipped:
-            skip_step(optimizer, scaler)
+            stepping.skip_step(optimizer, scaler)
             self._finish_step(skipped=True)
             return result
-        output = super().optimizer_step(optimizer, replay(result, closure_then_exchange), model, **kwargs)
+        output = super().optimizer_step(optimizer, stepping.replay(result, closure_then_exchange), model, **kwargs)
         self._finish_step(skipped=False)
         return output
 
@@ -338,7 +330,7 @@ class RingDDPStrategy(DDPStrategy):
         self._schedule.step_finished()
 
     def _loss_scaler(self) -> Optional[torch.amp.GradScaler]:
-        return loss_scaler_of(self.precision_plugin)
+        return stepping.loss_scaler_of(self.precision_plugin)
 
     # -- end of a fit -----------------------------------------------------------------------------------------
     @override
@@ -418,10 +410,3 @@ def _as_timedelta(timeout: Union[float, int, timedelta, None]) -> timedelta:
     if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds <= 0:
         raise ValueError(f"timeout={timeout!r} must be a positive number of seconds (default {DEFAULT_TIMEOUT_S}).")
     return timedelta(seconds=float(seconds))
-
-
-def _batch_size(batch: Any) -> int:
-    try:
-        return int(extract_batch_size(batch))
-    except Exception:  # noqa: BLE001 - batches without tensors count as zero samples, not as an error
-        return 0

@@ -106,12 +106,13 @@ class StepGuard:
         self._reduced: list[torch.Tensor] = []  # per bucket: the reduced sentinel (or sum)
 
     # -- inputs, during backward (each a handful of tensor ops and no synchronisation) -----------------------------
-    def loss_factor(self, loss: torch.Tensor, scale: float) -> torch.Tensor:
-        """What the loss gradient is multiplied by: ``scale`` for a finite loss, NaN otherwise (on the device).
+    def loss_factor(self, loss: torch.Tensor, share: float) -> torch.Tensor:
+        """What the loss gradient is multiplied by: this rank's ``share`` for a finite loss, NaN otherwise (on the
+        device).
         ``loss - loss`` is 0 for a finite loss and NaN for NaN or +-Inf, so no branch is needed."""
         loss = loss.detach()
         self._losses.append(loss)
-        return (loss - loss).add_(scale)
+        return (loss - loss).add_(share)
 
     def check_local(self, bucket: torch.Tensor) -> None:
         """From the hook, before compression: this rank's own gradient; a non-finite one sets the sentinel.
@@ -153,8 +154,8 @@ class StepGuard:
             flags = _gather_flags([float(loss_bad), float(grad_bad)], group, rank, world_size)
             verdict.bad_loss_ranks = [r for r in range(world_size) if flags[r][0]]
             verdict.bad_grad_ranks = [r for r in range(world_size) if flags[r][1]]
-        self.steps += 1
         self._verdicts.append(verdict)
+        self.steps += 1
         self.reset_step()
         self.seconds += time.thread_time() - started
         return verdict

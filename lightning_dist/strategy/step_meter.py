@@ -15,7 +15,9 @@ would undercount compute. It is the per-rank speed signal (samples / compute_s) 
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Any, Optional
+
+from lightning.pytorch.utilities.data import extract_batch_size
 
 from lightning_dist.comm import CommStats
 from lightning_dist.strategy.exchange import StepExchange
@@ -46,10 +48,10 @@ class StepMeter:
         self.totals: dict[str, float] = {"steps": 0, "bytes_sent": 0.0, "dense_bytes": 0.0, "comm_s": 0.0,
                                          "codec_s": 0.0, "exposed_s": 0.0, "samples": 0.0}
 
-    def batch_started(self, samples: int) -> None:
+    def batch_started(self, batch: Any) -> None:
         if self._step_started is None:
             self._step_started = time.perf_counter()
-        self._samples += samples
+        self._samples += _batch_size(batch)
 
     def backward_done(self) -> None:
         self._backward_done = time.perf_counter()
@@ -114,3 +116,10 @@ def metrics_from(exchange: StepExchange, world_size: int) -> dict[str, float]:
         metrics[f"dist/rank{r}/bytes_sent"] = sent[r]
         metrics[f"dist/rank{r}/codec_ms"] = 1e3 * codec[r]
     return metrics
+
+
+def _batch_size(batch: Any) -> int:
+    try:
+        return int(extract_batch_size(batch))
+    except Exception:  # noqa: BLE001 - batches without tensors count as zero samples, not as an error
+        return 0
