@@ -3,20 +3,33 @@
 Registered in Hydra's ConfigStore as ``train_schema``; ``conf/config.yaml`` lists it first in its defaults,
 so a misspelt key (``trainer.max_epoch=3``) or a value of the wrong type (``trainer.devices=two``) fails in
 Hydra before anything is built, and :func:`validate` catches bad values that types cannot (``devices=0``).
+Before Hydra composes, :func:`complete_overrides` gives a setting given without its group the group it needs
+(``hetero.speeds=[3,1]``) or an error that names it (``compression.ratio=0.01``: ``compression=topk``).
 All of it happens in the launching process, before any rank starts.
 """
 
 from __future__ import annotations
 
+import importlib.resources
 import os
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from enum import Enum
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import OverrideType
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_dist.launch import LaunchEnv, connect_store
+
+RUN_DIR_TIMEOUT_S = 120.0  # how long the other ranks wait for rank 0 to name a static torchrun rendezvous's run
+# groups whose options are plain dicts with settings of their own (one file per option in conf/<group>/), and the
+# option a setting given without its group selects (a user who sets hetero.speeds wants heterogeneous batching;
+# a compression setting alone is refused, as choosing a compressor is not a detail)
+SETTING_GROUPS = {"compression": None, "hetero": "balanced"}
 
 
 class Algorithm(str, Enum):
@@ -138,14 +151,68 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConf)
 
 
-def launcher_local_world_size() -> Optional[int]:
-    """Processes per node that an external launcher started (torchrun's ``LOCAL_WORLD_SIZE``, SLURM's
-    ``SLURM_NTASKS_PER_NODE``), or None when this process was not started by one."""
-    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        value = os.environ.get(name, "")
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return None
+def complete_overrides(overrides: Sequence[str]) -> list[str]:
+    """The command's overrides with the group option each setting needs, checked before Hydra composes them.
+
+    Hydra refuses a setting the group's chosen option lacks with "Key 'speeds' is not in struct", which does not
+    name the fix. Here, for the :data:`SETTING_GROUPS`: a ``hetero.*`` setting without ``hetero=...`` selects
+    ``hetero=balanced`` (``hetero.speeds=[3,1]`` works as ``hetero=balanced hetero.speeds=[3,1]``); any other setting
+    the chosen option lacks (``compression.ratio=0.01`` with the default ``compression=none``) raises ``ValueError``
+    naming the options that have it (``use compression=topk compression.ratio=0.01``). Overrides Hydra cannot parse
+    are returned as they are, for Hydra to report.
+    """
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException:
+        return list(overrides)
+    changes = [o for o in parsed if o.type == OverrideType.CHANGE and o.package is None]
+    chosen = {o.key_or_group: list(o.sweep_string_iterator()) if o.is_sweep_override() else [str(o.value())]
+              for o in changes if o.key_or_group in SETTING_GROUPS}
+    completed, problems = list(overrides), []
+    for o in changes:
+        group, _, key = o.key_or_group.partition(".")
+        if group not in SETTING_GROUPS or not key:
+            continue
+        key = key.split(".")[0]
+        if group not in chosen and SETTING_GROUPS[group] is not None:
+            chosen[group] = [SETTING_GROUPS[group]]
+            completed.insert(completed.index(o.input_line), f"{group}={SETTING_GROUPS[group]}")
+        for option in chosen.get(group, [_default_option(group)]):
+            if option in _options(group) and key not in _option_keys(group, option):  # (Hydra names a missing one)
+                chose = f"{group}={option}" + ("" if group in chosen else " (the default)")
+                fix = _fix(group, option, key, o.input_line)
+                problems.append(f"{o.input_line}: {chose} has no setting {key!r}; {fix}")
+    if problems:
+        raise ValueError("invalid overrides:\n  " + "\n  ".join(problems))
+    return completed
+
+
+def _fix(group: str, option: str, key: str, override: str) -> str:
+    """What to write instead of ``override``, whose ``key`` the chosen ``option`` of ``group`` lacks."""
+    having = [name for name in _options(group) if key in _option_keys(group, name)]
+    if not having:
+        settings = ", ".join(sorted(_option_keys(group, option) - {"_target_"}))
+        return f"no {group} option has it; {group}={option}'s settings are {settings}"
+    if len(having) == 1:
+        return f"it is a setting of {group}={having[0]}: use {group}={having[0]} {override}"
+    return f"it is a setting of {group}={', '.join(having)}: choose one, e.g. {group}={having[0]} {override}"
+
+
+def _conf() -> Any:
+    return importlib.resources.files("lightning_dist.conf")
+
+
+def _options(group: str) -> list[str]:
+    return sorted(path.name[:-len(".yaml")] for path in (_conf() / group).iterdir() if path.name.endswith(".yaml"))
+
+
+def _option_keys(group: str, option: str) -> set[str]:
+    return set(OmegaConf.create((_conf() / group / f"{option}.yaml").read_text()).keys())
+
+
+def _default_option(group: str) -> str:
+    defaults = OmegaConf.create((_conf() / "config.yaml").read_text()).defaults
+    return next(entry[group] for entry in defaults if not isinstance(entry, str) and group in entry)
 
 
 def _numeric_devices(devices: Union[int, str]) -> Union[int, str]:
@@ -161,7 +228,7 @@ def resolve_devices(devices: Union[int, str]) -> Union[int, str]:
     otherwise Lightning's own reading."""
     devices = _numeric_devices(devices)
     if devices in ("auto", -1):
-        launched = launcher_local_world_size()
+        launched = LaunchEnv.current().local_world_size
         if launched is not None:
             return launched
     return devices
@@ -183,25 +250,19 @@ def run_dir_name() -> str:
     """The name of this run's output directory, the same in every rank of one launch.
 
     Hydra computes its timestamped directory in each process, and two ranks can straddle a second. Under a
-    launcher the name comes from what every rank shares: torchrun's run id (``--rdzv-id``; ``--standalone``
-    makes a fresh one per launch), SLURM's job and step ids. A static torchrun rendezvous without
-    ``--rdzv-id`` has none: rank 0 then writes its timestamp to torchrun's own store, which every worker
-    reaches at ``MASTER_ADDR:MASTER_PORT``, and the others read it there.
+    launcher the name is the launch's run id (:class:`~lightning_dist.launch.LaunchEnv`: torchrun's ``--rdzv-id``,
+    which ``--standalone`` makes afresh per launch; SLURM's job and step ids). A static torchrun rendezvous without
+    ``--rdzv-id`` has none: rank 0 then writes its timestamp to torchrun's own store, and the others read it there.
     """
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id and run_id != "none":
-        return f"torchrun-{run_id}"
-    if "SLURM_JOB_ID" in os.environ and "SLURM_PROCID" in os.environ:
-        return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '0')}"
-    if run_id == "none" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        import torch.distributed as dist
-
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timedelta(seconds=120))
+    launch = LaunchEnv.current()
+    if launch.run_id is not None:
+        return launch.run_id
+    if launch.launcher == "torchrun" and launch.agent_store:
+        store = connect_store(RUN_DIR_TIMEOUT_S, launch)
         # the first attempt's rank 0 names it; restarts (torchrun --max-restarts) find the same name, and with it
         # the checkpoints resume=auto looks for
-        key = "lightning_dist/run_dir"
-        if os.environ.get("RANK", "0") == "0":
+        key = launch.key("run_dir")
+        if launch.rank == 0:
             store.compare_set(key, "", time.strftime("%Y-%m-%d_%H-%M-%S"))
         return f"torchrun-{store.get(key).decode()}"
     return time.strftime("%Y-%m-%d/%H-%M-%S")  # Hydra's own layout
@@ -212,7 +273,8 @@ def validate(cfg: DictConfig) -> None:
     t = cfg.trainer
     problems = []
     devices = _numeric_devices(t.devices)
-    if devices == -1 and t.accelerator == "cpu" and launcher_local_world_size() is None:
+    launched = LaunchEnv.current().local_world_size is not None  # torchrun or srun started the processes
+    if devices == -1 and t.accelerator == "cpu" and not launched:
         problems.append("trainer.devices=-1 on CPU: Lightning counts only accelerators for -1; give a number of "
                         "processes, e.g. trainer.devices=2 (under torchrun or srun, -1 and auto take theirs)")
     elif not (devices == "auto" or devices == -1 or (isinstance(devices, int) and devices >= 1)):
@@ -220,7 +282,7 @@ def validate(cfg: DictConfig) -> None:
                         "e.g. trainer.devices=2")
     if t.num_nodes < 1:
         problems.append(f"trainer.num_nodes={t.num_nodes}: use 1 or more")
-    elif t.num_nodes > 1 and launcher_local_world_size() is None:
+    elif t.num_nodes > 1 and not launched:
         problems.append(f"trainer.num_nodes={t.num_nodes} needs a launcher on every node: start the command with "
                         "torchrun --nnodes ... or srun (see README, 'Beyond one machine')")
     if t.max_epochs < 1 and t.max_steps < 1:
@@ -234,7 +296,7 @@ def validate(cfg: DictConfig) -> None:
         )
         if not ok:
             problems.append(f"trainer.{key}={value!r}: use a number of batches (int >= 0) or a fraction in [0, 1]")
-    if t.accelerator in ("gpu", "cuda") and cfg.strategy.start_method == "fork" and launcher_local_world_size() is None:
+    if t.accelerator in ("gpu", "cuda") and cfg.strategy.start_method == "fork" and not launched:
         problems.append(
             "strategy.start_method=fork with trainer.accelerator=gpu: CUDA cannot be used in forked processes; "
             "add strategy.start_method=popen"

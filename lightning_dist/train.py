@@ -11,7 +11,7 @@ schema first), so a bad key or value fails before any rank starts. Examples::
     lightning-dist-train callbacks=[dist_metrics] trainer.max_epochs=3
     lightning-dist-train compression=topk compression.ratio=0.01   # 1% of each layer, error feedback
     lightning-dist-train compression=powersgd compression.rank=4
-    lightning-dist-train hetero=balanced hetero.speeds=[3,1]     # per-rank batches 48 and 16
+    lightning-dist-train hetero.speeds=[3,1]               # per-rank batches 48 and 16 (hetero=balanced)
     lightning-dist-train strategy=ddp                      # Lightning's stock DDP, same everything else
     lightning-dist-train ckpt_path=outputs/.../checkpoints/last.ckpt trainer.max_epochs=20   # resume
     lightning-dist-train -m strategy.algorithm=ring,tree   # a sweep, one run after the other
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Any, Sequence
 
@@ -33,10 +34,18 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_dist  # noqa: F401 - registers the strategies
-from lightning_dist.config import local_world_size, register_configs, resolve_devices, run_dir_name, validate
+from lightning_dist.config import (
+    complete_overrides,
+    local_world_size,
+    register_configs,
+    resolve_devices,
+    run_dir_name,
+    validate,
+)
 from lightning_dist.fault.resume import choose as choose_checkpoint
 from lightning_dist.perf import PerfConfig, run_preflight
 from lightning_dist.profiling import AllThreadsProfiler
+from lightning_dist.strategy import features_of
 
 register_configs()
 # hydra.run.dir in conf/config.yaml: one directory for every rank of a torchrun or SLURM launch
@@ -68,8 +77,8 @@ class RunSummaryCallback(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.is_global_zero:
             return
-        strategy = trainer.strategy
-        totals = dict(getattr(strategy, "totals", {}))
+        strategy, features = trainer.strategy, features_of(trainer.strategy)
+        totals = dict(features.totals) if features is not None else {}
         summary = {
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "wall_time_s": time.time() - self.started,
@@ -77,13 +86,13 @@ class RunSummaryCallback(Callback):
             "epochs": trainer.fit_loop.epoch_progress.current.completed,  # completed epochs
             "world_size": trainer.world_size,
             "strategy": type(strategy).__name__,
-            "algorithm": getattr(strategy, "algorithm", None),
+            "algorithm": strategy.algorithm if features is not None else None,
             # gradient payload bytes rank zero sent over the run (every rank sends about the same)
             "bytes_sent_rank0": totals.get("bytes_sent", 0.0),
             "dense_bytes_rank0": totals.get("dense_bytes", 0.0),  # what the dense fp32 ring would have sent
             "compression_ratio": (totals["dense_bytes"] / totals["bytes_sent"]
                                   if totals.get("bytes_sent") and "dense_bytes" in totals else 1.0),
-            "compressor": strategy.compressor.describe() if hasattr(strategy, "compressor") else "none",
+            "compressor": features.compressor.describe() if features is not None else "none",
             "comm_time_s_rank0": totals.get("comm_s", 0.0),
             "codec_time_s_rank0": totals.get("codec_s", 0.0),
             # callbacks that report on the run (MemoryMonitor: the estimate, the peaks, threshold events)
@@ -155,7 +164,7 @@ def run(cfg: DictConfig, output_dir: str, extra_callbacks: Sequence[Callback] = 
 
 
 @hydra.main(config_path="pkg://lightning_dist.conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> float:
+def _train(cfg: DictConfig) -> float:
     output_dir = HydraConfig.get().runtime.output_dir
     summary = run(cfg, output_dir)
     metrics = summary.get("metrics", {})
@@ -163,6 +172,21 @@ def main(cfg: DictConfig) -> float:
         accuracy = metrics.get("val/acc", float("nan"))
         print(f"summary: {os.path.join(output_dir, 'summary.json')}  val/acc={accuracy:.4f}")
     return float(metrics.get("val/acc", 0.0))  # what a Hydra sweeper would maximise
+
+
+def main() -> Any:
+    """``lightning-dist-train``: Hydra's command, after :func:`~lightning_dist.config.complete_overrides` (a setting
+    given without its group: ``hetero.speeds=[3,1]`` selects ``hetero=balanced``, ``compression.ratio=0.01`` alone
+    fails here, naming ``compression=topk``). The completed overrides replace ``sys.argv``'s, so that ranks
+    Lightning starts by re-running the command see them too."""
+    args = sys.argv[1:]
+    overrides = [arg for arg in args if "=" in arg and not arg.startswith("-")]  # key=value, not Hydra's flags
+    try:
+        completed = complete_overrides(overrides)
+    except ValueError as err:
+        sys.exit(f"lightning-dist-train: {err}")
+    sys.argv[1:] = [arg for arg in args if arg not in overrides] + completed
+    return _train()
 
 
 if __name__ == "__main__":

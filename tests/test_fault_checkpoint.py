@@ -20,6 +20,7 @@ from lightning_dist.fault.checkpoint import (
     AtomicCheckpointIO,
     CheckpointError,
     atomic_write_bytes,
+    checkpoint_dir,
     find_checkpoints,
     load_checkpoint,
     newest_valid,
@@ -361,3 +362,15 @@ def test_resume_choice_is_reused_by_the_ranks_of_one_run_only(tmp_path, monkeypa
     save_checkpoint(_lightning_like(5), first / "step=5.ckpt")  # a rank started later resumes as its launcher chose
     assert resume.choose(str(first)) == str(first / "step=3.ckpt")
     assert resume.choose(str(second)) == str(second / "step=7.ckpt")  # a sweep's next job, in the same process
+
+
+def test_one_place_says_where_a_runs_checkpoints_go(tmp_path):
+    from types import SimpleNamespace
+
+    bare = SimpleNamespace(checkpoint_callback=None, default_root_dir=str(tmp_path))
+    assert checkpoint_dir(bare) == str(tmp_path / "checkpoints")
+    assert checkpoint_dir(bare, tmp_path / "mine") == str(tmp_path / "mine")  # FaultTolerance(dirpath=...)
+    with_callback = SimpleNamespace(checkpoint_callback=ModelCheckpoint(dirpath=tmp_path / "ckpts"),
+                                    default_root_dir=str(tmp_path))
+    assert checkpoint_dir(with_callback) == str(tmp_path / "ckpts")
+    assert checkpoint_dir(with_callback, str(tmp_path / "mine")) == str(tmp_path / "mine")

@@ -152,9 +152,9 @@ def test_settings_and_the_signal_flag():
         FaultTolerance(timeout_s=6, poll_s=5)
     callback = FaultTolerance(stop_timeout_s=0.05)
     assert callback._stop_overdue() is None
-    callback._on_signal(signal.SIGTERM, None)
-    callback._on_signal(signal.SIGUSR1, None)  # the first signal is the one kept
-    assert callback._signal == signal.SIGTERM and callback._stop_overdue() is None
+    callback._signals.record(signal.SIGTERM, None)
+    callback._signals.record(signal.SIGUSR1, None)  # the first signal is the one kept
+    assert callback._signals.signum == signal.SIGTERM and callback._stop_overdue() is None
     time.sleep(0.1)
     fault = callback._stop_overdue()
     assert fault is not None and fault.kind == "stop_timeout" and "SIGTERM" in fault.message
@@ -167,15 +167,16 @@ def test_a_watchdog_fault_lets_the_training_threads_emergency_write_finish(monke
 
     exits = []
     monkeypatch.setattr(ft.os, "_exit", exits.append)
-    monkeypatch.setattr(ft, "_exit_later", lambda seconds, code: None)
+    monkeypatch.setattr(ft, "exit_later", lambda seconds, code: None)
     callback = FaultTolerance()
-    callback._trainer, callback._fault_lock, callback._emergency_done = object(), threading.Lock(), threading.Event()
-    callback._emergency = True  # the training thread failed first and is writing its emergency checkpoint
+    callback._trainer = object()
+    callback._emergency.arm()
+    callback._emergency.writing = True  # the training thread failed first and is writing its emergency checkpoint
     watchdog = threading.Thread(target=callback._on_fault, args=(Fault("store_unreachable", "store gone"),))
     watchdog.start()
     watchdog.join(0.3)
     assert exits == []  # still waiting for the write, not cutting it off
-    callback._emergency_done.set()
+    callback._emergency._done.set()
     watchdog.join(5)
     assert exits == [ft.EXIT_STALL]
 

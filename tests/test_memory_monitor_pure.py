@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_dist.callbacks import MemoryMonitor
-from lightning_dist.callbacks.memory_monitor import SLOTS, check_settings, summarize
+from lightning_dist.callbacks.memory_monitor import check_settings
 from lightning_dist.compression import build_compressor
 from lightning_dist.compression.base import BucketLayout
 from lightning_dist.memory import readers
@@ -24,6 +24,7 @@ from lightning_dist.memory.estimate import (
     optimizer_state_bytes,
     optimizer_transient_bytes,
 )
+from lightning_dist.memory.report import SLOTS, summarize
 
 
 def _mlp(dtype=torch.float32):
@@ -220,11 +221,6 @@ def test_cgroup_limits_and_capacity(tmp_path, monkeypatch):
     monkeypatch.setattr(readers, "cgroup_limit", lambda: 2**30)
     capacity, source = readers.host_capacity(4)
     assert capacity == 2**28 and source == "cgroup limit / 4 ranks on this machine"
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    assert readers.local_world_size(8) == 3
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
-    assert readers.local_world_size(8) == 8
 
 
 def test_host_readers_see_an_allocation():
@@ -249,7 +245,7 @@ def test_cuda_paths_skip_cleanly_without_a_gpu():
     assert readers.GpuUtilization().read(None) == readers.UNAVAILABLE
     monitor = MemoryMonitor(oom_snapshot=True)
     monitor._start_recording(SimpleNamespace(log_dir=None, default_root_dir="."))  # says so, records nothing
-    assert not monitor._recording
+    assert not monitor._oom.recording
     monitor.on_exception(SimpleNamespace(strategy=None), None, torch.cuda.OutOfMemoryError("test"))
     assert monitor.snapshots == []
 
@@ -352,18 +348,18 @@ def test_oom_snapshots_name_rank_and_step_and_the_observer_is_not_a_leak(tmp_pat
     import gc
     import weakref
 
-    from lightning_dist.callbacks import memory_monitor as mm
+    from lightning_dist.memory import oom
 
     dumped = []
     monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: dumped.append(path))
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: None)
     attached = []
     monkeypatch.setattr(torch._C, "_cuda_attach_out_of_memory_observer", attached.append, raising=False)
-    monkeypatch.setattr(mm, "_OOM_ATTACHED", False)
+    monkeypatch.setattr(oom, "_ATTACHED", False)
     monitor = MemoryMonitor(oom_snapshot=True, snapshot_dir=str(tmp_path / "snaps"))
     trainer = _trainer(17)
     trainer.strategy = SimpleNamespace()
-    monitor._cuda = torch.device("cuda", 0)
+    monitor._memory.cuda = torch.device("cuda", 0)
     monitor._start_recording(trainer)
     (observer,) = attached
     observer(0, 1 << 30, 0, 0)  # the allocator's observer, at a failed allocation
@@ -373,7 +369,7 @@ def test_oom_snapshots_name_rank_and_step_and_the_observer_is_not_a_leak(tmp_pat
     monitor.on_exception(trainer, None, torch.cuda.OutOfMemoryError("CUDA out of memory"))
     assert len(dumped) == 2  # the observer's snapshot of this step is the one kept
     observer(0, 1 << 30, 0, 0)  # the fit is over: nothing records, nothing is written
-    assert len(dumped) == 2 and not monitor._recording
+    assert len(dumped) == 2 and not monitor._oom.recording
     # without an observer, the exception itself dumps; a second fit attaches no second observer
     monitor._start_recording(trainer)
     assert len(attached) == 1
@@ -382,7 +378,7 @@ def test_oom_snapshots_name_rank_and_step_and_the_observer_is_not_a_leak(tmp_pat
     assert dumped[-1].endswith("oom-rank0-step20.pickle")
     monitor._start_recording(trainer)
     monitor.on_exception(trainer, None, ValueError("not an OOM"))
-    assert len(dumped) == 3 and not monitor._recording
+    assert len(dumped) == 3 and not monitor._oom.recording
     # the observer holds neither the monitor nor the trainer
     ref = weakref.ref(trainer)
     del trainer

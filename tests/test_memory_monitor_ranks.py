@@ -149,7 +149,7 @@ def _ranks(rank, world_size, tmp):
             _fit(strategy, model, [monitor], max_steps=3)
             grown = readers.host_rss_peak() - before
             out[name] = dict(params=sum(p.numel() for p in model.parameters()), estimate=monitor.estimate.total,
-                             grown=grown, measured=monitor._measured, parts=dict(monitor.estimate.parts))
+                             grown=grown, measured=monitor.measured, parts=dict(monitor.estimate.parts))
             del model, monitor
     return out
 

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 import lightning_dist.train  # noqa: F401 - registers the schema
 from lightning_dist.compression import COMPRESSORS
-from lightning_dist.config import validate
+from lightning_dist.config import complete_overrides, validate
 from lightning_dist.train import build
 
 REPO = Path(__file__).resolve().parents[1]
@@ -209,10 +209,10 @@ def test_stock_ddp_refuses_ring_ddp_only_keys():
 def test_the_compression_group_builds_the_strategys_compressor(tmp_path):
     cfg = _compose("compression=topk", "compression.ratio=0.02", "compression.start_step=5")
     trainer, _, _ = build(cfg, str(tmp_path), 0.0)
-    compressor = trainer.strategy.compressor
+    compressor = trainer.strategy.features.compressor
     assert compressor.describe() == "topk(ratio=0.02, values=bf16)+ef" and compressor.start_step == 5
     cfg = _compose("compression=powersgd", "compression.rank=1", "compression.error_feedback=false")
-    assert build(cfg, str(tmp_path), 0.0)[0].strategy.compressor.describe() == "powersgd(rank=1)"
+    assert build(cfg, str(tmp_path), 0.0)[0].strategy.features.compressor.describe() == "powersgd(rank=1)"
     with pytest.raises(Exception, match="needs strategy=ring_ddp"):  # Hydra wraps the ValueError
         build(_compose("strategy=ddp", "compression=int8"), str(tmp_path), 0.0)
 
@@ -238,6 +238,36 @@ def test_the_hetero_group_builds_the_strategys_batching_and_checks_it_before_any
     validate(_compose("hetero=balanced", "hetero.batch_sizes=[48,16]"))
     with pytest.raises(Exception, match="needs strategy=ring_ddp"):
         build(_compose("strategy=ddp", "hetero=balanced"), str(tmp_path), 0.0)
+
+
+def test_a_setting_without_its_group_selects_hetero_or_names_the_compressor(monkeypatch, capsys):
+    # hetero.speeds alone means hetero=balanced (hetero is off by default); the explicit form is left as it is
+    assert complete_overrides(["hetero.speeds=[3,1]", "trainer.devices=2"]) == [
+        "hetero=balanced", "hetero.speeds=[3,1]", "trainer.devices=2"]
+    assert complete_overrides(["hetero=balanced", "hetero.speeds=[3,1]"]) == ["hetero=balanced", "hetero.speeds=[3,1]"]
+    cfg = _compose(*complete_overrides(["hetero.batch_sizes=[48,16]"]))
+    validate(cfg)
+    assert cfg.hetero.enabled and list(cfg.hetero.batch_sizes) == [48, 16]
+    assert not _compose(*complete_overrides([])).hetero.enabled
+    for overrides, match in (
+        (["compression.ratio=0.01"], r"compression.ratio=0.01: compression=none \(the default\) has no setting "
+                                     r"'ratio'; it is a setting of compression=topk: use compression=topk "
+                                     r"compression.ratio=0.01"),
+        (["compression=fp16", "compression.rank=4"], "use compression=powersgd compression.rank=4"),
+        (["compression.clip_norm=1"], r"compression=int8, powersgd, threshold, topk: choose one"),
+        (["compression=topk", "compression.ration=0.1"], r"no compression option has it; compression=topk's settings"),
+        (["hetero=none", "hetero.speeds=[3,1]"], "use hetero=balanced hetero.speeds=\\[3,1\\]"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            complete_overrides(overrides)
+    # the command does the same before Hydra composes (--cfg job prints the config and runs nothing)
+
+    monkeypatch.setattr(sys, "argv", ["lightning-dist-train", "hetero.speeds=[3,1]", "--cfg", "job"])
+    lightning_dist.train.main()
+    assert "hetero:\n  enabled: true\n  speeds:\n  - 3\n  - 1\n" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["lightning-dist-train", "compression.ratio=0.01"])
+    with pytest.raises(SystemExit, match="use compression=topk compression.ratio=0.01"):
+        lightning_dist.train.main()
 
 
 def test_nan_recovery_is_checked_before_any_rank():

@@ -18,7 +18,7 @@ What it does, with its defaults (``MemoryMonitor()``; any strategy, ``ring_ddp``
    rank reads its host RSS (current, and peak since the last reading), and on CUDA the caching allocator's
    allocated and reserved bytes (current and peak), allocation retries and OOMs, and the GPU's utilisation
    through NVML (``pip install lightning-dist[gpu]``). Under ``ring_ddp`` the values ride the strategy's
-   per-rank control slots (no collective of their own); under any other strategy one small all-gather every
+   per-rank exchange slots (no collective of their own); under any other strategy one small all-gather every
    ``every_n_steps`` steps carries them. Rank zero logs, for each quantity, the max and min over ranks and the
    rank that holds the max (``memory/rss_mib_max``, ``memory/rss_mib_min``, ``memory/rss_mib_max_rank``, ...).
 
@@ -31,11 +31,12 @@ What it does, with its defaults (``MemoryMonitor()``; any strategy, ``ring_ddp``
    below it).
 
 4. **OOM snapshots** (``oom_snapshot=True``, CUDA only): torch's allocator history is recorded from the start
-   of fit and dumped (``torch.cuda.memory._dump_snapshot``) to
-   ``<log_dir>/memory_snapshots/oom-rank{r}-step{N}.pickle``, for https://pytorch.org/memory_viz: by torch's
-   out-of-memory observer at the failed allocation, before anything is freed (where the build has one; an
-   OOM torch recovers from, such as a convolution retrying with less workspace, fires it too: at most 8 per
-   fit), else when the out-of-memory error reaches Lightning.
+   of fit and dumped to ``<log_dir>/memory_snapshots/oom-rank{r}-step{N}.pickle``, for
+   https://pytorch.org/memory_viz, at the failed allocation or when the error reaches Lightning
+   (:mod:`lightning_dist.memory.oom`).
+
+The readings and the logged metrics are :mod:`lightning_dist.memory.report`'s; this callback decides when to read
+and what every rank does.
 
 Logged metrics (rank zero, through Lightning's loggers; ``_mib`` values in MiB, ``_pct`` in percent):
 
@@ -59,38 +60,25 @@ from __future__ import annotations
 
 import os
 import time
-import weakref
 from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_dist.callbacks.rank_values import RankValues, gather
+from lightning_dist.fault.checkpoint import checkpoint_dir
+from lightning_dist.launch import LaunchEnv
 from lightning_dist.memory import readers
 from lightning_dist.memory.estimate import ActivationProbe, MemoryEstimate, MiB, comm_setup_of, estimate_memory
+from lightning_dist.memory.oom import OomSnapshots
+from lightning_dist.memory.report import SLOTS, RankMemory, advice, summarize
+from lightning_dist.strategy import features_of
 
 PREFLIGHT = ("warn", "error", "off")
-# what every rank sends at each reading, in this order (bytes unless named otherwise; -1: not available here)
-SLOTS = ("rss", "rss_peak", "usage", "capacity", "estimate", "measured", "cuda_allocated", "cuda_allocated_peak",
-         "cuda_reserved", "cuda_reserved_peak", "cuda_alloc_retries", "cuda_ooms", "gpu_util")
-_BYTES = ("rss", "rss_peak", "cuda_allocated", "cuda_allocated_peak", "cuda_reserved", "cuda_reserved_peak")
-_COUNTS = ("cuda_alloc_retries", "cuda_ooms")
 _HISTORY = 100
-_MAX_SNAPSHOTS = 8  # snapshots the OOM observer writes per fit (recoverable OOMs fire it too)
-# torch's OOM observer cannot be detached: one per process, calling the monitor whose fit records allocations
-_OOM_TARGET: Optional[weakref.ref] = None
-_OOM_ATTACHED = False
-
-
-def _oom_observer(device: int, alloc: int, device_alloc: int, device_free: int) -> None:
-    monitor = _OOM_TARGET() if _OOM_TARGET is not None else None
-    if monitor is not None:
-        monitor._dump("oom", observed=True)
-
 
 class InsufficientMemoryError(RuntimeError):
     """Raised on every rank together when the pre-flight estimate does not fit and ``preflight="error"``."""
@@ -138,45 +126,39 @@ class MemoryMonitor(Callback):
         self.readings = 0
         # this fit only
         self.estimate: Optional[MemoryEstimate] = None  # this rank's
-        self.snapshots: list[str] = []
         self.seconds = 0.0  # CPU time in this callback's per-step work (time.thread_time)
         self.last: dict[str, float] = {}  # the last reading's metrics, identical on every rank
         self._every = 0
-        self._cuda: Optional[torch.device] = None
-        self._capacity = 0
-        self._rss_at_setup = self._bytes_at_setup = 0
-        self._measured = 0.0
+        self._memory = RankMemory()  # this rank's readings (its CUDA device, capacity, footprint)
         self._probe: Optional[ActivationProbe] = None
         self._preflight_pending = False
         self._values = RankValues("mem", SLOTS)  # every rank's readings, every N steps
         self._armed = {action: True for action in self.thresholds}
-        self._gpu = readers.GpuUtilization()
-        self._recording = False
-        self._snapshot_dir = ""
-        self._trainer_ref: Optional[weakref.ref] = None  # weak: the OOM observer outlives the fit
+        self._oom = OomSnapshots(snapshot_entries)
         self._compared = False  # the estimate-against-measurement line was logged
+
+    @property
+    def snapshots(self) -> list[str]:
+        """This fit's OOM snapshots."""
+        return self._oom.paths
+
+    @property
+    def measured(self) -> float:
+        """This rank's largest training footprint measured so far in this fit, bytes (see ``memory/measured_mib``)."""
+        return self._memory.measured
 
     # -- set-up -----------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        strategy = trainer.strategy
         self._every = self.every_n_steps or trainer.log_every_n_steps or 50
-        self._cuda = readers.cuda_device(strategy.root_device)
         self._values.setup(trainer, self._every)
-        if self.reset_peaks:
-            readers.reset_host_peak()
-            if self._cuda is not None:
-                torch.cuda.reset_peak_memory_stats(self._cuda)
-        # the CPU footprint is measured as growth from here, plus the weights that already exist
-        self._rss_at_setup = readers.host_rss()
-        self._bytes_at_setup = sum(t.numel() * t.element_size() for t in (*pl_module.parameters(),
-                                                                          *pl_module.buffers()) if not t.is_cuda)
-        self._measured = 0.0
+        self._memory.start(readers.cuda_device(trainer.strategy.root_device),
+                           [*pl_module.parameters(), *pl_module.buffers()], self.reset_peaks)
         self._armed = dict.fromkeys(self.thresholds, True)
         self._compared = False
-        self.snapshots, self.seconds = [], 0.0
+        self.seconds = 0.0
         self._preflight_pending = self.preflight != "off"
         if self.oom_snapshot:
             self._start_recording(trainer)
@@ -184,7 +166,7 @@ class MemoryMonitor(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         started = time.thread_time()
-        self._capacity, source = self._detect_capacity(trainer)
+        self._memory.capacity, source = self._detect_capacity(trainer)
         self.estimate = self._estimate(trainer, pl_module, activations=None)
         self.estimate.capacity_source = source
         if self.probe_activations:
@@ -196,32 +178,27 @@ class MemoryMonitor(Callback):
     def _detect_capacity(self, trainer: pl.Trainer) -> tuple[int, str]:
         if self.capacity_gib is not None:
             return int(self.capacity_gib * 2**30), "capacity_gib"
-        if self._cuda is not None:
-            return readers.cuda_capacity(self._cuda)
-        return readers.host_capacity(readers.local_world_size(getattr(trainer, "num_devices", 1)))
+        if self._memory.cuda is not None:
+            return readers.cuda_capacity(self._memory.cuda)
+        return readers.host_capacity(LaunchEnv.current().local_world_size or trainer.num_devices)
 
     def _estimate(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                   activations: Optional[int], largest: int = 0) -> MemoryEstimate:
-        strategy = trainer.strategy
-        from lightning_dist.strategy import RingDDPStrategy
-
-        ring = isinstance(strategy, RingDDPStrategy)  # its compressor and its transport's buffers count
-        comm = comm_setup_of(getattr(strategy, "model", None) or pl_module,
-                             compressor=getattr(strategy, "compressor", None) if ring else None,
-                             world_size=trainer.world_size, transport_buffers=ring)
+        features = features_of(trainer.strategy)  # ring_ddp: its compressor and its transport's buffers count
+        comm = comm_setup_of(trainer.strategy.model or pl_module,
+                             compressor=features.compressor if features is not None else None,
+                             world_size=trainer.world_size, transport_buffers=features is not None)
         est = estimate_memory(pl_module, trainer.optimizers, comm, activation_bytes=activations,
                               largest_activation=largest)
         for callback in trainer.callbacks:  # callbacks that hold copies (NaNRecovery's snapshot) say how much
             parts = getattr(callback, "memory_parts", None)
             if callable(parts) and callback is not self:
-                for name, value in parts(dict(est.parts), self._cuda is not None).items():
+                for name, value in parts(dict(est.parts), self._memory.cuda is not None).items():
                     est.parts[name] = int(value)
                     est.notes[name] = f"held by {type(callback).__name__}"
-        est.capacity = self._capacity
+        est.capacity, est.baseline = self._memory.capacity, self._memory.baseline
         if self.estimate is not None:
             est.capacity_source = self.estimate.capacity_source
-        # on CPU the process already holds libraries and the interpreter besides the training state
-        est.baseline = 0 if self._cuda is not None else max(self._rss_at_setup - self._bytes_at_setup, 0)
         return est
 
     # -- the first forward pass: activations, then the pre-flight check ----------------------------------------
@@ -266,7 +243,7 @@ class MemoryMonitor(Callback):
             f"MemoryMonitor: rank {worst} will need about {needed / 2**30:.2f} GiB at its peak (training state "
             f"{total / 2**30:.2f} GiB + what the process already holds) but has {capacity / 2**30:.2f} GiB "
             f"({est.capacity_source}); {len(short)} of {len(rows)} ranks are short. This rank's estimate:\n"
-            f"{est.table()}\n{_advice(est)}"
+            f"{est.table()}\n{advice(est)}"
         )
         if self.preflight == "error":
             raise InsufficientMemoryError(message)
@@ -290,28 +267,8 @@ class MemoryMonitor(Callback):
         self._values.capture(trainer)
 
     def _read(self) -> list[float]:
-        """This rank's values, in :data:`SLOTS` order; peaks restart afterwards when ``reset_peaks``."""
-        cuda = readers.cuda_stats(self._cuda)
-        rss, rss_peak = readers.host_rss(), readers.host_rss_peak()
-        if self._cuda is not None:
-            held, measured = cuda["cuda_reserved_peak"], cuda["cuda_allocated_peak"]
-        else:
-            held, measured = rss_peak, rss_peak - self._rss_at_setup + self._bytes_at_setup
-        self._measured = max(self._measured, float(measured))
-        values = {
-            "rss": float(rss), "rss_peak": float(rss_peak),
-            "usage": held / self._capacity if self._capacity > 0 else readers.UNAVAILABLE,
-            "capacity": float(self._capacity),
-            "estimate": float(self.estimate.total) if self.estimate is not None else readers.UNAVAILABLE,
-            "measured": self._measured,
-            **{k: v for k, v in cuda.items() if k in SLOTS},
-            "gpu_util": self._gpu.read(self._cuda),
-        }
-        if self.reset_peaks:
-            readers.reset_host_peak()
-            if self._cuda is not None:
-                torch.cuda.reset_peak_memory_stats(self._cuda)
-        return [values[name] for name in SLOTS]
+        """This rank's values, in :data:`~lightning_dist.memory.report.SLOTS` order."""
+        return self._memory.read(self.estimate.total if self.estimate is not None else None)
 
     def _handle(self, trainer: pl.Trainer, rows: list[dict[str, float]]) -> None:
         self.readings += 1
@@ -347,7 +304,7 @@ class MemoryMonitor(Callback):
             self._act(trainer, action, worst, rows[worst], limit)
 
     def _act(self, trainer: pl.Trainer, action: str, rank: int, row: dict[str, float], limit: float) -> None:
-        what = "reserved CUDA memory" if self._cuda is not None else "host RSS"
+        what = "reserved CUDA memory" if self._memory.cuda is not None else "host RSS"
         event = {"step": trainer.global_step, "action": action, "rank": rank, "usage": row["usage"], "limit": limit}
         self.events = (self.events + [event])[-_HISTORY:]
         said = (f"MemoryMonitor: at step {trainer.global_step}, rank {rank}'s peak {what} reached "
@@ -359,71 +316,33 @@ class MemoryMonitor(Callback):
         elif action == "empty_cache":
             rank_zero_info(said + ": every rank empties its cache")
             readers.release_host_memory()
-            if self._cuda is not None:
+            if self._memory.cuda is not None:
                 torch.cuda.empty_cache()
         else:
-            path = os.path.join(_checkpoint_dir(trainer), f"memory-stop-step={trainer.global_step}.ckpt")
+            path = os.path.join(checkpoint_dir(trainer), f"memory-stop-step={trainer.global_step}.ckpt")
             rank_zero_warn(said + f": every rank saves {path} and training stops")
             trainer.save_checkpoint(path)  # every rank calls it; rank zero writes
             trainer.should_stop = True
 
     # -- OOM snapshots --------------------------------------------------------------------------------------
     def _start_recording(self, trainer: pl.Trainer) -> None:
-        global _OOM_ATTACHED, _OOM_TARGET
-        if self._cuda is None:
+        if self._memory.cuda is None:
             rank_zero_info("MemoryMonitor: oom_snapshot needs a CUDA device; this run has none, so no snapshot")
             return
-        self._snapshot_dir = self.snapshot_dir or os.path.join(trainer.log_dir or trainer.default_root_dir,
-                                                               "memory_snapshots")
-        self._trainer_ref = weakref.ref(trainer)
-        torch.cuda.memory._record_memory_history(max_entries=self.snapshot_entries)
-        self._recording = True
-        _OOM_TARGET = weakref.ref(self)
-        attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
-        if attach is not None and not _OOM_ATTACHED:  # one observer per process; it cannot be detached
-            attach(_oom_observer)
-            _OOM_ATTACHED = True
-
-    def _dump(self, why: str, observed: bool = False) -> Optional[str]:
-        """Write the allocator's history; from the observer (the moment of a failed allocation, which torch may
-        still recover from, e.g. a convolution retrying with less workspace) at most ``_MAX_SNAPSHOTS`` times."""
-        if not self._recording or (observed and len(self.snapshots) >= _MAX_SNAPSHOTS):
-            return None
-        os.makedirs(self._snapshot_dir, exist_ok=True)
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        path = os.path.join(self._snapshot_dir, f"{why}-rank{rank}-step{self._trainer_step()}.pickle")
-        torch.cuda.memory._dump_snapshot(path)  # a later OOM at the same step overwrites it: the latest wins
-        if path not in self.snapshots:
-            self.snapshots.append(path)
-        return path
-
-    def _stop_recording(self) -> None:
-        global _OOM_TARGET
-        if self._recording:
-            self._recording = False
-            torch.cuda.memory._record_memory_history(enabled=None)
-        if _OOM_TARGET is not None and _OOM_TARGET() is self:
-            _OOM_TARGET = None
-        self._trainer_ref = None
-
-    def _trainer_step(self) -> int:
-        trainer = self._trainer_ref() if self._trainer_ref is not None else None
-        return trainer.global_step if trainer is not None else -1
+        self._oom.start(trainer, self.snapshot_dir or os.path.join(trainer.log_dir or trainer.default_root_dir,
+                                                                   "memory_snapshots"))
 
     def _release(self, trainer: pl.Trainer) -> None:
         """What a fit leaves behind, whether it ended or failed: the probe, the recording, the exchange request."""
         if self._probe is not None:
             self._probe.stop()
             self._probe = None
-        self._stop_recording()
+        self._oom.stop()
         self._values.teardown(trainer)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if isinstance(exception, torch.cuda.OutOfMemoryError) and self._recording:
-            step = self._trainer_step()
-            if not any(path.endswith(f"-step{step}.pickle") for path in self.snapshots):
-                self._dump("oom")  # no observer in this torch build, or it did not fire at this step
+        self._oom.on_exception(exception)
         self._release(trainer)
 
     @override
@@ -453,70 +372,6 @@ class MemoryMonitor(Callback):
             "events": list(self.events),
             "snapshots": list(self.snapshots),
         }
-
-
-# -- pure helpers (tested without ranks) ------------------------------------------------------------------------
-def summarize(rows: list[dict[str, float]], per_rank: bool = False) -> dict[str, float]:
-    """The logged metrics from every rank's values (``rows[r]`` is rank ``r``'s): max, min and which rank."""
-    metrics: dict[str, float] = {}
-
-    def spread(key: str, values: list[float], scale: float, low_rank: bool = False) -> None:
-        have = [(v, r) for r, v in enumerate(values) if v >= 0]
-        if not have:
-            return  # not available on any rank (CUDA values on CPU, NVML without the library)
-        top, low = max(have), min(have)
-        metrics[f"{key}_max"], metrics[f"{key}_min"] = top[0] * scale, low[0] * scale
-        metrics[f"{key}_{'min' if low_rank else 'max'}_rank"] = float((low if low_rank else top)[1])
-
-    column = {name: [row[name] for row in rows] for name in SLOTS}
-    for name in _BYTES:
-        spread(f"memory/{name}_mib", column[name], 1 / MiB)
-    spread("memory/usage_pct", column["usage"], 100.0)
-    for name in _COUNTS:
-        spread(f"memory/{name}", column[name], 1.0)
-    spread("memory/gpu_util_pct", column["gpu_util"], 1.0, low_rank=True)
-    spread("memory/measured_mib", column["measured"], 1 / MiB)
-    estimates = [v for v in column["estimate"] if v >= 0]
-    if estimates:
-        metrics["memory/estimate_mib_max"] = max(estimates) / MiB
-        worst = max(range(len(rows)), key=lambda r: column["measured"][r])
-        measured, estimate = column["measured"][worst], column["estimate"][worst]
-        if measured > 0 and estimate >= 0:
-            metrics["memory/estimate_error_pct"] = 100.0 * (estimate - measured) / measured
-    if per_rank:
-        for r, row in enumerate(rows):
-            for name in ("rss", *_BYTES[2:], "measured"):
-                if row[name] >= 0:
-                    metrics[f"memory/rank{r}/{name}_mib"] = row[name] / MiB
-            if row["usage"] >= 0:
-                metrics[f"memory/rank{r}/usage_pct"] = 100.0 * row["usage"]
-    return metrics
-
-
-def _advice(est: MemoryEstimate) -> str:
-    """What would shrink the largest parts, with the figures."""
-    parts = est.parts
-    tips = []
-    if parts.get("activations", 0):
-        tips.append(f"a smaller per-rank batch or bf16 mixed precision (activations: "
-                    f"{parts['activations'] / 2**30:.2f} GiB)")
-    if parts.get("ddp_buckets", 0):
-        tips.append(f"strategy gradient_as_bucket_view=True (saves {parts['ddp_buckets'] / 2**30:.2f} GiB)")
-    if parts.get("optimizer_state", 0) > parts.get("weights", 0):
-        tips.append(f"an optimizer with less state (this one: {parts['optimizer_state'] / 2**30:.2f} GiB)")
-    if parts.get("compressor_state", 0):
-        tips.append(f"no error feedback or a compressor without it ({parts['compressor_state'] / 2**30:.2f} GiB)")
-    if parts.get("optimizer_step", 0):
-        tips.append("foreach=False or fused=True in the optimizer (its multi-tensor step holds "
-                    f"{parts['optimizer_step'] / 2**30:.2f} GiB of temporaries)")
-    tips.append("more ranks, or MemoryMonitor(preflight='off') to try anyway")
-    return "To fit: " + "; ".join(tips) + "."
-
-
-def _checkpoint_dir(trainer: pl.Trainer) -> str:
-    callback = trainer.checkpoint_callback
-    dirpath = getattr(callback, "dirpath", None) if callback is not None else None
-    return dirpath or os.path.join(trainer.default_root_dir, "checkpoints")
 
 
 def check_settings(**settings: Any) -> list[str]:

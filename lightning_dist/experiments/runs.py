@@ -31,7 +31,7 @@ import lightning.pytorch as pl
 from hydra import compose, initialize_config_module
 from lightning.pytorch.callbacks import Callback
 
-from lightning_dist.config import register_configs, validate
+from lightning_dist.config import complete_overrides, register_configs, validate
 from lightning_dist.examples import DigitsCNN, DigitsDataModule
 from lightning_dist.experiments.records import (
     JsonlLogger,
@@ -218,7 +218,7 @@ def compose_config(overrides: Sequence[str] = ()) -> Any:
     """``lightning-dist-train``'s config with these overrides (Hydra's compose API), checked against its schema."""
     register_configs()
     with initialize_config_module("lightning_dist.conf", version_base="1.3"):
-        cfg = compose("config", overrides=list(overrides))
+        cfg = compose("config", overrides=complete_overrides(list(overrides)))
     validate(cfg)
     return cfg
 

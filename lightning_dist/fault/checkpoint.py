@@ -45,8 +45,8 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 __all__ = [
-    "META_SUFFIX", "AtomicCheckpointIO", "CheckpointError", "CheckpointInfo", "atomic_write_bytes", "find_checkpoints",
-    "load_checkpoint", "newest_valid", "save_checkpoint", "verify",
+    "META_SUFFIX", "AtomicCheckpointIO", "CheckpointError", "CheckpointInfo", "atomic_write_bytes", "checkpoint_dir",
+    "find_checkpoints", "load_checkpoint", "newest_valid", "save_checkpoint", "verify",
 ]
 
 META_SUFFIX = ".meta.json"
@@ -210,6 +210,14 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
 
 
 # ---- finding the checkpoint to resume from ---------------------------------------------------------------------
+
+def checkpoint_dir(trainer: Any, dirpath: str | os.PathLike | None = None) -> str:
+    """Where a run's checkpoints go: ``dirpath`` when given, else the Trainer's ModelCheckpoint's directory (resolved
+    in its ``setup``), else ``<default_root_dir>/checkpoints``. Preemption, memory-stop and emergency checkpoints
+    (in its ``emergency/``) go there too, so that ``resume=auto`` finds them beside the regular ones."""
+    found = dirpath or getattr(trainer.checkpoint_callback, "dirpath", None)
+    return os.fspath(found) if found else os.path.join(trainer.default_root_dir, "checkpoints")
+
 
 @dataclass(frozen=True)
 class CheckpointInfo:

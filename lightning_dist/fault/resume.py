@@ -8,23 +8,20 @@ skipped with a warning, and the older ones are not read).
 Every rank must resume from the same file, although the files may change while ranks start. So one process
 decides: under a Lightning launcher the launching process, before any rank starts (it passes the choice to the
 ranks it starts in ``LIGHTNING_DIST_RESUME``); under torchrun, rank 0 of each attempt, which publishes it in
-the rendezvous store under the attempt's number, where the other ranks read it.
+the launcher's store under the attempt's key (:mod:`lightning_dist.launch`), where the other ranks read it.
 """
 
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 from typing import Optional
 
 from lightning_dist.fault.checkpoint import CheckpointInfo, newest_valid
+from lightning_dist.launch import LaunchEnv, connect_store
 
 ENV = "LIGHTNING_DIST_RESUME"
 ENV_DIR = "LIGHTNING_DIST_RESUME_DIR"  # the checkpoint directory the choice in ENV was made for
-
-
-def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ
+CHOICE_TIMEOUT_S = 300.0  # how long the other ranks wait for rank 0's choice (it verifies checksums first)
 
 
 def describe(info: CheckpointInfo) -> str:
@@ -36,13 +33,11 @@ def choose(checkpoint_dir: str) -> Optional[str]:
     """The checkpoint every rank of this launch resumes from (None: start afresh)."""
     if ENV in os.environ and os.environ.get(ENV_DIR) == os.path.abspath(checkpoint_dir):
         return os.environ[ENV] or None  # a rank started by a launcher that already chose (not a sweep's next job)
-    if _under_torchrun():
-        import torch.distributed as dist
-
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timedelta(seconds=300), wait_for_workers=False)
-        key = f"lightning_dist/resume/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        if os.environ.get("RANK", "0") == "0":
+    launch = LaunchEnv.current()
+    if launch.launcher == "torchrun" and launch.store_address is not None:
+        store = connect_store(CHOICE_TIMEOUT_S, launch)
+        key = launch.key("resume")
+        if launch.rank == 0:
             info = newest_valid([checkpoint_dir])
             store.set(key, info.path if info is not None else "")
             _say(info)

@@ -1,14 +1,22 @@
 """Every random generator a rank draws from, captured and restored, so a resumed run draws what an
 uninterrupted one would have (Lightning saves none of them). Python's, NumPy's and torch's CPU and CUDA
-generators; NumPy's state is kept as a tensor so checkpoints still load with ``weights_only=True``."""
+generators; NumPy's state is kept as a tensor so checkpoints still load with ``weights_only=True``.
+
+A checkpoint holds every rank's (:func:`checkpoint_entry`, under :data:`RNG_KEY`), and each rank restores its own
+(:func:`restore_entry`): Lightning writes a checkpoint from rank zero only.
+"""
 
 from __future__ import annotations
 
 import random
-from typing import Any
+import warnings
+from typing import Any, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
+
+RNG_KEY = "lightning_dist_rng"  # the checkpoint's entry: {"world_size": N, "ranks": [state or None per rank]}
 
 
 def capture() -> dict[str, Any]:
@@ -32,3 +40,26 @@ def restore(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def checkpoint_entry(rank: int, world_size: int, gather: bool, group: Optional[dist.ProcessGroup] = None) -> dict:
+    """The checkpoint's :data:`RNG_KEY` entry: every rank's generators, gathered over ``group`` (every rank is dumping
+    the same checkpoint), or with ``gather=False`` this rank's alone (an emergency write, or one rank)."""
+    mine = capture()
+    ranks: list[Any] = [None] * world_size
+    if gather:
+        dist.all_gather_object(ranks, mine, group=group)
+    else:
+        ranks[rank] = mine
+    return {"world_size": world_size, "ranks": ranks}
+
+
+def restore_entry(entry: dict, rank: int, world_size: int) -> bool:
+    """Restore this rank's generators from a :func:`checkpoint_entry`; False, with a warning, when it has none."""
+    if entry["world_size"] != world_size or entry["ranks"][rank] is None:
+        warnings.warn(f"rank {rank}: the checkpoint holds no random-generator state for this rank (written by "
+                      f"{entry['world_size']} ranks, or an emergency checkpoint of another rank): its generators "
+                      "continue from the seed, so the run is not bit-identical to an uninterrupted one", stacklevel=3)
+        return False
+    restore(entry["ranks"][rank])
+    return True

@@ -29,10 +29,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional
 
 import torch.distributed as dist
+
+from lightning_dist.launch import LaunchStoreError, connect_store
 
 STORE_FAILURES = 3  # consecutive failed polls before the store counts as gone
 
@@ -48,17 +49,14 @@ class Fault:
 
 
 def open_store(timeout_s: float) -> Any:
-    """A store connection of the watchdog's own: a TCPStore client to ``MASTER_ADDR:MASTER_PORT`` (Lightning's
-    launchers and torchrun both put the rendezvous store there) with a short timeout; else the default
-    group's store (a FileStore in tests), used only through ``add``, which does not block."""
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if addr and port:
-        try:
-            return dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
-                                 wait_for_workers=False)
-        except Exception:  # noqa: BLE001 - not reachable as a TCPStore: fall back to the group's own store
-            pass
-    return dist.distributed_c10d._get_default_store()
+    """A store connection of the watchdog's own: a client to the launcher's store
+    (:func:`lightning_dist.launch.connect_store`; Lightning's launchers and torchrun both put one at
+    ``MASTER_ADDR:MASTER_PORT``) with a short timeout; else the default group's store (a FileStore in tests), used
+    only through ``add``, which does not block."""
+    try:
+        return connect_store(timeout_s)
+    except LaunchStoreError:  # no address, or not reachable: fall back to the group's own store
+        return dist.distributed_c10d._get_default_store()
 
 
 class Watchdog:
@@ -67,7 +65,8 @@ class Watchdog:
     Args:
         store: a ``torch.distributed.Store`` (only ``add`` is used).
         rank, world_size: this rank and the job's size.
-        prefix: the keys' namespace (one per launch attempt: torchrun restarts reuse the store).
+        prefix: the keys' namespace (``LaunchEnv.key("watchdog")``: one per attempt, torchrun restarts reuse
+            the store).
         timeout_s: seconds without progress on any rank before the job counts as stuck.
         poll_s: seconds between polls.
         pause_timeout_s: the longest a known long operation may pause the watch.

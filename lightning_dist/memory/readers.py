@@ -96,18 +96,10 @@ def cgroup_limit(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") 
     return min(limits) if limits else None
 
 
-def local_world_size(default: int = 1) -> int:
-    """Ranks on this machine: the launcher's LOCAL_WORLD_SIZE (torchrun), SLURM's tasks per node, or ``default``."""
-    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        value = os.environ.get(key, "")
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return max(1, default)
-
-
 def host_capacity(ranks_here: int) -> tuple[int, str]:
     """This rank's share of the machine's memory: physical memory or the cgroup limit, whichever is lower,
-    divided among the ranks on the machine."""
+    divided among the ``ranks_here`` on the machine (the launcher's count:
+    :attr:`lightning_dist.launch.LaunchEnv.local_world_size`)."""
     total, source = int(psutil.virtual_memory().total), "host memory"
     limit = cgroup_limit()
     if limit is not None and limit < total:

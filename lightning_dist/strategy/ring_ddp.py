@@ -24,7 +24,6 @@ Features (callbacks, experiments, benchmarks) use the strategy only through :att
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -46,6 +45,7 @@ from lightning_dist.comm import check_algorithm, release_scratch
 from lightning_dist.compression import Compressor, as_compressor
 from lightning_dist.hetero import HeteroBatching
 from lightning_dist.hetero.batching import as_hetero, describe_event
+from lightning_dist.launch import attempt_store
 from lightning_dist.strategy import stepping
 from lightning_dist.strategy.checkpoint import compressor_entry, gather_states, restore_compressor
 from lightning_dist.strategy.dist_metrics import DistMetricsCallback
@@ -163,7 +163,7 @@ class RingDDPStrategy(DDPStrategy):
     # -- set-up ---------------------------------------------------------------------------------------------
     @override
     def setup_distributed(self) -> None:
-        store = _attempt_store(self._timeout)
+        store = attempt_store(self._timeout)
         if store is None:
             super().setup_distributed()
             return
@@ -386,21 +386,6 @@ class RingDDPStrategy(DDPStrategy):
                 description=f"Ring all-reduce DDP, find_unused_parameters=True, start_method={start_method!r}",
                 override=True, start_method=start_method, find_unused_parameters=True,
             )
-
-
-def _attempt_store(timeout: timedelta) -> Optional[dist.Store]:
-    """Under torchrun's agent store, a view of it private to this restart attempt (None elsewhere).
-
-    torch 2.13 initialises the default group on the agent's store without a per-attempt prefix (it assumes a new
-    store per attempt), but torchrun's c10d rendezvous keeps one store for the agent's life: after a restart, a
-    rank can read the previous attempt's peer addresses and fail with "Gloo connectFullMesh failed ... Connection
-    refused" (seen in 3 of 5 restarts here). The prefix keeps every attempt's keys apart.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in os.environ:
-        return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timeout, wait_for_workers=False)
-    return dist.PrefixStore(f"lightning_dist/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def _as_timedelta(timeout: Union[float, int, timedelta, None]) -> timedelta:

@@ -1,0 +1,142 @@
+"""The launch environment: which launcher started this process, which restart attempt it is, and one client to the
+launcher's store.
+
+Ranks are started by Lightning's own launchers on one machine and by ``torchrun`` or SLURM's ``srun`` across
+machines (DESIGN.md). :meth:`LaunchEnv.current` reads what they set:
+
+- ``launcher``: ``"torchrun"`` where ``TORCHELASTIC_RUN_ID`` is set (torchrun's agent sets it in every worker, also
+  inside an ``srun`` task), else ``"slurm"`` where ``SLURM_JOB_ID`` and ``SLURM_PROCID`` are (an ``srun`` task),
+  else None (Lightning's launchers, or a plain process);
+- ``restart_count``: torchrun's ``TORCHELASTIC_RESTART_COUNT`` (``--max-restarts``), 0 elsewhere;
+- ``local_world_size``: the processes the launcher started on this node (torchrun's ``LOCAL_WORLD_SIZE``, else
+  SLURM's ``SLURM_NTASKS_PER_NODE``), None where no launcher says;
+- ``run_id``: a name every process of one launch shares, restarts included: ``torchrun-<rdzv id>``, else
+  ``slurm-<job id>.<step id>``, else None (a static torchrun rendezvous without ``--rdzv-id`` has the id "none").
+
+The store. Every process of a launch reaches one ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT``: torchrun's agent hosts
+it (``TORCHELASTIC_USE_AGENT_STORE=True``), under Lightning's launchers rank 0's process group does.
+:func:`connect_store` is the one client to it; every key lightning_dist puts there follows one scheme,
+:meth:`LaunchEnv.key`, ``lightning_dist/<purpose>/attempt_<restart_count>`` for what belongs to one attempt and
+``lightning_dist/<purpose>`` for what every attempt of the run shares:
+
+- ``lightning_dist/process_group/attempt_<n>/...``: the default process group's own keys (:func:`attempt_store`);
+- ``lightning_dist/watchdog/attempt_<n>/<rank>/{ticks,step,paused}``: the progress watchdog's counters;
+- ``lightning_dist/resume/attempt_<n>``: the checkpoint rank 0 chose for ``resume=auto``;
+- ``lightning_dist/run_dir``: the run directory's name, given by the first attempt's rank 0 (restarts find it).
+
+Why per attempt: torchrun's c10d rendezvous keeps one store for the agent's life, while torch 2.13 initialises the
+default group on it without a per-attempt prefix (it assumes a new store per attempt). After a restart a rank could
+read the previous attempt's peer addresses and fail with "Gloo connectFullMesh failed ... Connection refused", a
+watchdog could read dead ranks' counters, and a resume choice could be stale.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+# what each purpose's keys belong to: one restart attempt (True) or the whole run (False)
+PER_ATTEMPT = {"process_group": True, "watchdog": True, "resume": True, "run_dir": False}
+
+
+class LaunchStoreError(RuntimeError):
+    """The launcher's store has no address here, or did not answer in time; the message says which and what to do."""
+
+
+def _positive(environ: Mapping[str, str], name: str) -> Optional[int]:
+    value = environ.get(name, "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What the launcher of this process says about it (see the module docstring); :meth:`current` reads it."""
+
+    launcher: Optional[str] = None  # "torchrun", "slurm", or None: Lightning's own launchers, or none
+    restart_count: int = 0  # torchrun's restart attempt, 0 for the first (and under every other launcher)
+    local_world_size: Optional[int] = None  # processes the launcher started on this node; None: no launcher says
+    run_id: Optional[str] = None  # shared by every process of the launch, restarts included
+    rank: int = 0  # the global rank the launcher gave this process (SLURM_PROCID under srun, else RANK)
+    store_address: Optional[tuple[str, int]] = None  # MASTER_ADDR, MASTER_PORT
+    agent_store: bool = False  # torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE=True)
+
+    @classmethod
+    def current(cls, environ: Optional[Mapping[str, str]] = None) -> LaunchEnv:
+        """Read from ``environ`` (default: this process's environment, as it is now)."""
+        env = os.environ if environ is None else environ
+        torchrun_id = env.get("TORCHELASTIC_RUN_ID")
+        in_slurm = "SLURM_JOB_ID" in env and "SLURM_PROCID" in env
+        launcher = "torchrun" if torchrun_id is not None else "slurm" if in_slurm else None
+        if torchrun_id and torchrun_id != "none":
+            run_id: Optional[str] = f"torchrun-{torchrun_id}"
+        elif in_slurm:
+            run_id = f"slurm-{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '0')}"
+        else:
+            run_id = None
+        rank = env.get("SLURM_PROCID" if launcher == "slurm" else "RANK", "0")
+        port = env.get("MASTER_PORT", "")
+        return cls(
+            launcher=launcher,
+            restart_count=_positive(env, "TORCHELASTIC_RESTART_COUNT") or 0,
+            local_world_size=_positive(env, "LOCAL_WORLD_SIZE") or _positive(env, "SLURM_NTASKS_PER_NODE"),
+            run_id=run_id,
+            rank=int(rank) if rank.isdigit() else 0,
+            store_address=(env["MASTER_ADDR"], int(port)) if env.get("MASTER_ADDR") and port.isdigit() else None,
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        )
+
+    def key(self, purpose: str) -> str:
+        """The store key (or key prefix) of ``purpose``: ``lightning_dist/<purpose>/attempt_<n>`` for a purpose of one
+        attempt, ``lightning_dist/<purpose>`` for one of the whole run (:data:`PER_ATTEMPT`)."""
+        if purpose not in PER_ATTEMPT:
+            raise ValueError(f"store key purpose {purpose!r}: use one of {sorted(PER_ATTEMPT)} (add a new one to "
+                             "lightning_dist.launch.PER_ATTEMPT, saying whether it belongs to one restart attempt)")
+        base = f"lightning_dist/{purpose}"
+        return f"{base}/attempt_{self.restart_count}" if PER_ATTEMPT[purpose] else base
+
+
+def connect_store(timeout_s: float, env: Optional[LaunchEnv] = None) -> dist.TCPStore:
+    """A client to the launcher's store at ``MASTER_ADDR:MASTER_PORT``.
+
+    ``timeout_s`` bounds the connection (torch's own connect retries with a back-off that can overrun it by seconds,
+    so it runs on a thread that is waited for ``timeout_s`` at most) and every later ``get`` or ``wait`` on the
+    client. Raises :class:`LaunchStoreError` when there is no address or the store did not answer in time.
+    """
+    env = env or LaunchEnv.current()
+    if env.store_address is None:
+        raise LaunchStoreError("no launcher store: MASTER_ADDR and MASTER_PORT (a port number) are not set; torchrun, "
+                               "Lightning's launchers and Lightning under srun set them for every rank")
+    host, port = env.store_address
+    box: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            box["store"] = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                                         wait_for_workers=False)
+        except Exception as err:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = err
+
+    thread = threading.Thread(target=connect, name="lightning_dist-store-connect", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if "store" in box:
+        return box["store"]
+    why = f"{type(box['error']).__name__}: {box['error']}" if "error" in box else "no answer"
+    raise LaunchStoreError(f"the launcher's store at {host}:{port} (MASTER_ADDR:MASTER_PORT) did not answer within "
+                           f"{timeout_s:g} s ({why}): the process hosting it (torchrun's agent, or rank 0 under "
+                           "Lightning's launchers) is gone or not up yet, or MASTER_ADDR/MASTER_PORT point elsewhere")
+
+
+def attempt_store(timeout: timedelta) -> Optional[dist.Store]:
+    """Under torchrun's agent store, a view of it private to this restart attempt (None elsewhere: the default group
+    makes its own store), for ``init_process_group(store=...)``; see the module docstring for why."""
+    env = LaunchEnv.current()
+    if not env.agent_store or env.store_address is None:
+        return None
+    return dist.PrefixStore(env.key("process_group"), connect_store(timeout.total_seconds(), env))
