@@ -33,7 +33,11 @@ import torch.distributed as dist
 from lightning_dist.compression import Compressor
 from lightning_dist.strategy.checkpoint import local_entry
 from lightning_dist.strategy.exchange import StepExchange
+from lightning_dist.strategy.hook import RingHookState
+from lightning_dist.strategy.schedule import ExchangeSchedule
 from lightning_dist.strategy.skip import StepGuard
+from lightning_dist.strategy.step_meter import StepMeter
+from lightning_dist.strategy.stepping import loss_scaler_of
 
 if TYPE_CHECKING:
     from lightning_dist.strategy.ring_ddp import RingDDPStrategy
@@ -43,86 +47,87 @@ class RingFeatures:
     """What features may read and ask of a :class:`~lightning_dist.strategy.RingDDPStrategy` (its
     :attr:`~lightning_dist.strategy.RingDDPStrategy.features`)."""
 
-    def __init__(self, strategy: RingDDPStrategy) -> None:
-        self._strategy = strategy
+    def __init__(self, strategy: RingDDPStrategy, meter: StepMeter, schedule: ExchangeSchedule, guard: StepGuard,
+                 hook_state: RingHookState) -> None:
+        self._strategy = strategy  # for what only the running strategy knows: ranks, the precision plugin
+        self._meter, self._schedule, self._guard, self._hook_state = meter, schedule, guard, hook_state
 
     # -- the step counter -------------------------------------------------------------------------------------
     @property
     def step(self) -> int:
         """Optimizer steps (taken or skipped) since this fit started: the same count on every rank."""
-        return self._strategy._meter.step
+        return self._meter.step
 
     @property
     def exchange_step(self) -> int:
         """:attr:`step` during the step whose exchange completed last (-1: none yet): a feature that filled its
         per-rank slots on step ``s`` reads them while this equals ``s``."""
-        return self._strategy._meter.exchange_step
+        return self._meter.exchange_step
 
     # -- the per-step exchange --------------------------------------------------------------------------------
     @property
     def exchange(self) -> StepExchange:
         """The per-step exchange; register slots on it in a callback's ``setup`` or later (inside ``fit``)."""
-        return self._strategy._schedule.exchange
+        return self._schedule.exchange
 
     @property
     def exchange_group(self) -> Optional[dist.ProcessGroup]:
         """The strategy's own gloo group (CPU tensors on every backend; None with one rank)."""
-        return self._strategy._schedule.group
+        return self._schedule.group
 
     def request_exchange(self, every_n_steps: int, name: str) -> None:
         """Carry every rank's per-rank slots to all ranks on every ``every_n_steps``-th optimizer step, for the
         feature ``name`` (0 withdraws the request). The same steps on every rank."""
-        self._strategy._schedule.request(every_n_steps, name)
+        self._schedule.request(every_n_steps, name)
 
     def exchange_due(self, every_n_steps: int) -> bool:
         """Whether the coming (or current) optimizer step is one of ``every_n_steps``'s (the same on every rank)."""
-        return self._strategy._schedule.due_every(every_n_steps, self.step)
+        return self._schedule.due_every(every_n_steps, self.step)
 
     # -- measurements -----------------------------------------------------------------------------------------
     @property
     def last_step(self) -> dict[str, float]:
         """This rank's own measurements of its last optimizer step (no collective involved)."""
-        return self._strategy._meter.last_step
+        return self._meter.last_step
 
     @property
     def step_metrics(self) -> dict[str, float]:
         """Every rank's measurements (the ``dist/*`` metrics) of the step before :attr:`exchange_step`, identical
         on every rank; empty until an exchange carried a complete step."""
-        return self._strategy._meter.step_metrics
+        return self._meter.step_metrics
 
     @property
     def totals(self) -> dict[str, float]:
         """This rank's running totals over the fit: steps, bytes sent, comm and exposed seconds, samples."""
-        return self._strategy._meter.totals
+        return self._meter.totals
 
     def backward_window(self) -> Optional[tuple[float, float]]:
         """During ``on_after_backward``: ``(handed, done)``, the ``perf_counter`` at which this backward pass
         handed over its last gradient bucket and at which the last bucket reduction finished; None when no bucket
         was handed over to the communication thread (``overlap=False``, or an accumulation pass)."""
-        return self._strategy._hook_state.backward_window()
+        return self._hook_state.backward_window()
 
     # -- mechanisms a policy drives ---------------------------------------------------------------------------
     @property
     def step_guard(self) -> StepGuard:
         """The step-or-skip mechanism; inactive until armed (NaNRecovery arms it)."""
-        return self._strategy._guard
+        return self._guard
 
     @property
     def loss_scaler(self) -> Optional[torch.amp.GradScaler]:
         """The precision plugin's gradient scaler (fp16 mixed precision), or None."""
-        return self._strategy._loss_scaler()
+        return loss_scaler_of(self._strategy.precision_plugin)
 
     @property
     def compressor(self) -> Compressor:
         """The gradient compressor (state staged per step: committed after the optimizer stepped)."""
-        return self._strategy._hook_state.compressor
+        return self._hook_state.compressor
 
     def local_checkpoint_state(self) -> dict[str, Any]:
         """The checkpoint entry :meth:`~lightning_dist.strategy.RingDDPStrategy.save_checkpoint` adds, with this
         rank's compressor state only and no collective (an emergency checkpoint, written while peers may be
         gone)."""
-        s = self._strategy
-        return local_entry(s._hook_state.compressor, s.global_rank, s.world_size)
+        return local_entry(self._hook_state.compressor, self._strategy.global_rank, self._strategy.world_size)
 
 
 def features_of(strategy: Any) -> Optional[RingFeatures]:

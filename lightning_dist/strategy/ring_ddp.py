@@ -145,7 +145,7 @@ class RingDDPStrategy(DDPStrategy):
         self._schedule = ExchangeSchedule()  # the per-step exchange, on a gloo group of its own
         self._schedule.every_step = bool(self._hetero is not None and self._hetero.rebalance)
         self._meter = StepMeter()  # this rank's per-step measurements; its step count is the strategy's
-        self._features = RingFeatures(self)
+        self._features = RingFeatures(self, self._meter, self._schedule, self._guard, self._hook_state)
 
     @property
     def features(self) -> RingFeatures:
@@ -254,7 +254,7 @@ class RingDDPStrategy(DDPStrategy):
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         # the loss gradient carries this rank's share (and NaN for a non-finite loss with the guard armed)
-        stepping.follow_loss_scale(self._loss_scaler(), self._hook_state)
+        stepping.follow_loss_scale(self._features.loss_scaler, self._hook_state)
         with stepping.shared_backward(closure_loss, self._hook_state, self._guard,
                              automatic=self.lightning_module.automatic_optimization):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -286,7 +286,7 @@ class RingDDPStrategy(DDPStrategy):
             return output
         # The step-or-skip point: backward first, then every rank decides alike whether the optimizer steps.
         result = closure_then_exchange()
-        scaler = self._loss_scaler()
+        scaler = self._features.loss_scaler
         verdict = stepping.decide_step(self._guard, optimizer, scaler, self._schedule.group, self.global_rank,
                               self.world_size, step=self.lightning_module.trainer.global_step)
         if verdict.skipped:
@@ -328,9 +328,6 @@ class RingDDPStrategy(DDPStrategy):
         self._meter.step_finished(state.stats, state.exposed_s)
         state.reset_step()
         self._schedule.step_finished()
-
-    def _loss_scaler(self) -> Optional[torch.amp.GradScaler]:
-        return stepping.loss_scaler_of(self.precision_plugin)
 
     # -- end of a fit -----------------------------------------------------------------------------------------
     @override
