@@ -12,7 +12,7 @@ from lightning_dist.benchmarks import cluster
 
 def _raw(step_s: float, steps: int = 10, exposed_s: float = 0.5, bytes_sent: float = 1e6) -> dict:
     ends = [i * step_s for i in range(steps)]
-    return {"params": 5_324_810, "ends": ends, "epochs": [0] * steps,
+    return {"last": {"params": 5_324_810}, "ends": ends, "epochs": [0] * steps,
             "steps": [{"exposed_s": exposed_s, "comm_s": 2 * exposed_s, "bytes_sent": bytes_sent,
                        "dense_bytes": 4 * bytes_sent} for _ in range(steps)]}
 

@@ -184,7 +184,7 @@ def test_judge_applies_each_target():
 def test_configurations_and_command_line():
     digits, mlp = WORKLOADS["digits"], WORKLOADS["mlp"]
     assert [c.label for c in digits.configs] == list(CONFIGS)  # digits runs every configuration
-    assert mlp.bucket_cap_mb == 4 and mlp.steps and mlp.quality == "loss" and digits.epochs == 8
+    assert mlp.workload.bucket_cap_mb == 4 and mlp.steps and mlp.quality == "loss" and digits.epochs == 8
     assert CONFIGS["topk1%-noEF"].compressor["error_feedback"] is False
     assert CONFIGS["int8"].compressor_kwargs(2) == {"name": "int8", "seed": 2}  # the run's seed
     assert CONFIGS["topk1%"].describe().endswith("+ef") and not CONFIGS["topk1%-noEF"].describe().endswith("+ef")

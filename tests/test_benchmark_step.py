@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from lightning_dist.benchmarks.step import WORKLOADS, judge, main, step_times
+from lightning_dist.benchmarks._common import step_times
+from lightning_dist.benchmarks.step import WORKLOADS, judge, main
 
 
 @pytest.mark.slow  # four 2-rank Lightning runs, ~20 s

@@ -167,8 +167,8 @@ def _fits(rank, world_size, workdir):
         for name in ("fp16", "int8", "topk", "threshold", "powersgd"):
             same = SameOnEveryRank()
             trainer, weights = _fit(build_compressor(name, **SETTINGS.get(name, {})), callbacks=[same], max_steps=6)
-            strategy = trainer.strategy
-            out[name] = {"same": same.same, "totals": dict(strategy.features.totals), "metrics": dict(strategy.features.step_metrics),
+            features = trainer.strategy.features
+            out[name] = {"same": same.same, "totals": dict(features.totals), "metrics": dict(features.step_metrics),
                          "weights": weights}
         out["topk_blocking"] = _fit(None, strategy=RingDDPStrategy(timeout=30, overlap=False,
                                                                    compressor=build_compressor("topk", ratio=0.05)),

@@ -1,14 +1,19 @@
-"""What every benchmark here shares: byte-size labels, robust summaries, output files and progress lines.
+"""The benchmark pipeline every benchmark here shares: one step recorder, one quiet Trainer, one timed fit, one
+summary statistic, one paired ratio, one verdict line, and the output files.
 
 Conventions: a timed quantity is summarised by its median and quartiles over repeats (a mean is dragged by
 the one repeat that met a page fault or a scheduler hiccup); for a collective, one repeat's time is the
-maximum over ranks, since the collective is done only when its slowest rank is. Results are written as one
-JSON file (``meta`` with the environment and command line, ``records`` with one flat dict per measurement)
-and a plain-text copy of the printed table, into a directory under ``bench_results/`` (gitignored).
+maximum over ranks, since the collective is done only when its slowest rank is. Contenders run interleaved
+(round-robin), and one is compared with another by the *paired* ratio: per round (or seed) the one's time over
+the other's in the same round, then the median over rounds, which cancels drift slower than one round.
+Results are written as one JSON file (``meta`` with the environment and command line, ``records`` with one
+flat dict per measurement) and a plain-text copy of the printed table, into a directory under
+``bench_results/`` (gitignored).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
@@ -18,15 +23,23 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
+import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_dist.strategy import features_of
 
 RESULTS_ROOT = Path("bench_results")
+WORLD_SIZE = 2  # CPU ranks of the benchmarks that train in processes of this machine (not cluster's hosts)
+COLLECTIVE_TIMEOUT_S = 120.0  # a hung collective fails the run after this long instead of hanging it
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
+# -- sizes and statistics ------------------------------------------------------------------------------------
 def size_label(nbytes: int) -> str:
     """``1024 -> "1K"``, ``4 << 20 -> "4M"``; sizes that are not a whole number of units stay in bytes."""
     for suffix in ("G", "M", "K"):
@@ -54,15 +67,125 @@ def completion_times(per_rank: Sequence[Sequence[float]]) -> list[float]:
     return [max(times) for times in zip(*per_rank, strict=True)]
 
 
-def summarize(seconds: Sequence[float]) -> dict[str, float]:
-    """Median, quartiles and minimum of a list of timings, in seconds."""
-    values = np.asarray(seconds, dtype=float)
-    return {
-        "median_s": float(np.median(values)),
-        "p25_s": float(np.percentile(values, 25)),
-        "p75_s": float(np.percentile(values, 75)),
-        "min_s": float(values.min()),
-    }
+def summarize(values: Sequence[float], suffix: str = "_s") -> dict[str, float]:
+    """Median, quartiles and minimum (``median_s``, ``p25_s``, ``p75_s``, ``min_s``; other units: ``suffix``)."""
+    array = np.asarray(values, dtype=float)
+    return {f"median{suffix}": float(np.median(array)), f"p25{suffix}": float(np.percentile(array, 25)),
+            f"p75{suffix}": float(np.percentile(array, 75)), f"min{suffix}": float(array.min())}
+
+
+def median(values: Sequence[float]) -> Optional[float]:
+    """The median, or None when there is nothing to take it of."""
+    return float(np.median(values)) if len(values) else None
+
+
+def paired(mine: Mapping[Any, float], base: Mapping[Any, float]) -> Optional[dict[str, float]]:
+    """The paired ratio: per key both have (a round, a seed) ``mine / base``, summarised (``median``, ``p25``,
+    ``p75``, ``min``); None when no key pairs."""
+    ratios = [mine[key] / base[key] for key in mine if key in base]
+    return summarize(ratios, suffix="") if ratios else None
+
+
+def step_times(ends: Sequence[float], epochs: Sequence[int], warmup: int) -> list[float]:
+    """Gaps between consecutive batch ends of one epoch, from the step after ``warmup`` on, in seconds."""
+    return [ends[i] - ends[i - 1] for i in range(max(warmup, 1), len(ends)) if epochs[i] == epochs[i - 1]]
+
+
+# -- one fit, recorded -------------------------------------------------------------------------------------------
+class StepRecorder(Callback):
+    """What the benchmarks record of a fit, on every rank; put it first among the callbacks.
+
+    Per training batch: ``starts`` and ``ends`` (``perf_counter`` seconds at its start and end), ``cpu`` (the
+    process's CPU seconds, all threads, at its end), ``epochs``, ``losses`` (this rank's batch loss) and, under
+    RingDDPStrategy (:func:`~lightning_dist.strategy.features_of`; empty dicts otherwise), ``steps`` (this rank's
+    own measurements of the step, ``last_step``) and ``step_metrics`` (every rank's, from the last exchange); after
+    each validation, ``val_acc``. ``probe(trainer)``, if given, is read at the start of the second batch
+    (``first``: what the fit's start and its first step cost) and when training ends (``last``). With ``path``,
+    rank 0 writes it all there as JSON when training ends: Lightning's fork launcher runs rank 0 in a child.
+    """
+
+    def __init__(self, path: Optional[str] = None, probe: Optional[Callable[[L.Trainer], dict]] = None) -> None:
+        self.path, self.probe = path, probe
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.cpu: list[float] = []
+        self.epochs: list[int] = []
+        self.losses: list[float] = []
+        self.steps: list[dict[str, float]] = []
+        self.step_metrics: list[dict[str, float]] = []
+        self.val_acc: list[float] = []
+        self.first: dict = {}
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.starts.append(time.perf_counter())
+        if len(self.starts) == 2 and self.probe is not None:
+            self.first = self.probe(trainer)
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        self.ends.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+        self.epochs.append(trainer.current_epoch)
+        self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
+        features = features_of(trainer.strategy)
+        self.steps.append(dict(features.last_step) if features else {})
+        self.step_metrics.append(dict(features.step_metrics) if features else {})
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking and "val/acc" in trainer.callback_metrics:
+            self.val_acc.append(float(trainer.callback_metrics["val/acc"]))
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.path is not None and trainer.is_global_zero:
+            Path(self.path).write_text(json.dumps(self.record(trainer)))
+
+    def record(self, trainer: L.Trainer) -> dict[str, Any]:
+        """Everything recorded, as plain data."""
+        return {"starts": self.starts, "ends": self.ends, "cpu": self.cpu, "epochs": self.epochs,
+                "losses": self.losses, "steps": self.steps, "step_metrics": self.step_metrics, "val_acc": self.val_acc,
+                "first": self.first, "last": self.probe(trainer) if self.probe is not None else {}}
+
+
+def quiet_trainer(**kwargs: Any) -> L.Trainer:
+    """A CPU Trainer without logger, checkpointing, progress bar, model summary or sanity validation: the
+    benchmark measures training, and its output is its own; ``kwargs`` add to or override these."""
+    settings = {"accelerator": "cpu", "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+                "enable_model_summary": False, "num_sanity_val_steps": 0}
+    return L.Trainer(**{**settings, **kwargs})
+
+
+def timed_fit(workload: Any, strategy: Any, steps: int, warmup: int, seed: int, path: str,
+              callbacks: Sequence[Callback] = (), probe: Optional[Callable[[L.Trainer], dict]] = None
+              ) -> tuple[dict[str, Any], dict[str, Any], L.LightningModule]:
+    """One fit of ``workload`` (:class:`~lightning_dist.benchmarks.workloads.Workload`) on :data:`WORLD_SIZE` ranks
+    under ``strategy`` (Lightning's fork launcher) from ``seed_everything(seed)``, ``steps`` optimizer steps, no
+    validation. Returns the run's step times after ``warmup`` (:func:`summarize`, with ``steps``,
+    ``timed_steps`` and the fit's ``wall_s``), rank 0's :class:`StepRecorder` record, and the model (the launcher
+    loads rank 0's final weights back into it)."""
+    L.seed_everything(seed, verbose=False)
+    model = workload.model()
+    trainer = quiet_trainer(devices=WORLD_SIZE, strategy=strategy, max_steps=steps, limit_val_batches=0,
+                            callbacks=[StepRecorder(path, probe), *callbacks])
+    started = time.perf_counter()
+    trainer.fit(model, workload.data())
+    wall_s = time.perf_counter() - started
+    stamps = json.loads(Path(path).read_text())
+    times = step_times(stamps["ends"], stamps["epochs"], warmup)
+    if not times:
+        raise RuntimeError(f"{Path(path).stem}: no step left after {warmup} warmup steps; raise --steps.")
+    return {"steps": steps, "timed_steps": len(times), **summarize(times), "wall_s": wall_s}, stamps, model
+
+
+# -- output -------------------------------------------------------------------------------------------------------
+def parser(name: str, doc: str) -> argparse.ArgumentParser:
+    """The command line of ``python -m lightning_dist.benchmarks.<name>``, with its ``--out``."""
+    parser = argparse.ArgumentParser(prog=f"python -m lightning_dist.benchmarks.{name}",
+                                     description=doc.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help=f"output directory (default bench_results/{name}/)")
+    return parser
 
 
 def environment() -> dict[str, Any]:
@@ -99,6 +222,16 @@ def write_results(out: Path, name: str, text: str, payload: dict[str, Any], draw
     write_json(out / f"{name}.json", payload)
     draw(out / f"{name}.png")
     progress(f"[{name}] wrote {out / name}.{{json,txt,png}}")
+
+
+def verdict(what: str, met: bool, detail: str) -> str:
+    """The line that judges a target: ``target <what>: MET (<detail>)`` or ``MISSED``."""
+    return f"target {what}: {'MET' if met else 'MISSED'} ({detail})"
+
+
+def cell(value: Optional[float], spec: str, scale: float = 1.0, unit: str = "") -> str:
+    """A table cell: ``scale * value`` formatted by ``spec``, then ``unit``; ``-`` where there is no value."""
+    return "-" if value is None else format(scale * value, spec) + unit
 
 
 def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
@@ -142,11 +275,13 @@ def progress(message: str) -> None:
 
 @contextlib.contextmanager
 def quiet_lightning() -> Iterator[None]:
-    """Lightning's per-fit banners and one known deprecation warning off, so stderr holds our progress."""
+    """Lightning's per-fit banners and two known deprecation warnings off, so stderr holds our progress."""
     loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
     levels = [lg.level for lg in loggers]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*treespec, LeafSpec.*")
+        # stock DDP's all_gather goes through a torch function deprecated upstream
+        warnings.filterwarnings("ignore", message=r".*all_gather is deprecated.*")
         for lg in loggers:
             lg.setLevel(logging.WARNING)
         try:
@@ -154,8 +289,3 @@ def quiet_lightning() -> Iterator[None]:
         finally:
             for lg, level in zip(loggers, levels):
                 lg.setLevel(level)
-
-
-def step_times(ends: Sequence[float], epochs: Sequence[int], warmup: int) -> list[float]:
-    """Gaps between consecutive batch ends of one epoch, from the step after ``warmup`` on, in seconds."""
-    return [ends[i] - ends[i - 1] for i in range(max(warmup, 1), len(ends)) if epochs[i] == epochs[i - 1]]

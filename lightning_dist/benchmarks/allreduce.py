@@ -1,7 +1,7 @@
 """All-reduce benchmark: the ring, the tree and ``auto`` against gloo's native ``all_reduce``, side by side.
 
-Run ``python -m lightning_dist.benchmarks.allreduce`` (about three minutes on a 2-core machine); ``--quick``
-is a smoke run, ``--segment-sweep`` measures the ring's pipeline segment size instead of the main sweep.
+Run ``python -m lightning_dist.benchmarks.allreduce``; ``--quick`` is a smoke run, ``--segment-sweep`` measures
+the ring's pipeline segment size instead of the main sweep.
 
 Method:
 
@@ -35,7 +35,6 @@ algorithms under oversubscription, not a network.
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 import time
@@ -46,17 +45,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_dist.benchmarks._common import (
-    completion_times,
-    environment,
-    format_table,
-    output_dir,
-    parse_size,
-    progress,
-    size_label,
-    summarize,
-    write_results,
-)
+from lightning_dist.benchmarks import _common as bench
 from lightning_dist.comm import (
     AUTO_TREE_MAX_BYTES,
     DEFAULT_SEGMENT_BYTES,
@@ -118,8 +107,8 @@ def _measure_on_rank(
     for index, nbytes in enumerate(sizes):
         timed = repeats_for(nbytes, repeats)
         if rank == 0:
-            progress(f"  N={world_size} {size_label(nbytes):>4} ({index + 1}/{len(sizes)}): "
-                     f"{warmup} warmup + {timed} timed rounds of {len(cases)} cases")
+            bench.progress(f"  N={world_size} {bench.size_label(nbytes):>4} ({index + 1}/{len(sizes)}): "
+                           f"{warmup} warmup + {timed} timed rounds of {len(cases)} cases")
         tensor = torch.empty(nbytes // 4, dtype=torch.float32)
         times: dict[str, list[float]] = {case.label: [] for case in cases}
         for repeat in range(-warmup, timed):
@@ -132,7 +121,7 @@ def _measure_on_rank(
                 elapsed = time.perf_counter() - start
                 if tensor[0].item() != expected or tensor[-1].item() != expected:
                     raise RuntimeError(
-                        f"{case.label} all-reduce of {size_label(nbytes)} at N={world_size} returned "
+                        f"{case.label} all-reduce of {bench.size_label(nbytes)} at N={world_size} returned "
                         f"{tensor[0].item()}..{tensor[-1].item()}, expected {expected}: the collective is "
                         "wrong; run tests/ for the comm package before benchmarking it."
                     )
@@ -153,7 +142,7 @@ def measure(
     for nbytes in sizes:
         medians = {}
         for case in cases:
-            stats = summarize(completion_times([rank_result[nbytes][case.label] for rank_result in per_rank]))
+            stats = bench.summarize(bench.completion_times([result[nbytes][case.label] for result in per_rank]))
             medians[case.label] = stats["median_s"]
             algbw = nbytes / stats["median_s"] / 1e9
             # what actually ran: auto resolves by size and world size, as every rank does in training
@@ -222,7 +211,7 @@ def check_targets(records: Sequence[dict[str, Any]], world_size: int = 2) -> dic
         worst = (min if better == "min" else max)(ratios, key=ratios.get)
         met = ratios[worst] >= bound if better == "min" else ratios[worst] <= bound
         result[name] = {"bound": bound, "worst_ratio": ratios[worst], "worst_bytes": worst, "met": met,
-                        "ratios": {size_label(s): ratios[s] for s in ratios}}
+                        "ratios": {bench.size_label(s): ratios[s] for s in ratios}}
     return result
 
 
@@ -232,7 +221,7 @@ def main_table(records: Sequence[dict[str, Any]]) -> str:
     for n, nbytes in sorted({(r["world_size"], r["bytes"]) for r in records}):
         rec = {c.label: by_key[n, nbytes, c.label] for c in MAIN_CASES}
         rows.append([
-            n, size_label(nbytes),
+            n, bench.size_label(nbytes),
             *(_us(rec[c.label]["median_s"]) for c in MAIN_CASES),
             rec["auto"]["resolved_algorithm"],
             f"{rec['native']['busbw_GBps']:.3f}", f"{rec['ring']['busbw_GBps']:.3f}",
@@ -241,20 +230,20 @@ def main_table(records: Sequence[dict[str, Any]]) -> str:
         ])
     headers = ["N", "size", "native us", "ring us", "tree us", "auto us", "auto=",
                "native busbw GB/s", "ring busbw GB/s", "ring/native busbw", "tree/native time"]
-    return format_table(headers, rows)
+    return bench.format_table(headers, rows)
 
 
 def sweep_table(records: Sequence[dict[str, Any]], cases: Sequence[Case]) -> str:
     by_key = _lookup(records)
     rows = []
     for n, nbytes in sorted({(r["world_size"], r["bytes"]) for r in records}):
-        row: list[Any] = [n, size_label(nbytes), f"{by_key[n, nbytes, 'native']['busbw_GBps']:.3f}"]
+        row: list[Any] = [n, bench.size_label(nbytes), f"{by_key[n, nbytes, 'native']['busbw_GBps']:.3f}"]
         for case in cases[1:]:
             rec = by_key[n, nbytes, case.label]
             row.append(f"{rec['busbw_GBps']:.3f} ({rec['busbw_ratio_vs_native']:.2f}x)")
         rows.append(row)
     headers = ["N", "size", "native"] + [f"{c.label}" for c in cases[1:]]
-    return "busbw GB/s (ratio to native)\n" + format_table(headers, rows)
+    return "busbw GB/s (ratio to native)\n" + bench.format_table(headers, rows)
 
 
 def plot(
@@ -291,7 +280,7 @@ def plot(
         for ax in axes[:, col]:
             top = ax is axes[0][col]
             ticks = sorted({r["bytes"] for r in records if top or r["bytes"] <= latency_max_bytes})
-            ax.set_xticks(ticks, [size_label(t) for t in ticks], rotation=45)
+            ax.set_xticks(ticks, [bench.size_label(t) for t in ticks], rotation=45)
             ax.minorticks_off()
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize="small")
@@ -305,7 +294,7 @@ def _describe_crossover(c: dict[str, Optional[int]]) -> str:
         return "tree wins at every size"
     if low is None:
         return "native wins at every size"
-    return f"tree wins up to {size_label(low)}, native from {size_label(high)}"
+    return f"tree wins up to {bench.size_label(low)}, native from {bench.size_label(high)}"
 
 
 def _recommend_threshold(cross: dict[int, dict[str, Optional[int]]]) -> list[str]:
@@ -315,11 +304,12 @@ def _recommend_threshold(cross: dict[int, dict[str, Optional[int]]]) -> list[str
                                                   for n, c in sorted(cross.items())) + "."]
     froms = [c["native_wins_from"] for n, c in cross.items() if n >= 3]
     if not froms:
-        return lines + [f"recommendation: none without 3 or more ranks (current {size_label(AUTO_TREE_MAX_BYTES)})."]
+        current = bench.size_label(AUTO_TREE_MAX_BYTES)
+        return lines + [f"recommendation: none without 3 or more ranks (current {current})."]
     # one threshold serves every world size from 3 on
-    advice = (f"AUTO_TREE_MAX_BYTES = {size_label(min(froms))}" if None not in froms
+    advice = (f"AUTO_TREE_MAX_BYTES = {bench.size_label(min(froms))}" if None not in froms
               else "the tree wins at the largest size somewhere: measure larger sizes before choosing")
-    lines.append(f"recommendation: {advice} (current {size_label(AUTO_TREE_MAX_BYTES)}).")
+    lines.append(f"recommendation: {advice} (current {bench.size_label(AUTO_TREE_MAX_BYTES)}).")
     return lines
 
 
@@ -330,57 +320,55 @@ def _recommend_segment(records: Sequence[dict[str, Any]], cases: Sequence[Case])
         score[case.segment_bytes] = math.exp(sum(map(math.log, ratios)) / len(ratios))
     best = max(score, key=score.get)
     current = score.get(DEFAULT_SEGMENT_BYTES)
-    verdict = (f"current {size_label(DEFAULT_SEGMENT_BYTES)} scores {current:.2f}x" if current is not None
-               else f"current {size_label(DEFAULT_SEGMENT_BYTES)} not measured")
-    return (f"recommendation: DEFAULT_SEGMENT_BYTES = {size_label(best)} "
-            f"(geometric-mean busbw {score[best]:.2f}x native over the sweep; {verdict}).")
+    now = (f"current {bench.size_label(DEFAULT_SEGMENT_BYTES)} scores {current:.2f}x" if current is not None
+           else f"current {bench.size_label(DEFAULT_SEGMENT_BYTES)} not measured")
+    return (f"recommendation: DEFAULT_SEGMENT_BYTES = {bench.size_label(best)} "
+            f"(geometric-mean busbw {score[best]:.2f}x native over the sweep; {now}).")
 
 
-def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m lightning_dist.benchmarks.allreduce",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=None,
-                        help="ranks per group (default 2 3 4; 2 for --quick and --segment-sweep)")
-    parser.add_argument("--sizes", type=parse_size, nargs="+", default=None,
-                        help="message sizes, e.g. 1K 64K 4M (default 1K..64M in powers of 4)")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help=f"timed repeats per algorithm and size (default {DEFAULT_REPEATS}, "
-                             f"{QUICK_REPEATS} with --quick; a quarter, at least 5, from "
-                             f"{size_label(LARGE_BYTES)})")
-    parser.add_argument("--warmup", type=int, default=2,
-                        help="untimed rounds before the timed ones (default 2)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: sizes 1K 64K 4M, 5 repeats, 2 ranks")
-    parser.add_argument("--segment-sweep", action="store_true",
-                        help="instead of the main sweep, time the ring at segment sizes 256K 1M 4M 16M "
-                             "against native (2 ranks, 4M 16M 64M)")
-    parser.add_argument("--out", default=None, help="output directory (default bench_results/allreduce/)")
-    parser.add_argument("--deadline-s", type=float, default=1800.0,
-                        help="kill a rank group that runs longer than this (default 1800)")
-    args = parser.parse_args(argv)
+def _parse_args(argv: Optional[Sequence[str]]) -> Any:
+    cli = bench.parser("allreduce", __doc__)
+    cli.add_argument("--world-sizes", type=int, nargs="+", default=None,
+                     help="ranks per group (default 2 3 4; 2 for --quick and --segment-sweep)")
+    cli.add_argument("--sizes", type=bench.parse_size, nargs="+", default=None,
+                     help="message sizes, e.g. 1K 64K 4M (default 1K..64M in powers of 4)")
+    cli.add_argument("--repeats", type=int, default=None,
+                     help=f"timed repeats per algorithm and size (default {DEFAULT_REPEATS}, "
+                          f"{QUICK_REPEATS} with --quick; a quarter, at least 5, from "
+                          f"{bench.size_label(LARGE_BYTES)})")
+    cli.add_argument("--warmup", type=int, default=2,
+                     help="untimed rounds before the timed ones (default 2)")
+    cli.add_argument("--quick", action="store_true", help="smoke run: sizes 1K 64K 4M, 5 repeats, 2 ranks")
+    cli.add_argument("--segment-sweep", action="store_true",
+                     help="instead of the main sweep, time the ring at segment sizes 256K 1M 4M 16M "
+                          "against native (2 ranks, 4M 16M 64M)")
+    cli.add_argument("--deadline-s", type=float, default=1800.0,
+                     help="kill a rank group that runs longer than this (default 1800)")
+    args = cli.parse_args(argv)
     default_sizes = QUICK_SIZES if args.quick else SWEEP_SIZES if args.segment_sweep else DEFAULT_SIZES
     sizes = args.sizes or default_sizes
     bad = [s for s in sizes if s % 4]
     if bad:
-        parser.error(f"sizes {bad} are not whole float32 tensors; use multiples of 4 bytes.")
+        cli.error(f"sizes {bad} are not whole float32 tensors; use multiples of 4 bytes.")
     args.sizes = tuple(sorted(set(sizes)))
     quick_or_sweep = args.quick or args.segment_sweep
     args.world_sizes = tuple(args.world_sizes or ((2,) if quick_or_sweep else DEFAULT_WORLD_SIZES))
     if min(args.world_sizes) < 2:
-        parser.error(f"--world-sizes {args.world_sizes}: an all-reduce needs at least 2 ranks.")
+        cli.error(f"--world-sizes {args.world_sizes}: an all-reduce needs at least 2 ranks.")
     if args.repeats is None:
         args.repeats = QUICK_REPEATS if args.quick else DEFAULT_REPEATS
     if args.repeats < 1 or args.warmup < 0:
-        parser.error(f"--repeats {args.repeats} must be >= 1 and --warmup {args.warmup} >= 0.")
+        cli.error(f"--repeats {args.repeats} must be >= 1 and --warmup {args.warmup} >= 0.")
     return args
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     """Run the benchmark, print the table and recommendation, write JSON/TXT/PNG; returns the JSON payload."""
     args = _parse_args(argv)
-    out = output_dir(args.out, "allreduce")
+    out = bench.output_dir(args.out, "allreduce")
     if args.segment_sweep:
         cases = (Case("native", "native"),) + tuple(
-            Case(f"ring/{size_label(s)}", "ring", segment_bytes=s) for s in SWEEP_SEGMENTS)
+            Case(f"ring/{bench.size_label(s)}", "ring", segment_bytes=s) for s in SWEEP_SEGMENTS)
         name = "segment_sweep"
     else:
         cases, name = MAIN_CASES, "allreduce"
@@ -388,11 +376,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     records: list[dict[str, Any]] = []
     for n in args.world_sizes:
         start = time.perf_counter()
-        progress(f"[allreduce] {n} ranks, {len(args.sizes)} sizes, cases {', '.join(c.label for c in cases)}")
+        bench.progress(f"[allreduce] {n} ranks, {len(args.sizes)} sizes, cases {', '.join(c.label for c in cases)}")
         records += measure(n, cases, args.sizes, args.repeats, args.warmup, args.deadline_s)
-        progress(f"[allreduce] {n} ranks done in {time.perf_counter() - start:.0f}s")
+        bench.progress(f"[allreduce] {n} ranks done in {time.perf_counter() - start:.0f}s")
 
-    payload: dict[str, Any] = {"meta": {**environment(), "benchmark": name, "repeats": args.repeats,
+    payload: dict[str, Any] = {"meta": {**bench.environment(), "benchmark": name, "repeats": args.repeats,
                                         "warmup": args.warmup, "cases": [asdict(c) for c in cases],
                                         "default_segment_bytes": DEFAULT_SEGMENT_BYTES,
                                         "auto_tree_max_bytes": AUTO_TREE_MAX_BYTES},
@@ -409,12 +397,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         lines = _recommend_threshold(cross)
         for key, t in targets.items():
             sign = ">=" if key.startswith("ring") else "<="
-            lines.append(f"target {key} {sign} {t['bound']}: {'MET' if t['met'] else 'MISSED'} "
-                         f"(worst {t['worst_ratio']:.2f}x at {size_label(t['worst_bytes'])})")
+            lines.append(bench.verdict(f"{key} {sign} {t['bound']}", t["met"],
+                                       f"worst {t['worst_ratio']:.2f}x at {bench.size_label(t['worst_bytes'])}"))
     payload["recommendation"] = lines
     text = table + "\n\n" + "\n".join(lines)
     print(text)
-    write_results(out, name, text, payload, lambda path: plot(records, [c.label for c in cases], path))
+    bench.write_results(out, name, text, payload, lambda path: plot(records, [c.label for c in cases], path))
     return payload
 
 

@@ -1,8 +1,8 @@
 """Simulated-cluster benchmark: training steps and all-reduce bus bandwidth across real, shaped network links.
 
-Run ``python -m lightning_dist.benchmarks.cluster`` (root and iproute2 needed; about fourteen minutes on a
-2-core machine); ``--quick`` is a smoke run (2 hosts at 100 Mbit/s, dense and topk1% only, 10 steps, 2
-all-reduce iterations); ``--hosts 2 3 4``, ``--rates 100`` and ``--configs dense topk1%`` choose what runs.
+Run ``python -m lightning_dist.benchmarks.cluster`` (root and iproute2 needed); ``--quick`` is a smoke run (2
+hosts at 100 Mbit/s, dense and topk1% only, 10 steps, 2 all-reduce iterations); ``--hosts 2 3 4``,
+``--rates 100`` and ``--configs dense topk1%`` choose what runs.
 
 Setup: every (hosts, rate) pair gets fresh :class:`lightning_dist.simcluster.SimCluster` s (one per run, so a
 run that hung cannot leave anything to the next): N network namespaces on a bridge, each link shaped to the
@@ -21,13 +21,13 @@ one intra-op thread per rank, ``--steps`` optimizer steps (default 30), seed 0. 
   ``powersgd-r2`` (rank 2, error feedback): ``build_compressor`` with the library's defaults, ``algorithm=
   "auto"``.
 
-Rank 0 stamps ``time.perf_counter()`` at every ``on_train_batch_end`` and keeps the strategy's
-``last_step`` (its own measurements of that step: ``exposed_s``, the communication backward waited for;
-``comm_s``, the seconds inside the transport summed over buckets, so more than the step when several are
-in flight at once; ``bytes_sent``, what it handed to the wire for gradients). A step is the gap between two stamps;
-the first ``--warmup`` (5) are dropped; a run's step time, exposed comm and bytes are medians over the
-remaining steps. ``vs dense`` is dense's step time over the configuration's (> 1: faster). Accuracy is not
-measured here: the arithmetic of a compressor does not depend on the link (see the compression benchmark).
+Step times as in :mod:`lightning_dist.benchmarks.step`, the first ``--warmup`` (5) dropped; with them rank 0
+keeps its own measurements of each step (``exposed_s``, the communication backward waited for; ``comm_s``,
+the seconds inside the transport summed over buckets, so more than the step when several are in flight at
+once; ``bytes_sent``, what it handed to the wire for gradients). A run's step time, exposed comm and bytes are
+medians over the remaining steps. ``vs dense`` is dense's step time over the configuration's (> 1: faster).
+Accuracy is not measured here: the arithmetic of a compressor does not depend on the link (the compression
+benchmark measures it).
 
 All-reduce runs (``--worker-allreduce``): in each (hosts, rate), 16 MiB float32 tensors reduced with
 :func:`lightning_dist.comm.ring_allreduce_` and with gloo's ``dist.all_reduce`` (``native``), alternating
@@ -51,24 +51,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from lightning_dist.benchmarks._common import (
-    environment,
-    figure_row,
-    format_table,
-    output_dir,
-    progress,
-    step_times,
-    write_results,
-)
+import lightning as L
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from lightning_dist.benchmarks import _common as bench
+from lightning_dist.comm import ring_allreduce_
+from lightning_dist.compression import build_compressor
+from lightning_dist.examples import SyntheticDataModule, WideMLP
+from lightning_dist.simcluster import SimCluster, unavailable
+from lightning_dist.strategy import RingDDPStrategy
 
 DEFAULT_HOSTS = (2, 3)
 DEFAULT_RATES = (100, 1000)  # Mbit/s
@@ -108,37 +110,8 @@ DENSE, TOPK = "dense", "topk1%"
 # workers (run inside the hosts under torchrun)
 # ---------------------------------------------------------------------------------------------------------
 def _train_worker(args: argparse.Namespace) -> None:
-    import lightning as L
-    import torch
-    from lightning.pytorch.callbacks import Callback
-
-    from lightning_dist.compression import build_compressor
-    from lightning_dist.examples import SyntheticDataModule, WideMLP
-    from lightning_dist.strategy import RingDDPStrategy
-
     torch.set_num_threads(1)  # hosts share the machine's cores
     config = CONFIGS[args.config]
-    out_path = args.out
-
-    class Recorder(Callback):
-        def __init__(self) -> None:
-            self.ends: list[float] = []
-            self.epochs: list[int] = []
-            self.steps: list[dict[str, float]] = []
-
-        def on_train_batch_end(self, trainer: L.Trainer, *rest: Any) -> None:
-            self.ends.append(time.perf_counter())
-            self.epochs.append(trainer.current_epoch)
-            self.steps.append(dict(getattr(trainer.strategy, "last_step", {}) or {}))
-
-        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-            if trainer.is_global_zero:
-                params = sum(p.numel() for p in pl_module.parameters())
-                Path(out_path).write_text(json.dumps({
-                    "config": config.label, "params": params, "world_size": trainer.world_size,
-                    "ends": self.ends, "epochs": self.epochs, "steps": self.steps,
-                    "totals": dict(trainer.strategy.totals)}))
-
     L.seed_everything(0, verbose=False)
     model = WideMLP(width=MLP_WIDTH, depth=MLP_DEPTH)
     params = sum(p.numel() for p in model.parameters())
@@ -146,21 +119,14 @@ def _train_worker(args: argparse.Namespace) -> None:
         print(f"[worker] {config.label}: WideMLP {params:,} parameters", flush=True)
     strategy = RingDDPStrategy(algorithm=config.algorithm, compressor=build_compressor(**config.compressor),
                                bucket_cap_mb=BUCKET_CAP_MB, timeout=args.collective_timeout)
-    trainer = L.Trainer(accelerator="cpu", devices=1, num_nodes=args.nodes, strategy=strategy,
-                        max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                        callbacks=[Recorder()])
+    # rank 0 writes its stamps and the model's size to args.out
+    recorder = bench.StepRecorder(args.out, probe=lambda trainer: {"params": params})
+    trainer = bench.quiet_trainer(devices=1, num_nodes=args.nodes, strategy=strategy, max_steps=args.steps,
+                                  limit_val_batches=0, callbacks=[recorder])
     trainer.fit(model, SyntheticDataModule(batch_size=BATCH_SIZE))
 
 
 def _allreduce_worker(args: argparse.Namespace) -> None:
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    from lightning_dist.comm import ring_allreduce_
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=args.collective_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -189,23 +155,17 @@ def _allreduce_worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # pure summaries (tested without a cluster)
 # ---------------------------------------------------------------------------------------------------------
-def _median(values: Sequence[float]) -> Optional[float]:
-    return float(statistics.median(values)) if values else None
-
-
 def run_record(raw: dict[str, Any], warmup: int) -> dict[str, Any]:
     """A training run's numbers from rank 0's stamps: medians over the steps after ``warmup``."""
-    times = step_times(raw["ends"], raw["epochs"], warmup)
+    times = bench.step_times(raw["ends"], raw["epochs"], warmup)
     if not times:
         raise ValueError(f"no step left after {warmup} warm-up steps (got {len(raw['ends'])} stamps)")
     timed = [s for s in raw["steps"][max(warmup, 1):] if s]
 
     def med(key: str) -> Optional[float]:
-        return _median([s[key] for s in timed if key in s])
+        return bench.median([s[key] for s in timed if key in s])
 
-    ordered = sorted(times)
-    return {"params": raw.get("params"), "timed_steps": len(times), "median_s": _median(times),
-            "p25_s": float(ordered[len(times) // 4]), "p75_s": float(ordered[(3 * len(times)) // 4]),
+    return {"params": raw["last"].get("params"), "timed_steps": len(times), **bench.summarize(times),
             "exposed_median_s": med("exposed_s"), "comm_median_s": med("comm_s"),
             "bytes_sent_per_step": med("bytes_sent"), "dense_bytes_per_step": med("dense_bytes")}
 
@@ -226,10 +186,10 @@ def busbw_record(raw: dict[str, Any], hosts: int, rate_mbit: float) -> dict[str,
     rec: dict[str, Any] = {"hosts": hosts, "rate_mbit": rate_mbit, "bytes": raw["bytes"],
                            "line_GBps": rate_mbit * 1e6 / 8 / 1e9}
     for name in ("ring", "native"):
-        median = _median(raw["times"][name])
-        rec[f"{name}_median_s"] = median
+        seconds = bench.median(raw["times"][name])
+        rec[f"{name}_median_s"] = seconds
         rec[f"{name}_times_s"] = list(raw["times"][name])  # every timed iteration, in the order they ran
-        rec[f"{name}_busbw_GBps"] = factor * raw["bytes"] / median / 1e9 if median else None
+        rec[f"{name}_busbw_GBps"] = factor * raw["bytes"] / seconds / 1e9 if seconds else None
     ring, native = rec["ring_busbw_GBps"], rec["native_busbw_GBps"]
     rec["ring_vs_native"] = ring / native if ring and native else None
     return rec
@@ -266,11 +226,11 @@ def target_lines(targets: dict[str, dict[str, Any]], hosts: int = TARGET_HOSTS,
 
 
 def _ms(seconds: Optional[float]) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:,.1f}"
+    return bench.cell(seconds, ",.1f", 1e3)
 
 
 def _mb(nbytes: Optional[float]) -> str:
-    return "-" if nbytes is None else f"{nbytes / 1e6:.3f}"
+    return bench.cell(nbytes, ".3f", 1e-6)
 
 
 def step_table(records: Sequence[dict[str, Any]]) -> str:
@@ -281,37 +241,32 @@ def step_table(records: Sequence[dict[str, Any]]) -> str:
             continue
         rows.append([r["hosts"], f"{r['rate_mbit']:g}", r["config"], _ms(r["median_s"]), _ms(r["exposed_median_s"]),
                      _ms(r["comm_median_s"]), _mb(r["bytes_sent_per_step"]),
-                     "-" if r.get("speedup_vs_dense") is None else f"{r['speedup_vs_dense']:.2f}x",
+                     bench.cell(r.get("speedup_vs_dense"), ".2f", unit="x"),
                      f"{r['wall_s']:.0f}"])
     headers = ["hosts", "Mbit/s", "config", "median step ms", "exposed comm ms", "comm ms", "MB sent/step",
                "vs dense", "run s"]
-    return format_table(headers, rows)
+    return bench.format_table(headers, rows)
 
 
 def busbw_table(busbw: Sequence[dict[str, Any]]) -> str:
-    def gb(value: Optional[float]) -> str:
-        return "-" if value is None else f"{value:.4f}"
-
     rows = []
     for b in busbw:
         if b.get("error"):
             rows.append([b["hosts"], f"{b['rate_mbit']:g}", "FAILED", "-", "-", "-", "-", b["error"][:40]])
             continue
         rows.append([b["hosts"], f"{b['rate_mbit']:g}", _ms(b["ring_median_s"]), _ms(b["native_median_s"]),
-                     gb(b["ring_busbw_GBps"]), gb(b["native_busbw_GBps"]), gb(b["line_GBps"]),
-                     "-" if b["ring_vs_native"] is None else f"{b['ring_vs_native']:.2f}x"])
+                     *(bench.cell(b[key], ".4f") for key in ("ring_busbw_GBps", "native_busbw_GBps", "line_GBps")),
+                     bench.cell(b["ring_vs_native"], ".2f", unit="x")])
     headers = ["hosts", "Mbit/s", "ring ms", "native ms", "ring busbw GB/s", "native busbw GB/s", "line GB/s",
                "ring/native"]
-    return f"all-reduce of {ALLREDUCE_BYTES >> 20} MiB float32\n" + format_table(headers, rows)
+    return f"all-reduce of {ALLREDUCE_BYTES >> 20} MiB float32\n" + bench.format_table(headers, rows)
 
 
 def plot(records: Sequence[dict[str, Any]], busbw: Sequence[dict[str, Any]], path: Path) -> Path:
     """Left: step time per configuration, grouped by (hosts, rate), log y. Right: busbw ring vs native."""
-    import numpy as np
-
     groups = list(dict.fromkeys((r["hosts"], r["rate_mbit"]) for r in records))
     configs = list(dict.fromkeys(r["config"] for r in records))
-    fig, (ax, bx) = figure_row(2, 6 + 1.8 * max(len(groups), 1), 4.6, width_ratios=[2, 1])
+    fig, (ax, bx) = bench.figure_row(2, 6 + 1.8 * max(len(groups), 1), 4.6, width_ratios=[2, 1])
     width = 0.8 / max(len(configs), 1)
     by_key = {(r["hosts"], r["rate_mbit"], r["config"]): r for r in records}
     for i, config in enumerate(configs):
@@ -343,8 +298,6 @@ def _launch(hosts: int, rate_mbit: float, worker_args: list[str], port: int, tim
             log_path: Path) -> tuple[list[Optional[int]], float]:
     """One torchrun job over ``hosts`` fresh shaped hosts; every rank's output appended to ``log_path``.
     Returns the exit codes (None: killed at the deadline) and the wall time."""
-    from lightning_dist.simcluster import SimCluster
-
     start = time.perf_counter()
     with SimCluster(hosts, rate_mbit=rate_mbit) as cluster, open(log_path, "w") as log:
         cmd_args = ["-m", "lightning_dist.benchmarks.cluster", *worker_args, "--nodes", str(hosts)]
@@ -362,28 +315,26 @@ def _failure(codes: Sequence[Optional[int]], log_path: Path) -> str:
 
 
 def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m lightning_dist.benchmarks.cluster",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hosts", type=int, nargs="+", default=None, help="host counts (default 2 3)")
-    parser.add_argument("--rates", type=float, nargs="+", default=None, help="link rates, Mbit/s (default 100 1000)")
-    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=None,
+    cli = bench.parser("cluster", __doc__)
+    cli.add_argument("--hosts", type=int, nargs="+", default=None, help="host counts (default 2 3)")
+    cli.add_argument("--rates", type=float, nargs="+", default=None, help="link rates, Mbit/s (default 100 1000)")
+    cli.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=None,
                         help=f"training configurations (default all: {' '.join(CONFIGS).replace('%', '%%')})")
-    parser.add_argument("--steps", type=int, default=None, help=f"optimizer steps per run (default {DEFAULT_STEPS})")
-    parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="leading steps dropped (default 5)")
-    parser.add_argument("--iterations", type=int, default=None,
+    cli.add_argument("--steps", type=int, default=None, help=f"optimizer steps per run (default {DEFAULT_STEPS})")
+    cli.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="leading steps dropped (default 5)")
+    cli.add_argument("--iterations", type=int, default=None,
                         help=f"timed all-reduce iterations per algorithm (default {DEFAULT_ITERATIONS})")
-    parser.add_argument("--run-timeout", type=float, default=420.0, help="one run's hard deadline, s (default 420)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 2 hosts, 100 Mbit/s, dense and topk1%%, "
-                                                             f"{QUICK_STEPS} steps, {QUICK_ITERATIONS} iterations")
-    parser.add_argument("--out", default=None, help="output directory (default bench_results/cluster/)")
+    cli.add_argument("--run-timeout", type=float, default=420.0, help="one run's hard deadline, s (default 420)")
+    cli.add_argument("--quick", action="store_true", help="smoke run: 2 hosts, 100 Mbit/s, dense and topk1%%, "
+                                                          f"{QUICK_STEPS} steps, {QUICK_ITERATIONS} iterations")
     # worker modes (what each host runs under torchrun)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--worker-allreduce", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--config", default=DENSE, choices=list(CONFIGS), help=argparse.SUPPRESS)
-    parser.add_argument("--nodes", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--nbytes", type=int, default=ALLREDUCE_BYTES, help=argparse.SUPPRESS)
-    parser.add_argument("--collective-timeout", type=float, default=300.0, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    cli.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    cli.add_argument("--worker-allreduce", action="store_true", help=argparse.SUPPRESS)
+    cli.add_argument("--config", default=DENSE, choices=list(CONFIGS), help=argparse.SUPPRESS)
+    cli.add_argument("--nodes", type=int, default=1, help=argparse.SUPPRESS)
+    cli.add_argument("--nbytes", type=int, default=ALLREDUCE_BYTES, help=argparse.SUPPRESS)
+    cli.add_argument("--collective-timeout", type=float, default=300.0, help=argparse.SUPPRESS)
+    args = cli.parse_args(argv)
     args.hosts = tuple(args.hosts or ((TARGET_HOSTS,) if args.quick else DEFAULT_HOSTS))
     args.rates = tuple(args.rates or ((TARGET_RATE,) if args.quick else DEFAULT_RATES))
     args.configs = tuple(args.configs or (QUICK_CONFIGS if args.quick else CONFIGS))
@@ -391,9 +342,9 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     args.iterations = args.iterations or (QUICK_ITERATIONS if args.quick else DEFAULT_ITERATIONS)
     if not (args.worker or args.worker_allreduce):
         if min(args.hosts) < 2:
-            parser.error(f"--hosts {args.hosts}: a cluster needs at least 2 hosts.")
+            cli.error(f"--hosts {args.hosts}: a cluster needs at least 2 hosts.")
         if args.steps < args.warmup + 3:
-            parser.error(f"--steps {args.steps} leaves fewer than 3 timed steps after --warmup {args.warmup}.")
+            cli.error(f"--steps {args.steps} leaves fewer than 3 timed steps after --warmup {args.warmup}.")
     return args
 
 
@@ -407,17 +358,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         _allreduce_worker(args)
         return {}
 
-    from lightning_dist.simcluster import unavailable
-
-    out = output_dir(args.out, "cluster")
-    meta = {**environment(), "benchmark": "cluster", "hosts": list(args.hosts), "rates_mbit": list(args.rates),
+    out = bench.output_dir(args.out, "cluster")
+    meta = {**bench.environment(), "benchmark": "cluster", "hosts": list(args.hosts), "rates_mbit": list(args.rates),
             "steps": args.steps, "warmup": args.warmup, "iterations": args.iterations,
             "allreduce_bytes": ALLREDUCE_BYTES, "model": f"WideMLP(width={MLP_WIDTH}, depth={MLP_DEPTH})",
             "batch_size": BATCH_SIZE, "bucket_cap_mb": BUCKET_CAP_MB,
             "configs": {label: asdict(CONFIGS[label]) for label in args.configs}}
     reason = unavailable()
     if reason is not None:
-        progress(f"[cluster] skipped: {reason}")
+        bench.progress(f"[cluster] skipped: {reason}")
         print(f"cluster benchmark skipped: {reason}")
         return {"meta": meta, "skipped": reason, "records": [], "allreduce": [], "targets": {}}
 
@@ -443,12 +392,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                     if codes == [0] * hosts and result.exists():
                         rec.update(run_record(json.loads(result.read_text()), args.warmup))
                         rec["error"] = None
-                        progress(f"[cluster] {where} {label:<12} {_ms(rec['median_s']):>9} ms/step, exposed "
-                                 f"{_ms(rec['exposed_median_s'])} ms, {_mb(rec['bytes_sent_per_step'])} MB/step "
-                                 f"(run {wall:.0f}s)")
+                        bench.progress(f"[cluster] {where} {label:<12} {_ms(rec['median_s']):>9} ms/step, exposed "
+                                       f"{_ms(rec['exposed_median_s'])} ms, {_mb(rec['bytes_sent_per_step'])} MB/step "
+                                       f"(run {wall:.0f}s)")
                     else:
                         rec.update({"median_s": None, "error": _failure(codes, log)})
-                        progress(f"[cluster] {where} {label:<12} FAILED: {rec['error']}")
+                        bench.progress(f"[cluster] {where} {label:<12} FAILED: {rec['error']}")
                     records.append(rec)
                 port += 1
                 result = Path(workdir) / f"h{hosts}_r{rate:g}_allreduce.json"
@@ -458,16 +407,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                 if codes == [0] * hosts and result.exists():
                     bus = busbw_record(json.loads(result.read_text()), hosts, rate)
                     bus["error"] = None
-                    progress(f"[cluster] {where} all-reduce: ring {bus['ring_busbw_GBps'] * 1e3:.1f} MB/s, native "
-                             f"{bus['native_busbw_GBps'] * 1e3:.1f} MB/s busbw ({bus['ring_vs_native']:.2f}x; "
-                             f"run {wall:.0f}s)")
+                    bench.progress(f"[cluster] {where} all-reduce: ring {bus['ring_busbw_GBps'] * 1e3:.1f} MB/s, "
+                                   f"native {bus['native_busbw_GBps'] * 1e3:.1f} MB/s busbw "
+                                   f"({bus['ring_vs_native']:.2f}x; run {wall:.0f}s)")
                 else:
                     bus = {"hosts": hosts, "rate_mbit": rate, "error": _failure(codes, log)}
-                    progress(f"[cluster] {where} all-reduce FAILED: {bus['error']}")
+                    bench.progress(f"[cluster] {where} all-reduce FAILED: {bus['error']}")
                 bus["wall_s"] = wall
                 busbw.append(bus)
     total = time.perf_counter() - start
-    progress(f"[cluster] {len(records)} training runs and {len(busbw)} all-reduce runs in {total:.0f}s")
+    bench.progress(f"[cluster] {len(records)} training runs and {len(busbw)} all-reduce runs in {total:.0f}s")
 
     add_speedups(records)
     targets = check_targets(records, busbw)
@@ -475,7 +424,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     print(text)
     payload = {"meta": {**meta, "wall_s": total}, "skipped": None, "records": records, "allreduce": busbw,
                "targets": targets}
-    write_results(out, "cluster", text, payload, lambda path: plot(records, busbw, path))
+    bench.write_results(out, "cluster", text, payload, lambda path: plot(records, busbw, path))
     return payload
 
 

@@ -2,151 +2,94 @@
 ``RingDDPStrategy``, side by side with PyTorch's own DDP comm hooks (fp16 and PowerSGD) as the peer
 reference: what each costs in accuracy, what it saves in bytes, and what it does to the step time.
 
-Run ``python -m lightning_dist.benchmarks.compression`` (about nine minutes on a 2-core machine); ``--quick``
-is a smoke run (a few configurations, one seed, a few steps); ``--workloads digits`` runs one workload,
-``--configs dense topk1%`` some configurations.
+Run ``python -m lightning_dist.benchmarks.compression``; ``--quick`` is a smoke run (a few configurations, one
+seed, a few steps); ``--workloads digits`` runs one workload, ``--configs dense topk1%`` some configurations.
 
-Workloads (2 CPU ranks, gloo):
+Workloads (2 CPU ranks, gloo; the models of :mod:`lightning_dist.benchmarks.workloads`):
 
-- ``digits``: the default training job: ``DigitsCNN`` (22 k parameters, Adam, lr 3e-3) on
-  ``DigitsDataModule`` (batch 32 per rank, the job's train/validation split), 8 epochs (184 steps),
-  validated after every epoch; seeds 0, 1, 2. Quality: the final ``val/acc`` over the 360 validation
-  digits (one point of accuracy is ~4 of them), and ``val/loss``.
+- ``digits``: the default training job (``DigitsCNN``, Adam, lr 3e-3), 8 epochs (184 steps), validated after
+  every epoch; seeds 0, 1, 2. Quality: the final ``val/acc`` over the 360 validation digits, and ``val/loss``.
 - ``digits30``: the same job trained 30 epochs (690 steps), ``dense``, ``topk1%`` and ``topk1%-noEF`` only:
-  whether error feedback pays off once each coordinate has had several turns on the wire.
-- ``mlp``: ``WideMLP`` (4.3 M parameters, SGD + momentum, ``lr=0.05``) on ``SyntheticDataModule`` (batch 16
-  per rank), ``bucket_cap_mb=4`` for every strategy (5 buckets), 200 steps; seeds 0, 1, 2. It has no
-  validation set: quality is the training loss at the fixed step, the mean over the last 10 steps of the
-  two ranks' mean batch loss. At WideMLP's default ``lr=0.01`` 200 steps take the loss only from 2.303 to
-  ~2.25 and every configuration but top-k ended within 0.001 of dense (no signal); at 0.05 it falls to
-  ~1.2 (single-process check, global batch 32).
+  at 1% per step a coordinate waits ~100 steps for its turn on the wire, so 184 steps give each about two;
+  whether error feedback pays off once each has had several.
+- ``mlp``: ``WideMLP`` with SGD + momentum at ``lr=0.05`` (at its default 0.01, 200 steps barely move the loss:
+  no signal), 200 steps; seeds 0, 1, 2. It has no validation set: quality is the training loss at the fixed
+  step, the mean over the last 10 steps of the two ranks' mean batch loss.
 
-Configurations. ``dense`` is ring_ddp without compression (the reference every ratio is taken against);
-``fp16``, ``bf16``, ``int8``, ``topk1%`` (``ratio=0.01``, bf16 values, error feedback), ``topk1%-noEF``
-(the same without error feedback), ``threshold`` (``threshold=0.1``, ``max_ratio=0.05``, error feedback),
-``powersgd-r1`` and ``powersgd-r2`` (error feedback, warm start, ``start_step=2``) are ``RingDDPStrategy(compressor=
-build_compressor(...))`` with the library's defaults otherwise; the compressors' random seeds (int8's
-rounding, PowerSGD's first factors) follow the run's seed. The threshold is on the rank's weighted gradient
-(its half of the step's mean gradient); 0.1 was chosen on this model because it sends about as many bytes
-as ``topk1%`` (~65x fewer than dense): from 1e-3 to 0.02 the ``max_ratio`` cap of 5% binds on most steps
-(13-18x), 0.05 gives ~33x. The PyTorch peers, ``torch-fp16``, ``torch-powersgd-r1`` and
-``torch-powersgd-r2``, are Lightning's stock ``DDPStrategy`` with ``default_hooks.fp16_compress_hook`` and
-``powerSGD_hook.powerSGD_hook`` (``PowerSGDState(process_group=None, matrix_approximation_rank=r,
-start_powerSGD_iter=2, use_error_feedback=True, warm_start=True, random_seed=seed)``; torch refuses
-``start_powerSGD_iter <= 1`` with error feedback or warm start, so its first 2 steps are dense fp32).
-Lightning registers comm hooks only on CUDA and drops them silently on CPU, so
-:class:`TorchHookDDPStrategy` overrides ``_register_ddp_hooks`` to register them on CPU too. torch's
-PowerSGD hook issues its second and third all-reduces from completion callbacks, on gloo's threads: with
-more than one bucket in flight (mlp's 5) they reach the wire in a different order on each rank and gloo
-aborts with a collective mismatch, so the wrapper waits for each PowerSGD bucket before handing the next
-one over: on mlp the torch PowerSGD peer does not overlap communication with backward (digits has a single
-bucket, which nothing could overlap anyway). The fp16 hook issues its one all-reduce from the hook itself
-and runs unchanged.
-
-Tuning, measured on digits (3 seeds each) while writing this benchmark, not re-run by it:
-
-- ``powersgd-r1/r2`` run their first 2 steps dense (``start_step=2``), as torch's hook has to: the same
-  protocol and the same bytes as the peer. With ``start_step=0`` (the library's default) they reached
-  96.85% and 97.31% at 22.2x and 12.3x, against 97.59% and 97.50% for torch's (which had its 2 dense steps).
-- ``topk1%`` with error feedback stays ~5 points under dense whatever was tried: ``clip_norm`` 1.0, 0.3,
-  0.1, 0.03, 0.01 gave 92.5-94.9% at 64x; ``value_dtype="fp32"`` 95.7% at 48x; a dense warm-up
-  (``start_step`` 23 or 46, one or two epochs) 95.3% and 93.8%, but at 7x and 4x, and no warm-up longer
-  than one step leaves the 50x the target asks for in a 184-step run. Without error feedback 96.4%. A
-  single-process simulation with independent code (per-layer top-1%, residuals per rank) gives the same
-  order, under Adam (EF 91.7%, no EF 96.4%) and under SGD with momentum: on this short, Adam-trained job the
-  residual's ~100-step delay (1% per step) costs more than what it recovers.
+Configurations. ``dense`` is ring_ddp without compression (the reference every ratio is taken against); ``fp16``,
+``bf16``, ``int8``, ``topk1%`` (``ratio=0.01``, bf16 values, error feedback), ``topk1%-noEF`` (the same without
+error feedback), ``threshold`` (``threshold=0.1`` on the rank's weighted gradient, its half of the step's mean
+gradient, chosen because it sends about as many bytes as ``topk1%`` on digits; ``max_ratio=0.05``, error feedback),
+``powersgd-r1`` and ``powersgd-r2`` (error feedback, warm start, and ``start_step=2``: the same 2 dense steps
+torch's hook must take, so the same protocol and bytes as the peer) are
+``RingDDPStrategy(compressor=build_compressor(...))`` with the library's defaults otherwise; the compressors'
+random seeds (int8's rounding, PowerSGD's first factors) follow the run's. The PyTorch peers, ``torch-fp16``,
+``torch-powersgd-r1`` and ``torch-powersgd-r2``, are Lightning's stock ``DDPStrategy`` with ``fp16_compress_hook``
+and ``powerSGD_hook`` (``matrix_approximation_rank=r, start_powerSGD_iter=2, use_error_feedback=True,
+warm_start=True, random_seed=seed``; torch refuses ``start_powerSGD_iter <= 1`` with error feedback or warm start),
+registered on CPU by :class:`TorchHookDDPStrategy` through :func:`counting_hook`, which runs PowerSGD one bucket at
+a time: on mlp the torch PowerSGD peer does not overlap communication with backward (digits has a single bucket,
+which nothing could overlap anyway).
 
 Method:
 
-1. Each run is one ``Trainer.fit`` on a fresh pair of forked gloo ranks
-   (:func:`lightning_dist.testing.run_ranks`, one intra-op thread per rank, a hard deadline per run) in which
-   Lightning trains in-process (:func:`lightning_dist.testing.launched_externally`); no logger,
-   checkpointing, progress bar or model summary. Every run starts from ``L.seed_everything(seed)``: the
-   same initial weights and data order for every configuration of a seed. Runs go round-robin: for each
-   seed, every configuration once, so that drift on the machine hits every configuration alike.
-2. Bytes: what rank 0 hands to the wire for gradients per optimizer step, the mean over all steps of the
-   run (warm-up steps included). Under ring_ddp this is the strategy's own count (``strategy.totals``:
-   every collective a compressor issues, a ring all-reduce counted as ``2 (N - 1) / N`` of its payload,
-   an all-gather as ``N - 1`` times it, an all-to-all as all parts but one's own). For the torch hooks a
-   thin wrapper around the hook counts, per bucket, the all-reduces the hook issues at the same ring rate
-   (:func:`lightning_dist.comm.ring_bytes_sent`): fp16, one all-reduce of the bucket at 2 bytes per element;
-   PowerSGD, by torch's documented rule (``_should_compress``: a gradient seen as ``n x m`` is compressed
-   when ``(n + m) r * min_compression_rate < n m``), three fp32 all-reduces: the uncompressed gradients,
-   all ``P`` (``n r`` each), all ``Q`` (``m r`` each); before ``start_powerSGD_iter`` the dense bucket. The
-   count is checked against PowerSGD's own ``total_numel_after_compression`` on every compressed bucket
-   (``torch_count_mismatches`` in each run's record must be 0). ``dense bytes`` is what the dense fp32 ring
-   would send for the same buckets, and ``ratio`` = dense / sent. Small collectives outside the gradient
-   path (ring_ddp's per-step control exchange, the validation metrics' sync) are not counted.
-3. Step time: rank 0 stamps ``time.perf_counter()`` at every ``on_train_batch_end``; a step is the gap
-   between two stamps of one epoch (gaps across an epoch boundary, which hold validation, are dropped), the
-   first 10 steps are dropped, a run's step time is the median of its steps, a configuration's the median
-   over seeds; ``vs dense`` is the median over seeds of the run's step time over the same seed's dense run.
-   ``codec ms`` is rank 0's time per step inside the compressor but outside the wire (ring_ddp only).
-4. Summaries per configuration: mean, standard deviation, minimum and maximum over seeds of the quality,
-   means of bytes.
+1. Each run is one ``Trainer.fit`` on a fresh pair of forked gloo ranks (:func:`lightning_dist.testing.run_ranks`,
+   a hard deadline per run) in which Lightning trains in-process
+   (:func:`lightning_dist.testing.launched_externally`), from ``L.seed_everything(seed)``: the same initial
+   weights and data order for every configuration of a seed. For each seed every configuration runs once, so
+   that drift on the machine hits every configuration alike.
+2. Bytes: what rank 0 hands to the wire for gradients per optimizer step, the mean over all steps of the run
+   (warm-up steps included). Under ring_ddp this is the strategy's own count (its ``totals``: a ring all-reduce
+   counted as ``2 (N - 1) / N`` of its payload, an all-gather as ``N - 1`` times it, an all-to-all as all parts
+   but one's own); for the torch hooks, :func:`counting_hook`'s count of what they all-reduce at the same rate,
+   checked against PowerSGD's own (``torch_count_mismatches`` must be 0). ``ratio`` is what the dense fp32 ring
+   would send for the same buckets over what was sent. Small collectives outside the gradient path (the
+   per-step exchange, the validation metrics' sync) are not counted.
+3. Step time as in :mod:`lightning_dist.benchmarks.step` (gaps between batch ends of one epoch, the first 10
+   dropped, a run's median); a configuration's is the median over seeds, and ``vs dense`` the paired ratio to
+   the same seed's dense run. ``codec ms`` is rank 0's time per step inside the compressor but outside the wire.
+4. Per configuration: mean, standard deviation, minimum and maximum over seeds of the quality, mean bytes.
 
-Targets (from the issue, judged on digits at 2 ranks, mean accuracy over the seeds):
+Targets (from the issue, judged on digits at 2 ranks, mean accuracy over the seeds): ``topk1%`` (error
+feedback) within 1 point of dense at >= 50x fewer bytes; ``int8`` within 0.5 point at a ratio >= 3.5;
+``powersgd-r2`` within 1 point and no lower than ``torch-powersgd-r2``; ``topk1%-noEF`` worse than ``topk1%``
+by more than the spread (max - min over seeds) of the error-feedback runs. The error-feedback comparison is
+also judged on ``digits30`` and, by loss, on ``mlp``; top-k's distance to dense also on ``digits30``.
 
-- ``topk1%`` (error feedback): within 1 point of dense, at >= 50x fewer bytes than dense;
-- ``int8``: within 0.5 point of dense, at a ratio >= 3.5;
-- ``powersgd-r2``: within 1 point of dense, and no lower than ``torch-powersgd-r2``;
-- ``topk1%-noEF`` measurably worse than ``topk1%``: its mean accuracy lower by more than the spread
-  (max - min over seeds) of the error-feedback runs.
-
-The error-feedback comparison (and top-k's distance to dense) is also judged on ``digits30`` and, by loss,
-on ``mlp``: at 1% per step a coordinate waits ~100 steps for its turn, a 184-step run gives each about two.
-
-Reference figures measured before with torch's hooks on this job: dense 97.6%, fp16 97.6%, PowerSGD r1
-96.1%, r2 97.1%.
-
-Outputs in ``--out`` (default ``bench_results/compression/``): ``compression.json`` (``meta`` with the
-environment and settings, one record per run in ``runs``, one per workload and configuration in
-``records``, and the ``targets``), ``compression.txt`` (the printed table and target lines) and
-``compression.png`` (digits: mean accuracy with its min-max range over seeds against bytes per step; mlp:
-loss at the fixed step against bytes per step; log x; ring_ddp, dense and the torch peers marked apart).
+Outputs in ``--out`` (default ``bench_results/compression/``): ``compression.json`` (``meta``, one record per run
+in ``runs``, one per workload and configuration in ``records``, and the ``targets``), ``compression.txt`` (the
+printed table and target lines) and ``compression.png`` (per workload, quality (mean, min-max over seeds)
+against bytes per step, log x; ring_ddp, dense and the torch peers marked apart).
 """
 
 from __future__ import annotations
 
-import argparse
-import gc
 import math
 import os
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
 import lightning as L
 import numpy as np
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_dist.benchmarks._common import (
-    environment,
-    format_table,
-    output_dir,
-    progress,
-    quiet_lightning,
-    step_times,
-    summarize,
-    write_results,
-)
+from lightning_dist.benchmarks import _common as bench
+from lightning_dist.benchmarks import workloads
+from lightning_dist.benchmarks.workloads import DIGITS, MLP, Workload
 from lightning_dist.comm import ring_bytes_sent
 from lightning_dist.compression import build_compressor
-from lightning_dist.examples import DigitsCNN, DigitsDataModule, SyntheticDataModule, WideMLP
-from lightning_dist.strategy import RingDDPStrategy
+from lightning_dist.examples import WideMLP
+from lightning_dist.strategy import features_of
 from lightning_dist.testing import RanksFailed, launched_externally, run_ranks
 
-WORLD_SIZE = 2
-COLLECTIVE_TIMEOUT_S = 120.0  # a hung collective fails the run after this long instead of hanging it
 TORCH_POWERSGD_START_ITER = 2  # torch's minimum with error feedback or warm start
 LOSS_WINDOW = 10  # mlp: the loss at the fixed step is the mean over this many last steps
-MLP_LR = 0.05  # WideMLP's default 0.01 barely moves the loss in 200 steps (2.303 -> 2.25): no signal
+MLP_LR = 0.05  # WideMLP's default 0.01 barely moves the loss in 200 steps: no signal
 QUICK_DIGITS_BATCHES, QUICK_MLP_STEPS, QUICK_WARMUP = 12, 12, 3
 
 
@@ -182,14 +125,11 @@ class Config:
 
 
 @dataclass(frozen=True)
-class Workload:
-    """A model, its data, how long each run trains and the configurations measured on it."""
+class Job:
+    """A workload, how long each run trains, how it is judged, and the configurations measured on it."""
 
     name: str
-    model: Callable[[], L.LightningModule]
-    data: Callable[[], L.LightningDataModule]
-    batch_size: int  # per rank
-    bucket_cap_mb: Optional[float]  # every strategy alike; None: DDP's default (25)
+    workload: Workload
     epochs: Optional[int]  # train this many epochs (validating after each) ...
     steps: Optional[int]  # ... or this many optimizer steps
     seeds: int  # seeds 0 .. seeds - 1 (--seeds overrides)
@@ -199,12 +139,6 @@ class Workload:
     configs: tuple[Config, ...]
     quick_configs: tuple[str, ...]
     description: str
-
-    def config(self, label: str) -> Config:
-        for config in self.configs:
-            if config.label == label:
-                return config
-        raise KeyError(f"{self.name} has no configuration {label!r}; it has {[c.label for c in self.configs]}")
 
 
 DENSE = "dense"
@@ -233,24 +167,22 @@ def _configs(*labels: str) -> tuple[Config, ...]:
 
 
 WORKLOADS = {
-    "digits": Workload(
-        "digits", DigitsCNN, lambda: DigitsDataModule(batch_size=32), batch_size=32, bucket_cap_mb=None,
-        epochs=8, steps=None, seeds=3, warmup=10, deadline_s=120.0, quality="val_acc",
+    "digits": Job(
+        "digits", DIGITS, epochs=8, steps=None, seeds=3, warmup=10, deadline_s=120.0, quality="val_acc",
         configs=_configs(DENSE, "fp16", "bf16", "int8", "topk1%", "topk1%-noEF", "threshold", "powersgd-r1",
                          "powersgd-r2", "torch-fp16", "torch-powersgd-r1", "torch-powersgd-r2"),
         quick_configs=(DENSE, "int8", "topk1%", "powersgd-r2", "torch-powersgd-r2"),
         description="DigitsCNN 22k params, Adam 3e-3, batch 32/rank, 8 epochs",
     ),
-    # the same job trained 30 epochs (690 steps): what error feedback needs to pay off at 1% per step
-    "digits30": Workload(
-        "digits30", DigitsCNN, lambda: DigitsDataModule(batch_size=32), batch_size=32, bucket_cap_mb=None,
-        epochs=30, steps=None, seeds=3, warmup=10, deadline_s=300.0, quality="val_acc",
+    "digits30": Job(
+        "digits30", DIGITS, epochs=30, steps=None, seeds=3, warmup=10, deadline_s=300.0, quality="val_acc",
         configs=_configs(DENSE, "topk1%", "topk1%-noEF"),
         quick_configs=(),  # --quick leaves it out
         description="digits, 30 epochs instead of 8 (690 steps)",
     ),
-    "mlp": Workload(
-        "mlp", lambda: WideMLP(lr=MLP_LR), lambda: SyntheticDataModule(batch_size=16), batch_size=16, bucket_cap_mb=4,
+    "mlp": Job(
+        "mlp", Workload("mlp", lambda: WideMLP(lr=MLP_LR), MLP.data, MLP.batch_size, MLP.bucket_cap_mb,
+                        MLP.description),
         epochs=None, steps=200, seeds=3, warmup=10, deadline_s=180.0, quality="loss",
         configs=_configs(DENSE, "fp16", "int8", "topk1%", "topk1%-noEF", "powersgd-r2", "torch-fp16",
                          "torch-powersgd-r2"),
@@ -291,7 +223,10 @@ def powersgd_allreduce_numels(shapes: Sequence[torch.Size], rank: int, min_compr
 
 
 def counting_hook(meter, bucket):  # no annotations: DDP checks them, and they are strings here
-    """Count what torch's hook will all-reduce for this bucket (at the ring's rate), then run it."""
+    """Count what torch's hook will all-reduce for this bucket at the ring's rate
+    (:func:`lightning_dist.comm.ring_bytes_sent`), then run it: fp16, one all-reduce at 2 bytes per element;
+    PowerSGD, the dense bucket before ``start_powerSGD_iter``, then by torch's rule
+    (:func:`powersgd_allreduce_numels`) three fp32 all-reduces, checked against its own count."""
     buffer = bucket.buffer()
     n, rank = dist.get_world_size(), dist.get_rank()
     meter.totals["dense_bytes"] += ring_bytes_sent(buffer.numel(), n, rank, 4)
@@ -324,24 +259,18 @@ class TorchHookDDPStrategy(DDPStrategy):
         super().__init__(ddp_comm_state=meter, ddp_comm_hook=counting_hook, **kwargs)
         self.meter = meter
 
-    @property
-    def totals(self) -> dict[str, float]:
-        return self.meter.totals
-
     @override
     def _register_ddp_hooks(self) -> None:
         assert isinstance(self.model, DistributedDataParallel)
         self.model.register_comm_hook(self._ddp_comm_state, self._ddp_comm_hook)
 
 
-def make_strategy(config: Config, workload: Workload, seed: int) -> Strategy:
-    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=COLLECTIVE_TIMEOUT_S)}
-    if workload.bucket_cap_mb is not None:
-        kwargs["bucket_cap_mb"] = workload.bucket_cap_mb
+def make_strategy(config: Config, job: Job, seed: int) -> Strategy:
+    # popen: inside launched_externally it launches nothing (the ranks exist already)
+    bucket_cap_mb = job.workload.bucket_cap_mb
     if not config.is_torch:
-        # popen: inside launched_externally it launches nothing (the ranks exist already)
-        return RingDDPStrategy(start_method="popen", compressor=build_compressor(**config.compressor_kwargs(seed)),
-                               **kwargs)
+        return workloads.make_strategy("auto", bucket_cap_mb, "popen",
+                                       compressor=build_compressor(**config.compressor_kwargs(seed)))
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     if config.torch_hook == "fp16":
@@ -352,72 +281,32 @@ def make_strategy(config: Config, workload: Workload, seed: int) -> Strategy:
             start_powerSGD_iter=TORCH_POWERSGD_START_ITER, use_error_feedback=True, warm_start=True,
             random_seed=seed)
         meter = HookMeter(powerSGD_hook.powerSGD_hook, state, "powersgd")
-    return TorchHookDDPStrategy(meter, start_method="popen", **kwargs)
+    return workloads.make_strategy(None, bucket_cap_mb, "popen", stock=TorchHookDDPStrategy, meter=meter)
 
 
 # ---- one run ---------------------------------------------------------------------------------------------
 
-class RunRecorder(Callback):
-    """Per training batch: the time, the epoch and this rank's batch loss; after each validation, val/acc."""
-
-    def __init__(self) -> None:
-        self.ends: list[float] = []
-        self.epochs: list[int] = []
-        self.losses: list[float] = []
-        self.val_acc: list[float] = []
-
-    @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any
-                           ) -> None:
-        self.ends.append(time.perf_counter())
-        self.epochs.append(trainer.current_epoch)
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self.losses.append(float(loss))
-
-    @override
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not trainer.sanity_checking and "val/acc" in trainer.callback_metrics:
-            self.val_acc.append(float(trainer.callback_metrics["val/acc"]))
-
-
-def _fit_on_rank(rank: int, world_size: int, *args: Any) -> dict[str, Any]:
-    """Inside a run_ranks rank: one fit (:func:`_fit`), then a garbage collection on this thread.
-
-    The trainer, the DDP model and torch's hook callbacks form reference cycles that hold the process group.
-    Collected later, after ``run_ranks`` destroyed the group, the collection may run on one of gloo's threads;
-    the group's destructor then joins that very thread and aborts the rank (seen with the PowerSGD hook).
-    """
-    out = _fit(rank, world_size, *args)
-    gc.collect()
-    return out
-
-
-def _fit(rank: int, world_size: int, workload_name: str, label: str, seed: int, quick: bool,
+def _fit(rank: int, world_size: int, job_name: str, label: str, seed: int, quick: bool,
          steps: Optional[int], epochs: Optional[int]) -> dict[str, Any]:
-    """One fit, Lightning training in this very process; returns what it measured (plain data)."""
-    workload = WORKLOADS[workload_name]
-    config = workload.config(label)
-    with launched_externally(rank, world_size), quiet_lightning():
+    """Inside a run_ranks rank: one fit, Lightning training in this very process; returns what it measured."""
+    job = WORKLOADS[job_name]
+    with launched_externally(rank, world_size), bench.quiet_lightning():
         L.seed_everything(seed, verbose=False)
-        model, data = workload.model(), workload.data()
-        strategy = make_strategy(config, workload, seed)
-        recorder = RunRecorder()
-        limits: dict[str, Any]
-        if workload.epochs is not None:
-            limits = {"max_epochs": 1 if quick else (epochs or workload.epochs),
+        model, data = job.workload.model(), job.workload.data()
+        strategy = make_strategy(CONFIGS[label], job, seed)
+        if job.epochs is not None:
+            limits = {"max_epochs": 1 if quick else (epochs or job.epochs),
                       "limit_train_batches": QUICK_DIGITS_BATCHES if quick else None}
         else:
-            limits = {"max_steps": QUICK_MLP_STEPS if quick else (steps or workload.steps)}
-        trainer = L.Trainer(
-            accelerator="cpu", devices=world_size, strategy=strategy, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-            callbacks=[recorder], **limits,
-        )
+            limits = {"max_steps": QUICK_MLP_STEPS if quick else (steps or job.steps)}
+        recorder = bench.StepRecorder()
+        trainer = bench.quiet_trainer(devices=world_size, strategy=strategy, callbacks=[recorder], **limits)
         started = time.perf_counter()
         trainer.fit(model, data)
         fit_s = time.perf_counter() - started
-        totals = dict(strategy.totals)  # type: ignore[attr-defined]  # both strategies here keep them
-        meter = getattr(strategy, "meter", None)
+        features = features_of(strategy)
+        totals = features.totals if features else strategy.meter.totals  # the torch hooks' own count
+        meter = None if features else strategy.meter
         return {
             "steps": trainer.global_step, "fit_s": fit_s, "ends": recorder.ends, "epochs": recorder.epochs,
             "losses": recorder.losses, "val_acc_curve": recorder.val_acc,
@@ -429,15 +318,15 @@ def _fit(rank: int, world_size: int, workload_name: str, label: str, seed: int, 
         }
 
 
-def run_once(workload: Workload, config: Config, seed: int, quick: bool, warmup: int,
+def run_once(job: Job, config: Config, seed: int, quick: bool, warmup: int,
              steps: Optional[int] = None, epochs: Optional[int] = None) -> dict[str, Any]:
     """One fit on a fresh pair of gloo ranks (hard deadline); the run's record (``error`` set if it failed)."""
-    record: dict[str, Any] = {"workload": workload.name, "config": config.label, "seed": seed,
+    record: dict[str, Any] = {"workload": job.name, "config": config.label, "seed": seed,
                               "compressor": config.describe(), "torch_peer": config.is_torch, "error": None}
     started = time.perf_counter()
     try:
-        ranks = run_ranks(_fit_on_rank, WORLD_SIZE, workload.name, config.label, seed, quick, steps, epochs,
-                          deadline_s=workload.deadline_s)
+        ranks = run_ranks(_fit, bench.WORLD_SIZE, job.name, config.label, seed, quick, steps, epochs,
+                          deadline_s=job.deadline_s)
     except RanksFailed as err:
         record.update(error=str(err)[-4000:], wall_s=time.perf_counter() - started)
         return record
@@ -445,14 +334,13 @@ def run_once(workload: Workload, config: Config, seed: int, quick: bool, warmup:
     # other processes' load: above the core count, this run's step times include their share
     record["load_1m_at_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     zero = ranks[0]
-    times = step_times(zero["ends"], zero["epochs"], warmup)
+    times = bench.step_times(zero["ends"], zero["epochs"], warmup)
+    stats = bench.summarize(times) if times else {}
     losses = np.mean([r["losses"] for r in ranks], axis=0)  # the two ranks' mean batch loss per step
     steps_done = zero["steps"]
     record.update({
         "steps": steps_done, "fit_s": zero["fit_s"], "timed_steps": len(times),
-        "step_median_s": float(np.median(times)) if times else None,
-        "step_p25_s": summarize(times)["p25_s"] if times else None,
-        "step_p75_s": summarize(times)["p75_s"] if times else None,
+        "step_median_s": stats.get("median_s"), "step_p25_s": stats.get("p25_s"), "step_p75_s": stats.get("p75_s"),
         "bytes_per_step": zero["bytes_sent"] / steps_done,
         "dense_bytes_per_step": zero["dense_bytes"] / steps_done,
         "ratio": zero["dense_bytes"] / zero["bytes_sent"] if zero["bytes_sent"] > 0 else None,
@@ -475,6 +363,7 @@ def quality_of(record: dict[str, Any], quality: str) -> Optional[float]:
 
 
 def _stats(values: Sequence[float]) -> dict[str, Optional[float]]:
+    """Quality over seeds: mean, standard deviation, minimum and maximum (None where no run succeeded)."""
     if not values:
         return {"mean": None, "std": None, "min": None, "max": None}
     arr = np.asarray(values, dtype=float)
@@ -482,36 +371,33 @@ def _stats(values: Sequence[float]) -> dict[str, Optional[float]]:
             "min": float(arr.min()), "max": float(arr.max())}
 
 
-def summarize_configs(runs: Sequence[dict[str, Any]], workload: Workload, labels: Sequence[str]
-                      ) -> list[dict[str, Any]]:
+def summarize_configs(runs: Sequence[dict[str, Any]], job: Job, labels: Sequence[str]) -> list[dict[str, Any]]:
     """Per configuration of one workload: quality over seeds (mean, std, min, max), mean bytes per step, the
     compression ratio, the median step time over seeds and its paired ratio to dense."""
-    ok = [r for r in runs if r["workload"] == workload.name and r.get("error") is None]
+    ok = [r for r in runs if r["workload"] == job.name and r.get("error") is None]
     dense_time = {r["seed"]: r["step_median_s"] for r in ok if r["config"] == DENSE and r["step_median_s"]}
     out = []
     for label in labels:
         mine = [r for r in ok if r["config"] == label]
-        failed = sum(1 for r in runs if r["workload"] == workload.name and r["config"] == label and r.get("error"))
-        row: dict[str, Any] = {"workload": workload.name, "config": label, "seeds": len(mine), "failed": failed,
+        failed = sum(1 for r in runs if r["workload"] == job.name and r["config"] == label and r.get("error"))
+        row: dict[str, Any] = {"workload": job.name, "config": label, "seeds": len(mine), "failed": failed,
                                "compressor": CONFIGS[label].describe(), "torch_peer": CONFIGS[label].is_torch,
-                               "quality": workload.quality}
-        quality = _stats([q for r in mine if (q := quality_of(r, workload.quality)) is not None])
+                               "quality": job.quality}
+        quality = _stats([q for r in mine if (q := quality_of(r, job.quality)) is not None])
         row.update({f"quality_{k}": v for k, v in quality.items()})
-        if workload.quality == "val_acc":
+        if job.quality == "val_acc":
             row["val_loss_mean"] = _stats([r["val_loss"] for r in mine if r["val_loss"] is not None])["mean"]
         sent = [r["bytes_per_step"] for r in mine]
         dense = [r["dense_bytes_per_step"] for r in mine]
-        times = [r["step_median_s"] for r in mine if r["step_median_s"]]
-        paired = [r["step_median_s"] / dense_time[r["seed"]] for r in mine
-                  if r["step_median_s"] and r["seed"] in dense_time]
-        codec = [r["codec_s_per_step"] for r in mine if r["codec_s_per_step"] is not None]
+        vs_dense = bench.paired({r["seed"]: r["step_median_s"] for r in mine if r["step_median_s"]}, dense_time)
         row.update({
             "bytes_per_step": float(np.mean(sent)) if sent else None,
             "dense_bytes_per_step": float(np.mean(dense)) if dense else None,
             "ratio": float(np.sum(dense) / np.sum(sent)) if sent and np.sum(sent) > 0 else None,
-            "step_median_s": float(np.median(times)) if times else None,
-            "step_vs_dense": float(np.median(paired)) if paired else None,
-            "codec_s_per_step": float(np.median(codec)) if codec else None,
+            "step_median_s": bench.median([r["step_median_s"] for r in mine if r["step_median_s"]]),
+            "step_vs_dense": vs_dense["median"] if vs_dense else None,
+            "codec_s_per_step": bench.median([r["codec_s_per_step"] for r in mine
+                                              if r["codec_s_per_step"] is not None]),
             "wall_s_mean": float(np.mean([r["wall_s"] for r in mine])) if mine else None,
         })
         out.append(row)
@@ -586,14 +472,6 @@ def _judge_workload(workload: str, rows: dict[str, dict[str, Any]]) -> list[dict
 
 # ---- output ----------------------------------------------------------------------------------------------
 
-def _kib(nbytes: Optional[float]) -> str:
-    return "-" if nbytes is None else f"{nbytes / 1024:.1f}"
-
-
-def _ms(seconds: Optional[float]) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
-
-
 def table(summary: Sequence[dict[str, Any]]) -> str:
     rows = []
     for s in summary:
@@ -605,33 +483,27 @@ def table(summary: Sequence[dict[str, Any]]) -> str:
         else:
             quality = f"loss {s['quality_mean']:.4f}"
             spread = f"{s['quality_std']:.4f} [{s['quality_min']:.4f}, {s['quality_max']:.4f}]"
-        val_loss = s.get("val_loss_mean")
         rows.append([
-            s["workload"], s["config"], s["compressor"], f"{s['seeds']}" + (f" ({s['failed']} failed)" if s["failed"]
-                                                                          else ""),
-            quality, spread, "-" if val_loss is None else f"{val_loss:.4f}", _kib(s["bytes_per_step"]),
-            _kib(s["dense_bytes_per_step"]), "-" if s["ratio"] is None else f"{s['ratio']:.1f}x",
-            _ms(s["step_median_s"]), "-" if s["step_vs_dense"] is None else f"{s['step_vs_dense']:.2f}x",
-            _ms(s["codec_s_per_step"]), "-" if s["wall_s_mean"] is None else f"{s['wall_s_mean']:.1f}",
+            s["workload"], s["config"], s["compressor"],
+            f"{s['seeds']}" + (f" ({s['failed']} failed)" if s["failed"] else ""), quality, spread,
+            bench.cell(s.get("val_loss_mean"), ".4f"), bench.cell(s["bytes_per_step"], ".1f", 1 / 1024),
+            bench.cell(s["dense_bytes_per_step"], ".1f", 1 / 1024), bench.cell(s["ratio"], ".1f", unit="x"),
+            bench.cell(s["step_median_s"], ".2f", 1e3), bench.cell(s["step_vs_dense"], ".2f", unit="x"),
+            bench.cell(s["codec_s_per_step"], ".2f", 1e3), bench.cell(s["wall_s_mean"], ".1f"),
         ])
     headers = ["workload", "config", "compressor", "seeds", "quality (mean)", "std [min, max]", "val loss",
                "KiB/step", "dense KiB/step", "ratio", "step ms", "vs dense", "codec ms", "run s"]
-    return format_table(headers, rows)
+    return bench.format_table(headers, rows)
 
 
 def target_lines(targets: Sequence[dict[str, Any]]) -> list[str]:
-    return [f"target {t['text']}: {'MET' if t['met'] else 'MISSED'} ({t['detail']})" for t in targets]
+    return [bench.verdict(t["text"], t["met"], t["detail"]) for t in targets]
 
 
 def plot(summary: Sequence[dict[str, Any]], path: os.PathLike) -> os.PathLike:
     """One panel per workload: quality (mean, min-max over seeds) against bytes per step, log x."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg: no display, no pyplot global state
-    from matplotlib.figure import Figure
-
     names = list(dict.fromkeys(s["workload"] for s in summary))
-    fig = Figure(figsize=(6.8 * len(names), 5.2), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, len(names), squeeze=False)[0]
+    fig, axes = bench.figure_row(len(names), 6.8 * len(names), 5.2)
     for ax, name in zip(axes, names):
         rows = [s for s in summary if s["workload"] == name and s["quality_mean"] is not None]
         scale = 100.0 if rows and rows[0]["quality"] == "val_acc" else 1.0
@@ -666,42 +538,40 @@ def plot(summary: Sequence[dict[str, Any]], path: os.PathLike) -> os.PathLike:
                       else f"train loss at the last step (mean of last {LOSS_WINDOW}; min-max over seeds)")
         ax.set_title(f"{name}: {WORKLOADS[name].description}", fontsize="small")
         ax.grid(alpha=0.3, which="both")
-    fig.suptitle(f"{WORLD_SIZE} CPU ranks, gloo: gradient compression, quality against bytes")
+    fig.suptitle(f"{bench.WORLD_SIZE} CPU ranks, gloo: gradient compression, quality against bytes")
     fig.savefig(path, dpi=110)
     return path
 
 
 # ---- command line ------------------------------------------------------------------------------------------
 
-def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m lightning_dist.benchmarks.compression",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS),
-                        help="which workloads to run (default: all)")
-    parser.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGS),
-                        help="only these configurations (dense is always added: ratios are taken against it)")
-    parser.add_argument("--seeds", type=int, default=None,
-                        help="seeds per configuration, 0..N-1 (default: the workload's, 1 with --quick)")
-    parser.add_argument("--epochs", type=int, default=None, help="digits: epochs per run (default 8)")
-    parser.add_argument("--steps", type=int, default=None, help="mlp: optimizer steps per run (default 200)")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"smoke run: a few configurations, 1 seed, {QUICK_DIGITS_BATCHES} digits batches and "
-                             f"{QUICK_MLP_STEPS} mlp steps")
-    parser.add_argument("--out", default=None, help="output directory (default bench_results/compression/)")
-    args = parser.parse_args(argv)
+def _parse_args(argv: Optional[Sequence[str]]) -> Any:
+    cli = bench.parser("compression", __doc__)
+    cli.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS),
+                     help="which workloads to run (default: all)")
+    cli.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGS),
+                     help="only these configurations (dense is always added: ratios are taken against it)")
+    cli.add_argument("--seeds", type=int, default=None,
+                     help="seeds per configuration, 0..N-1 (default: the workload's, 1 with --quick)")
+    cli.add_argument("--epochs", type=int, default=None, help="digits: epochs per run (default 8)")
+    cli.add_argument("--steps", type=int, default=None, help="mlp: optimizer steps per run (default 200)")
+    cli.add_argument("--quick", action="store_true",
+                     help=f"smoke run: a few configurations, 1 seed, {QUICK_DIGITS_BATCHES} digits batches and "
+                       f"{QUICK_MLP_STEPS} mlp steps")
+    args = cli.parse_args(argv)
     for name, value in (("--seeds", args.seeds), ("--epochs", args.epochs), ("--steps", args.steps)):
         if value is not None and value < 1:
-            parser.error(f"{name} {value}: need at least 1.")
+            cli.error(f"{name} {value}: need at least 1.")
     if args.steps is not None and args.steps < WORKLOADS["mlp"].warmup + 3:
-        parser.error(f"--steps {args.steps} leaves fewer than 3 timed steps; use --steps >= "
-                     f"{WORKLOADS['mlp'].warmup + 3}.")
+        cli.error(f"--steps {args.steps} leaves fewer than 3 timed steps; use --steps >= "
+                  f"{WORKLOADS['mlp'].warmup + 3}.")
     if args.quick:
         args.seeds = args.seeds or 1
     return args
 
 
-def _labels(workload: Workload, args: argparse.Namespace) -> list[str]:
-    labels = list(workload.quick_configs) if args.quick else [c.label for c in workload.configs]
+def _labels(job: Job, args: Any) -> list[str]:
+    labels = list(job.quick_configs) if args.quick else [c.label for c in job.configs]
     if args.configs:
         labels = [label for label in labels if label in args.configs or label == DENSE]
     return labels
@@ -710,54 +580,55 @@ def _labels(workload: Workload, args: argparse.Namespace) -> list[str]:
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     """Run the benchmark, print the table and the verdicts, write JSON/TXT/PNG; return the JSON payload."""
     args = _parse_args(argv)
-    out = output_dir(args.out, "compression")
+    out = bench.output_dir(args.out, "compression")
     runs: list[dict[str, Any]] = []
     summary: list[dict[str, Any]] = []
     meta_workloads: dict[str, Any] = {}
     start = time.perf_counter()
-    with quiet_lightning():
+    with bench.quiet_lightning():
         for name in args.workloads:
-            workload = WORKLOADS[name]
-            labels = _labels(workload, args)
+            job = WORKLOADS[name]
+            labels = _labels(job, args)
             if not labels:  # a workload --quick leaves out
                 continue
-            seeds = list(range(args.seeds or workload.seeds))
-            warmup = QUICK_WARMUP if args.quick else workload.warmup
-            length = (f"{QUICK_DIGITS_BATCHES} batches" if args.quick and workload.epochs
+            seeds = list(range(args.seeds or job.seeds))
+            warmup = QUICK_WARMUP if args.quick else job.warmup
+            length = (f"{QUICK_DIGITS_BATCHES} batches" if args.quick and job.epochs
                       else f"{QUICK_MLP_STEPS} steps" if args.quick
-                      else f"{args.epochs or workload.epochs} epochs" if workload.epochs
-                      else f"{args.steps or workload.steps} steps")
-            meta_workloads[name] = {"description": workload.description, "configs": labels, "seeds": seeds,
-                                    "length": length, "batch_size": workload.batch_size,
-                                    "bucket_cap_mb": workload.bucket_cap_mb, "warmup": warmup,
-                                    "quality": workload.quality,
+                      else f"{args.epochs or job.epochs} epochs" if job.epochs
+                      else f"{args.steps or job.steps} steps")
+            meta_workloads[name] = {"description": job.description, "configs": labels, "seeds": seeds,
+                                    "length": length, "batch_size": job.workload.batch_size,
+                                    "bucket_cap_mb": job.workload.bucket_cap_mb, "warmup": warmup,
+                                    "quality": job.quality,
                                     "compressors": {label: CONFIGS[label].describe() for label in labels}}
-            progress(f"[compression] {name}: {len(seeds)} seeds x {len(labels)} configs ({', '.join(labels)}), "
-                     f"{length} per run")
+            bench.progress(f"[compression] {name}: {len(seeds)} seeds x {len(labels)} configs ({', '.join(labels)}), "
+                           f"{length} per run")
             mine: list[dict[str, Any]] = []
             for seed in seeds:
                 for label in labels:
-                    record = run_once(workload, CONFIGS[label], seed, args.quick, warmup, args.steps, args.epochs)
+                    record = run_once(job, CONFIGS[label], seed, args.quick, warmup, args.steps, args.epochs)
                     mine.append(record)
                     if record["error"]:
-                        progress(f"  {name} seed {seed} {label:<18} FAILED after {record['wall_s']:.0f}s: "
-                                 f"{record['error'].splitlines()[0]}")
+                        bench.progress(f"  {name} seed {seed} {label:<18} FAILED after {record['wall_s']:.0f}s: "
+                                       f"{record['error'].splitlines()[0]}")
                         continue
-                    q = quality_of(record, workload.quality)
-                    shown = f"acc {100 * q:6.2f}%" if workload.quality == "val_acc" else f"loss {q:.4f}"
-                    progress(f"  {name} seed {seed} {label:<18} {shown}  {record['bytes_per_step'] / 1024:9.1f} "
-                             f"KiB/step ({record['ratio']:.1f}x)  {_ms(record['step_median_s'])} ms/step  "
-                             f"(run {record['wall_s']:.1f}s)")
+                    q = quality_of(record, job.quality)
+                    shown = f"acc {100 * q:6.2f}%" if job.quality == "val_acc" else f"loss {q:.4f}"
+                    step_ms = bench.cell(record["step_median_s"], ".2f", 1e3)
+                    bench.progress(f"  {name} seed {seed} {label:<18} {shown}  {record['bytes_per_step'] / 1024:9.1f} "
+                                   f"KiB/step ({record['ratio']:.1f}x)  {step_ms} ms/step  "
+                                   f"(run {record['wall_s']:.1f}s)")
             runs += mine
-            summary += summarize_configs(mine, workload, labels)
+            summary += summarize_configs(mine, job, labels)
     total_s = time.perf_counter() - start
-    progress(f"[compression] {len(runs)} runs in {total_s:.0f}s")
+    bench.progress(f"[compression] {len(runs)} runs in {total_s:.0f}s")
 
     targets = judge(summary)
     text = table(summary) + "\n\n" + "\n".join(target_lines(targets))
     print(text)
     payload = {
-        "meta": {**environment(), "benchmark": "compression", "world_size": WORLD_SIZE, "quick": args.quick,
+        "meta": {**bench.environment(), "benchmark": "compression", "world_size": bench.WORLD_SIZE, "quick": args.quick,
                  "workloads": meta_workloads, "torch_powersgd_start_iter": TORCH_POWERSGD_START_ITER,
                  "loss_window": LOSS_WINDOW, "total_s": total_s,
                  "loadavg_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None},
@@ -765,7 +636,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         "records": summary,
         "targets": targets,
     }
-    write_results(out, "compression", text, payload, lambda path: plot(summary, path))
+    bench.write_results(out, "compression", text, payload, lambda path: plot(summary, path))
     return payload
 
 

@@ -1,18 +1,17 @@
 """FaultTolerance under real faults: how fast every rank is gone after a fault, what was saved, and whether the
 job resumes.
 
-Run ``python -m lightning_dist.benchmarks.faults`` (about five and a half minutes on a 2-core machine; ``--quick``
-is a smoke run of 3 trials). Each of ``--trials`` trials (default 20; ``--seed`` fixes the random choices)
-draws a fault kind (``raise``: a RuntimeError in the training step; ``kill``: SIGKILL, no cleanup at all;
-``stall``: the rank sleeps at the start of a step, alive with its sockets open), a victim rank, 0 or 1 (a fault
-on rank 0 matters as much: it hosts the rendezvous TCPStore under Lightning's launchers), and a global step in
-[3, 18]; the (kind, victim) pairs come in shuffled rounds of all six, so that every kind and every victim gets
-its share. It launches the default training job (``python -m lightning_dist.train``: the digits CNN on 2 CPU
-ranks, ``strategy.start_method=fork``, ``trainer.max_epochs=1``, which is 23 optimizer steps) with
-``callbacks=[checkpoint,fault_tolerance]``, the watchdog's ``timeout_s=--timeout`` (default 10) and
-``poll_s=1``, and the fault injected by :class:`lightning_dist.testing.InjectFault`. Every job runs in a
-session of its own under a hard deadline (``--deadline``, default 120 s), after which the session is
-SIGKILLed and the trial fails.
+Run ``python -m lightning_dist.benchmarks.faults``; ``--quick`` is a smoke run of 3 trials. Each of ``--trials``
+trials (default 20; ``--seed`` fixes the random choices) draws a fault kind (``raise``: a RuntimeError in the
+training step; ``kill``: SIGKILL, no cleanup at all; ``stall``: the rank sleeps at the start of a step, alive with
+its sockets open), a victim rank, 0 or 1 (a fault on rank 0 matters as much: it hosts the rendezvous TCPStore under
+Lightning's launchers), and a global step in [3, 18]; the (kind, victim) pairs come in shuffled rounds of all six,
+so that every kind and every victim gets its share. It launches the default training job
+(``python -m lightning_dist.train``: the digits CNN on 2 CPU ranks, ``strategy.start_method=fork``,
+``trainer.max_epochs=1``, which is 23 optimizer steps) with ``callbacks=[checkpoint,fault_tolerance]``, the
+watchdog's ``timeout_s=--timeout`` (default 10) and ``poll_s=1``, and the fault injected by
+:class:`lightning_dist.testing.InjectFault`. Every job runs in a session of its own under a hard deadline
+(``--deadline``, default 120 s), after which the session is SIGKILLed and the trial fails.
 
 What is measured, per trial:
 
@@ -39,14 +38,11 @@ What is measured, per trial:
   emergency checkpoint holds one rank's state at the fault, so the other ranks' compressor residuals and random
   generators restart (a regular checkpoint does resume bit-identically; ``tests/test_fault_tolerance.py``).
 
-How to read it: the table has one row per trial: the kind, the victim rank, the step, the job's exit code, the
-seconds from the fault until rank 0 and rank 1 were gone, until the whole session was gone, the bound, whether
-that was within it, the checkpoints found / expected, whether nothing was lost and whether the resume matched.
-Then, per kind, the median and maximum of the slowest rank's time and of the all-gone time; under them every
-problem of a failed trial, and every watchdog verdict other than the stall verdict (a rank that ended because
-the store or the launcher was gone; all verdicts are in the JSON's ``verdicts``). The target: every
-trial with every rank gone within its bound and nothing lost. Times are upper bounds by up to one 50 ms poll;
-a stall's time is dominated by ``timeout_s`` by design.
+The table has a row per trial, then per kind the median and maximum of the slowest rank's time and of the
+all-gone time; under them every problem of a failed trial, and every watchdog verdict other than the stall
+verdict (a rank that ended because the store or the launcher was gone; all are in the JSON's ``verdicts``). The
+target: every trial with every rank gone within its bound and nothing lost. Times are upper bounds by up to one
+50 ms poll.
 
 Writes ``faults.json`` (every trial, with the tail of the logs of a trial that failed), ``faults.txt`` (the
 table) and ``faults.png`` (per trial the all-gone time, by kind, against the bounds) to ``--out`` (default
@@ -55,7 +51,6 @@ table) and ``faults.png`` (per trial the all-gone time, by kind, against the bou
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -63,7 +58,6 @@ import random
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -75,7 +69,7 @@ from typing import Any, Optional, Sequence
 
 import psutil
 
-from lightning_dist.benchmarks._common import environment, format_table, output_dir, progress, write_results
+from lightning_dist.benchmarks import _common as bench
 from lightning_dist.fault.checkpoint import META_SUFFIX, CheckpointError, verify
 
 KINDS = ("raise", "kill", "stall")
@@ -387,10 +381,6 @@ def judge_trial(record: dict[str, Any], epoch_steps: int = EPOCH_STEPS,
             "problems": problems}
 
 
-def _median(values: Sequence[float]) -> Optional[float]:
-    return float(statistics.median(values)) if values else None
-
-
 def summarize_kinds(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per fault kind: trials, how many were within the bound, lost nothing, resumed; median and maximum of the
     slowest rank's seconds from the fault until gone (``detect``) and of the all-gone seconds."""
@@ -403,8 +393,8 @@ def summarize_kinds(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append({"kind": kind, "trials": len(mine), "bound_s": max(r["bound_s"] for r in mine),
                     "within": sum(r["within_bound"] for r in mine), "intact": sum(r["nothing_lost"] for r in mine),
                     "resumed": sum(r["resume_ok"] for r in mine),
-                    "detect_median_s": _median(detect), "detect_max_s": max(detect) if detect else None,
-                    "all_gone_median_s": _median(gone), "all_gone_max_s": max(gone) if gone else None})
+                    "detect_median_s": bench.median(detect), "detect_max_s": max(detect) if detect else None,
+                    "all_gone_median_s": bench.median(gone), "all_gone_max_s": max(gone) if gone else None})
     return out
 
 
@@ -421,7 +411,7 @@ def target(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _secs(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:.2f}"
+    return bench.cell(value, ".2f")
 
 
 def _yes(value: bool) -> str:
@@ -438,7 +428,7 @@ def trial_table(records: Sequence[dict[str, Any]], world_size: int = WORLD_SIZE)
                      *[_secs(g) for g in gone[:world_size]], _secs(r["all_gone_s"]), f"{r['bound_s']:.0f}",
                      _yes(r["within_bound"]), f"{len(r['found_ranks'])}/{len(r['expected_ranks'])}",
                      _yes(r["nothing_lost"]), _yes(r["resume_ok"])])
-    return format_table(headers, rows)
+    return bench.format_table(headers, rows)
 
 
 def kind_table(summary: Sequence[dict[str, Any]]) -> str:
@@ -447,7 +437,7 @@ def kind_table(summary: Sequence[dict[str, Any]]) -> str:
     rows = [[s["kind"], s["trials"], f"{s['bound_s']:.0f}", s["within"], s["intact"], s["resumed"],
              _secs(s["detect_median_s"]), _secs(s["detect_max_s"]), _secs(s["all_gone_median_s"]),
              _secs(s["all_gone_max_s"])] for s in summary]
-    return format_table(headers, rows)
+    return bench.format_table(headers, rows)
 
 
 def report(records: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]], goal: dict[str, Any]) -> str:
@@ -498,12 +488,7 @@ COLORS = {"raise": "tab:blue", "kill": "tab:red", "stall": "tab:green"}
 
 
 def plot(records: Sequence[dict[str, Any]], path: Path) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(max(6.0, 0.35 * len(records) + 3.0), 4.2), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.subplots()
+    fig, (ax,) = bench.figure_row(1, max(6.0, 0.35 * len(records) + 3.0))
     for kind in KINDS:
         mine = [(i, r) for i, r in enumerate(records, start=1) if r["kind"] == kind]
         if not mine:
@@ -534,41 +519,40 @@ def plot(records: Sequence[dict[str, Any]], path: Path) -> Path:
 
 # -- main -------------------------------------------------------------------------------------------------------
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m lightning_dist.benchmarks.faults",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trials", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=0, help="seeds the kinds, ranks and steps drawn")
-    parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="FaultTolerance(timeout_s=...)")
-    parser.add_argument("--deadline", type=float, default=DEADLINE_S, help="seconds a launched job may run")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 3 trials, one per kind, fixed steps")
-    parser.add_argument("--keep-runs", action="store_true", help="keep the run directories (path printed)")
-    parser.add_argument("--out", default=None, help="output directory (default bench_results/faults/)")
-    args = parser.parse_args(argv)
+    cli = bench.parser("faults", __doc__)
+    cli.add_argument("--trials", type=int, default=20)
+    cli.add_argument("--seed", type=int, default=0, help="seeds the kinds, ranks and steps drawn")
+    cli.add_argument("--timeout", type=float, default=TIMEOUT_S, help="FaultTolerance(timeout_s=...)")
+    cli.add_argument("--deadline", type=float, default=DEADLINE_S, help="seconds a launched job may run")
+    cli.add_argument("--quick", action="store_true", help="smoke run: 3 trials, one per kind, fixed steps")
+    cli.add_argument("--keep-runs", action="store_true", help="keep the run directories (path printed)")
+    args = cli.parse_args(argv)
     if args.trials < 1:
-        parser.error(f"--trials {args.trials}: need at least 1")
+        cli.error(f"--trials {args.trials}: need at least 1")
     if args.timeout < 2 * POLL_S:
-        parser.error(f"--timeout {args.timeout}: must be at least twice poll_s={POLL_S:g}")
-    out = output_dir(args.out, "faults")
+        cli.error(f"--timeout {args.timeout}: must be at least twice poll_s={POLL_S:g}")
+    out = bench.output_dir(args.out, "faults")
     faults = plan_trials(args.trials, args.seed, args.quick)
     workdir = Path(tempfile.mkdtemp(prefix="lightning_dist_faults_"))
     started = time.monotonic()
     records = []
     try:
-        progress(f"[faults] {len(faults)} trials, timeout_s={args.timeout:g}, poll_s={POLL_S:g}; runs in {workdir}")
+        bench.progress(f"[faults] {len(faults)} trials, timeout_s={args.timeout:g}, poll_s={POLL_S:g}; "
+                       f"runs in {workdir}")
         for i, fault in enumerate(faults, start=1):
             record = run_trial(fault, workdir / f"trial-{i:02d}", args.timeout, POLL_S, args.deadline)
             records.append(record)
             resume = record["resume"]
-            progress(f"  trial {i}/{len(faults)}: {fault[0]} on rank {fault[1]} at step {fault[2]}: "
-                     f"exit {record['rc']}, "
-                     f"ranks gone {' / '.join(_secs(g) for g in record['rank_gone_s'])} s, all gone "
-                     f"{_secs(record['all_gone_s'])} s (bound {record['bound_s']:.0f}), checkpoints "
-                     f"{len(record['found_ranks'])}/{len(record['expected_ranks'])}, resume "
-                     f"{'ok' if record['resume_ok'] else 'FAILED'} ({resume['seconds']:.1f} s)"
-                     + ("" if record["ok"] else f": {'; '.join(record['problems'])}"))
+            bench.progress(f"  trial {i}/{len(faults)}: {fault[0]} on rank {fault[1]} at step {fault[2]}: "
+                           f"exit {record['rc']}, "
+                           f"ranks gone {' / '.join(_secs(g) for g in record['rank_gone_s'])} s, all gone "
+                           f"{_secs(record['all_gone_s'])} s (bound {record['bound_s']:.0f}), checkpoints "
+                           f"{len(record['found_ranks'])}/{len(record['expected_ranks'])}, resume "
+                           f"{'ok' if record['resume_ok'] else 'FAILED'} ({resume['seconds']:.1f} s)"
+                           + ("" if record["ok"] else f": {'; '.join(record['problems'])}"))
     finally:
         if args.keep_runs:
-            progress(f"[faults] run directories kept in {workdir}")
+            bench.progress(f"[faults] run directories kept in {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     wall_s = time.monotonic() - started
@@ -576,13 +560,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     goal = target(records)
     text = report(records, summary, goal)
     print(text)
-    progress(f"[faults] {len(records)} trials in {wall_s:.0f} s")
-    payload = {"meta": {**environment(), "benchmark": "faults", "world_size": WORLD_SIZE, "seed": args.seed,
+    bench.progress(f"[faults] {len(records)} trials in {wall_s:.0f} s")
+    payload = {"meta": {**bench.environment(), "benchmark": "faults", "world_size": WORLD_SIZE, "seed": args.seed,
                         "quick": args.quick, "timeout_s": args.timeout, "poll_s": POLL_S, "deadline_s": args.deadline,
                         "epoch_steps": EPOCH_STEPS, "wall_s": wall_s,
                         "bounds_s": {kind: bound_s(kind, args.timeout, POLL_S) for kind in KINDS}},
                "records": records, "summary": summary, "target": goal}
-    write_results(out, "faults", text, payload, lambda path: plot(records, path))
+    bench.write_results(out, "faults", text, payload, lambda path: plot(records, path))
     return payload
 
 

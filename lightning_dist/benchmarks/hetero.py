@@ -1,8 +1,8 @@
 """Heterogeneous-batching benchmark: epoch time of even batches against batches that follow measured speed,
 on ranks made slower by a known factor (:class:`lightning_dist.testing.Slowdown`).
 
-Run ``python -m lightning_dist.benchmarks.hetero`` (a few minutes on a 2-core machine); ``--quick`` is a smoke
-run (one short seed per mode, 2 ranks only).
+Run ``python -m lightning_dist.benchmarks.hetero``; ``--quick`` is a smoke run (one short seed per mode, 2 ranks
+only).
 
 Scenarios: ``speeds 1 / 0.5`` on 2 ranks (rank 1 takes twice its own compute time; the targets are judged
 here) and ``speeds 1 / 1 / 0.33`` on 3 ranks (reported only: 3 processes on 2 cores mostly measure
@@ -32,26 +32,17 @@ lines), ``hetero.png`` (epoch time per epoch, per mode; and the batch sizes ``ba
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 import warnings
 from typing import Any, Optional, Sequence
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback
 
-from lightning_dist.benchmarks._common import (
-    environment,
-    format_table,
-    output_dir,
-    progress,
-    quiet_lightning,
-    write_results,
-)
+from lightning_dist.benchmarks import _common as bench
+from lightning_dist.benchmarks.workloads import make_strategy
 from lightning_dist.examples import DigitsCNN, DigitsDataModule
 from lightning_dist.hetero import HeteroBatching
-from lightning_dist.strategy import RingDDPStrategy
 from lightning_dist.testing import RanksFailed, Slowdown, launched_externally, run_ranks
 
 SCENARIOS = {"2 ranks 1/0.5": (1.0, 0.5), "3 ranks 1/1/0.33": (1.0, 1.0, 0.33)}
@@ -60,48 +51,30 @@ MODES = ("uniform", "balanced", "static")
 BATCH, EPOCHS, TIMED_EPOCHS = 64, 10, 5
 
 
-class EpochRecorder(Callback):
-    """Rank 0's epoch times, and every step's per-rank compute times and batch sizes (from the exchange)."""
-
-    def __init__(self) -> None:
-        self.epoch_s: list[float] = []
-        self.steps: list[dict[str, Any]] = []
-        self._first: Optional[float] = None
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
-        if idx == 0:
-            self._first = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           idx: int) -> None:
-        if idx + 1 == trainer.num_training_batches and self._first is not None:  # before validation runs
-            self.epoch_s.append(time.perf_counter() - self._first)
-        metrics = trainer.strategy.step_metrics
-        n = trainer.world_size
-        if metrics:
-            self.steps.append({"epoch": trainer.current_epoch,
-                               "compute_s": [metrics[f"dist/rank{r}/compute_ms"] / 1e3 for r in range(n)],
-                               "samples": [metrics[f"dist/rank{r}/samples"] for r in range(n)]})
-
-
 def _run(rank: int, world_size: int, speeds: Sequence[float], mode: str, epochs: int, seed: int) -> dict[str, Any]:
     hetero = {"uniform": None, "balanced": HeteroBatching(window=5, every_n_steps=5),
               "static": HeteroBatching(speeds=list(speeds))}[mode]
-    recorder = EpochRecorder()
+    recorder = bench.StepRecorder()
     slow = Slowdown({r: 1.0 / s for r, s in enumerate(speeds) if s < 1.0})
-    with launched_externally(rank, world_size), warnings.catch_warnings(), quiet_lightning():
+    with launched_externally(rank, world_size), warnings.catch_warnings(), bench.quiet_lightning():
         warnings.simplefilter("ignore")
         L.seed_everything(seed, verbose=False)
         model, data = DigitsCNN(channels=128, hidden=256), DigitsDataModule(batch_size=BATCH, seed=seed)
-        trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=RingDDPStrategy(hetero=hetero, timeout=120),
-                            max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, num_sanity_val_steps=0, check_val_every_n_epoch=epochs,
-                            log_every_n_steps=1, callbacks=[recorder, slow])
+        strategy = make_strategy("auto", start_method="popen", hetero=hetero)
+        trainer = bench.quiet_trainer(devices=world_size, strategy=strategy, max_epochs=epochs,
+                                      check_val_every_n_epoch=epochs, log_every_n_steps=1, callbacks=[recorder, slow])
         trainer.fit(model, datamodule=data)  # validates once, after the last epoch
         accuracy = float(trainer.callback_metrics["val/acc"])
     events = [] if hetero is None else [{k: e[k] for k in ("step", "from_step", "spread", "old", "new")}
                                         for e in hetero.events]
-    return {"epoch_s": recorder.epoch_s, "steps": recorder.steps, "val_acc": accuracy, "events": events}
+    # an epoch: from its first batch's start to its last batch's end (before validation runs)
+    bounds = {e: (recorder.starts[recorder.epochs.index(e)], end) for e, end in zip(recorder.epochs, recorder.ends)}
+    # every step's per-rank compute times and batch sizes, from the exchange
+    steps = [{"epoch": e, "compute_s": [m[f"dist/rank{r}/compute_ms"] / 1e3 for r in range(world_size)],
+              "samples": [m[f"dist/rank{r}/samples"] for r in range(world_size)]}
+             for e, m in zip(recorder.epochs, recorder.step_metrics) if m]
+    return {"epoch_s": [end - start for start, end in bounds.values()], "steps": steps, "val_acc": accuracy,
+            "events": events}
 
 
 def run_once(name: str, mode: str, epochs: int, seed: int) -> dict[str, Any]:
@@ -160,18 +133,14 @@ def table(records: Sequence[dict[str, Any]]) -> str:
                      "-" if r["compute_spread"] is None else f"{100 * r['compute_spread']:.1f}%",
                      str([int(s) for s in r["final_sizes"]]) if r["final_sizes"] else "-",
                      f"{100 * r['val_acc']:.2f}%"])
-    return format_table(["scenario", "mode", "epoch s", "speed-up", "ideal", "compute spread", "sizes", "val acc"],
-                        rows)
+    headers = ["scenario", "mode", "epoch s", "speed-up", "ideal", "compute spread", "sizes", "val acc"]
+    return bench.format_table(headers, rows)
 
 
 def plot(records: Sequence[dict[str, Any]], path: Any) -> Any:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     names = list(dict.fromkeys(r["scenario"] for r in records))
-    fig = Figure(figsize=(6.5 * len(names), 4.6), layout="constrained")
-    FigureCanvasAgg(fig)
-    for ax, name in zip(fig.subplots(1, len(names), squeeze=False)[0], names):
+    fig, axes = bench.figure_row(len(names), 6.5 * len(names), 4.6)
+    for ax, name in zip(axes, names):
         for r in records:
             if r["scenario"] == name and "error" not in r:
                 ax.plot(range(1, len(r["epoch_s"]) + 1), r["epoch_s"], marker="o", label=r["mode"])
@@ -187,13 +156,11 @@ def plot(records: Sequence[dict[str, Any]], path: Any) -> Any:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m lightning_dist.benchmarks.hetero",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: 2 ranks, 2 epochs")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="output directory (default bench_results/hetero/)")
-    args = parser.parse_args(argv)
-    out = output_dir(args.out, "hetero")
+    cli = bench.parser("hetero", __doc__)
+    cli.add_argument("--quick", action="store_true", help="smoke run: 2 ranks, 2 epochs")
+    cli.add_argument("--seed", type=int, default=0)
+    args = cli.parse_args(argv)
+    out = bench.output_dir(args.out, "hetero")
     epochs = 2 if args.quick else EPOCHS
     scenarios = [GATED] if args.quick else list(SCENARIOS)
     records = []
@@ -202,17 +169,18 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             record = run_once(name, mode, epochs, args.seed)
             records.append(record)
             if "error" in record:
-                progress(f"[hetero] {name} {mode}: FAILED")
+                bench.progress(f"[hetero] {name} {mode}: FAILED")
             else:
-                progress(f"[hetero] {name} {mode:<9} epoch {record['epoch_median_s']:.2f}s  sizes "
-                         f"{record['final_sizes']}  acc {100 * record['val_acc']:.2f}%  (run {record['wall_s']:.0f}s)")
+                bench.progress(f"[hetero] {name} {mode:<9} epoch {record['epoch_median_s']:.2f}s  sizes "
+                               f"{record['final_sizes']}  acc {100 * record['val_acc']:.2f}%  "
+                               f"(run {record['wall_s']:.0f}s)")
     targets = judge(records)
-    lines = [f"target {t['target']}: {'MET' if t['met'] else 'MISSED'} ({t['detail']})" for t in targets]
+    lines = [bench.verdict(t["target"], t["met"], t["detail"]) for t in targets]
     text = table(records) + "\n\n" + "\n".join(lines)
     print(text)
-    payload = {"meta": {**environment(), "benchmark": "hetero", "quick": args.quick, "epochs": epochs,
+    payload = {"meta": {**bench.environment(), "benchmark": "hetero", "quick": args.quick, "epochs": epochs,
                         "batch_per_rank": BATCH, "timed_epochs": TIMED_EPOCHS}, "records": records, "targets": targets}
-    write_results(out, "hetero", text, payload, lambda path: plot(records, path))
+    bench.write_results(out, "hetero", text, payload, lambda path: plot(records, path))
     return payload
 
 
