@@ -3,7 +3,9 @@
 This is not a training launcher (training is launched by Lightning, ``torchrun`` or SLURM). It is the
 small tool that ``torch/testing/_internal/common_distributed.py`` is for PyTorch: one process per rank,
 rendezvous through a file (no port to clash), and every child killed when one fails or the deadline passes,
-so a broken collective fails a test in seconds instead of hanging it.
+so a broken collective fails a test in seconds instead of hanging it. And :func:`watch_job`, for tests and
+benchmarks that launch a real job (the training command): every process the job starts, found by a variable
+they all inherit, watched until none is left, all killed at a deadline.
 """
 
 from __future__ import annotations
@@ -14,14 +16,20 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import re
 import shutil
 import signal
+import subprocess
 import tempfile
+import threading
 import time
 import traceback
+import uuid
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional, Sequence
 
+import psutil
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
@@ -31,6 +39,7 @@ from lightning_dist.strategy.features import features_of
 
 _KEPT_GROUPS: list = []  # see _child: process groups a rank holds until it exits
 _GRACE_S = 3.0  # after a rank fails, how long the others get to report before they are killed
+JOB_VAR = "LIGHTNING_DIST_TEST_JOB"  # set for each launched job: its processes are found by it
 
 
 class RanksFailed(RuntimeError):
@@ -162,6 +171,113 @@ def launched_externally(rank: int, world_size: int) -> Iterator[None]:
             else:
                 os.environ[name] = value
 
+
+# -- a launched job and every process it starts ------------------------------------------------------------------
+def job_processes(job: str) -> dict[int, psutil.Process]:
+    """The live (not zombie) processes of the job started with ``JOB_VAR=job``: every process the job starts
+    inherits the variable (torchrun starts its workers in sessions of their own, so neither the job's process
+    group nor its session finds them all)."""
+    found = {}
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(JOB_VAR) == job and proc.status() != psutil.STATUS_ZOMBIE:
+                found[proc.pid] = proc
+        except psutil.Error:
+            continue
+    return found
+
+
+def kill_job(job: str) -> None:
+    """SIGKILL every live process of the job."""
+    for pid in job_processes(job):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@dataclass
+class ProcSeen:
+    """One process of a watched job: when it was first seen, last seen alive, and seen gone."""
+
+    pid: int
+    ppid: int
+    cmdline: tuple[str, ...]
+    create_time: float
+    first_seen: float
+    last_seen: float
+    gone_at: Optional[float] = None
+
+
+@dataclass
+class JobRun:
+    """What one watched job did, times on the watcher's monotonic clock."""
+
+    rc: Optional[int]
+    started: float
+    ended: float  # when none of its processes was left (or when they were killed)
+    timed_out: bool
+    lines: list[tuple[float, str]]  # its output, each line with the time it arrived
+    procs: dict[int, ProcSeen]
+    launcher: int  # the command's own pid
+
+    @property
+    def log(self) -> str:
+        return "".join(line for _, line in self.lines)
+
+    def line_time(self, pattern: re.Pattern) -> tuple[Optional[float], Optional[re.Match]]:
+        """When the first line matching ``pattern`` arrived, and its match."""
+        for stamp, line in self.lines:
+            match = pattern.search(line)
+            if match:
+                return stamp, match
+        return None, None
+
+
+def _read_lines(stream: Any, lines: list[tuple[float, str]]) -> None:
+    for line in iter(stream.readline, ""):
+        lines.append((time.monotonic(), line))
+    stream.close()
+
+
+def watch_job(args: Sequence[str], deadline_s: float, scan_s: float = 0.05) -> JobRun:
+    """Run ``args`` as a job of its own (a new session, a fresh ``JOB_VAR``), stdout and stderr merged and stamped
+    line by line, and look at every process of the job every ``scan_s`` seconds until none is left (a process is
+    gone when it no longer exists or is a zombie); SIGKILL them all after ``deadline_s`` seconds."""
+    job = uuid.uuid4().hex
+    started = time.monotonic()
+    proc = subprocess.Popen(list(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            encoding="utf-8", errors="replace", start_new_session=True, bufsize=1,
+                            env={**os.environ, JOB_VAR: job})
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True)
+    reader.start()
+    seen: dict[int, ProcSeen] = {}
+    timed_out = False
+    while True:
+        proc.poll()  # reaps the launcher once it exits: a zombie launcher counts as gone anyway
+        now = time.monotonic()
+        alive = job_processes(job)
+        for pid, member in alive.items():
+            if pid in seen:
+                seen[pid].last_seen = now
+                continue
+            with contextlib.suppress(psutil.Error):
+                seen[pid] = ProcSeen(pid, member.ppid(), tuple(member.cmdline()), member.create_time(), now, now)
+        for pid, record in seen.items():
+            if pid not in alive and record.gone_at is None:
+                record.gone_at = now
+        if not alive and proc.returncode is not None:
+            break
+        if now - started > deadline_s:
+            timed_out = True
+            kill_job(job)
+            proc.wait()
+            now = time.monotonic()
+            for record in seen.values():
+                record.gone_at = now if record.gone_at is None else record.gone_at
+            break
+        time.sleep(scan_s)
+    reader.join(timeout=10)
+    return JobRun(proc.returncode, started, now, timed_out, lines, seen, proc.pid)
 
 
 class Slowdown(Callback):

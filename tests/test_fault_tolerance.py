@@ -14,11 +14,9 @@ What each launcher does with each fault on rank 1 at step 5 (the README's table;
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -28,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import lightning.pytorch as pl
-import psutil
 import pytest
 import torch
 from torch import nn
@@ -37,11 +34,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_dist import FaultTolerance, RingDDPStrategy
 from lightning_dist.fault.checkpoint import find_checkpoints, verify
 from lightning_dist.hetero import HeteroBatching
-from lightning_dist.testing import launched_externally, run_ranks
+from lightning_dist.testing import JOB_VAR, job_processes, kill_job, launched_externally, run_ranks
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "lightning_dist.train"]
-JOB_VAR = "LIGHTNING_DIST_TEST_JOB"  # set for each launched job: its processes are found by it
 FT = ["callbacks=[checkpoint,fault_tolerance]", "callbacks.fault_tolerance.timeout_s=8",
       "callbacks.fault_tolerance.poll_s=1", "trainer.enable_progress_bar=false"]
 TIMEOUT_S = 8
@@ -65,30 +61,11 @@ class Run:
         return sorted(p.name for p in self.out.rglob(f"{kind}*.ckpt"))
 
 
-def _members(job: str) -> dict[int, str]:
-    """Live processes of the job, found by the variable every one of them inherits (torchrun starts its workers in
-    sessions of their own, so neither the job's process group nor its session finds them)."""
-    found = {}
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if proc.environ().get(JOB_VAR) == job and proc.status() != psutil.STATUS_ZOMBIE:
-                found[proc.pid] = " ".join(proc.info["cmdline"] or [])[:120]
-        except psutil.Error:
-            continue
-    return found
-
-
-def _kill(job: str) -> None:
-    for pid in _members(job):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-
-
 def _leftover(job: str) -> list[str]:
     """Processes of the job still alive a few seconds after it ended (none should be)."""
     deadline = time.monotonic() + 5.0
     while True:
-        alive = list(_members(job).values())
+        alive = [str(proc) for proc in job_processes(job).values()]
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.2)
@@ -104,16 +81,16 @@ def _launch(out: Path, *overrides: str, start_method="fork", deadline=150, cmd=N
     try:
         log, _ = proc.communicate(timeout=deadline)
     except subprocess.TimeoutExpired:
-        _kill(job)
+        kill_job(job)
         log, _ = proc.communicate()
         raise AssertionError(f"the job did not end within {deadline} s:\n{log[-3000:]}") from None
     except BaseException:  # pytest-timeout, Ctrl-C: nothing of the job outlives the test
-        _kill(job)
+        kill_job(job)
         raise
     seconds = time.monotonic() - started
     leftover = _leftover(job)
     if leftover:
-        _kill(job)
+        kill_job(job)
     return Run(proc.returncode, log, seconds, out, leftover)
 
 

@@ -1,14 +1,16 @@
 """The benchmark pipeline every benchmark here shares: one step recorder, one quiet Trainer, one timed fit, one
 summary statistic, one paired ratio, one verdict line, and the output files.
 
-Conventions: a timed quantity is summarised by its median and quartiles over repeats (a mean is dragged by
-the one repeat that met a page fault or a scheduler hiccup); for a collective, one repeat's time is the
-maximum over ranks, since the collective is done only when its slowest rank is. Contenders run interleaved
-(round-robin), and one is compared with another by the *paired* ratio: per round (or seed) the one's time over
-the other's in the same round, then the median over rounds, which cancels drift slower than one round.
-Results are written as one JSON file (``meta`` with the environment and command line, ``records`` with one
-flat dict per measurement) and a plain-text copy of the printed table, into a directory under
-``bench_results/`` (gitignored).
+Conventions: contenders run interleaved (round-robin over rounds or seeds), so that drift and other processes'
+bursts hit every contender alike, and one is compared with another by the *paired* ratio: per round the one's
+time over the other's in the same round, then the median over rounds, which cancels drift slower than a round.
+A timed quantity is summarised by its median and quartiles (a mean is dragged by the one repeat that met a page
+fault or a scheduler hiccup). A training step's time is the gap between two consecutive batch ends of one epoch
+(:class:`StepRecorder`), so it holds all that a step costs, and a run's is the median of its steps after a
+warm-up; a collective's time is the maximum over ranks, since it is done only when its slowest rank is. Every
+benchmark prints its tables and :func:`verdict` lines and writes them to ``<name>.txt``, with ``<name>.json``
+(``meta``: the environment and command line; ``records``: one flat dict per measurement) and a plot
+``<name>.png``, into ``--out`` (default ``bench_results/<name>/``, gitignored).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 import os
 import platform
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -157,39 +160,58 @@ def quiet_trainer(**kwargs: Any) -> L.Trainer:
     return L.Trainer(**{**settings, **kwargs})
 
 
-def timed_fit(workload: Any, strategy: Any, steps: int, warmup: int, seed: int, path: str,
-              callbacks: Sequence[Callback] = (), probe: Optional[Callable[[L.Trainer], dict]] = None
+def timed_fit(workload: Any, strategy: Any, steps: int, warmup: int, seed: int, callbacks: Sequence[Callback] = (),
+              probe: Optional[Callable[[L.Trainer], dict]] = None
               ) -> tuple[dict[str, Any], dict[str, Any], L.LightningModule]:
     """One fit of ``workload`` (:class:`~lightning_dist.benchmarks.workloads.Workload`) on :data:`WORLD_SIZE` ranks
     under ``strategy`` (Lightning's fork launcher) from ``seed_everything(seed)``, ``steps`` optimizer steps, no
     validation. Returns the run's step times after ``warmup`` (:func:`summarize`, with ``steps``,
-    ``timed_steps`` and the fit's ``wall_s``), rank 0's :class:`StepRecorder` record, and the model (the launcher
-    loads rank 0's final weights back into it)."""
+    ``timed_steps`` and the fit's ``wall_s``), rank 0's :class:`StepRecorder` record (through a file: rank 0
+    runs in a child), and the model (the launcher loads rank 0's final weights back into it)."""
     L.seed_everything(seed, verbose=False)
     model = workload.model()
-    trainer = quiet_trainer(devices=WORLD_SIZE, strategy=strategy, max_steps=steps, limit_val_batches=0,
-                            callbacks=[StepRecorder(path, probe), *callbacks])
-    started = time.perf_counter()
-    trainer.fit(model, workload.data())
-    wall_s = time.perf_counter() - started
-    stamps = json.loads(Path(path).read_text())
+    with tempfile.TemporaryDirectory(prefix="lightning_dist_fit_") as workdir:
+        path = Path(workdir) / "stamps.json"
+        trainer = quiet_trainer(devices=WORLD_SIZE, strategy=strategy, max_steps=steps, limit_val_batches=0,
+                                callbacks=[StepRecorder(str(path), probe), *callbacks])
+        started = time.perf_counter()
+        trainer.fit(model, workload.data())
+        wall_s = time.perf_counter() - started
+        stamps = json.loads(path.read_text())
     times = step_times(stamps["ends"], stamps["epochs"], warmup)
     if not times:
-        raise RuntimeError(f"{Path(path).stem}: no step left after {warmup} warmup steps; raise --steps.")
+        raise RuntimeError(f"{workload.name}: no step left after {warmup} warmup steps; raise --steps.")
     return {"steps": steps, "timed_steps": len(times), **summarize(times), "wall_s": wall_s}, stamps, model
 
 
 # -- output -------------------------------------------------------------------------------------------------------
-def parser(name: str, doc: str) -> argparse.ArgumentParser:
-    """The command line of ``python -m lightning_dist.benchmarks.<name>``, with its ``--out``."""
-    parser = argparse.ArgumentParser(prog=f"python -m lightning_dist.benchmarks.{name}",
-                                     description=doc.split("\n\n")[0])
-    parser.add_argument("--out", default=None, help=f"output directory (default bench_results/{name}/)")
-    return parser
+def parser(name: str, doc: str, quick: str, seed: Optional[str] = None) -> argparse.ArgumentParser:
+    """The command line of ``python -m lightning_dist.benchmarks.<name>``, with the flags every benchmark has:
+    ``--out``, ``--quick`` (``quick`` says what the smoke run does) and, where ``seed`` says what it seeds,
+    ``--seed`` (default 0)."""
+    cli = argparse.ArgumentParser(prog=f"python -m lightning_dist.benchmarks.{name}", description=doc.split("\n\n")[0])
+    cli.add_argument("--out", default=None, help=f"output directory (default bench_results/{name}/)")
+    cli.add_argument("--quick", action="store_true", help=f"smoke run: {quick}")
+    if seed is not None:
+        cli.add_argument("--seed", type=int, default=0, help=f"{seed} (default 0)")
+    return cli
 
 
-def environment() -> dict[str, Any]:
-    """Enough to tell two result files apart: when, where, with what, and how invoked."""
+def check_counts(cli: argparse.ArgumentParser, steps: Optional[int] = None, warmup: int = 0, /,
+                 **counts: Optional[int]) -> None:
+    """A usage error where a count given on the command line (``rounds=args.rounds``) is below 1, or where
+    ``steps`` leave fewer than 3 timed steps after ``warmup``."""
+    for name, value in counts.items():
+        if value is not None and value < 1:
+            cli.error(f"--{name} {value}: need at least 1.")
+    if steps is not None and steps < warmup + 3:
+        cli.error(f"--steps {steps} leaves fewer than 3 timed steps after {warmup} warmup steps; "
+                  f"use --steps >= {warmup + 3}.")
+
+
+def environment(benchmark: str, **fields: Any) -> dict[str, Any]:
+    """A result file's ``meta``: enough to tell two apart (when, where, with what, how invoked), the benchmark's
+    name and its ``fields``."""
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "host": platform.node(),
@@ -200,6 +222,8 @@ def environment() -> dict[str, Any]:
         # other processes' load when the run started: above the core count, timings include their share
         "load_average_1m": os.getloadavg()[0],
         "argv": sys.argv[1:],
+        "benchmark": benchmark,
+        **fields,
     }
 
 
@@ -210,18 +234,18 @@ def output_dir(path: str | os.PathLike | None, default_name: str) -> Path:
     return out
 
 
-def write_json(path: Path, payload: dict[str, Any]) -> Path:
-    path.write_text(json.dumps(payload, indent=2) + "\n")
-    return path
-
-
-def write_results(out: Path, name: str, text: str, payload: dict[str, Any], draw: Any) -> None:
-    """A benchmark's three outputs in ``out``: ``<name>.txt`` (the printed table), ``<name>.json`` and the
-    ``<name>.png`` that ``draw(path)`` makes; then say where they are."""
+def write_results(out: Path, name: str, blocks: Sequence[str | Sequence[str]], payload: dict[str, Any],
+                  draw: Callable[[], Any]) -> dict[str, Any]:
+    """Print ``blocks`` (a table, or a list of lines such as verdicts; a blank line between two) and write a
+    benchmark's three outputs in ``out``: ``<name>.txt`` (what was printed), ``<name>.json`` (``payload``, which is
+    returned) and ``<name>.png``, the figure ``draw()`` returns."""
+    text = "\n\n".join(block if isinstance(block, str) else "\n".join(block) for block in blocks)
+    print(text)
     (out / f"{name}.txt").write_text(text + "\n")
-    write_json(out / f"{name}.json", payload)
-    draw(out / f"{name}.png")
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    draw().savefig(out / f"{name}.png", dpi=110)
     progress(f"[{name}] wrote {out / name}.{{json,txt,png}}")
+    return payload
 
 
 def verdict(what: str, met: bool, detail: str) -> str:

@@ -1,46 +1,30 @@
 """All-reduce benchmark: the ring, the tree and ``auto`` against gloo's native ``all_reduce``, side by side.
 
-Run ``python -m lightning_dist.benchmarks.allreduce``; ``--quick`` is a smoke run, ``--segment-sweep`` measures
-the ring's pipeline segment size instead of the main sweep.
+Each world size is one group of local gloo ranks (:func:`lightning_dist.testing.run_ranks`, one intra-op thread
+per rank). For each message size (float32, 1 KiB to 64 MiB) the algorithms run in rounds, each once per round,
+after ``--warmup`` untimed rounds; the order within a round is shuffled with a seed all ranks share, since in a
+fixed order an algorithm inherits whatever the one before it leaves behind. Before each call the tensor is
+refilled with ``rank + 1`` (a fresh gradient; the sums never overflow) and the ranks meet at a barrier; after it
+the result is checked against ``N (N + 1) / 2``, so a fast but wrong collective cannot win. A size's time is the
+median over repeats of the slowest rank's; from 16 MiB a quarter of ``--repeats`` (at least 5), which already
+gives a stable median on messages that long.
 
-Method:
-
-1. Each world size is one group of local gloo ranks (:func:`lightning_dist.testing.run_ranks`, one intra-op
-   thread per rank). Inside it, for each message size (float32, 1 KiB to 64 MiB), the algorithms are
-   interleaved: every round runs each of them once, after ``--warmup`` untimed rounds, so that machine
-   noise (another process, a thermal step) hits every algorithm alike. The order within a round is
-   shuffled, with a seed all ranks share: in a fixed order ``native, ring, tree, auto``, ``auto`` (the
-   very same ring from 64 KiB, but always right after the tree) came out slower than ``ring`` at every
-   size from 64 KiB at 2 ranks; a shuffled order spreads such carry-over effects over all algorithms.
-2. Before each call the tensor is refilled with ``rank + 1`` (untimed: a fresh gradient, and the sums never
-   overflow) and all ranks meet at a ``dist.barrier()``. Each rank times its own call; one repeat's time is
-   the maximum over ranks, the moment the collective is complete everywhere. After each call the result
-   is checked against ``N (N + 1) / 2``, so a fast but wrong collective cannot win.
-3. A measurement is the median over repeats, with quartiles. Messages of 16 MiB and more use a quarter of
-   ``--repeats`` (at least 5): they take long enough that a few repeats already give a stable median.
-
-Conventions, as in nccl-tests (``doc/PERFORMANCE.md``): ``algbw = bytes / time`` and, for all-reduce,
-``busbw = algbw * 2 (N - 1) / N``, the rate each rank's link carries in a bandwidth-optimal algorithm;
-busbw is comparable across world sizes and against the hardware's bandwidth. GB/s are 1e9 bytes/s.
-
-Outputs in ``--out`` (default ``bench_results/allreduce/``): ``allreduce.json`` (one record per world size,
-size and algorithm, plus the targets and the tree/native crossover), ``allreduce.txt`` (the printed table) and
-``allreduce.png`` (busbw per algorithm, one panel per world size; latency for small messages). The segment
-sweep writes ``segment_sweep.{json,txt,png}``. The crossover justifies ``AUTO_TREE_MAX_BYTES`` and the sweep
-``DEFAULT_SEGMENT_BYTES``; each prints a one-line recommendation.
-
-Ranks beyond the core count share cores, so on a 2-core machine the 3- and 4-rank numbers measure the
-algorithms under oversubscription, not a network.
+As in nccl-tests (``doc/PERFORMANCE.md``): ``algbw = bytes / time`` and ``busbw = algbw * 2 (N - 1) / N``, the
+rate each rank's link carries in a bandwidth-optimal algorithm, comparable across world sizes and against the
+hardware (GB/s: 1e9 bytes/s). Ranks beyond the core count share cores: there the figures measure the algorithms
+under oversubscription, not a network. The tree/native crossover justifies ``AUTO_TREE_MAX_BYTES`` and
+``--segment-sweep`` (written as ``segment_sweep.*``) ``DEFAULT_SEGMENT_BYTES``; each prints a recommendation.
+The plot: busbw per algorithm, one panel per world size, and below it the latency of small messages.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -98,36 +82,45 @@ def _call(case: Case, tensor: torch.Tensor) -> None:
         allreduce_(tensor, case.algorithm)
 
 
+def time_rounds(calls: Mapping[str, Callable[[torch.Tensor], Any]], tensor: torch.Tensor,
+                orders: Sequence[Sequence[str]], warmup: int) -> dict[str, list[float]]:
+    """On one rank of the group: a round per entry of ``orders`` (the same on every rank), the first ``warmup``
+    untimed; in each, the calls it names in turn, each on ``tensor`` refilled with ``rank + 1`` after a barrier
+    and checked against ``N (N + 1) / 2``. Returns this rank's seconds per timed call, by name."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    expected = world_size * (world_size + 1) / 2  # sum over ranks of (rank + 1), exact in float32
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for k, order in enumerate(orders):
+        for name in order:
+            tensor.fill_(rank + 1)
+            dist.barrier()
+            start = time.perf_counter()
+            calls[name](tensor)
+            elapsed = time.perf_counter() - start
+            if tensor[0].item() != expected or tensor[-1].item() != expected:
+                raise RuntimeError(
+                    f"{name} all-reduce of {bench.size_label(tensor.numel() * 4)} at N={world_size} returned "
+                    f"{tensor[0].item()}..{tensor[-1].item()}, expected {expected}: the collective is wrong; run "
+                    "tests/ for the comm package before benchmarking it.")
+            if k >= warmup:
+                times[name].append(elapsed)
+    return times
+
+
 def _measure_on_rank(
     rank: int, world_size: int, cases: Sequence[Case], sizes: Sequence[int], repeats: int, warmup: int
 ) -> dict[int, dict[str, list[float]]]:
     """On one rank: ``{nbytes: {case label: [seconds per timed repeat]}}``, cases interleaved per repeat."""
-    expected = world_size * (world_size + 1) / 2  # sum over ranks of (rank + 1), exact in float32
+    calls = {case.label: functools.partial(_call, case) for case in cases}
     results: dict[int, dict[str, list[float]]] = {}
     for index, nbytes in enumerate(sizes):
         timed = repeats_for(nbytes, repeats)
         if rank == 0:
             bench.progress(f"  N={world_size} {bench.size_label(nbytes):>4} ({index + 1}/{len(sizes)}): "
                            f"{warmup} warmup + {timed} timed rounds of {len(cases)} cases")
-        tensor = torch.empty(nbytes // 4, dtype=torch.float32)
-        times: dict[str, list[float]] = {case.label: [] for case in cases}
-        for repeat in range(-warmup, timed):
-            # same seed on every rank, so all ranks call the same algorithm at the same time
-            for case in random.Random(f"{nbytes}/{repeat}").sample(list(cases), len(cases)):
-                tensor.fill_(rank + 1)
-                dist.barrier()
-                start = time.perf_counter()
-                _call(case, tensor)
-                elapsed = time.perf_counter() - start
-                if tensor[0].item() != expected or tensor[-1].item() != expected:
-                    raise RuntimeError(
-                        f"{case.label} all-reduce of {bench.size_label(nbytes)} at N={world_size} returned "
-                        f"{tensor[0].item()}..{tensor[-1].item()}, expected {expected}: the collective is "
-                        "wrong; run tests/ for the comm package before benchmarking it."
-                    )
-                if repeat >= 0:
-                    times[case.label].append(elapsed)
-        results[nbytes] = times
+        orders = [[case.label for case in random.Random(f"{nbytes}/{repeat}").sample(list(cases), len(cases))]
+                  for repeat in range(-warmup, timed)]  # seeded alike on every rank
+        results[nbytes] = time_rounds(calls, torch.empty(nbytes // 4, dtype=torch.float32), orders, warmup)
     return results
 
 
@@ -148,15 +141,9 @@ def measure(
             # what actually ran: auto resolves by size and world size, as every rank does in training
             resolved = choose_algorithm(nbytes, "gloo", world_size) if case.algorithm == "auto" else case.algorithm
             records.append({
-                "world_size": world_size,
-                "bytes": nbytes,
-                "algorithm": case.label,
-                "resolved_algorithm": resolved,
+                "world_size": world_size, "bytes": nbytes, "algorithm": case.label, "resolved_algorithm": resolved,
                 "segment_bytes": None if resolved != "ring" else case.segment_bytes or DEFAULT_SEGMENT_BYTES,
-                "repeats": repeats_for(nbytes, repeats),
-                **stats,
-                "algbw_GBps": algbw,
-                "busbw_GBps": algbw * bus_factor,
+                "repeats": repeats_for(nbytes, repeats), **stats, "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor,
             })
         for record in records[-len(cases):]:
             # busbw / native busbw, which is native time / this time: > 1 means faster than gloo
@@ -186,10 +173,8 @@ def crossover(records: Sequence[dict[str, Any]], world_size: int) -> dict[str, O
     start = len(sizes)
     while start > 0 and native_faster[start - 1]:
         start -= 1
-    return {
-        "tree_wins_up_to": sizes[start - 1] if start > 0 else None,
-        "native_wins_from": sizes[start] if start < len(sizes) else None,
-    }
+    return {"tree_wins_up_to": sizes[start - 1] if start > 0 else None,
+            "native_wins_from": sizes[start] if start < len(sizes) else None}
 
 
 def check_targets(records: Sequence[dict[str, Any]], world_size: int = 2) -> dict[str, Any]:
@@ -246,9 +231,7 @@ def sweep_table(records: Sequence[dict[str, Any]], cases: Sequence[Case]) -> str
     return "busbw GB/s (ratio to native)\n" + bench.format_table(headers, rows)
 
 
-def plot(
-    records: Sequence[dict[str, Any]], labels: Sequence[str], path: Path, latency_max_bytes: int = MIB
-) -> Path:
+def plot(records: Sequence[dict[str, Any]], labels: Sequence[str], latency_max_bytes: int = MIB) -> Any:
     """busbw vs message size per algorithm, one column per world size; below, latency of small messages."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg: no display, no pyplot global state
     from matplotlib.figure import Figure
@@ -284,8 +267,7 @@ def plot(
             ax.minorticks_off()
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize="small")
-    fig.savefig(path, dpi=110)
-    return path
+    return fig
 
 
 def _describe_crossover(c: dict[str, Optional[int]]) -> str:
@@ -299,7 +281,7 @@ def _describe_crossover(c: dict[str, Optional[int]]) -> str:
 
 def _recommend_threshold(cross: dict[int, dict[str, Optional[int]]]) -> list[str]:
     """The crossover per world size, and one ``AUTO_TREE_MAX_BYTES`` for the world sizes ``auto`` uses the
-    tree at (3 and more: at 2 ranks the tree saves no round, and the step benchmark measured it slower)."""
+    tree at (3 and more: at 2 ranks the tree saves no round)."""
     lines = ["tree/native crossover: " + "; ".join(f"{n} ranks: {_describe_crossover(c)}"
                                                   for n, c in sorted(cross.items())) + "."]
     froms = [c["native_wins_from"] for n, c in cross.items() if n >= 3]
@@ -327,36 +309,28 @@ def _recommend_segment(records: Sequence[dict[str, Any]], cases: Sequence[Case])
 
 
 def _parse_args(argv: Optional[Sequence[str]]) -> Any:
-    cli = bench.parser("allreduce", __doc__)
+    cli = bench.parser("allreduce", __doc__, "sizes 1K 64K 4M, 5 repeats, 2 ranks")
     cli.add_argument("--world-sizes", type=int, nargs="+", default=None,
                      help="ranks per group (default 2 3 4; 2 for --quick and --segment-sweep)")
     cli.add_argument("--sizes", type=bench.parse_size, nargs="+", default=None,
                      help="message sizes, e.g. 1K 64K 4M (default 1K..64M in powers of 4)")
-    cli.add_argument("--repeats", type=int, default=None,
-                     help=f"timed repeats per algorithm and size (default {DEFAULT_REPEATS}, "
-                          f"{QUICK_REPEATS} with --quick; a quarter, at least 5, from "
-                          f"{bench.size_label(LARGE_BYTES)})")
-    cli.add_argument("--warmup", type=int, default=2,
-                     help="untimed rounds before the timed ones (default 2)")
-    cli.add_argument("--quick", action="store_true", help="smoke run: sizes 1K 64K 4M, 5 repeats, 2 ranks")
-    cli.add_argument("--segment-sweep", action="store_true",
-                     help="instead of the main sweep, time the ring at segment sizes 256K 1M 4M 16M "
-                          "against native (2 ranks, 4M 16M 64M)")
+    cli.add_argument("--repeats", type=int, default=None, help=f"timed repeats per algorithm and size (default "
+                     f"{DEFAULT_REPEATS}, {QUICK_REPEATS} with --quick; a quarter, at least 5, from "
+                     f"{bench.size_label(LARGE_BYTES)})")
+    cli.add_argument("--warmup", type=int, default=2, help="untimed rounds before the timed ones (default 2)")
+    cli.add_argument("--segment-sweep", action="store_true", help="instead of the main sweep, time the ring at "
+                     "segment sizes 256K 1M 4M 16M against native (2 ranks, 4M 16M 64M)")
     cli.add_argument("--deadline-s", type=float, default=1800.0,
                      help="kill a rank group that runs longer than this (default 1800)")
     args = cli.parse_args(argv)
-    default_sizes = QUICK_SIZES if args.quick else SWEEP_SIZES if args.segment_sweep else DEFAULT_SIZES
-    sizes = args.sizes or default_sizes
-    bad = [s for s in sizes if s % 4]
-    if bad:
-        cli.error(f"sizes {bad} are not whole float32 tensors; use multiples of 4 bytes.")
+    sizes = args.sizes or (QUICK_SIZES if args.quick else SWEEP_SIZES if args.segment_sweep else DEFAULT_SIZES)
+    if any(size % 4 for size in sizes):
+        cli.error(f"sizes {[s for s in sizes if s % 4]} are not whole float32 tensors; use multiples of 4 bytes.")
     args.sizes = tuple(sorted(set(sizes)))
-    quick_or_sweep = args.quick or args.segment_sweep
-    args.world_sizes = tuple(args.world_sizes or ((2,) if quick_or_sweep else DEFAULT_WORLD_SIZES))
+    args.world_sizes = tuple(args.world_sizes or ((2,) if args.quick or args.segment_sweep else DEFAULT_WORLD_SIZES))
     if min(args.world_sizes) < 2:
         cli.error(f"--world-sizes {args.world_sizes}: an all-reduce needs at least 2 ranks.")
-    if args.repeats is None:
-        args.repeats = QUICK_REPEATS if args.quick else DEFAULT_REPEATS
+    args.repeats = (QUICK_REPEATS if args.quick else DEFAULT_REPEATS) if args.repeats is None else args.repeats
     if args.repeats < 1 or args.warmup < 0:
         cli.error(f"--repeats {args.repeats} must be >= 1 and --warmup {args.warmup} >= 0.")
     return args
@@ -380,10 +354,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         records += measure(n, cases, args.sizes, args.repeats, args.warmup, args.deadline_s)
         bench.progress(f"[allreduce] {n} ranks done in {time.perf_counter() - start:.0f}s")
 
-    payload: dict[str, Any] = {"meta": {**bench.environment(), "benchmark": name, "repeats": args.repeats,
-                                        "warmup": args.warmup, "cases": [asdict(c) for c in cases],
-                                        "default_segment_bytes": DEFAULT_SEGMENT_BYTES,
-                                        "auto_tree_max_bytes": AUTO_TREE_MAX_BYTES},
+    payload: dict[str, Any] = {"meta": bench.environment(name, repeats=args.repeats, warmup=args.warmup,
+                                                         cases=[asdict(c) for c in cases],
+                                                         default_segment_bytes=DEFAULT_SEGMENT_BYTES,
+                                                         auto_tree_max_bytes=AUTO_TREE_MAX_BYTES),
                                "records": records}
     if args.segment_sweep:
         table = sweep_table(records, cases)
@@ -400,10 +374,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             lines.append(bench.verdict(f"{key} {sign} {t['bound']}", t["met"],
                                        f"worst {t['worst_ratio']:.2f}x at {bench.size_label(t['worst_bytes'])}"))
     payload["recommendation"] = lines
-    text = table + "\n\n" + "\n".join(lines)
-    print(text)
-    bench.write_results(out, name, text, payload, lambda path: plot(records, [c.label for c in cases], path))
-    return payload
+    return bench.write_results(out, name, [table, lines], payload, lambda: plot(records, [c.label for c in cases]))
 
 
 if __name__ == "__main__":

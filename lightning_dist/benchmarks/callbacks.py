@@ -1,43 +1,27 @@
 """What a callback costs a training step when it has nothing to do: ``NaNRecovery`` on a clean run and
 ``MemoryMonitor`` at its default interval, each with and without, side by side.
 
-Run ``python -m lightning_dist.benchmarks.callbacks``; ``--quick`` is a smoke run; ``--callbacks NaNRecovery``
-runs one. Every case runs on 2 CPU ranks (Lightning's fork launcher) on the workloads of
-:mod:`lightning_dist.benchmarks.workloads`, the callback on and off, round-robin for ``--rounds`` rounds:
-
-- ``NaNRecovery()`` (its defaults) under ``RingDDPStrategy(algorithm="auto")`` on ``digits`` (10 rounds of 150
-  steps) and ``mlp`` (8 rounds of 40);
-- ``MemoryMonitor()`` at its default interval (the Trainer's ``log_every_n_steps``, 50) on ``digits`` under
-  ring_ddp ``auto`` and under stock ``DDPStrategy``, 12 rounds of 300 steps, so that several readings happen;
-  the order of with and without alternates by round.
-
+Each case (:data:`CASES`) is a workload of :mod:`lightning_dist.benchmarks.workloads` on 2 CPU ranks under
+ring_ddp ``auto`` or stock DDP, run with the callback and without, round-robin (for MemoryMonitor the order
+alternates by round, and a run is long enough for several readings at the Trainer's ``log_every_n_steps``).
 Two measures of the cost, since the first is at the mercy of the machine's noise:
 
-1. **Step time, paired**: per round, the run with the callback over the same round's run without it; the
-   median over rounds, with quartiles.
-2. **Self-timed work, as a fraction of the step**, on rank 0. NaNRecovery's guard times the hook's two
-   float64 sums per bucket (local, before compression, and reduced, after the all-reduce; on the
-   communication worker, overlapped with backward except for the last bucket), the decision after backward
-   (one synchronisation; on the training thread) and the callback's per-step bookkeeping (snapshots included,
-   every ``snapshot_every`` good steps); each per step, divided by the run's median step. Agreement costs no
-   collective on a good step, so there is no collective to time. MemoryMonitor times its own work
-   (``seconds``, thread CPU time); the first step's share (the estimate at fit start, the activation probe,
-   the first reading) is a one-off reported apart (``one-off ms``); the rest divided by the remaining steps
-   and by the run's median step is the **steady** fraction, which is judged; ``all-in`` divides everything
-   by steps x median step.
+1. **Step time, paired**: the run with the callback over the same round's run without it.
+2. **Self-timed work, as a fraction of the median step**, on rank 0. NaNRecovery: per step, the guard's two
+   float64 sums per bucket in the hook (local before compression, reduced after the all-reduce; on the
+   communication worker, overlapped with backward but for the last bucket), its decision after backward (on the
+   training thread) and the callback's bookkeeping; a good step's agreement costs no collective. MemoryMonitor:
+   its own thread CPU time, the first step's share (the estimate, the activation probe, the first reading) apart
+   as a one-off; the rest per remaining step is the **steady** fraction, which is judged, and ``all-in``
+   divides everything by steps x median step.
 
-The targets, from the issues: each callback's own work below 1% of the step (NaNRecovery: all of the guard's
-work, on both workloads; MemoryMonitor: steady, at the default interval).
-
-Writes ``callbacks.json`` (per callback, one record per run in ``runs`` and one per case in ``records``),
-``callbacks.txt`` (a table per callback and the verdicts) and ``callbacks.png`` (a row per callback: per-run step
-times with and without it, and the self-timed fractions) to ``--out`` (default ``bench_results/callbacks/``).
+Targets (from the issues): each callback's own work below 1% of the step (NaNRecovery: all of the guard's work,
+on both workloads; MemoryMonitor: steady, at the default interval). The plot has a row per callback: per case
+every run's step time with and without it, then the self-timed fractions.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -151,7 +135,7 @@ class MonitorCost:
         monitor = _find(trainer, MemoryMonitor)
         if monitor is None:
             return {"monitor_s": 0.0, "readings": 0, "every": 0}
-        return {"monitor_s": monitor.seconds, "readings": monitor.readings, "every": monitor._every}
+        return {"monitor_s": monitor.seconds, "readings": monitor.readings, "every": monitor.interval}
 
     def fields(self, on: bool, median_s: float, stamps: dict[str, Any]) -> dict[str, Any]:
         return {"monitored": on, **stamps["last"], "first_s": stamps["first"].get("monitor_s", 0.0)}
@@ -192,13 +176,12 @@ class MonitorCost:
 SUBJECTS = {s.name: s for s in (GuardCost(), MonitorCost())}
 
 
-def run_once(case: Case, on: bool, steps: int, warmup: int, every: Optional[int], seed: int, path: str
-             ) -> dict[str, Any]:
+def run_once(case: Case, on: bool, steps: int, warmup: int, every: Optional[int], seed: int) -> dict[str, Any]:
     """One fit of the case's workload, with or without its callback."""
     subject = SUBJECTS[case.callback]
     strategy = make_strategy("auto" if case.strategy == "ring_ddp" else None, case.workload.bucket_cap_mb)
     callbacks = [subject.make(every)] if on else []
-    times, stamps, _ = bench.timed_fit(case.workload, strategy, steps, warmup, seed, path, callbacks, subject.probe)
+    times, stamps, _ = bench.timed_fit(case.workload, strategy, steps, warmup, seed, callbacks, subject.probe)
     return {"workload": case.workload.name, "strategy": case.strategy,
             "config": case.label + (f"+{case.callback}" if on else ""), **times,
             **subject.fields(on, times["median_s"], stamps)}
@@ -228,7 +211,7 @@ def summarize_runs(runs: Sequence[dict[str, Any]], subject: Any) -> list[dict[st
     return out
 
 
-def plot(results: dict[str, dict[str, Any]], path: Any) -> Any:
+def plot(results: dict[str, dict[str, Any]]) -> Any:
     """A row per callback: per case, per-run median step times without and with it; then its own work."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -250,12 +233,12 @@ def plot(results: dict[str, dict[str, Any]], path: Any) -> Any:
         ax.axhline(100 * TARGET_FRACTION, color="red", ls="--", lw=1, label="target: 1% of the step")
         ax.set_ylabel("% of the median step")
         ax.legend(fontsize="x-small")
-    fig.savefig(path, dpi=110)
-    return path
+    return fig
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    cli = bench.parser("callbacks", __doc__)
+    cli = bench.parser("callbacks", __doc__, f"1 round of {QUICK_STEPS} steps, MemoryMonitor every {QUICK_EVERY} steps",
+                       seed="seed of every run")
     cli.add_argument("--callbacks", nargs="+", choices=list(SUBJECTS), default=list(SUBJECTS))
     cli.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS),
                      help="NaNRecovery's workloads (default: both)")
@@ -264,22 +247,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     cli.add_argument("--rounds", type=int, default=None, help="round-robin rounds (default: the case's; --quick 1)")
     cli.add_argument("--steps", type=int, default=None,
                      help=f"steps per run (default: the case's; --quick {QUICK_STEPS})")
-    cli.add_argument("--quick", action="store_true",
-                     help=f"smoke run: 1 round of {QUICK_STEPS} steps, MemoryMonitor every {QUICK_EVERY} steps")
-    cli.add_argument("--seed", type=int, default=0)
     args = cli.parse_args(argv)
-    if args.rounds is not None and args.rounds < 1:
-        cli.error(f"--rounds {args.rounds}: need at least 1")
     warmup = QUICK_WARMUP if args.quick else WARMUP
-    if args.steps is not None and args.steps < warmup + 3:
-        cli.error(f"--steps {args.steps} leaves fewer than 3 timed steps after {warmup} warmup steps")
+    bench.check_counts(cli, args.steps, warmup, rounds=args.rounds)
     every = QUICK_EVERY if args.quick else None  # None: the Trainer's log_every_n_steps (50)
     cases = [c for c in CASES if c.callback in args.callbacks and (
         c.workload.name in args.workloads if c.callback == "NaNRecovery" else c.strategy in args.strategies)]
     out = bench.output_dir(args.out, "callbacks")
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.callbacks}
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="lightning_dist_callbacks_") as workdir, bench.quiet_lightning():
+    with bench.quiet_lightning():
         # the cases of one callback and workload share rounds: each round runs every strategy, without and with
         for name, workload in dict.fromkeys((c.callback, c.workload.name) for c in cases):
             group = [c for c in cases if (c.callback, c.workload.name) == (name, workload)]
@@ -291,26 +268,21 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                 for case in group:
                     order = (True, False) if SUBJECTS[name].alternate and round_index % 2 else (False, True)
                     for on in order:
-                        path = os.path.join(workdir, f"{name}_{workload}_{case.strategy}_{round_index}_{on}.json")
-                        record = run_once(case, on, steps, warmup, every, args.seed, path)
+                        record = run_once(case, on, steps, warmup, every, args.seed)
                         runs[name].append({**record, "round": round_index})
                         bench.progress(f"  {workload} round {round_index + 1}/{rounds} {record['config']:<22} "
                                        f"{1e3 * record['median_s']:7.2f} ms/step (run {record['wall_s']:.1f}s)")
     wall_s = time.perf_counter() - started
     bench.progress(f"[callbacks] {sum(map(len, runs.values()))} runs in {wall_s:.0f}s")
     results = {name: {"runs": mine, "records": summarize_runs(mine, SUBJECTS[name])} for name, mine in runs.items()}
-    blocks = [SUBJECTS[name].table(r["records"]) for name, r in results.items() if r["records"]]
+    tables = [SUBJECTS[name].table(r["records"]) for name, r in results.items() if r["records"]]
     lines = [SUBJECTS[name].verdict(s) for name, r in results.items() for s in r["records"]]
-    text = "\n\n".join(blocks + ["\n".join(lines)])
-    print(text)
-    payload = {"meta": {**bench.environment(), "benchmark": "callbacks", "world_size": bench.WORLD_SIZE,
-                        "seed": args.seed, "wall_s": wall_s, "quick": args.quick, "every_n_steps": every,
-                        "target_fraction": TARGET_FRACTION, "warmup": warmup,
-                        "cases": [{"callback": c.callback, "workload": c.workload.name, "strategy": c.strategy,
-                                   "steps": c.steps, "rounds": c.rounds} for c in cases]},
-               **{SUBJECTS[name].key: result for name, result in results.items()}}
-    bench.write_results(out, "callbacks", text, payload, lambda path: plot(results, path))
-    return payload
+    meta = bench.environment("callbacks", world_size=bench.WORLD_SIZE, seed=args.seed, wall_s=wall_s, quick=args.quick,
+                             every_n_steps=every, target_fraction=TARGET_FRACTION, warmup=warmup,
+                             cases=[{"callback": c.callback, "workload": c.workload.name, "strategy": c.strategy,
+                                     "steps": c.steps, "rounds": c.rounds} for c in cases])
+    payload = {"meta": meta, **{SUBJECTS[name].key: result for name, result in results.items()}}
+    return bench.write_results(out, "callbacks", [*tables, lines], payload, lambda: plot(results))
 
 
 if __name__ == "__main__":

@@ -1,54 +1,36 @@
 """Simulated-cluster benchmark: training steps and all-reduce bus bandwidth across real, shaped network links.
 
-Run ``python -m lightning_dist.benchmarks.cluster`` (root and iproute2 needed); ``--quick`` is a smoke run (2
-hosts at 100 Mbit/s, dense and topk1% only, 10 steps, 2 all-reduce iterations); ``--hosts 2 3 4``,
-``--rates 100`` and ``--configs dense topk1%`` choose what runs.
+Needs root and iproute2 (where :func:`lightning_dist.simcluster.unavailable` gives a reason, it prints it and
+returns a payload that says it was skipped). Every run gets a fresh :class:`lightning_dist.simcluster.SimCluster`,
+so a run that hung cannot leave anything to the next: N network namespaces on a bridge, each link shaped to the
+rate both ways (``tbf`` where the kernel has no ``netem``: no added delay). Each host runs one rank under a
+static multi-node ``torchrun`` (``--worker`` or ``--worker-allreduce``), gloo on its ``eth0``; all hosts share
+the machine's cores, so with more hosts than cores compute is oversubscribed too. Every rank's output is kept
+in ``logs/``.
 
-Setup: every (hosts, rate) pair gets fresh :class:`lightning_dist.simcluster.SimCluster` s (one per run, so a
-run that hung cannot leave anything to the next): N network namespaces on a bridge, each link shaped to the
-rate in both directions (``tbf`` where the kernel has no ``netem``, so no added delay). Each host runs one
-rank under a static multi-node ``torchrun`` (this module's ``--worker`` or ``--worker-allreduce`` mode), gloo
-on the host's ``eth0``; every rank therefore talks to the others through the shaped links. All hosts share
-the machine's CPU cores: with 3 or 4 hosts on 2 cores, compute is oversubscribed as well.
+Training: ``WideMLP(depth=5)`` (5.3 M parameters, 21 MiB of fp32 gradients), batch 16 per rank,
+``RingDDPStrategy(bucket_cap_mb=4)``, one intra-op thread per rank, seed 0, under :data:`CONFIGS`: ``dense``
+(``algorithm="native"``, what ``auto`` resolves to for these buckets), ``dense/ring`` (the library's ring against
+gloo's) and compressors with the library's defaults under ``auto``. Step times as in
+:mod:`lightning_dist.benchmarks.step`; rank 0 also keeps each step's ``exposed_s`` (communication backward waited
+for), ``comm_s`` (inside the transport, summed over buckets, so more than the step when several are in flight)
+and ``bytes_sent``, each a median over the timed steps. ``vs dense`` is dense's step time over the
+configuration's (> 1: faster). Accuracy is not measured: a compressor's arithmetic does not depend on the link.
 
-Training runs (``--worker``): ``WideMLP(depth=5)`` (1024 wide, 5.3 M parameters, 21 MiB of fp32
-gradients) on ``SyntheticDataModule`` (batch 16 per rank), ``RingDDPStrategy`` with ``bucket_cap_mb=4``,
-one intra-op thread per rank, ``--steps`` optimizer steps (default 30), seed 0. Configurations:
+All-reduce: 16 MiB float32 through :func:`lightning_dist.comm.ring_allreduce_` and gloo's ``dist.all_reduce``,
+alternating (the order swapped every iteration) after one untimed call of each
+(:func:`lightning_dist.benchmarks.allreduce.time_rounds`); the median over ``--iterations`` of the slowest rank's
+time; ``busbw = 2 (N - 1) / N * bytes / time`` as in nccl-tests, the line rate its ceiling.
 
-- ``dense``: no compression, ``algorithm="native"`` (what ``auto`` resolves to for these buckets);
-- ``dense/ring``: no compression, ``algorithm="ring"`` (the library's ring against gloo's);
-- ``fp16``, ``int8``, ``topk1%`` (``ratio=0.01``, error feedback, the compressor's default) and
-  ``powersgd-r2`` (rank 2, error feedback): ``build_compressor`` with the library's defaults, ``algorithm=
-  "auto"``.
-
-Step times as in :mod:`lightning_dist.benchmarks.step`, the first ``--warmup`` (5) dropped; with them rank 0
-keeps its own measurements of each step (``exposed_s``, the communication backward waited for; ``comm_s``,
-the seconds inside the transport summed over buckets, so more than the step when several are in flight at
-once; ``bytes_sent``, what it handed to the wire for gradients). A run's step time, exposed comm and bytes are
-medians over the remaining steps. ``vs dense`` is dense's step time over the configuration's (> 1: faster).
-Accuracy is not measured here: the arithmetic of a compressor does not depend on the link (the compression
-benchmark measures it).
-
-All-reduce runs (``--worker-allreduce``): in each (hosts, rate), 16 MiB float32 tensors reduced with
-:func:`lightning_dist.comm.ring_allreduce_` and with gloo's ``dist.all_reduce`` (``native``), alternating
-(order swapped every iteration), after one untimed call of each; each call starts after a barrier, its time
-is the maximum over ranks; the median over ``--iterations`` (default 4). As in nccl-tests,
-``busbw = 2 (N - 1) / N * bytes / time``; the line rate is the ceiling.
-
-Targets (from the issue, at 2 hosts and 100 Mbit/s): ``topk1%`` with error feedback at least 5x faster per
-step than ``dense``; ring busbw at least 0.9x native's.
-
-Outputs in ``--out`` (default ``bench_results/cluster/``): ``cluster.json`` (``meta``, one record per
-training run in ``records``, one per (hosts, rate) in ``allreduce``, the ``targets``), ``cluster.txt`` (the
-printed tables and target lines) and ``cluster.png`` (step time per configuration, grouped by (hosts, rate),
-log scale; busbw of ring and native against the line rate). Every rank's output is kept in ``logs/``. Where
-:func:`lightning_dist.simcluster.unavailable` gives a reason, the benchmark prints it and returns a payload
-that says it was skipped.
+Targets (from the issue, at 2 hosts and 100 Mbit/s): ``topk1%`` at least 5x faster per step than ``dense``; ring
+busbw at least 0.9x native's. The plot: step time per configuration grouped by (hosts, rate), log scale; busbw
+of ring and native against the line rate.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -66,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dist.benchmarks import _common as bench
+from lightning_dist.benchmarks.allreduce import time_rounds
 from lightning_dist.comm import ring_allreduce_
 from lightning_dist.compression import build_compressor
 from lightning_dist.examples import SyntheticDataModule, WideMLP
@@ -106,9 +89,7 @@ QUICK_CONFIGS = ("dense", "topk1%")
 DENSE, TOPK = "dense", "topk1%"
 
 
-# ---------------------------------------------------------------------------------------------------------
-# workers (run inside the hosts under torchrun)
-# ---------------------------------------------------------------------------------------------------------
+# -- workers (run inside the hosts under torchrun) ------------------------------------------------------------
 def _train_worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # hosts share the machine's cores
     config = CONFIGS[args.config]
@@ -129,32 +110,20 @@ def _train_worker(args: argparse.Namespace) -> None:
 def _allreduce_worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=args.collective_timeout))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    tensor = torch.empty(args.nbytes // 4, dtype=torch.float32)
-    expected = world * (world + 1) / 2
-    calls = {"ring": lambda t: ring_allreduce_(t), "native": lambda t: dist.all_reduce(t)}
-    times: dict[str, list[float]] = {"ring": [], "native": []}
-    for iteration in range(-1, args.iterations):
-        order = ["ring", "native"] if iteration % 2 == 0 else ["native", "ring"]
-        for name in order:
-            tensor.fill_(rank + 1)
-            dist.barrier()
-            start = time.perf_counter()
-            calls[name](tensor)
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            if tensor[0].item() != expected or tensor[-1].item() != expected:
-                raise RuntimeError(f"{name} all-reduce returned {tensor[0].item()}, expected {expected}")
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the collective is done when its slowest rank is
-            if iteration >= 0:
-                times[name].append(float(elapsed))
-    if rank == 0:
-        Path(args.out).write_text(json.dumps({"world_size": world, "bytes": args.nbytes, "times": times}))
+    orders = [("ring", "native") if k % 2 == 0 else ("native", "ring") for k in range(-1, args.iterations)]
+    times = time_rounds({"ring": ring_allreduce_, "native": dist.all_reduce},
+                        torch.empty(args.nbytes // 4, dtype=torch.float32), orders, warmup=1)
+    for name, mine in times.items():  # the collective is done when its slowest rank is
+        slowest = torch.tensor(mine, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        times[name] = slowest.tolist()
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps({"world_size": dist.get_world_size(), "bytes": args.nbytes,
+                                              "times": times}))
     dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------------------------------------------------
-# pure summaries (tested without a cluster)
-# ---------------------------------------------------------------------------------------------------------
+# -- pure summaries (tested without a cluster) -----------------------------------------------------------------
 def run_record(raw: dict[str, Any], warmup: int) -> dict[str, Any]:
     """A training run's numbers from rank 0's stamps: medians over the steps after ``warmup``."""
     times = bench.step_times(raw["ends"], raw["epochs"], warmup)
@@ -262,7 +231,7 @@ def busbw_table(busbw: Sequence[dict[str, Any]]) -> str:
     return f"all-reduce of {ALLREDUCE_BYTES >> 20} MiB float32\n" + bench.format_table(headers, rows)
 
 
-def plot(records: Sequence[dict[str, Any]], busbw: Sequence[dict[str, Any]], path: Path) -> Path:
+def plot(records: Sequence[dict[str, Any]], busbw: Sequence[dict[str, Any]]) -> Any:
     """Left: step time per configuration, grouped by (hosts, rate), log y. Right: busbw ring vs native."""
     groups = list(dict.fromkeys((r["hosts"], r["rate_mbit"]) for r in records))
     configs = list(dict.fromkeys(r["config"] for r in records))
@@ -287,13 +256,10 @@ def plot(records: Sequence[dict[str, Any]], busbw: Sequence[dict[str, Any]], pat
     bx.set(ylim=(0, 1.2), ylabel="busbw / line rate (labels: MB/s)", title=f"all-reduce {ALLREDUCE_BYTES >> 20} MiB")
     bx.grid(alpha=0.3, axis="y")
     bx.legend(fontsize="x-small", loc="lower right")
-    fig.savefig(path, dpi=110)
-    return path
+    return fig
 
 
-# ---------------------------------------------------------------------------------------------------------
-# driver
-# ---------------------------------------------------------------------------------------------------------
+# -- driver --------------------------------------------------------------------------------------------------
 def _launch(hosts: int, rate_mbit: float, worker_args: list[str], port: int, timeout_s: float,
             log_path: Path) -> tuple[list[Optional[int]], float]:
     """One torchrun job over ``hosts`` fresh shaped hosts; every rank's output appended to ``log_path``.
@@ -315,7 +281,8 @@ def _failure(codes: Sequence[Optional[int]], log_path: Path) -> str:
 
 
 def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    cli = bench.parser("cluster", __doc__)
+    cli = bench.parser("cluster", __doc__, f"2 hosts, 100 Mbit/s, dense and topk1%%, {QUICK_STEPS} steps, "
+                                           f"{QUICK_ITERATIONS} iterations")
     cli.add_argument("--hosts", type=int, nargs="+", default=None, help="host counts (default 2 3)")
     cli.add_argument("--rates", type=float, nargs="+", default=None, help="link rates, Mbit/s (default 100 1000)")
     cli.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=None,
@@ -325,8 +292,6 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     cli.add_argument("--iterations", type=int, default=None,
                         help=f"timed all-reduce iterations per algorithm (default {DEFAULT_ITERATIONS})")
     cli.add_argument("--run-timeout", type=float, default=420.0, help="one run's hard deadline, s (default 420)")
-    cli.add_argument("--quick", action="store_true", help="smoke run: 2 hosts, 100 Mbit/s, dense and topk1%%, "
-                                                          f"{QUICK_STEPS} steps, {QUICK_ITERATIONS} iterations")
     # worker modes (what each host runs under torchrun)
     cli.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     cli.add_argument("--worker-allreduce", action="store_true", help=argparse.SUPPRESS)
@@ -343,8 +308,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     if not (args.worker or args.worker_allreduce):
         if min(args.hosts) < 2:
             cli.error(f"--hosts {args.hosts}: a cluster needs at least 2 hosts.")
-        if args.steps < args.warmup + 3:
-            cli.error(f"--steps {args.steps} leaves fewer than 3 timed steps after --warmup {args.warmup}.")
+        bench.check_counts(cli, args.steps, args.warmup)
     return args
 
 
@@ -359,11 +323,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         return {}
 
     out = bench.output_dir(args.out, "cluster")
-    meta = {**bench.environment(), "benchmark": "cluster", "hosts": list(args.hosts), "rates_mbit": list(args.rates),
-            "steps": args.steps, "warmup": args.warmup, "iterations": args.iterations,
-            "allreduce_bytes": ALLREDUCE_BYTES, "model": f"WideMLP(width={MLP_WIDTH}, depth={MLP_DEPTH})",
-            "batch_size": BATCH_SIZE, "bucket_cap_mb": BUCKET_CAP_MB,
-            "configs": {label: asdict(CONFIGS[label]) for label in args.configs}}
+    meta = bench.environment("cluster", hosts=list(args.hosts), rates_mbit=list(args.rates), steps=args.steps,
+                             warmup=args.warmup, iterations=args.iterations, allreduce_bytes=ALLREDUCE_BYTES,
+                             model=f"WideMLP(width={MLP_WIDTH}, depth={MLP_DEPTH})", batch_size=BATCH_SIZE,
+                             bucket_cap_mb=BUCKET_CAP_MB,
+                             configs={label: asdict(CONFIGS[label]) for label in args.configs})
     reason = unavailable()
     if reason is not None:
         bench.progress(f"[cluster] skipped: {reason}")
@@ -374,58 +338,53 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     logs.mkdir(exist_ok=True)
     records: list[dict[str, Any]] = []
     busbw: list[dict[str, Any]] = []
-    port = BASE_PORT
+    ports = itertools.count(BASE_PORT + 1)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lightning_dist_cluster_") as workdir:
+        def job(hosts: int, rate: float, tag: str, *worker_args: str) -> tuple[Optional[dict], Optional[str], float]:
+            """One torchrun job: rank 0's JSON (None if the job failed), why it failed, its wall time."""
+            result, log = Path(workdir) / f"h{hosts}_r{rate:g}_{tag}.json", logs / f"h{hosts}_r{rate:g}_{tag}.log"
+            codes, wall = _launch(hosts, rate, [*worker_args, "--out", str(result)], next(ports), args.run_timeout, log)
+            if codes == [0] * hosts and result.exists():
+                return json.loads(result.read_text()), None, wall
+            return None, _failure(codes, log), wall
+
         for rate in args.rates:
             for hosts in args.hosts:
                 where = f"{hosts} hosts @ {rate:g} Mbit/s"
                 for label in args.configs:
-                    port += 1
-                    result = Path(workdir) / f"h{hosts}_r{rate:g}_{label.replace('/', '_')}.json"
-                    log = logs / f"h{hosts}_r{rate:g}_{label.replace('/', '_').replace('%', 'pct')}.log"
-                    codes, wall = _launch(hosts, rate, ["--worker", "--config", label, "--steps", str(args.steps),
-                                                        "--out", str(result)], port, args.run_timeout, log)
+                    raw, error, wall = job(hosts, rate, label.replace("/", "_").replace("%", "pct"), "--worker",
+                                           "--config", label, "--steps", str(args.steps))
                     rec: dict[str, Any] = {"hosts": hosts, "rate_mbit": rate, "config": label,
                                            "algorithm": CONFIGS[label].algorithm,
                                            "compressor": CONFIGS[label].compressor, "wall_s": wall}
-                    if codes == [0] * hosts and result.exists():
-                        rec.update(run_record(json.loads(result.read_text()), args.warmup))
-                        rec["error"] = None
+                    if raw is None:
+                        rec.update(median_s=None, error=error)
+                        bench.progress(f"[cluster] {where} {label:<12} FAILED: {error}")
+                    else:
+                        rec.update(run_record(raw, args.warmup), error=None)
                         bench.progress(f"[cluster] {where} {label:<12} {_ms(rec['median_s']):>9} ms/step, exposed "
                                        f"{_ms(rec['exposed_median_s'])} ms, {_mb(rec['bytes_sent_per_step'])} MB/step "
                                        f"(run {wall:.0f}s)")
-                    else:
-                        rec.update({"median_s": None, "error": _failure(codes, log)})
-                        bench.progress(f"[cluster] {where} {label:<12} FAILED: {rec['error']}")
                     records.append(rec)
-                port += 1
-                result = Path(workdir) / f"h{hosts}_r{rate:g}_allreduce.json"
-                log = logs / f"h{hosts}_r{rate:g}_allreduce.log"
-                codes, wall = _launch(hosts, rate, ["--worker-allreduce", "--iterations", str(args.iterations),
-                                                    "--out", str(result)], port, args.run_timeout, log)
-                if codes == [0] * hosts and result.exists():
-                    bus = busbw_record(json.loads(result.read_text()), hosts, rate)
-                    bus["error"] = None
-                    bench.progress(f"[cluster] {where} all-reduce: ring {bus['ring_busbw_GBps'] * 1e3:.1f} MB/s, "
-                                   f"native {bus['native_busbw_GBps'] * 1e3:.1f} MB/s busbw "
-                                   f"({bus['ring_vs_native']:.2f}x; run {wall:.0f}s)")
-                else:
-                    bus = {"hosts": hosts, "rate_mbit": rate, "error": _failure(codes, log)}
-                    bench.progress(f"[cluster] {where} all-reduce FAILED: {bus['error']}")
-                bus["wall_s"] = wall
+                raw, error, wall = job(hosts, rate, "allreduce", "--worker-allreduce", "--iterations",
+                                       str(args.iterations))
+                bus = {"hosts": hosts, "rate_mbit": rate} if raw is None else busbw_record(raw, hosts, rate)
+                bus.update(error=error, wall_s=wall)
                 busbw.append(bus)
+                bench.progress(f"[cluster] {where} all-reduce FAILED: {error}" if raw is None else
+                               f"[cluster] {where} all-reduce: ring {bus['ring_busbw_GBps'] * 1e3:.1f} MB/s, native "
+                               f"{bus['native_busbw_GBps'] * 1e3:.1f} MB/s busbw ({bus['ring_vs_native']:.2f}x; "
+                               f"run {wall:.0f}s)")
     total = time.perf_counter() - start
     bench.progress(f"[cluster] {len(records)} training runs and {len(busbw)} all-reduce runs in {total:.0f}s")
 
     add_speedups(records)
     targets = check_targets(records, busbw)
-    text = "\n\n".join([step_table(records), busbw_table(busbw), "\n".join(target_lines(targets))])
-    print(text)
     payload = {"meta": {**meta, "wall_s": total}, "skipped": None, "records": records, "allreduce": busbw,
                "targets": targets}
-    bench.write_results(out, "cluster", text, payload, lambda path: plot(records, busbw, path))
-    return payload
+    return bench.write_results(out, "cluster", [step_table(records), busbw_table(busbw), target_lines(targets)],
+                               payload, lambda: plot(records, busbw))
 
 
 if __name__ == "__main__":

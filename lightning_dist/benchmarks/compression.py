@@ -2,68 +2,39 @@
 ``RingDDPStrategy``, side by side with PyTorch's own DDP comm hooks (fp16 and PowerSGD) as the peer
 reference: what each costs in accuracy, what it saves in bytes, and what it does to the step time.
 
-Run ``python -m lightning_dist.benchmarks.compression``; ``--quick`` is a smoke run (a few configurations, one
-seed, a few steps); ``--workloads digits`` runs one workload, ``--configs dense topk1%`` some configurations.
+Workloads (:data:`WORKLOADS`; 2 CPU ranks, gloo; seeds 0, 1, 2): ``digits``, the default training job, 8 epochs,
+judged by the final ``val/acc``; ``digits30``, the same for 30 epochs with top-k only (at 1% per step a
+coordinate waits ~100 steps for its turn on the wire: whether error feedback pays off once each coordinate has
+had several turns); ``mlp``, ``WideMLP`` with SGD + momentum at ``lr=0.05`` (at its default 0.01, 200 steps
+barely move the loss: no signal), judged by the training loss at the last step (the mean over the last 10 steps
+of the ranks' mean batch loss). ``dense`` is ring_ddp without compression, the reference of every ratio; the
+ring_ddp compressors take the library's defaults and the run's seed (``threshold``'s 0.1 sends about as many
+bytes as ``topk1%`` on digits; PowerSGD starts after the 2 dense steps torch's hook must take, so the same
+protocol and bytes as its peer). The peers are stock ``DDPStrategy`` with ``fp16_compress_hook`` or
+``powerSGD_hook`` (error feedback, warm start), registered on CPU by :class:`TorchHookDDPStrategy` through
+:func:`counting_hook`, which runs PowerSGD one bucket at a time (on mlp it does not overlap backward).
 
-Workloads (2 CPU ranks, gloo; the models of :mod:`lightning_dist.benchmarks.workloads`):
+Method: each run is one fit on a fresh pair of forked gloo ranks (:func:`lightning_dist.testing.run_ranks`, a
+hard deadline), Lightning in-process, from ``L.seed_everything(seed)``; every configuration runs once per seed,
+in turn. **Bytes**: what rank 0 hands to the wire for gradients per step, the mean over the run: under ring_ddp
+the strategy's own count (a ring all-reduce as ``2 (N - 1) / N`` of its payload, an all-gather as ``N - 1``
+times it, an all-to-all as all parts but one's own), for the torch hooks :func:`counting_hook`'s at the same
+rate, checked against PowerSGD's own (``torch_count_mismatches`` must be 0); ``ratio`` is what the dense fp32
+ring would send over what was sent (the per-step exchange and the metrics' sync are not counted). **Step
+time** as in :mod:`lightning_dist.benchmarks.step`; ``vs dense`` is the paired ratio over seeds; ``codec ms`` is
+rank 0's time per step inside the compressor. **Quality**: mean, standard deviation, minimum and maximum over
+seeds.
 
-- ``digits``: the default training job (``DigitsCNN``, Adam, lr 3e-3), 8 epochs (184 steps), validated after
-  every epoch; seeds 0, 1, 2. Quality: the final ``val/acc`` over the 360 validation digits, and ``val/loss``.
-- ``digits30``: the same job trained 30 epochs (690 steps), ``dense``, ``topk1%`` and ``topk1%-noEF`` only:
-  at 1% per step a coordinate waits ~100 steps for its turn on the wire, so 184 steps give each about two;
-  whether error feedback pays off once each has had several.
-- ``mlp``: ``WideMLP`` with SGD + momentum at ``lr=0.05`` (at its default 0.01, 200 steps barely move the loss:
-  no signal), 200 steps; seeds 0, 1, 2. It has no validation set: quality is the training loss at the fixed
-  step, the mean over the last 10 steps of the two ranks' mean batch loss.
-
-Configurations. ``dense`` is ring_ddp without compression (the reference every ratio is taken against); ``fp16``,
-``bf16``, ``int8``, ``topk1%`` (``ratio=0.01``, bf16 values, error feedback), ``topk1%-noEF`` (the same without
-error feedback), ``threshold`` (``threshold=0.1`` on the rank's weighted gradient, its half of the step's mean
-gradient, chosen because it sends about as many bytes as ``topk1%`` on digits; ``max_ratio=0.05``, error feedback),
-``powersgd-r1`` and ``powersgd-r2`` (error feedback, warm start, and ``start_step=2``: the same 2 dense steps
-torch's hook must take, so the same protocol and bytes as the peer) are
-``RingDDPStrategy(compressor=build_compressor(...))`` with the library's defaults otherwise; the compressors'
-random seeds (int8's rounding, PowerSGD's first factors) follow the run's. The PyTorch peers, ``torch-fp16``,
-``torch-powersgd-r1`` and ``torch-powersgd-r2``, are Lightning's stock ``DDPStrategy`` with ``fp16_compress_hook``
-and ``powerSGD_hook`` (``matrix_approximation_rank=r, start_powerSGD_iter=2, use_error_feedback=True,
-warm_start=True, random_seed=seed``; torch refuses ``start_powerSGD_iter <= 1`` with error feedback or warm start),
-registered on CPU by :class:`TorchHookDDPStrategy` through :func:`counting_hook`, which runs PowerSGD one bucket at
-a time: on mlp the torch PowerSGD peer does not overlap communication with backward (digits has a single bucket,
-which nothing could overlap anyway).
-
-Method:
-
-1. Each run is one ``Trainer.fit`` on a fresh pair of forked gloo ranks (:func:`lightning_dist.testing.run_ranks`,
-   a hard deadline per run) in which Lightning trains in-process
-   (:func:`lightning_dist.testing.launched_externally`), from ``L.seed_everything(seed)``: the same initial
-   weights and data order for every configuration of a seed. For each seed every configuration runs once, so
-   that drift on the machine hits every configuration alike.
-2. Bytes: what rank 0 hands to the wire for gradients per optimizer step, the mean over all steps of the run
-   (warm-up steps included). Under ring_ddp this is the strategy's own count (its ``totals``: a ring all-reduce
-   counted as ``2 (N - 1) / N`` of its payload, an all-gather as ``N - 1`` times it, an all-to-all as all parts
-   but one's own); for the torch hooks, :func:`counting_hook`'s count of what they all-reduce at the same rate,
-   checked against PowerSGD's own (``torch_count_mismatches`` must be 0). ``ratio`` is what the dense fp32 ring
-   would send for the same buckets over what was sent. Small collectives outside the gradient path (the
-   per-step exchange, the validation metrics' sync) are not counted.
-3. Step time as in :mod:`lightning_dist.benchmarks.step` (gaps between batch ends of one epoch, the first 10
-   dropped, a run's median); a configuration's is the median over seeds, and ``vs dense`` the paired ratio to
-   the same seed's dense run. ``codec ms`` is rank 0's time per step inside the compressor but outside the wire.
-4. Per configuration: mean, standard deviation, minimum and maximum over seeds of the quality, mean bytes.
-
-Targets (from the issue, judged on digits at 2 ranks, mean accuracy over the seeds): ``topk1%`` (error
-feedback) within 1 point of dense at >= 50x fewer bytes; ``int8`` within 0.5 point at a ratio >= 3.5;
-``powersgd-r2`` within 1 point and no lower than ``torch-powersgd-r2``; ``topk1%-noEF`` worse than ``topk1%``
-by more than the spread (max - min over seeds) of the error-feedback runs. The error-feedback comparison is
-also judged on ``digits30`` and, by loss, on ``mlp``; top-k's distance to dense also on ``digits30``.
-
-Outputs in ``--out`` (default ``bench_results/compression/``): ``compression.json`` (``meta``, one record per run
-in ``runs``, one per workload and configuration in ``records``, and the ``targets``), ``compression.txt`` (the
-printed table and target lines) and ``compression.png`` (per workload, quality (mean, min-max over seeds)
-against bytes per step, log x; ring_ddp, dense and the torch peers marked apart).
+Targets (from the issue, on digits, mean accuracy): ``topk1%`` within 1 point of dense at >= 50x fewer bytes;
+``int8`` within 0.5 point at a ratio >= 3.5; ``powersgd-r2`` within 1 point and no lower than
+``torch-powersgd-r2``; ``topk1%-noEF`` worse than ``topk1%`` by more than the error-feedback runs' seed spread
+(also on ``digits30`` and, by loss, ``mlp``; top-k's distance to dense also on ``digits30``). The plot: per
+workload, quality (mean, min-max over seeds) against bytes per step, log x.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -169,8 +140,7 @@ def _configs(*labels: str) -> tuple[Config, ...]:
 WORKLOADS = {
     "digits": Job(
         "digits", DIGITS, epochs=8, steps=None, seeds=3, warmup=10, deadline_s=120.0, quality="val_acc",
-        configs=_configs(DENSE, "fp16", "bf16", "int8", "topk1%", "topk1%-noEF", "threshold", "powersgd-r1",
-                         "powersgd-r2", "torch-fp16", "torch-powersgd-r1", "torch-powersgd-r2"),
+        configs=tuple(CONFIGS.values()),  # every configuration
         quick_configs=(DENSE, "int8", "topk1%", "powersgd-r2", "torch-powersgd-r2"),
         description="DigitsCNN 22k params, Adam 3e-3, batch 32/rank, 8 epochs",
     ),
@@ -181,8 +151,7 @@ WORKLOADS = {
         description="digits, 30 epochs instead of 8 (690 steps)",
     ),
     "mlp": Job(
-        "mlp", Workload("mlp", lambda: WideMLP(lr=MLP_LR), MLP.data, MLP.batch_size, MLP.bucket_cap_mb,
-                        MLP.description),
+        "mlp", dataclasses.replace(MLP, model=lambda: WideMLP(lr=MLP_LR)),
         epochs=None, steps=200, seeds=3, warmup=10, deadline_s=180.0, quality="loss",
         configs=_configs(DENSE, "fp16", "int8", "topk1%", "topk1%-noEF", "powersgd-r2", "torch-fp16",
                          "torch-powersgd-r2"),
@@ -192,8 +161,7 @@ WORKLOADS = {
 }
 
 
-# ---- PyTorch's hooks, on CPU, with their bytes counted ---------------------------------------------------
-
+# -- PyTorch's hooks, on CPU, with their bytes counted -----------------------------------------------------------------
 @dataclass
 class HookMeter:
     """The state of :func:`counting_hook`: torch's hook and its state, and the bytes its all-reduces carry."""
@@ -284,8 +252,7 @@ def make_strategy(config: Config, job: Job, seed: int) -> Strategy:
     return workloads.make_strategy(None, bucket_cap_mb, "popen", stock=TorchHookDDPStrategy, meter=meter)
 
 
-# ---- one run ---------------------------------------------------------------------------------------------
-
+# -- one run -----------------------------------------------------------------------------------------------------------
 def _fit(rank: int, world_size: int, job_name: str, label: str, seed: int, quick: bool,
          steps: Optional[int], epochs: Optional[int]) -> dict[str, Any]:
     """Inside a run_ranks rank: one fit, Lightning training in this very process; returns what it measured."""
@@ -341,23 +308,19 @@ def run_once(job: Job, config: Config, seed: int, quick: bool, warmup: int,
     record.update({
         "steps": steps_done, "fit_s": zero["fit_s"], "timed_steps": len(times),
         "step_median_s": stats.get("median_s"), "step_p25_s": stats.get("p25_s"), "step_p75_s": stats.get("p75_s"),
-        "bytes_per_step": zero["bytes_sent"] / steps_done,
-        "dense_bytes_per_step": zero["dense_bytes"] / steps_done,
+        "bytes_per_step": zero["bytes_sent"] / steps_done, "dense_bytes_per_step": zero["dense_bytes"] / steps_done,
         "ratio": zero["dense_bytes"] / zero["bytes_sent"] if zero["bytes_sent"] > 0 else None,
         "codec_s_per_step": None if zero["codec_s"] is None else zero["codec_s"] / steps_done,
         "comm_s_per_step": None if zero["comm_s"] is None else zero["comm_s"] / steps_done,
         "val_acc": zero["metrics"].get("val/acc"), "val_loss": zero["metrics"].get("val/loss"),
-        "val_acc_curve": zero["val_acc_curve"],
-        "loss_end": float(np.mean(losses[-LOSS_WINDOW:])), "loss_window": min(LOSS_WINDOW, len(losses)),
-        "loss_curve": [float(x) for x in losses],
-        "torch_count_checked": zero["torch_count_checked"],
-        "torch_count_mismatches": zero["torch_count_mismatches"],
+        "val_acc_curve": zero["val_acc_curve"], "loss_end": float(np.mean(losses[-LOSS_WINDOW:])),
+        "loss_window": min(LOSS_WINDOW, len(losses)), "loss_curve": [float(x) for x in losses],
+        "torch_count_checked": zero["torch_count_checked"], "torch_count_mismatches": zero["torch_count_mismatches"],
     })
     return record
 
 
-# ---- summaries and targets -------------------------------------------------------------------------------
-
+# -- summaries and targets ---------------------------------------------------------------------------------------------
 def quality_of(record: dict[str, Any], quality: str) -> Optional[float]:
     return record.get("val_acc") if quality == "val_acc" else record.get("loss_end")
 
@@ -470,8 +433,7 @@ def _judge_workload(workload: str, rows: dict[str, dict[str, Any]]) -> list[dict
     return out
 
 
-# ---- output ----------------------------------------------------------------------------------------------
-
+# -- output ------------------------------------------------------------------------------------------------------------
 def table(summary: Sequence[dict[str, Any]]) -> str:
     rows = []
     for s in summary:
@@ -496,11 +458,7 @@ def table(summary: Sequence[dict[str, Any]]) -> str:
     return bench.format_table(headers, rows)
 
 
-def target_lines(targets: Sequence[dict[str, Any]]) -> list[str]:
-    return [bench.verdict(t["text"], t["met"], t["detail"]) for t in targets]
-
-
-def plot(summary: Sequence[dict[str, Any]], path: os.PathLike) -> os.PathLike:
+def plot(summary: Sequence[dict[str, Any]]) -> Any:
     """One panel per workload: quality (mean, min-max over seeds) against bytes per step, log x."""
     names = list(dict.fromkeys(s["workload"] for s in summary))
     fig, axes = bench.figure_row(len(names), 6.8 * len(names), 5.2)
@@ -539,14 +497,13 @@ def plot(summary: Sequence[dict[str, Any]], path: os.PathLike) -> os.PathLike:
         ax.set_title(f"{name}: {WORKLOADS[name].description}", fontsize="small")
         ax.grid(alpha=0.3, which="both")
     fig.suptitle(f"{bench.WORLD_SIZE} CPU ranks, gloo: gradient compression, quality against bytes")
-    fig.savefig(path, dpi=110)
-    return path
+    return fig
 
 
-# ---- command line ------------------------------------------------------------------------------------------
-
+# -- command line ------------------------------------------------------------------------------------------------------
 def _parse_args(argv: Optional[Sequence[str]]) -> Any:
-    cli = bench.parser("compression", __doc__)
+    cli = bench.parser("compression", __doc__, f"a few configurations, 1 seed, {QUICK_DIGITS_BATCHES} digits "
+                                               f"batches and {QUICK_MLP_STEPS} mlp steps")
     cli.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS),
                      help="which workloads to run (default: all)")
     cli.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGS),
@@ -555,16 +512,8 @@ def _parse_args(argv: Optional[Sequence[str]]) -> Any:
                      help="seeds per configuration, 0..N-1 (default: the workload's, 1 with --quick)")
     cli.add_argument("--epochs", type=int, default=None, help="digits: epochs per run (default 8)")
     cli.add_argument("--steps", type=int, default=None, help="mlp: optimizer steps per run (default 200)")
-    cli.add_argument("--quick", action="store_true",
-                     help=f"smoke run: a few configurations, 1 seed, {QUICK_DIGITS_BATCHES} digits batches and "
-                       f"{QUICK_MLP_STEPS} mlp steps")
     args = cli.parse_args(argv)
-    for name, value in (("--seeds", args.seeds), ("--epochs", args.epochs), ("--steps", args.steps)):
-        if value is not None and value < 1:
-            cli.error(f"{name} {value}: need at least 1.")
-    if args.steps is not None and args.steps < WORKLOADS["mlp"].warmup + 3:
-        cli.error(f"--steps {args.steps} leaves fewer than 3 timed steps; use --steps >= "
-                  f"{WORKLOADS['mlp'].warmup + 3}.")
+    bench.check_counts(cli, args.steps, WORKLOADS["mlp"].warmup, seeds=args.seeds, epochs=args.epochs)
     if args.quick:
         args.seeds = args.seeds or 1
     return args
@@ -625,19 +574,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     bench.progress(f"[compression] {len(runs)} runs in {total_s:.0f}s")
 
     targets = judge(summary)
-    text = table(summary) + "\n\n" + "\n".join(target_lines(targets))
-    print(text)
-    payload = {
-        "meta": {**bench.environment(), "benchmark": "compression", "world_size": bench.WORLD_SIZE, "quick": args.quick,
-                 "workloads": meta_workloads, "torch_powersgd_start_iter": TORCH_POWERSGD_START_ITER,
-                 "loss_window": LOSS_WINDOW, "total_s": total_s,
-                 "loadavg_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None},
-        "runs": runs,
-        "records": summary,
-        "targets": targets,
-    }
-    bench.write_results(out, "compression", text, payload, lambda path: plot(summary, path))
-    return payload
+    meta = bench.environment("compression", world_size=bench.WORLD_SIZE, quick=args.quick, workloads=meta_workloads,
+                             torch_powersgd_start_iter=TORCH_POWERSGD_START_ITER, loss_window=LOSS_WINDOW,
+                             total_s=total_s, loadavg_at_end=os.getloadavg() if hasattr(os, "getloadavg") else None)
+    lines = [bench.verdict(t["text"], t["met"], t["detail"]) for t in targets]
+    return bench.write_results(out, "compression", [table(summary), lines],
+                               {"meta": meta, "runs": runs, "records": summary, "targets": targets},
+                               lambda: plot(summary))
 
 
 if __name__ == "__main__":

@@ -1,76 +1,49 @@
 """FaultTolerance under real faults: how fast every rank is gone after a fault, what was saved, and whether the
 job resumes.
 
-Run ``python -m lightning_dist.benchmarks.faults``; ``--quick`` is a smoke run of 3 trials. Each of ``--trials``
-trials (default 20; ``--seed`` fixes the random choices) draws a fault kind (``raise``: a RuntimeError in the
-training step; ``kill``: SIGKILL, no cleanup at all; ``stall``: the rank sleeps at the start of a step, alive with
-its sockets open), a victim rank, 0 or 1 (a fault on rank 0 matters as much: it hosts the rendezvous TCPStore under
-Lightning's launchers), and a global step in [3, 18]; the (kind, victim) pairs come in shuffled rounds of all six,
-so that every kind and every victim gets its share. It launches the default training job
-(``python -m lightning_dist.train``: the digits CNN on 2 CPU ranks, ``strategy.start_method=fork``,
-``trainer.max_epochs=1``, which is 23 optimizer steps) with ``callbacks=[checkpoint,fault_tolerance]``, the
-watchdog's ``timeout_s=--timeout`` (default 10) and ``poll_s=1``, and the fault injected by
-:class:`lightning_dist.testing.InjectFault`. Every job runs in a session of its own under a hard deadline
-(``--deadline``, default 120 s), after which the session is SIGKILLed and the trial fails.
+Each trial draws (``--seed``) a fault kind (``raise``: a RuntimeError in the training step; ``kill``: SIGKILL, no
+cleanup at all; ``stall``: the rank sleeps at the start of a step, alive with its sockets open), a victim rank
+(rank 0 matters as much: it hosts the launchers' rendezvous TCPStore) and a global step in [3, 18]; the (kind,
+victim) pairs come in shuffled rounds of all six, so that each gets its share. The job is the default training
+command (digits CNN, 2 CPU ranks, fork, one epoch of 23 steps) with ``callbacks=[checkpoint,fault_tolerance]``
+(``timeout_s=--timeout``, ``poll_s=1``) and :class:`lightning_dist.testing.InjectFault`, run and watched by
+:func:`lightning_dist.testing.watch_job` under ``--deadline``. Per trial:
 
-What is measured, per trial:
+* **Seconds until each rank is gone**, from when InjectFault's line (flushed just before the fault) reaches the
+  benchmark; the job's processes are looked at every 50 ms, so times are upper bounds by one poll. The ranks are
+  the launcher's forked children, rank 0 first; **all gone** counts the launcher too (it exits last).
+* **Within the bound**: every process gone within ``timeout_s + 3 * poll_s + 15`` s of a stall (no progress for
+  ``timeout_s``, noticed within a poll on every rank, then an emergency checkpoint and exit) and within 30 s of
+  an exception or a SIGKILL (the survivor's collective fails within seconds; ``exit_grace_s``, 15 s, ends a
+  teardown that hangs); the job's exit code is not 0.
+* **Nothing lost**: every surviving rank wrote an emergency checkpoint that passes
+  :func:`lightning_dist.fault.checkpoint.verify`, and nothing else in the checkpoint directory fails it, lacks
+  its sidecar or is the temporary file of an unfinished write.
+* **Resume**: the same job with ``resume=auto`` and no fault exits 0, resumes from an emergency checkpoint at the
+  fault's step (or the nearest written) and ends at step 23. Not bit for bit: an emergency checkpoint holds one
+  rank's state, so the others' compressor residuals and generators restart (a regular checkpoint resumes
+  bit-identically: ``tests/test_fault_tolerance.py``).
 
-* **Fault time**: when InjectFault's line ``[InjectFault] rank R: KIND at global step N`` (printed, flushed,
-  just before the fault) reaches the benchmark, read line by line on a thread with ``time.monotonic()``.
-* **Seconds from the fault until each rank is gone**: the job's session is polled every 50 ms (every process
-  whose session id is the job's); a process counts as gone when it no longer exists or is a zombie. The ranks
-  are the launcher's forked children (the launcher's own command line), rank 0 first (the launcher starts
-  them in rank order). **all gone**: when no process of the session is left, the launcher included (it exits
-  last), minus the fault time.
-* **Within the bound**: every process gone within ``timeout_s + 3 * poll_s + 15`` s of a stall (the
-  watchdog's bound: no progress for ``timeout_s``, noticed within a poll on every rank, then an emergency
-  checkpoint and exit) and within 30 s of an exception or a SIGKILL (the survivor's collective fails within
-  seconds; ``exit_grace_s``, 15 s, ends a process whose teardown hangs). The job's exit code must not be 0.
-* **Nothing lost**: every rank that survives the fault (raise and stall: both ranks; kill: the other one) wrote
-  an emergency checkpoint (``checkpoints/emergency/emergency-rank{r}-step={N}.ckpt``) that passes
-  :func:`lightning_dist.fault.checkpoint.verify` (size and SHA-256 against its sidecar), and the checkpoint
-  directory holds nothing else that fails verification, no checkpoint without its sidecar and no temporary
-  file of an unfinished write (``.*.tmp*``). ``ckpts`` shows verified emergency checkpoints found / expected.
-* **Resume**: the same job again in the same run directory with ``resume=auto`` and no fault. It matches when
-  it exits 0, says ``resume=auto: resuming from`` an emergency checkpoint at the fault's step (or, were there
-  none at that step, at the nearest step one was written), and its ``summary.json`` has ``global_step`` 23:
-  the rest of the epoch was trained. The result is not compared bit for bit with an uninterrupted run: an
-  emergency checkpoint holds one rank's state at the fault, so the other ranks' compressor residuals and random
-  generators restart (a regular checkpoint does resume bit-identically; ``tests/test_fault_tolerance.py``).
-
-The table has a row per trial, then per kind the median and maximum of the slowest rank's time and of the
-all-gone time; under them every problem of a failed trial, and every watchdog verdict other than the stall
-verdict (a rank that ended because the store or the launcher was gone; all are in the JSON's ``verdicts``). The
-target: every trial with every rank gone within its bound and nothing lost. Times are upper bounds by up to one
-50 ms poll.
-
-Writes ``faults.json`` (every trial, with the tail of the logs of a trial that failed), ``faults.txt`` (the
-table) and ``faults.png`` (per trial the all-gone time, by kind, against the bounds) to ``--out`` (default
-``bench_results/faults/``).
+Target: every trial with every rank gone within its bound and nothing lost. The report lists every problem and
+every watchdog verdict other than the stall's; the plot shows each trial's all-gone time against the bounds.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
+import math
 import random
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import psutil
-
 from lightning_dist.benchmarks import _common as bench
 from lightning_dist.fault.checkpoint import META_SUFFIX, CheckpointError, verify
+from lightning_dist.testing import JobRun, ProcSeen, watch_job
 
 KINDS = ("raise", "kill", "stall")
 STEPS = (3, 18)  # the fault's global step is drawn from this range, both ends included
@@ -80,7 +53,7 @@ TIMEOUT_S, POLL_S = 10.0, 1.0  # the watchdog's defaults here
 STALL_SLACK_S = 15.0  # the stall bound: timeout_s + 3 * poll_s + this
 EXIT_BOUND_S = 30.0  # the bound after an exception or a SIGKILL
 DEADLINE_S = 120.0  # per launched job: after this the session is killed and the trial fails
-SCAN_S = 0.05  # how often the session's processes are looked at
+SCAN_S = 0.05  # how often the job's processes are looked at
 QUICK_TRIALS = (("raise", 1, 5), ("kill", 0, 6), ("stall", 1, 4))  # --quick: one of each kind, fixed
 LOG_TAIL = 4000  # characters of a failed trial's logs kept in the JSON
 WATCHDOG_LINE = "[lightning_dist watchdog]"  # how the watchdog's verdicts begin
@@ -92,123 +65,7 @@ RESUME_LINE = re.compile(r"resume=auto: resuming from (?P<path>.+?): (?P<kind>\w
 CKPT_NAME = re.compile(r"emergency-rank(\d+)-step=(\d+)\.ckpt$")
 
 
-# -- launching and watching one job ------------------------------------------------------------------------------
-@dataclass
-class ProcSeen:
-    """One process of the job's session: when it was first seen, last seen alive, and seen gone."""
-
-    pid: int
-    ppid: int
-    cmdline: tuple[str, ...]
-    create_time: float
-    first_seen: float
-    last_seen: float
-    gone_at: Optional[float] = None
-
-
-@dataclass
-class JobRun:
-    """What one launched job did, times on the benchmark's monotonic clock."""
-
-    rc: Optional[int]
-    started: float
-    ended: float  # when no process of the session was left (or when it was killed)
-    timed_out: bool
-    lines: list[tuple[float, str]]
-    procs: dict[int, ProcSeen]
-    launcher: int
-    rank_pids: list[int] = field(default_factory=list)
-
-    @property
-    def log(self) -> str:
-        return "".join(line for _, line in self.lines)
-
-    def line_time(self, pattern: re.Pattern) -> tuple[Optional[float], Optional[re.Match]]:
-        """When the first line matching ``pattern`` arrived, and its match."""
-        for stamp, line in self.lines:
-            match = pattern.search(line)
-            if match:
-                return stamp, match
-        return None, None
-
-
-def _read_lines(stream: Any, lines: list[tuple[float, str]]) -> None:
-    for line in iter(stream.readline, ""):
-        lines.append((time.monotonic(), line))
-    stream.close()
-
-
-def _session_members(sid: int) -> dict[int, psutil.Process]:
-    """Live (not zombie) processes whose session id is ``sid``."""
-    found = {}
-    for pid in psutil.pids():
-        try:
-            if os.getsid(pid) != sid:
-                continue
-            proc = psutil.Process(pid)
-            if proc.status() != psutil.STATUS_ZOMBIE:
-                found[pid] = proc
-        except (OSError, psutil.Error):
-            continue
-    return found
-
-
-def _kill_session(sid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(sid, signal.SIGKILL)
-    for pid in _session_members(sid):  # anything that left the process group but not the session
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def watch_job(args: Sequence[str], deadline_s: float, scan_s: float = SCAN_S) -> JobRun:
-    """Run ``args`` in a session of its own, stdout and stderr merged and stamped line by line, watching every
-    process of the session until none is left; SIGKILL the session after ``deadline_s`` seconds."""
-    started = time.monotonic()
-    proc = subprocess.Popen(list(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            encoding="utf-8", errors="replace", start_new_session=True, bufsize=1)
-    sid = proc.pid
-    lines: list[tuple[float, str]] = []
-    reader = threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True)
-    reader.start()
-    seen: dict[int, ProcSeen] = {}
-    timed_out = False
-    while True:
-        proc.poll()  # reaps the launcher once it exits: a zombie launcher counts as gone anyway
-        now = time.monotonic()
-        alive = _session_members(sid)
-        for pid, member in alive.items():
-            record = seen.get(pid)
-            if record is None:
-                try:
-                    cmdline, ppid, created = tuple(member.cmdline()), member.ppid(), member.create_time()
-                except psutil.Error:
-                    continue
-                seen[pid] = ProcSeen(pid, ppid, cmdline, created, now, now)
-            else:
-                record.last_seen = now
-        for pid, record in seen.items():
-            if pid not in alive and record.gone_at is None:
-                record.gone_at = now
-        if not alive and proc.returncode is not None:
-            ended = now
-            break
-        if now - started > deadline_s:
-            timed_out = True
-            _kill_session(sid)
-            proc.wait()
-            ended = time.monotonic()
-            for record in seen.values():
-                if record.gone_at is None:
-                    record.gone_at = ended
-            break
-        time.sleep(scan_s)
-    reader.join(timeout=10)
-    run = JobRun(proc.returncode, started, ended, timed_out, lines, seen, sid)
-    run.rank_pids = rank_pids(seen, sid)
-    return run
-
-
+# -- the job ---------------------------------------------------------------------------------------------------
 def rank_pids(seen: dict[int, ProcSeen], launcher: int) -> list[int]:
     """The ranks: the launcher's children running its very command line (forked), in creation order (rank 0
     first: Lightning's fork launcher starts them in rank order)."""
@@ -219,7 +76,6 @@ def rank_pids(seen: dict[int, ProcSeen], launcher: int) -> list[int]:
     return [p.pid for p in sorted(children, key=lambda p: (p.create_time, p.pid))]
 
 
-# -- the job ---------------------------------------------------------------------------------------------------
 def job_command(run_dir: Path, timeout_s: float, poll_s: float, fault: Optional[tuple[str, int, int]] = None,
                 resume: bool = False) -> list[str]:
     """The default training job with FaultTolerance, one epoch, and ``fault=(kind, rank, step)`` injected."""
@@ -227,13 +83,9 @@ def job_command(run_dir: Path, timeout_s: float, poll_s: float, fault: Optional[
             "callbacks=[checkpoint,fault_tolerance]", f"callbacks.fault_tolerance.timeout_s={timeout_s:g}",
             f"callbacks.fault_tolerance.poll_s={poll_s:g}", "trainer.enable_progress_bar=false"]
     if fault is not None:
-        kind, rank, step = fault
-        node = "+callbacks.inject"
-        args += [f"{node}._target_=lightning_dist.testing.InjectFault", f"{node}.kind={kind}", f"{node}.rank={rank}",
-                 f"{node}.step={step}"]
-    if resume:
-        args.append("resume=auto")
-    return args + [f"hydra.run.dir={run_dir}"]
+        args += ["+callbacks.inject._target_=lightning_dist.testing.InjectFault",
+                 *(f"+callbacks.inject.{key}={value}" for key, value in zip(("kind", "rank", "step"), fault))]
+    return args + ["resume=auto"] * resume + [f"hydra.run.dir={run_dir}"]
 
 
 def plan_trials(n: int, seed: int, quick: bool = False) -> list[tuple[str, int, int]]:
@@ -244,9 +96,7 @@ def plan_trials(n: int, seed: int, quick: bool = False) -> list[tuple[str, int, 
         return list(QUICK_TRIALS)
     rng = random.Random(seed)
     combos = [(kind, rank) for kind in KINDS for rank in range(WORLD_SIZE)]
-    drawn: list[tuple[str, int]] = []
-    while len(drawn) < n:  # rounds of every (kind, rank) pair, each round in a random order
-        drawn += rng.sample(combos, len(combos))
+    drawn = [pair for _ in range(math.ceil(n / len(combos))) for pair in rng.sample(combos, len(combos))]
     return [(kind, rank, rng.randint(*STEPS)) for kind, rank in drawn[:n]]
 
 
@@ -310,13 +160,10 @@ def nearest_step(fault_step: int, steps: Sequence[int]) -> Optional[int]:
 def read_resume(run: JobRun, run_dir: Path) -> dict[str, Any]:
     """What the ``resume=auto`` run did: its exit code, which checkpoint it resumed from, its final step."""
     _, match = run.line_time(RESUME_LINE)
-    summary_path = run_dir / "summary.json"
-    global_step = None
-    if summary_path.exists():
-        try:
-            global_step = json.loads(summary_path.read_text()).get("global_step")
-        except (OSError, json.JSONDecodeError):
-            global_step = None
+    try:
+        global_step = json.loads((run_dir / "summary.json").read_text()).get("global_step")
+    except (OSError, json.JSONDecodeError):  # the run wrote no summary, or not all of it
+        global_step = None
     return {"rc": run.rc, "timed_out": run.timed_out, "seconds": run.ended - run.started,
             "resumed_from": match.group("path") if match else None,
             "resumed_kind": match.group("kind") if match else None,
@@ -456,25 +303,30 @@ def report(records: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]],
 def run_trial(fault: tuple[str, int, int], run_dir: Path, timeout_s: float, poll_s: float,
               deadline_s: float) -> dict[str, Any]:
     kind, victim, step = fault
-    job = watch_job(job_command(run_dir, timeout_s, poll_s, fault), deadline_s)
+    job = watch_job(job_command(run_dir, timeout_s, poll_s, fault), deadline_s, SCAN_S)
     fault_at, _ = job.line_time(FAULT_LINE)
-    gone: list[Optional[float]] = []
-    for pid in job.rank_pids[:WORLD_SIZE]:
+    ranks = rank_pids(job.procs, job.launcher)
+    victim_gone = job.procs[ranks[victim]].gone_at if victim < len(ranks) else None
+    if fault_at is not None and victim_gone is not None:
+        # the victim prints the fault line before it dies, but the watcher may see it gone before the reader
+        # thread stamps that line: the fault happened no later than the victim's end
+        fault_at = min(fault_at, victim_gone)
+    gone: list[Optional[float]] = [None] * WORLD_SIZE
+    for rank, pid in enumerate(ranks[:WORLD_SIZE]):
         at = job.procs[pid].gone_at
-        gone.append(None if fault_at is None or at is None else at - fault_at)
-    gone += [None] * (WORLD_SIZE - len(gone))
+        gone[rank] = None if fault_at is None or at is None else at - fault_at
     record: dict[str, Any] = {
         "kind": kind, "victim": victim, "step": step, "rc": job.rc, "timed_out": job.timed_out,
         "fault_seen": fault_at is not None,
         "fault_after_launch_s": None if fault_at is None else fault_at - job.started,
         "rank_gone_s": gone, "all_gone_s": None if fault_at is None else job.ended - fault_at,
         "bound_s": bound_s(kind, timeout_s, poll_s), "job_s": job.ended - job.started,
-        "rank_pids": job.rank_pids, "processes_seen": len(job.procs),
+        "rank_pids": ranks, "processes_seen": len(job.procs),
         "watchdog_fired": WATCHDOG_LINE in job.log,
         "verdicts": watchdog_verdicts(job.log),
         "checkpoints": inspect_checkpoints(run_dir / "checkpoints"),
     }
-    resumed = watch_job(job_command(run_dir, timeout_s, poll_s, resume=True), deadline_s)
+    resumed = watch_job(job_command(run_dir, timeout_s, poll_s, resume=True), deadline_s, SCAN_S)
     record["resume"] = read_resume(resumed, run_dir)
     record.update(judge_trial(record))
     if not record["ok"]:
@@ -487,7 +339,7 @@ def run_trial(fault: tuple[str, int, int], run_dir: Path, timeout_s: float, poll
 COLORS = {"raise": "tab:blue", "kill": "tab:red", "stall": "tab:green"}
 
 
-def plot(records: Sequence[dict[str, Any]], path: Path) -> Path:
+def plot(records: Sequence[dict[str, Any]]) -> Any:
     fig, (ax,) = bench.figure_row(1, max(6.0, 0.35 * len(records) + 3.0))
     for kind in KINDS:
         mine = [(i, r) for i, r in enumerate(records, start=1) if r["kind"] == kind]
@@ -513,22 +365,19 @@ def plot(records: Sequence[dict[str, Any]], path: Path) -> Path:
     ax.set_ylim(bottom=min(0.0, *[g for r in records for g in r["rank_gone_s"] if g is not None]) - 0.5)
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize="small", loc="upper left")
-    fig.savefig(path, dpi=110)
-    return path
+    return fig
 
 
 # -- main -------------------------------------------------------------------------------------------------------
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    cli = bench.parser("faults", __doc__)
+    cli = bench.parser("faults", __doc__, "3 trials, one per kind, fixed steps",
+                       seed="seeds the kinds, ranks and steps drawn")
     cli.add_argument("--trials", type=int, default=20)
-    cli.add_argument("--seed", type=int, default=0, help="seeds the kinds, ranks and steps drawn")
     cli.add_argument("--timeout", type=float, default=TIMEOUT_S, help="FaultTolerance(timeout_s=...)")
     cli.add_argument("--deadline", type=float, default=DEADLINE_S, help="seconds a launched job may run")
-    cli.add_argument("--quick", action="store_true", help="smoke run: 3 trials, one per kind, fixed steps")
     cli.add_argument("--keep-runs", action="store_true", help="keep the run directories (path printed)")
     args = cli.parse_args(argv)
-    if args.trials < 1:
-        cli.error(f"--trials {args.trials}: need at least 1")
+    bench.check_counts(cli, trials=args.trials)
     if args.timeout < 2 * POLL_S:
         cli.error(f"--timeout {args.timeout}: must be at least twice poll_s={POLL_S:g}")
     out = bench.output_dir(args.out, "faults")
@@ -542,13 +391,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         for i, fault in enumerate(faults, start=1):
             record = run_trial(fault, workdir / f"trial-{i:02d}", args.timeout, POLL_S, args.deadline)
             records.append(record)
-            resume = record["resume"]
             bench.progress(f"  trial {i}/{len(faults)}: {fault[0]} on rank {fault[1]} at step {fault[2]}: "
-                           f"exit {record['rc']}, "
-                           f"ranks gone {' / '.join(_secs(g) for g in record['rank_gone_s'])} s, all gone "
-                           f"{_secs(record['all_gone_s'])} s (bound {record['bound_s']:.0f}), checkpoints "
+                           f"exit {record['rc']}, ranks gone {' / '.join(_secs(g) for g in record['rank_gone_s'])} s, "
+                           f"all gone {_secs(record['all_gone_s'])} s (bound {record['bound_s']:.0f}), checkpoints "
                            f"{len(record['found_ranks'])}/{len(record['expected_ranks'])}, resume "
-                           f"{'ok' if record['resume_ok'] else 'FAILED'} ({resume['seconds']:.1f} s)"
+                           f"{'ok' if record['resume_ok'] else 'FAILED'} ({record['resume']['seconds']:.1f} s)"
                            + ("" if record["ok"] else f": {'; '.join(record['problems'])}"))
     finally:
         if args.keep_runs:
@@ -556,18 +403,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     wall_s = time.monotonic() - started
-    summary = summarize_kinds(records)
-    goal = target(records)
-    text = report(records, summary, goal)
-    print(text)
     bench.progress(f"[faults] {len(records)} trials in {wall_s:.0f} s")
-    payload = {"meta": {**bench.environment(), "benchmark": "faults", "world_size": WORLD_SIZE, "seed": args.seed,
-                        "quick": args.quick, "timeout_s": args.timeout, "poll_s": POLL_S, "deadline_s": args.deadline,
-                        "epoch_steps": EPOCH_STEPS, "wall_s": wall_s,
-                        "bounds_s": {kind: bound_s(kind, args.timeout, POLL_S) for kind in KINDS}},
-               "records": records, "summary": summary, "target": goal}
-    bench.write_results(out, "faults", text, payload, lambda path: plot(records, path))
-    return payload
+    summary, goal = summarize_kinds(records), target(records)
+    meta = bench.environment("faults", world_size=WORLD_SIZE, seed=args.seed, quick=args.quick,
+                             timeout_s=args.timeout, poll_s=POLL_S, deadline_s=args.deadline, epoch_steps=EPOCH_STEPS,
+                             wall_s=wall_s, bounds_s={kind: bound_s(kind, args.timeout, POLL_S) for kind in KINDS})
+    return bench.write_results(out, "faults", [report(records, summary, goal)],
+                               {"meta": meta, "records": records, "summary": summary, "target": goal},
+                               lambda: plot(records))
 
 
 if __name__ == "__main__":

@@ -1,33 +1,21 @@
 """Heterogeneous-batching benchmark: epoch time of even batches against batches that follow measured speed,
 on ranks made slower by a known factor (:class:`lightning_dist.testing.Slowdown`).
 
-Run ``python -m lightning_dist.benchmarks.hetero``; ``--quick`` is a smoke run (one short seed per mode, 2 ranks
-only).
+Scenarios: speeds ``1 / 0.5`` on 2 ranks (judged) and ``1 / 1 / 0.33`` on 3 (reported only: 3 processes on 2
+cores mostly measure contention). Each runs three modes from ``seed_everything(seed)``: ``uniform``
+(``RingDDPStrategy()``, the slow rank sets the pace), ``balanced`` (``HeteroBatching(window=5, every_n_steps=5)``:
+starts even, measures every rank's compute time per sample and moves work to the fast ranks, the global batch
+staying ``N x 64``) and ``static`` (``HeteroBatching(speeds=...)``: the true speeds' sizes from the first step).
+The model is a wider ``DigitsCNN(channels=128, hidden=256)``, so that a step's compute grows with its samples
+rather than being fixed overhead; batch 64 per rank, 10 epochs, validated once at the end. A run's epoch time is
+the median of its last 5 epochs (after rebalancing has settled; rank 0, from an epoch's first batch start to its
+last batch end). The compute-time spread is ``max / min - 1`` of the ranks' mean compute time per step (less the
+communication each waited for) over those epochs: what the balancer equalises (per step, it would add every
+step's noise).
 
-Scenarios: ``speeds 1 / 0.5`` on 2 ranks (rank 1 takes twice its own compute time; the targets are judged
-here) and ``speeds 1 / 1 / 0.33`` on 3 ranks (reported only: 3 processes on 2 cores mostly measure
-contention). Each runs three modes, every one from ``seed_everything(seed)``:
-
-- ``uniform``: ``RingDDPStrategy()``, every rank the loader's batch (the slow rank sets the pace);
-- ``balanced``: ``RingDDPStrategy(hetero=HeteroBatching(window=5, every_n_steps=5))``: starts even,
-  measures every rank's compute time per sample, and moves work to the fast ranks (the global batch stays
-  ``N x 64``);
-- ``static``: ``HeteroBatching(speeds=...)``: the sizes the true speeds give, from the first step.
-
-Workload: a wider digits CNN (``DigitsCNN(channels=128, hidden=256)``, so that a step's compute grows with
-its samples rather than being fixed overhead), batch 64 per rank, 10 epochs, validated once at the end.
-Epoch time is rank 0's wall time from the start of an epoch's first batch to the end of its last; a run's
-is the median of its last 5 epochs (after rebalancing has settled). The compute-time spread is
-``max / min - 1`` of the ranks' mean compute time per step (forward and backward less the communication
-each waited for) over the last 5 epochs' steps: what the balancer equalises (a per-step ``max / min`` would
-add every step's noise to the spread).
-
-Targets (2 ranks): speed-up of ``balanced`` over ``uniform`` at least 0.9 of the ideal
-``sum(s) / (N x min(s))``; compute-time spread after rebalancing <= 6%; final validation accuracy as
-uniform's (within one point: a point is ~4 of the 360 validation digits).
-
-Outputs in ``--out`` (default ``bench_results/hetero/``): ``hetero.json``, ``hetero.txt`` (table and target
-lines), ``hetero.png`` (epoch time per epoch, per mode; and the batch sizes ``balanced`` settled on).
+Targets (2 ranks): ``balanced``'s speed-up over ``uniform`` at least 0.9 of the ideal ``sum(s) / (N x min(s))``;
+compute-time spread after rebalancing <= 6%; final accuracy within one point of uniform's (a point is about 4
+of the 360 validation digits). The plot: epoch time per epoch, per mode.
 """
 
 from __future__ import annotations
@@ -137,51 +125,39 @@ def table(records: Sequence[dict[str, Any]]) -> str:
     return bench.format_table(headers, rows)
 
 
-def plot(records: Sequence[dict[str, Any]], path: Any) -> Any:
+def plot(records: Sequence[dict[str, Any]]) -> Any:
     names = list(dict.fromkeys(r["scenario"] for r in records))
     fig, axes = bench.figure_row(len(names), 6.5 * len(names), 4.6)
     for ax, name in zip(axes, names):
         for r in records:
             if r["scenario"] == name and "error" not in r:
                 ax.plot(range(1, len(r["epoch_s"]) + 1), r["epoch_s"], marker="o", label=r["mode"])
-        ax.set_xlabel("epoch")
-        ax.set_ylabel("epoch time, s (rank 0)")
+        ax.set(xlabel="epoch", ylabel="epoch time, s (rank 0)", ylim=(0, None))
         ax.set_title(f"{name} (relative speeds)", fontsize="small")
-        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     fig.suptitle("heterogeneous batching: even batches against batches that follow measured speed")
-    fig.savefig(path, dpi=110)
-    return path
+    return fig
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    cli = bench.parser("hetero", __doc__)
-    cli.add_argument("--quick", action="store_true", help="smoke run: 2 ranks, 2 epochs")
-    cli.add_argument("--seed", type=int, default=0)
+    cli = bench.parser("hetero", __doc__, "2 ranks, 2 epochs", seed="seed of every run")
     args = cli.parse_args(argv)
     out = bench.output_dir(args.out, "hetero")
     epochs = 2 if args.quick else EPOCHS
-    scenarios = [GATED] if args.quick else list(SCENARIOS)
     records = []
-    for name in scenarios:
+    for name in [GATED] if args.quick else list(SCENARIOS):
         for mode in MODES:
-            record = run_once(name, mode, epochs, args.seed)
-            records.append(record)
-            if "error" in record:
-                bench.progress(f"[hetero] {name} {mode}: FAILED")
-            else:
-                bench.progress(f"[hetero] {name} {mode:<9} epoch {record['epoch_median_s']:.2f}s  sizes "
-                               f"{record['final_sizes']}  acc {100 * record['val_acc']:.2f}%  "
-                               f"(run {record['wall_s']:.0f}s)")
+            records.append(record := run_once(name, mode, epochs, args.seed))
+            bench.progress(f"[hetero] {name} {mode}: FAILED" if "error" in record else
+                           f"[hetero] {name} {mode:<9} epoch {record['epoch_median_s']:.2f}s  sizes "
+                           f"{record['final_sizes']}  acc {100 * record['val_acc']:.2f}%  "
+                           f"(run {record['wall_s']:.0f}s)")
     targets = judge(records)
     lines = [bench.verdict(t["target"], t["met"], t["detail"]) for t in targets]
-    text = table(records) + "\n\n" + "\n".join(lines)
-    print(text)
-    payload = {"meta": {**bench.environment(), "benchmark": "hetero", "quick": args.quick, "epochs": epochs,
-                        "batch_per_rank": BATCH, "timed_epochs": TIMED_EPOCHS}, "records": records, "targets": targets}
-    bench.write_results(out, "hetero", text, payload, lambda path: plot(records, path))
-    return payload
+    meta = bench.environment("hetero", quick=args.quick, epochs=epochs, batch_per_rank=BATCH, timed_epochs=TIMED_EPOCHS)
+    return bench.write_results(out, "hetero", [table(records), lines],
+                               {"meta": meta, "records": records, "targets": targets}, lambda: plot(records))
 
 
 if __name__ == "__main__":

@@ -1,26 +1,17 @@
-"""MemoryMonitor's pre-flight estimate, measured: how close it comes to the memory a run really takes.
+"""MemoryMonitor's pre-flight estimate, measured: how close it comes to the memory a run really takes. (What
+watching memory costs a training step is in :mod:`lightning_dist.benchmarks.callbacks`.)
 
-Run ``python -m lightning_dist.benchmarks.memory``; ``--quick`` is a smoke run. (What watching memory costs a
-training step is measured with NaNRecovery's cost in :mod:`lightning_dist.benchmarks.callbacks`.)
-
-One group of 2 gloo ranks (:func:`~lightning_dist.testing.run_ranks`, Lightning in-process through
-:func:`~lightning_dist.testing.launched_externally`) fits each configuration in turn for a few steps with
-``MemoryMonitor(every_n_steps=1)``: the 50.4 M-parameter MLP of :func:`~lightning_dist.benchmarks.workloads.big_mlp`
-under ``ring_ddp`` with SGD, SGD with momentum, Adam, AdamW, Adam with ``gradient_as_bucket_view=True``, top-k
-compression with error feedback (SGD with momentum), and under Lightning's stock DDP with Adam; and the small
-conv net of :func:`~lightning_dist.benchmarks.workloads.activation_cnn`, whose activations dominate, to show the
-activation probe. Before each configuration a rank frees what it can (``gc`` and ``malloc_trim``), restarts
-Linux's peak RSS (VmHWM) and reads its RSS; it then builds the model and fits. **measured growth** is the
-highest peak RSS of the whole fit minus that RSS: a callback ahead of the monitor reads VmHWM at every hook,
-before the monitor restarts it at each reading, so no interval is missed (the optimizer's step included,
-which stock DDP's reading right after the step would otherwise hide). ``error`` is
-``(estimate - measured growth) / measured growth``: negative means the estimate is short. The table shows
-rank 0's figures and the larger ``|error|`` of the two ranks; ``monitor`` is the monitor's own in-job figure
-(its largest reading). The issue's target: the estimate within 30% of the measured RSS increase for a model
-of at least 50 M parameters (the conv net is smaller: shown, not judged).
-
-Writes ``memory.json``, ``memory.txt`` and ``memory.png`` (each configuration's estimate, stacked by part, beside
-the measured growth and its +-30% band) to ``--out`` (default ``bench_results/memory/``).
+One group of 2 gloo ranks (:func:`~lightning_dist.testing.run_ranks`, Lightning in-process) fits each
+configuration in turn for a few steps with ``MemoryMonitor(every_n_steps=1)``: the 50 M-parameter MLP of
+:func:`~lightning_dist.benchmarks.workloads.big_mlp` under ring_ddp (several optimizers, bucket views, top-k) and
+stock DDP, and the conv net of :func:`~lightning_dist.benchmarks.workloads.activation_cnn`, whose activations
+dominate. Before each a rank frees what it can (``gc``, ``malloc_trim``), restarts Linux's peak RSS (VmHWM) and
+reads its RSS; **measured growth** is the highest peak RSS of the fit minus that RSS. :class:`PeakTracker`, ahead
+of the monitor, reads VmHWM at every hook before the monitor restarts it, so no interval is missed (the
+optimizer's step included). ``error`` is ``(estimate - growth) / growth`` (negative: the estimate is short); the
+table shows rank 0's figures and the larger ``|error|`` of the ranks, ``monitor`` the monitor's own largest
+reading. Target (from the issue): within 30% for a model of at least 50 M parameters (the conv net is shown, not
+judged). The plot: each estimate, stacked by part, beside the measured growth and its +-30% band.
 """
 
 from __future__ import annotations
@@ -29,7 +20,6 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import lightning as L
@@ -120,15 +110,10 @@ def _estimate_ranks(rank: int, world_size: int, names: Sequence[str], steps: int
             out.append({
                 "config": name, "rank": rank, "description": config.description,
                 "params": sum(p.numel() for p in model.parameters()),
-                "parts_mib": {k: v / MiB for k, v in estimate.parts.items()},
-                "notes": dict(estimate.notes),
-                "estimate_mib": estimate.total / MiB,
-                "before_mib": before / MiB,
-                "grown_mib": (peak - before) / MiB,
-                "monitor_measured_mib": monitor.measured / MiB,
-                "monitor_readings": monitor.readings,
-                "monitor_seconds": monitor.seconds,
-                "steps": trainer.global_step,
+                "parts_mib": {k: v / MiB for k, v in estimate.parts.items()}, "notes": dict(estimate.notes),
+                "estimate_mib": estimate.total / MiB, "before_mib": before / MiB, "grown_mib": (peak - before) / MiB,
+                "monitor_measured_mib": monitor.measured / MiB, "monitor_readings": monitor.readings,
+                "monitor_seconds": monitor.seconds, "steps": trainer.global_step,
                 "wall_s": time.perf_counter() - started,
             })
             del model, trainer, monitor, tracker, estimate
@@ -210,7 +195,7 @@ def verdicts(estimates: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def plot(summary: Sequence[dict[str, Any]], path: Path) -> Path:
+def plot(summary: Sequence[dict[str, Any]]) -> Any:
     """Per configuration: the estimate stacked by part beside the measured growth, with the +-30% band."""
     fig, (ax,) = bench.figure_row(1, 1.3 * len(summary) + 5.0, 5.0)
     parts = _part_names(summary)
@@ -240,15 +225,13 @@ def plot(summary: Sequence[dict[str, Any]], path: Path) -> Path:
            f"the measured growth of peak RSS over the fit, {bench.WORLD_SIZE} CPU ranks, {ESTIMATE_STEPS} steps")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.savefig(path, dpi=110)
-    return path
+    return fig
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    cli = bench.parser("memory", __doc__)
+    cli = bench.parser("memory", __doc__, f"{', '.join(QUICK_ESTIMATE_CONFIGS)} only")
     cli.add_argument("--configs", nargs="+", choices=list(ESTIMATE_CONFIGS), default=None,
                      help=f"configurations (default: all; --quick: {' and '.join(QUICK_ESTIMATE_CONFIGS)})")
-    cli.add_argument("--quick", action="store_true", help=f"smoke run: {', '.join(QUICK_ESTIMATE_CONFIGS)} only")
     args = cli.parse_args(argv)
     names = args.configs or list(QUICK_ESTIMATE_CONFIGS if args.quick else ESTIMATE_CONFIGS)
     out = bench.output_dir(args.out, "memory")
@@ -265,14 +248,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     wall_s = time.perf_counter() - started
     bench.progress(f"[memory] done in {wall_s:.0f}s")
     records = summarize_estimates(runs)
-    text = "\n\n".join([estimate_table(records), "\n".join(verdicts(records))])
-    print(text)
-    payload = {"meta": {**bench.environment(), "benchmark": "memory", "world_size": bench.WORLD_SIZE, "wall_s": wall_s,
-                        "estimate_steps": ESTIMATE_STEPS, "target_error": TARGET_ERROR,
-                        "target_min_params": TARGET_MIN_PARAMS},
-               "estimate": {"runs": runs, "records": records}}
-    bench.write_results(out, "memory", text, payload, lambda path: plot(records, path))
-    return payload
+    meta = bench.environment("memory", world_size=bench.WORLD_SIZE, wall_s=wall_s, estimate_steps=ESTIMATE_STEPS,
+                             target_error=TARGET_ERROR, target_min_params=TARGET_MIN_PARAMS)
+    return bench.write_results(out, "memory", [estimate_table(records), verdicts(records)],
+                               {"meta": meta, "estimate": {"runs": runs, "records": records}}, lambda: plot(records))
 
 
 if __name__ == "__main__":

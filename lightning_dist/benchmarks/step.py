@@ -1,45 +1,26 @@
-"""Training-step benchmark: ``RingDDPStrategy`` (overlapped and blocking hook, per algorithm) against
-Lightning's stock ``DDPStrategy``, on a latency-bound and a bandwidth-bound workload.
+"""Training-step benchmark: ``RingDDPStrategy`` (overlapped and blocking hook, per algorithm) against Lightning's
+stock ``DDPStrategy``, on the latency-bound ``digits`` and the bandwidth-bound ``mlp`` workload.
 
-Run ``python -m lightning_dist.benchmarks.step``; ``--quick`` is a smoke run (one round of stock DDP and
-``auto`` per workload, a few steps); ``--workloads mlp`` runs one. The workloads are ``digits`` and ``mlp`` of
-:mod:`lightning_dist.benchmarks.workloads` (2 CPU processes, gloo, started with ``fork``; no validation).
+Every run is one fit of a workload of :mod:`lightning_dist.benchmarks.workloads` on 2 CPU ranks (gloo, fork, no
+validation) from ``L.seed_everything(seed)``: the same weights and data order for every configuration. A
+workload's configurations run round-robin for its rounds. A run's step time is the median of its steps after
+``--warmup`` (DDP rebuilds its buckets after step one; caches warm up); a configuration's is the median over
+rounds, with quartiles; ``vs ddp`` divides those medians and ``paired`` is the paired ratio to the round's ddp
+run (the targets are judged on it). Rank 0 also records ``cpu ms``, its process CPU time per step (the work a
+step does), and under ring_ddp each step's ``comm`` (time inside the transport) and ``exposed comm`` (what
+backward waited for). Correctness in the same run: each run's final weights (rank 0's, which Lightning's
+launcher loads back into the parent's model) are compared with its round's ddp run.
 
-Method:
-
-1. Every run starts from ``L.seed_everything(seed)``: same initial weights, same data order. A step's time is
-   the gap between two consecutive batch ends of one epoch
-   (:class:`~lightning_dist.benchmarks._common.StepRecorder`), so it holds all that a step costs: fetching the
-   batch, forward, backward with its gradient all-reduce, ring_ddp's per-step exchange, the optimizer and every
-   callback. The first ``--warmup`` steps (DDP rebuilds its buckets after step one; allocator and caches warm
-   up) are dropped; a run's time is the median of its steps. Under RingDDPStrategy rank 0 also keeps its
-   per-step ``comm_s`` (time inside the transport) and ``exposed_s`` (communication backward waited for).
-2. Within a workload, configurations run round-robin (``ddp, auto, auto/blocking, ...``) for the workload's
-   rounds (``--rounds`` overrides), so that drift and bursts from other processes on the machine hit every
-   configuration alike. A configuration's step time is the median over rounds of its per-run medians, with
-   quartiles over rounds. ``vs ddp`` divides those medians; ``paired`` is the paired ratio to the same round's
-   ddp run (the targets are judged on it). ``cpu ms`` is rank 0's process CPU time per step (all threads):
-   the work a step does.
-3. Correctness in the same run: Lightning's launcher loads rank 0's final weights back into the parent's
-   model, and every run's final weights are compared with its round's stock DDP run (max abs difference).
-
-Targets (from the issues): on ``mlp``, ring_ddp with ``auto`` and with ``native`` (overlapped, the
-default) at most 1.02x stock DDP's step (paired median over >= 8 rounds); on ``digits``, ``auto`` at most
-1.05x.
-
-Outputs in ``--out`` (default ``bench_results/step/``): ``step.json`` (one record per run in ``runs``, one
-per workload and configuration in ``records``, and the targets), ``step.txt`` (the printed table) and
-``step.png`` (per-run medians per configuration, one panel per workload, with the stock DDP median and the
-target bound).
+Targets (from the issues): on ``mlp``, ``auto`` and ``native`` (overlapped, the default) at most 1.02x ddp's
+step (paired, >= 8 rounds); on ``digits``, ``auto`` at most 1.05x. The plot: every run's median per
+configuration, one panel per workload, with the ddp median and the bound.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
@@ -80,7 +61,7 @@ def _ring(algorithm: str) -> tuple[Config, Config]:
 
 
 WORKLOADS = {
-    # ~6 epochs of the 1,437 training digits at 2 x 32; a ~9 ms step is at the mercy of every hiccup of a shared
+    # ~6 epochs of the 1,437 training digits at 2 x 32; a short step is at the mercy of every hiccup of a shared
     # machine, hence many rounds of long runs
     "digits": Plan(DIGITS, steps=150, warmup=10, rounds=16, configs=(STOCK, *_ring("auto")), targets=("auto",),
                    target_ratio=1.05),
@@ -90,12 +71,12 @@ WORKLOADS = {
 }
 
 
-def run_once(plan: Plan, config: Config, steps: int, warmup: int, seed: int, path: str) -> tuple[dict, dict]:
-    """One ``Trainer.fit``, rank 0's stamps written to ``path``; returns (the run's record, final weights)."""
+def run_once(plan: Plan, config: Config, steps: int, warmup: int, seed: int) -> tuple[dict, dict]:
+    """One ``Trainer.fit``; returns (the run's record, its final weights)."""
     workload = plan.workload
     ring = {} if config.algorithm is None else {"overlap": config.overlap}
     strategy = make_strategy(config.algorithm, workload.bucket_cap_mb, **ring)
-    times, stamps, model = bench.timed_fit(workload, strategy, steps, warmup, seed, path)
+    times, stamps, model = bench.timed_fit(workload, strategy, steps, warmup, seed)
     measured = [s for s in stamps["steps"][warmup:] if s]  # one per step under RingDDPStrategy, else none
     record = {
         "workload": workload.name, "config": config.label, "algorithm": config.algorithm,
@@ -161,7 +142,7 @@ def table(summary: Sequence[dict[str, Any]]) -> str:
     return bench.format_table(headers, rows)
 
 
-def plot(runs: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]], path: Path) -> Path:
+def plot(runs: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]]) -> Any:
     """Per workload, per-run median step times per configuration (box and points), the stock median and the
     target bound."""
     names = list(dict.fromkeys(s["workload"] for s in summary))
@@ -181,12 +162,12 @@ def plot(runs: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]], path
         ax.title.set_fontsize("small")
         ax.legend(fontsize="x-small")
     fig.suptitle(f"{bench.WORLD_SIZE} CPU ranks, gloo: stock DDP vs ring_ddp (overlapped and /blocking hook)")
-    fig.savefig(path, dpi=110)
-    return path
+    return fig
 
 
 def _parse_args(argv: Optional[Sequence[str]]) -> Any:
-    cli = bench.parser("step", __doc__)
+    cli = bench.parser("step", __doc__, f"1 round of ddp and auto per workload, {QUICK_STEPS} steps",
+                       seed="seed of every run")
     cli.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS),
                      help="which workloads to run (default: all)")
     cli.add_argument("--rounds", type=int, default=None,
@@ -195,22 +176,15 @@ def _parse_args(argv: Optional[Sequence[str]]) -> Any:
                      help=f"optimizer steps per run (default: the workload's, {QUICK_STEPS} with --quick)")
     cli.add_argument("--warmup", type=int, default=None,
                      help=f"leading steps dropped per run (default: the workload's, {QUICK_WARMUP} with --quick)")
-    cli.add_argument("--seed", type=int, default=0, help="seed of every run (default 0)")
-    cli.add_argument("--quick", action="store_true",
-                     help=f"smoke run: 1 round of ddp and auto per workload, {QUICK_STEPS} steps")
     args = cli.parse_args(argv)
     if args.quick:
         args.rounds = args.rounds or 1
         args.steps = args.steps or QUICK_STEPS
         args.warmup = QUICK_WARMUP if args.warmup is None else args.warmup
-    if args.rounds is not None and args.rounds < 1:
-        cli.error(f"--rounds {args.rounds}: need at least 1.")
+    bench.check_counts(cli, rounds=args.rounds)
     for name in args.workloads:
-        steps = args.steps or WORKLOADS[name].steps
-        warmup = WORKLOADS[name].warmup if args.warmup is None else args.warmup
-        if steps < warmup + 3:
-            cli.error(f"--steps {steps} leaves fewer than 3 timed steps after --warmup {warmup} ({name}); "
-                      f"use --steps >= {warmup + 3}.")
+        bench.check_counts(cli, args.steps or WORKLOADS[name].steps,
+                           WORKLOADS[name].warmup if args.warmup is None else args.warmup)
     return args
 
 
@@ -222,23 +196,20 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     summary: list[dict[str, Any]] = []
     targets: list[dict[str, Any]] = []
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="lightning_dist_step_") as workdir, bench.quiet_lightning():
+    with bench.quiet_lightning():
         for name in args.workloads:
             plan = WORKLOADS[name]
             configs = plan.configs[:2] if args.quick else plan.configs
-            steps = args.steps or plan.steps
+            steps, rounds = args.steps or plan.steps, args.rounds or plan.rounds
             warmup = plan.warmup if args.warmup is None else args.warmup
-            rounds = args.rounds or plan.rounds
             bench.progress(f"[step] {name}: {rounds} rounds x {len(configs)} configs "
                            f"({', '.join(c.label for c in configs)}), {steps} steps per run, first {warmup} dropped")
             mine: list[dict[str, Any]] = []
             for round_index in range(rounds):
                 stock_weights: Optional[dict[str, torch.Tensor]] = None
                 for config in configs:  # STOCK first: the round's other runs are compared with its weights
-                    path = os.path.join(workdir, f"{name}_r{round_index}_{config.label.replace('/', '_')}.json")
-                    record, weights = run_once(plan, config, steps, warmup, args.seed, path)
-                    if stock_weights is None:
-                        stock_weights = weights
+                    record, weights = run_once(plan, config, steps, warmup, args.seed)
+                    stock_weights = weights if stock_weights is None else stock_weights
                     record["round"] = round_index
                     record["max_abs_weight_diff_vs_ddp"] = diff = max_abs_diff(weights, stock_weights)
                     mine.append(record)
@@ -252,24 +223,17 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
     lines = [bench.verdict(f"{t['workload']} {t['config']} <= {t['bound']}x ddp step time (paired)", t["met"],
                            f"{t['paired_ratio']:.3f}x; unpaired {t['ratio']:.3f}x") for t in targets]
-    text = table(summary) + "\n\n" + "\n".join(lines)
-    print(text)
-    payload = {
-        "meta": {**bench.environment(), "benchmark": "step", "world_size": bench.WORLD_SIZE, "seed": args.seed,
-                 "workloads": {n: {"configs": [asdict(c) for c in WORKLOADS[n].configs],
-                                   "rounds": args.rounds or WORKLOADS[n].rounds,
-                                   "batch_size": WORKLOADS[n].workload.batch_size,
-                                   "bucket_cap_mb": WORKLOADS[n].workload.bucket_cap_mb,
-                                   "description": WORKLOADS[n].workload.description}
-                               for n in args.workloads},
-                 # the machine's load matters more than anything else here: a busy machine inflates every wait
-                 "loadavg_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None},
-        "runs": runs,
-        "records": summary,
-        "targets": targets,
-    }
-    bench.write_results(out, "step", text, payload, lambda path: plot(runs, summary, path))
-    return payload
+    plans = {n: WORKLOADS[n] for n in args.workloads}
+    meta = bench.environment(
+        "step", world_size=bench.WORLD_SIZE, seed=args.seed,
+        workloads={n: {"configs": [asdict(c) for c in p.configs], "rounds": args.rounds or p.rounds,
+                       "batch_size": p.workload.batch_size, "bucket_cap_mb": p.workload.bucket_cap_mb,
+                       "description": p.workload.description} for n, p in plans.items()},
+        # the machine's load matters more than anything else here: a busy machine inflates every wait
+        loadavg_at_end=os.getloadavg() if hasattr(os, "getloadavg") else None)
+    return bench.write_results(out, "step", [table(summary), lines],
+                               {"meta": meta, "runs": runs, "records": summary, "targets": targets},
+                               lambda: plot(runs, summary))
 
 
 if __name__ == "__main__":

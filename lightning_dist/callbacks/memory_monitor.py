@@ -143,6 +143,12 @@ class MemoryMonitor(Callback):
         return self._oom.paths
 
     @property
+    def interval(self) -> int:
+        """Optimizer steps between readings in this fit: ``every_n_steps``, or the Trainer's ``log_every_n_steps``
+        (0 before the fit's setup)."""
+        return self._every
+
+    @property
     def measured(self) -> float:
         """This rank's largest training footprint measured so far in this fit, bytes (see ``memory/measured_mib``)."""
         return self._memory.measured
