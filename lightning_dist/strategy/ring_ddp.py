@@ -256,7 +256,7 @@ class RingDDPStrategy(DDPStrategy):
         # the loss gradient carries this rank's share (and NaN for a non-finite loss with the guard armed)
         stepping.follow_loss_scale(self._features.loss_scaler, self._hook_state)
         with stepping.shared_backward(closure_loss, self._hook_state, self._guard,
-                             automatic=self.lightning_module.automatic_optimization):
+                                      automatic=self.lightning_module.automatic_optimization):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
@@ -288,7 +288,7 @@ class RingDDPStrategy(DDPStrategy):
         result = closure_then_exchange()
         scaler = self._features.loss_scaler
         verdict = stepping.decide_step(self._guard, optimizer, scaler, self._schedule.group, self.global_rank,
-                              self.world_size, step=self.lightning_module.trainer.global_step)
+                                       self.world_size, step=self.lightning_module.trainer.global_step)
         if verdict.skipped:
             stepping.skip_step(optimizer, scaler)
             self._finish_step(skipped=True)
@@ -324,7 +324,10 @@ class RingDDPStrategy(DDPStrategy):
         """The compressor's staged state kept (the optimizer stepped) or dropped (every rank skipped); this step's
         own measurements recorded (the next exchange carries them to every rank)."""
         state = self._hook_state
-        state.compressor.discard() if skipped else state.compressor.commit()
+        if skipped:
+            state.compressor.discard()
+        else:
+            state.compressor.commit()
         self._meter.step_finished(state.stats, state.exposed_s)
         state.reset_step()
         self._schedule.step_finished()
