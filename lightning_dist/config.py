@@ -166,18 +166,20 @@ def complete_overrides(overrides: Sequence[str]) -> list[str]:
     except HydraException:
         return list(overrides)
     changes = [o for o in parsed if o.type == OverrideType.CHANGE and o.package is None]
-    chosen = {o.key_or_group: list(o.sweep_string_iterator()) if o.is_sweep_override() else [str(o.value())]
-              for o in changes if o.key_or_group in SETTING_GROUPS}
+    chosen: dict[str, Optional[list[str]]] = {  # group -> the options chosen (None: a sweep only Hydra can expand)
+        o.key_or_group: _choices(o) for o in parsed
+        if o.key_or_group in SETTING_GROUPS and o.type in (OverrideType.CHANGE, OverrideType.ADD,
+                                                           OverrideType.FORCE_ADD)}
     completed, problems = list(overrides), []
     for o in changes:
         group, _, key = o.key_or_group.partition(".")
-        if group not in SETTING_GROUPS or not key:
+        if group not in SETTING_GROUPS or not key or (group in chosen and chosen[group] is None):
             continue
         key = key.split(".")[0]
         if group not in chosen and SETTING_GROUPS[group] is not None:
             chosen[group] = [SETTING_GROUPS[group]]
             completed.insert(completed.index(o.input_line), f"{group}={SETTING_GROUPS[group]}")
-        for option in chosen.get(group, [_default_option(group)]):
+        for option in chosen.get(group) or [_default_option(group)]:
             if option in _options(group) and key not in _option_keys(group, option):  # (Hydra names a missing one)
                 chose = f"{group}={option}" + ("" if group in chosen else " (the default)")
                 fix = _fix(group, option, key, o.input_line)
@@ -185,6 +187,16 @@ def complete_overrides(overrides: Sequence[str]) -> list[str]:
     if problems:
         raise ValueError("invalid overrides:\n  " + "\n  ".join(problems))
     return completed
+
+
+def _choices(override: Any) -> Optional[list[str]]:
+    """The options a group override selects; None for a sweep Hydra expands itself (``glob(*)``)."""
+    if not override.is_sweep_override():
+        return [str(override.value())]
+    try:
+        return list(override.sweep_string_iterator())
+    except HydraException:  # a glob needs Hydra's config loader: leave its checks to Hydra
+        return None
 
 
 def _fix(group: str, option: str, key: str, override: str) -> str:

@@ -174,12 +174,17 @@ def _train(cfg: DictConfig) -> float:
     return float(metrics.get("val/acc", 0.0))  # what a Hydra sweeper would maximise
 
 
+_CONFIG_FLAGS = ("-cn", "--config-name", "-cp", "--config-path", "-cd", "--config-dir")
+
+
 def main() -> Any:
     """``lightning-dist-train``: Hydra's command, after :func:`~lightning_dist.config.complete_overrides` (a setting
     given without its group: ``hetero.speeds=[3,1]`` selects ``hetero=balanced``, ``compression.ratio=0.01`` alone
     fails here, naming ``compression=topk``). The completed overrides replace ``sys.argv``'s, so that ranks
     Lightning starts by re-running the command see them too."""
     args = sys.argv[1:]
+    if any(arg.split("=")[0] in _CONFIG_FLAGS for arg in args):
+        return _train()  # a config of the user's own: its groups and defaults are not ours to complete
     overrides = [arg for arg in args if "=" in arg and not arg.startswith("-")]  # key=value, not Hydra's flags
     try:
         completed = complete_overrides(overrides)

@@ -244,7 +244,7 @@ class ManualModule(TinyModule):
 
 
 class Observer(Callback):
-    """Records, per step: whether the worker thread exists, and when the control exchange started
+    """Records, per step: whether the worker thread exists, and when the exchange started
     (inside backward, i.e. alongside the last bucket, or after it)."""
 
     def __init__(self, register_agreed=False):
@@ -256,9 +256,9 @@ class Observer(Callback):
             trainer.strategy.features.exchange.register("test_flag")
         original = StepExchange.start
 
-        def start(control, group=None):
+        def start(exchange, group=None):
             self.starts.append("in backward" if self.in_backward else "after backward")
-            original(control, group)
+            original(exchange, group)
 
         trainer.strategy.features.exchange.start = start.__get__(trainer.strategy.features.exchange)
 
@@ -358,7 +358,7 @@ def test_the_worker_lives_only_while_training_and_one_strategy_fits_twice(fits):
         assert r["totals"]["steps"] == 4  # counted afresh: the second fit's one epoch of 64 / 2 ranks / batch 8
 
 
-def test_the_control_exchange_starts_alongside_the_last_bucket(fits):
+def test_the_exchange_starts_alongside_the_last_bucket(fits):
     results, _ = fits
     for r in results:
         # metrics only: started by the last bucket's hook, inside backward, on every logged step

@@ -1,4 +1,4 @@
-"""RingDDPStrategy's construction, registry names and control slots: no process group needed."""
+"""RingDDPStrategy's construction, registry names and exchange slots: no process group needed."""
 
 import inspect
 from datetime import timedelta
@@ -113,26 +113,26 @@ def test_compressor_argument():
     assert RingDDPStrategy(compressor=custom).features.compressor is custom
 
 
-def test_step_control_layout_and_reading():
+def test_step_exchange_layout_and_reading():
     # two ranks' vectors, summed by hand as the exchange would
     vecs = []
     for rank in range(2):
-        control = StepExchange(rank, 2)
-        control.register("samples")
-        control.register("bad_step")
-        control.register("compute_s", per_rank=True)
-        control.register("samples", per_rank=False)  # idempotent
-        control.set("samples", 10 + rank)
-        control.add("bad_step", 1 if rank == 1 else 0)
-        control.set("compute_s", 0.5 * (rank + 1))
-        vecs.append(control.pack())
+        exchange = StepExchange(rank, 2)
+        exchange.register("samples")
+        exchange.register("bad_step")
+        exchange.register("compute_s", per_rank=True)
+        exchange.register("samples", per_rank=False)  # idempotent
+        exchange.set("samples", 10 + rank)
+        exchange.add("bad_step", 1 if rank == 1 else 0)
+        exchange.set("compute_s", 0.5 * (rank + 1))
+        vecs.append(exchange.pack())
     assert vecs[0].dtype == torch.float64 and vecs[0].numel() == 2 + 2 * 1
-    control.load(vecs[0] + vecs[1])
-    assert control.agreed("samples") == 21
-    assert control.agreed("bad_step") == 1
-    assert control.per_rank("compute_s") == [0.5, 1.0]
+    exchange.load(vecs[0] + vecs[1])
+    assert exchange.agreed("samples") == 21
+    assert exchange.agreed("bad_step") == 1
+    assert exchange.per_rank("compute_s") == [0.5, 1.0]
     with pytest.raises(KeyError, match="not registered"):
-        control.set("stop", 1)
+        exchange.set("stop", 1)
     with pytest.raises(RuntimeError, match="exchange"):
         StepExchange(0, 1).agreed("samples")
 

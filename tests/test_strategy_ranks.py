@@ -286,7 +286,7 @@ def test_find_unused_parameters_and_static_graph_train(runs):
     assert torch.allclose(static["net.0.weight"], stock["net.0.weight"], atol=WEIGHT_TOLERANCE)
 
 
-def test_an_agreed_control_value_reaches_every_rank_on_every_step(runs):
+def test_an_agreed_exchange_value_reaches_every_rank_on_every_step(runs):
     # rank 1 sets step + 1 on steps 0, 3, 6, ... after backward; both ranks read it before that step's update
     expected = [float(step + 1) if step % 3 == 0 else 0.0 for step in range(16)]
     assert runs["flags"] == [expected, expected]

@@ -245,6 +245,11 @@ def test_a_setting_without_its_group_selects_hetero_or_names_the_compressor(monk
     assert complete_overrides(["hetero.speeds=[3,1]", "trainer.devices=2"]) == [
         "hetero=balanced", "hetero.speeds=[3,1]", "trainer.devices=2"]
     assert complete_overrides(["hetero=balanced", "hetero.speeds=[3,1]"]) == ["hetero=balanced", "hetero.speeds=[3,1]"]
+    assert complete_overrides(["+hetero=balanced", "hetero.speeds=[3,1]"]) == ["+hetero=balanced",
+                                                                               "hetero.speeds=[3,1]"]
+    # a glob sweep is Hydra's to expand (it needs the config loader): its settings are left to Hydra
+    assert complete_overrides(["compression=glob(*)", "compression.ratio=0.01"]) == [
+        "compression=glob(*)", "compression.ratio=0.01"]
     cfg = _compose(*complete_overrides(["hetero.batch_sizes=[48,16]"]))
     validate(cfg)
     assert cfg.hetero.enabled and list(cfg.hetero.batch_sizes) == [48, 16]
@@ -268,6 +273,13 @@ def test_a_setting_without_its_group_selects_hetero_or_names_the_compressor(monk
     monkeypatch.setattr(sys, "argv", ["lightning-dist-train", "compression.ratio=0.01"])
     with pytest.raises(SystemExit, match="use compression=topk compression.ratio=0.01"):
         lightning_dist.train.main()
+    # under a config of the user's own (--config-name/-path/-dir) the command completes nothing: Hydra decides
+    completed = []
+    monkeypatch.setattr(lightning_dist.train, "complete_overrides", completed.append)
+    monkeypatch.setattr(lightning_dist.train, "_train", lambda: None)
+    monkeypatch.setattr(sys, "argv", ["lightning-dist-train", "--config-name", "mine", "compression.ratio=0.01"])
+    lightning_dist.train.main()
+    assert completed == []
 
 
 def test_nan_recovery_is_checked_before_any_rank():

@@ -265,7 +265,8 @@ class NaNRecovery(Callback):
         del self.history[:-100]
 
     def metrics(self, trainer: pl.Trainer) -> dict[str, float]:
-        scaler = self._features().loss_scaler
+        features = features_of(trainer.strategy)  # also after the fit, when the callback let go of the seam
+        scaler = features.loss_scaler if features is not None else None
         scale = scaler.scale_value if isinstance(scaler, LossScaler) else (scaler.get_scale() if scaler else 1.0)
         return {"nan/skipped_steps": float(self.skipped), "nan/loss_scale": float(scale),
                 "nan/rollbacks": float(self.rollbacks), "nan/drift_checks": float(self.drift_checks),

@@ -264,6 +264,7 @@ class HeteroBatching:
         sizes = self.sampler.sizes(epoch, batch_idx)
         return sizes[rank] / sum(sizes)
 
+
 def describe_event(event: dict[str, Any]) -> list[str]:
     """What a rebalance event says in the log: the new sizes, and what a binding cap costs."""
     lines = [f"compute-time spread {100 * event['spread']:.1f}% -> batch sizes {event['old']} -> {event['new']} "

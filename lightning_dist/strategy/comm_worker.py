@@ -24,7 +24,7 @@ for work that never blocks (issuing the backend's asynchronous all-reduce of a b
 light) and for the last bucket, behind which nothing is left to overlap. The worker thread then runs only
 what would block backward: our ring's and tree's point-to-point loops, heavy compressors. Work handed to
 it needlessly costs more than the hand-off: py-spy showed the autograd thread waiting for the GIL (pybind
-releases it inside ``Future.then``) while the worker ran Python, ~4% of a bandwidth-bound step.
+releases it inside ``Future.then``) while the worker ran Python (the README's step benchmark has the figures).
 
 The worker's collectives run on a process group of their own (the strategy makes it), never the default
 group, on which DDP and Lightning issue collectives from the main thread: two threads interleaving on one

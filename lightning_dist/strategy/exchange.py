@@ -9,7 +9,7 @@ Features register named slots once at set-up (the same names in the same order o
   without a collective of its own.
 
 The strategy exchanges on every step when any agreed slot is registered, and otherwise only on the steps a
-feature asked for (``RingDDPStrategy.request_exchange``: DistMetricsCallback's logging steps, MemoryMonitor's
+feature asked for (:meth:`RingFeatures.request_exchange`: DistMetricsCallback's logging steps, MemoryMonitor's
 readings); both depend only on values every rank shares (the registered names, the step count, the
 requested intervals), so all ranks exchange on the same steps.
 
@@ -19,9 +19,10 @@ float64 keeps sample counts and byte counts exact up to 2**53.
 The vector is all-reduced asynchronously on a separate gloo group (so it cannot interleave with the
 gradients' point-to-point traffic) and waited for after backward, before the optimizer steps. When every
 value in it is final early, i.e. only per-rank measurements of the previous step travel, the strategy
-starts it as DDP hands over the step's last gradient bucket, hidden behind that bucket's all-reduce: a
-blocking exchange after backward cost 2-3 ms per 12 ms step on 2-core CPU machines. Agreed values may be
-set until backward ends, so with any agreed slot registered the exchange starts after backward.
+starts it as DDP hands over the step's last gradient bucket, hidden behind that bucket's all-reduce (a
+blocking exchange after backward is exposed in full: a small collective's latency, which a short step
+notices). Agreed values may be set until backward ends, so with any agreed slot registered the exchange
+starts after backward.
 """
 
 from __future__ import annotations

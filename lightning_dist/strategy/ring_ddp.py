@@ -143,7 +143,6 @@ class RingDDPStrategy(DDPStrategy):
         self._hook_state = RingHookState(algorithm=algorithm, compressor=as_compressor(compressor), guard=self._guard)
         self._comm_group: Optional[dist.ProcessGroup] = None  # the gradient buckets' own group
         self._schedule = ExchangeSchedule()  # the per-step exchange, on a gloo group of its own
-        self._schedule.every_step = bool(self._hetero is not None and self._hetero.rebalance)
         self._meter = StepMeter()  # this rank's per-step measurements; its step count is the strategy's
         self._features = RingFeatures(self, self._meter, self._schedule, self._guard, self._hook_state)
 
@@ -213,6 +212,7 @@ class RingDDPStrategy(DDPStrategy):
         if self.world_size > 1:
             self._comm_group = dist.new_group(timeout=self._timeout)
             self._schedule.group = dist.new_group(backend="gloo", timeout=self._timeout)
+        self._schedule.every_step = bool(self._hetero is not None and self._hetero.rebalance)
         state = self._hook_state
         state.bind(self.model.module, self._comm_group, self.world_size, on_last_bucket=self._start_exchange_early)
         if self._overlap:
