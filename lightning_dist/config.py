@@ -10,6 +10,7 @@ All of it happens in the launching process, before any rank starts.
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
 import os
 import time
@@ -214,14 +215,18 @@ def _conf() -> Any:
     return importlib.resources.files("lightning_dist.conf")
 
 
-def _options(group: str) -> list[str]:
-    return sorted(path.name[:-len(".yaml")] for path in (_conf() / group).iterdir() if path.name.endswith(".yaml"))
+@functools.cache
+def _options(group: str) -> tuple[str, ...]:
+    return tuple(sorted(path.name[:-len(".yaml")] for path in (_conf() / group).iterdir()
+                        if path.name.endswith(".yaml")))
 
 
-def _option_keys(group: str, option: str) -> set[str]:
-    return set(OmegaConf.create((_conf() / group / f"{option}.yaml").read_text()).keys())
+@functools.cache
+def _option_keys(group: str, option: str) -> frozenset[str]:
+    return frozenset(OmegaConf.create((_conf() / group / f"{option}.yaml").read_text()).keys())
 
 
+@functools.cache
 def _default_option(group: str) -> str:
     defaults = OmegaConf.create((_conf() / "config.yaml").read_text()).defaults
     return next(entry[group] for entry in defaults if not isinstance(entry, str) and group in entry)

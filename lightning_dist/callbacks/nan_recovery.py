@@ -110,7 +110,6 @@ class NaNRecovery(Callback):
         self._snapshot: Optional[dict[str, Any]] = None
         self._good_since_snapshot = 0
         self._steps_seen = 0
-        self._ring: Optional[RingFeatures] = None  # the strategy's feature seam, from setup to teardown
 
     # -- set-up ---------------------------------------------------------------------------------------------
     @override
@@ -130,29 +129,23 @@ class NaNRecovery(Callback):
         if isinstance(scaler, torch.amp.GradScaler) and not isinstance(scaler, LossScaler) and scaler.is_enabled():
             plugin.scaler = LossScaler.like(scaler, **self.scaler_settings)
         features.step_guard.arm()
-        self._ring = features
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and self._ring is not None:
-            self._ring.step_guard.disarm()
-            self._ring = None
+        features = features_of(trainer.strategy)
+        if features is not None:
+            features.step_guard.disarm()
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._features().step_guard.pop_verdicts()  # nothing from an earlier fit counts
+        _ring(trainer).step_guard.pop_verdicts()  # nothing from an earlier fit counts
         self._take_snapshot(trainer, pl_module)
-
-    def _features(self) -> RingFeatures:
-        if self._ring is None:
-            raise RuntimeError("NaNRecovery is used outside a fit: its setup(stage='fit') did not run")
-        return self._ring
 
     # -- each step ----------------------------------------------------------------------------------------------
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         started = time.thread_time()
-        verdicts = self._features().step_guard.pop_verdicts()
+        verdicts = _ring(trainer).step_guard.pop_verdicts()
         for verdict in verdicts:
             self._steps_seen += 1
             if verdict.skipped:
@@ -181,7 +174,7 @@ class NaNRecovery(Callback):
             self.first_bad = verdict.describe()
         self._remember("skip", verdict.step, detail=verdict.describe())
         rank_zero_warn(f"NaNRecovery: skipped the step on every rank: {verdict.describe()}")
-        scaler = self._features().loss_scaler
+        scaler = _ring(trainer).loss_scaler
         if isinstance(scaler, LossScaler) and scaler.exhausted:
             self._stop(trainer, f"a step was non-finite at the minimum loss scale (min_scale={scaler.min_scale:g})")
         if self.rollback_after and self.consecutive >= self.rollback_after:
@@ -209,7 +202,7 @@ class NaNRecovery(Callback):
             "model": _copy(pl_module.state_dict(), device),
             "optimizers": [_copy(opt.state_dict(), device) for opt in trainer.optimizers],
             "schedulers": [_copy(cfg.scheduler.state_dict(), device) for cfg in trainer.lr_scheduler_configs],
-            "compressor": self._features().compressor.state_dict(),
+            "compressor": _ring(trainer).compressor.state_dict(),
         }
         self._good_since_snapshot = 0
 
@@ -222,7 +215,7 @@ class NaNRecovery(Callback):
             optimizer.zero_grad(set_to_none=True)
         for cfg, state in zip(trainer.lr_scheduler_configs, snapshot["schedulers"]):
             cfg.scheduler.load_state_dict(copy.deepcopy(state))
-        self._features().compressor.load_state_dict(snapshot["compressor"])
+        _ring(trainer).compressor.load_state_dict(snapshot["compressor"])
         if self.lr_factor != 1.0:
             for optimizer in trainer.optimizers:
                 for group in optimizer.param_groups:
@@ -242,7 +235,7 @@ class NaNRecovery(Callback):
 
     # -- replica drift ----------------------------------------------------------------------------------------
     def _check_drift(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        report = replicas.compare(pl_module, group=self._features().exchange_group)
+        report = replicas.compare(pl_module, group=_ring(trainer).exchange_group)
         self.drift_checks += 1
         if report.agree:
             return
@@ -265,7 +258,7 @@ class NaNRecovery(Callback):
         del self.history[:-100]
 
     def metrics(self, trainer: pl.Trainer) -> dict[str, float]:
-        features = features_of(trainer.strategy)  # also after the fit, when the callback let go of the seam
+        features = features_of(trainer.strategy)
         scaler = features.loss_scaler if features is not None else None
         scale = scaler.scale_value if isinstance(scaler, LossScaler) else (scaler.get_scale() if scaler else 1.0)
         return {"nan/skipped_steps": float(self.skipped), "nan/loss_scale": float(scale),
@@ -335,3 +328,10 @@ def check_settings(**settings: Any) -> list[str]:
     if not isinstance(settings.get("consecutive_hysteresis", False), bool):
         problems.append(f"consecutive_hysteresis={settings.get('consecutive_hysteresis')!r} must be True or False")
     return problems
+
+
+def _ring(trainer: pl.Trainer) -> RingFeatures:
+    """The strategy's feature seam; setup refused any strategy without one."""
+    features = features_of(trainer.strategy)
+    assert features is not None, "NaNRecovery's setup accepts RingDDPStrategy only"
+    return features

@@ -76,7 +76,7 @@ def warn_if_experimental(tensor: torch.Tensor, algorithm: str) -> None:
 
 
 # Reused scratch buffers, keyed by (dtype, device), one pool per thread. A fresh tens-of-MiB buffer per call
-# costs a page fault per 4 KiB on first touch: ~10% of a 64 MiB ring's time, ~30% of a 64 MiB tree's. The
+# costs a page fault per 4 KiB on first touch, a visible share of a large ring's or tree's time. The
 # collectives on one thread run one at a time, so one buffer per dtype and device suffices there; a pool per
 # thread keeps the strategy's communication worker and any collective on the main thread apart.
 _POOLS = threading.local()

@@ -7,19 +7,16 @@ ranks choosing differently would each wait for messages the other never sends). 
 measurements (``python -m lightning_dist.benchmarks.allreduce`` and ``.step``), never from a timing taken
 at run time on each rank.
 
-Why, measured on 2-core machines over gloo (README, benchmarks):
+Why (measured on 2-core machines over gloo; the README's ``allreduce`` section has the figures):
 
 - Large messages: gloo's own all-reduce is itself a bandwidth-optimal ring, in C++. From 1 MiB it was as
-  fast as or faster than ours at every world size (the tree 1.04-1.5x slower, our ring up to 1.36x), and
-  in a training step, where backward keeps every core busy, an asynchronous native all-reduce needs no
-  Python thread to be scheduled between the pieces of a message: the overlapped step of a 4.3 M-parameter
-  MLP took 1.02-1.03x stock DDP with native, 1.10x with our ring or tree.
+  fast as or faster than ours at every world size, and in a training step, where backward keeps every core
+  busy, an asynchronous native all-reduce needs no Python thread to be scheduled between the pieces of a
+  message: the overlapped step of the bandwidth-bound MLP was slower with our ring or tree than with native.
 - Small messages at 3 or more ranks: recursive doubling needs ``log2 N`` rounds where a ring needs
-  ``2 (N - 1)``; the tree took 0.37-0.5x native's time in isolation, and the digits CNN's step (one
-  85 KiB bucket) 0.85x stock DDP's at 3 ranks, against 1.01x with native.
+  ``2 (N - 1)``; the tree beat native in isolation and in the digits CNN's step (one small bucket).
 - Small messages at 2 ranks: both are a single exchange, so the tree saves no round; what it saved in
-  isolation (0.7-0.9x native's time) it loses to Python's per-call cost inside a step: the digits step
-  took 1.10x stock DDP with the tree, 1.01x with native.
+  isolation it loses to Python's per-call cost inside a step.
 
 Our ring stays available by name (``algorithm="ring"``); compressed payloads that need our own reduction
 travel on it. On NCCL, ``auto`` always uses NCCL's kernels.

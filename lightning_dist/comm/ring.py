@@ -36,9 +36,9 @@ from lightning_dist.comm._common import (
 )
 from lightning_dist.comm.stats import CommStats
 
-# Segment size for the pipeline. Smaller segments overlap more, but each costs ~55 us of main-thread CPU
-# plus a hand-off from gloo's I/O thread (a scheduler slice when cores are busy). The allreduce benchmark's
-# segment sweep (2-core CPU machines, gloo) ranked 4 MiB >= 16 MiB > 1 MiB > 256 KiB in every run.
+# Segment size for the pipeline. Smaller segments overlap more, but each costs main-thread CPU plus a hand-off
+# from gloo's I/O thread (a scheduler slice when cores are busy). The allreduce benchmark's segment sweep
+# (`--segment-sweep`, README) chose 4 MiB.
 DEFAULT_SEGMENT_BYTES = 4 << 20
 
 
