@@ -126,6 +126,9 @@ class TrainConf:
     seed: int = 0
     ckpt_path: Optional[str] = None  # resume from this checkpoint (a path)
     resume: str = "never"  # never | auto: the newest valid checkpoint under <run dir>/checkpoints (ckpt_path wins)
+    # lightning-dist-advise's settings (lightning_dist.advise.AdviseConf), which that command selects
+    # (+advise=default); training leaves it null
+    advise: Any = None
 
 
 def stock_ddp_strategy(timeout: float, algorithm: Optional[str] = None, overlap: Optional[bool] = None,

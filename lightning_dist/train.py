@@ -23,7 +23,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import hydra
 import lightning.pytorch as pl
@@ -107,12 +107,14 @@ class RunSummaryCallback(Callback):
 
 
 def build(
-    cfg: DictConfig, output_dir: str, started: float, extra_callbacks: Sequence[Callback] = ()
+    cfg: DictConfig, output_dir: str, started: float, extra_callbacks: Sequence[Callback] = (),
+    summary: bool = True, trainer_overrides: Optional[dict[str, Any]] = None,
 ) -> tuple[pl.Trainer, pl.LightningModule, Any]:
     """Instantiate trainer, model and data from a composed config (all in the launching process).
 
     ``extra_callbacks`` (Python callers such as :func:`lightning_dist.experiments.fit_config`) follow the
-    config's callbacks and precede the run summary writer."""
+    config's callbacks and precede the run summary writer; ``summary=False`` leaves the writer out and
+    ``trainer_overrides`` replace ``Trainer`` arguments (``lightning-dist-advise``: no logger, no checkpoints)."""
     validate(cfg)
     plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     perf = instantiate(plain["perf"])  # validated here, applied in each rank by ApplyPerfCallback
@@ -130,18 +132,15 @@ def build(
         callbacks.append(instantiate(node))
     callbacks.append(ApplyPerfCallback(perf, local_world_size(cfg.trainer.devices, cfg.trainer.accelerator)))
     callbacks.extend(extra_callbacks)
-    callbacks.append(RunSummaryCallback(os.path.join(output_dir, "summary.json"), plain, started))
+    if summary:
+        callbacks.append(RunSummaryCallback(os.path.join(output_dir, "summary.json"), plain, started))
     trainer_kwargs = dict(plain["trainer"])
     trainer_kwargs["devices"] = resolve_devices(trainer_kwargs["devices"])
     if trainer_kwargs.get("profiler") == "pytorch":  # with the communication worker's thread in the trace
         trainer_kwargs["profiler"] = AllThreadsProfiler()
-    trainer = pl.Trainer(
-        **trainer_kwargs,
-        strategy=strategy,
-        callbacks=callbacks,
-        logger=CSVLogger(output_dir, name="csv", version=""),
-        default_root_dir=output_dir,
-    )
+    trainer_kwargs.update(logger=CSVLogger(output_dir, name="csv", version=""), default_root_dir=output_dir)
+    trainer_kwargs.update(trainer_overrides or {})
+    trainer = pl.Trainer(**trainer_kwargs, strategy=strategy, callbacks=callbacks)
     return trainer, model, data
 
 
@@ -163,7 +162,12 @@ def run(cfg: DictConfig, output_dir: str, extra_callbacks: Sequence[Callback] = 
     return {}
 
 
-@hydra.main(config_path="pkg://lightning_dist.conf", config_name="config", version_base="1.3")
+def hydra_main(task: Callable[[DictConfig], Any]) -> Callable[[], Any]:
+    """``task`` as a Hydra entry point on ``conf/config.yaml`` (the training command's, and advise's)."""
+    return hydra.main(config_path="pkg://lightning_dist.conf", config_name="config", version_base="1.3")(task)
+
+
+@hydra_main
 def _train(cfg: DictConfig) -> float:
     output_dir = HydraConfig.get().runtime.output_dir
     summary = run(cfg, output_dir)
@@ -177,21 +181,31 @@ def _train(cfg: DictConfig) -> float:
 _CONFIG_FLAGS = ("-cn", "--config-name", "-cp", "--config-path", "-cd", "--config-dir")
 
 
-def main() -> Any:
-    """``lightning-dist-train``: Hydra's command, after :func:`~lightning_dist.config.complete_overrides` (a setting
-    given without its group: ``hetero.speeds=[3,1]`` selects ``hetero=balanced``, ``compression.ratio=0.01`` alone
-    fails here, naming ``compression=topk``). The completed overrides replace ``sys.argv``'s, so that ranks
-    Lightning starts by re-running the command see them too."""
+def hydra_command(entry: Callable[[], Any], prog: str,
+                  added: Optional[Callable[[list[str]], list[str]]] = None) -> Any:
+    """Run a :func:`hydra_main` ``entry`` with this package's override completion (``lightning-dist-train``,
+    ``lightning-dist-advise``).
+
+    First :func:`~lightning_dist.config.complete_overrides` (a setting given without its group:
+    ``hetero.speeds=[3,1]`` selects ``hetero=balanced``, ``compression.ratio=0.01`` alone fails here, naming
+    ``compression=topk``); ``added(overrides)`` returns overrides the command itself appends (advise's
+    ``+advise=default``). The completed overrides replace ``sys.argv``'s, so that ranks Lightning starts by
+    re-running the command see them too; ``prog`` names the command in an error."""
     args = sys.argv[1:]
     if any(arg.split("=")[0] in _CONFIG_FLAGS for arg in args):
-        return _train()  # a config of the user's own: its groups and defaults are not ours to complete
+        return entry()  # a config of the user's own: its groups and defaults are not ours to complete
     overrides = [arg for arg in args if "=" in arg and not arg.startswith("-")]  # key=value, not Hydra's flags
     try:
         completed = complete_overrides(overrides)
     except ValueError as err:
-        sys.exit(f"lightning-dist-train: {err}")
-    sys.argv[1:] = [arg for arg in args if arg not in overrides] + completed
-    return _train()
+        sys.exit(f"{prog}: {err}")
+    sys.argv[1:] = [arg for arg in args if arg not in overrides] + completed + (added(completed) if added else [])
+    return entry()
+
+
+def main() -> Any:
+    """``lightning-dist-train``: trains as configured (:func:`hydra_command`)."""
+    return hydra_command(_train, "lightning-dist-train")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,448 @@
+"""``lightning-dist-advise``: which gradient compressor pays on this cluster (also ``python -m lightning_dist.advise``).
+
+Launched as training is, with the same Hydra overrides as ``lightning-dist-train``, it builds the configured model,
+data and ``ring_ddp`` strategy and, on the real links::
+
+    lightning-dist-advise                                                # 2 local ranks, the digits CNN
+    lightning-dist-advise trainer.devices=4 advise.compressors=[int8,topk] advise.rounds=10
+    lightning-dist-advise compression=topk compression.ratio=0.001       # this topk's settings, not the default's
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint node0:29400 \\
+             --rdzv-id advise-1 -m lightning_dist.advise trainer.devices=auto trainer.num_nodes=2
+    srun .venv/bin/lightning-dist-advise trainer.devices=auto trainer.num_nodes=2 strategy.start_method=popen
+
+What it measures, on every rank:
+
+1. **The dense step.** ``advise.warmup_steps + advise.steps`` real training steps under ``RingDDPStrategy`` with no
+   compressor. A wrapper around the strategy's comm hook records each bucket's :class:`BucketLayout`, the moment
+   DDP hands it over (its ready time, from the start of ``loss.backward()``) and the moment its reduction is done.
+   Per measured step: the step time (end to end, as the benchmarks count it), the last hand-over (backward's own
+   computation is then over) and the exposed communication (last done - last hand-over); the compute-only step is
+   the step minus its exposed communication.
+2. **Each compressor on the real buckets.** Copies of the last step's gradient buckets go through every candidate's
+   ``reduce`` over a process group of its own (round-robin over the compressors, ``advise.rounds`` rounds after one
+   untimed round, a barrier before each bucket, medians): wire seconds (inside the transport's collectives), coding
+   seconds (the rest) and bytes this rank sent. Candidates are ``conf/compression/<name>.yaml`` with their defaults;
+   the configured ``compression`` replaces its own name's.
+3. **Every rank agrees.** Each figure is the maximum over ranks (one all-reduce), so all ranks hold the same numbers
+   and run the same code; every collective has ``advise.timeout_s``.
+
+The prediction (:func:`predict_step`) replays the communication worker's FIFO queue: buckets handed over at their
+measured ready times, each taking coding + wire, one after the other; what runs past backward's end adds to the
+compute-only step. The speed-up is the predicted dense step over the compressor's. What it leaves out: coding
+competes with backward for the cores (on a loaded CPU the prediction is optimistic), and the accuracy cost is the
+README's digits measurement (:data:`ACCURACY_COST`), not this model's. Rank zero prints the table and writes
+``advise.json`` into the run's output directory.
+"""
+
+# no `from __future__ import annotations`: DDP inspects the comm hook's real annotations (dist.GradBucket)
+import copy
+import importlib.resources
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from omegaconf import DictConfig, OmegaConf, open_dict
+from typing_extensions import override
+
+from lightning_dist.comm import CommStats
+from lightning_dist.compression import COMPRESSORS, BucketLayout, Transport, build_compressor
+from lightning_dist.config import StrategyConf, resolve_devices
+from lightning_dist.strategy import RingDDPStrategy
+from lightning_dist.train import build, hydra_command, hydra_main
+
+# Digits validation accuracy against dense, in points, from README.md "### `compression`" (2 ranks, 22 k-parameter
+# CNN, Adam, 8 epochs, mean of 3 seeds; dense 98.15%): (compressor, the settings it was measured at, points, what).
+# Not this model's: a guide to the order of the cost, to be re-measured on one's own job.
+ACCURACY_COST: list[tuple[str, dict[str, Any], float, str]] = [
+    ("none", {}, 0.0, "dense 98.15%"),
+    ("fp16", {}, 0.0, "98.15%"),
+    ("bf16", {}, +0.09, "98.24%"),
+    ("int8", {}, +0.19, "EF: 98.33%"),
+    ("topk", {"ratio": 0.01, "error_feedback": True}, -5.3, "1%, EF: 92.87%"),
+    ("topk", {"ratio": 0.01, "error_feedback": False}, -1.76, "1%, no EF: 96.39%"),
+    ("threshold", {"threshold": 0.1}, -1.67, "0.1, EF: 96.48%"),
+    ("powersgd", {"rank": 2}, -0.46, "r2, EF: 97.69%"),
+    ("powersgd", {"rank": 1}, -0.84, "r1, EF: 97.31%"),
+]
+LOSSLESS_EF_OFF = ("none", "fp16", "bf16")  # error feedback is off by default for these, on for the others
+
+
+def accuracy_cost(kwargs: dict[str, Any]) -> tuple[Optional[float], str]:
+    """The README's figure for these ``build_compressor`` arguments: the row measured at the same settings, else
+    the compressor's first row marked as measured at other settings, else none."""
+    name = kwargs.get("name")
+    given = {**kwargs, "error_feedback": kwargs.get("error_feedback")}
+    if given["error_feedback"] is None:
+        given["error_feedback"] = name not in LOSSLESS_EF_OFF
+    rows = [row for row in ACCURACY_COST if row[0] == name]
+    for _, settings, cost, what in rows:
+        if all(given.get(k) == v for k, v in settings.items()):
+            return cost, what
+    if rows:
+        return rows[0][2], f"measured at {rows[0][3]}, not these settings"
+    return None, "not measured"
+
+
+DENSE = "none"
+
+
+@dataclass
+class AdviseConf:
+    """``advise.*``: what ``lightning-dist-advise`` measures (the training settings are the command's own)."""
+
+    # candidates, names from conf/compression/ (the configured compression= replaces its own name's defaults)
+    compressors: list[str] = field(default_factory=lambda: list(COMPRESSORS))
+    warmup_steps: int = 2  # training steps not timed (DDP rebuilds its buckets after the first)
+    steps: int = 6  # timed dense training steps
+    rounds: int = 5  # timed rounds of every compressor over the real buckets (after one untimed round)
+    timeout_s: float = 300.0  # each collective of the measurement fails after this long instead of hanging
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(group="advise", name="default", node=AdviseConf)
+
+
+register_configs()
+
+
+# -- the prediction (pure) -------------------------------------------------------------------------------------
+def replay(ready_s: Sequence[float], cost_s: Sequence[float]) -> float:
+    """When the worker finishes the last bucket: FIFO, bucket ``i`` handed over at ``ready_s[i]`` (ascending,
+    from backward's start) and busy for ``cost_s[i]``."""
+    if len(ready_s) != len(cost_s):
+        raise ValueError(f"{len(ready_s)} ready times for {len(cost_s)} bucket costs")
+    free = 0.0
+    for ready, cost in zip(ready_s, cost_s):
+        free = max(free, ready) + cost
+    return free
+
+
+def predict_step(compute_s: float, ready_s: Sequence[float], cost_s: Sequence[float]) -> float:
+    """The step time: the compute-only step plus what the replayed communication adds past backward's end (the
+    last hand-over, ``ready_s[-1]``)."""
+    if not ready_s:
+        return compute_s
+    return compute_s + max(0.0, replay(ready_s, cost_s) - ready_s[-1])
+
+
+def predictions(measured: dict[str, Any], codecs: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, Any]]:
+    """Per compressor: bytes, coding, wire and predicted step time, and the speed-up over dense's prediction.
+
+    ``measured``: ``compute_s`` and ``ready_s`` (per bucket) of the dense step; ``codecs``: per compressor, per
+    bucket ``coding_s``, ``wire_s`` and ``bytes``."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, c in codecs.items():
+        cost = [a + b for a, b in zip(c["coding_s"], c["wire_s"])]
+        out[name] = {"bytes_per_step": sum(c["bytes"]), "coding_s": sum(c["coding_s"]), "wire_s": sum(c["wire_s"]),
+                     "predicted_step_s": predict_step(measured["compute_s"], measured["ready_s"], cost)}
+    base = out.get(DENSE, {}).get("predicted_step_s")
+    for name, row in out.items():
+        row["speedup_vs_dense"] = base / row["predicted_step_s"] if base and row["predicted_step_s"] else None
+        row["accuracy_cost_pt"], row["accuracy_measured_at"] = accuracy_cost(codecs[name].get("kwargs", {"name": name}))
+    return out
+
+
+def table(report: dict[str, Any]) -> str:
+    """The rows rank zero prints: one per compressor, dense's measured step above them."""
+    m = report["measured"]
+    lines = [f"measured dense step {1e3 * m['step_s']:.1f} ms (compute {1e3 * m['compute_s']:.1f} ms, exposed "
+             f"comm {1e3 * m['exposed_s']:.1f} ms), {len(m['ready_s'])} bucket(s), {report['world_size']} ranks",
+             f"{'compressor':<12}{'MB/step':>10}{'coding ms':>11}{'wire ms':>9}{'step ms':>9}{'speed-up':>10}"
+             "  digits val acc vs dense (README)"]
+    for name, r in report["compressors"].items():
+        cost = r["accuracy_cost_pt"]
+        acc = "-" if cost is None else f"{cost:+.2f} pt ({r['accuracy_measured_at']})"
+        lines.append(f"{name:<12}{r['bytes_per_step'] / 1e6:>10.3f}{1e3 * r['coding_s']:>11.1f}"
+                     f"{1e3 * r['wire_s']:>9.1f}{1e3 * r['predicted_step_s']:>9.1f}"
+                     f"{r['speedup_vs_dense'] or float('nan'):>9.2f}x  {acc}")
+    return "\n".join(lines)
+
+
+# -- candidates and checks -----------------------------------------------------------------------------------
+def default_candidate(name: str) -> dict[str, Any]:
+    """``conf/compression/<name>.yaml`` as plain ``build_compressor`` arguments (without ``_target_``)."""
+    text = (importlib.resources.files("lightning_dist.conf") / "compression" / f"{name}.yaml").read_text()
+    node = OmegaConf.to_container(OmegaConf.create(text))
+    node.pop("_target_", None)
+    return node
+
+
+def candidates(cfg: DictConfig) -> dict[str, dict[str, Any]]:
+    """``advise.compressors`` as ``{label: build_compressor arguments}``; dense first (the speed-ups' base)."""
+    configured = OmegaConf.to_container(cfg.compression, resolve=True)
+    configured.pop("_target_", None)
+    names = [DENSE] + [n for n in cfg.advise.compressors if n != DENSE]
+    return {n: (dict(configured) if configured.get("name") == n else default_candidate(n)) for n in names}
+
+
+def check(cfg: DictConfig) -> None:
+    """``advise.*`` and what the measurement needs; raises ``ValueError`` naming the value and the fix."""
+    a, problems = cfg.advise, []
+    unknown = [n for n in a.compressors if n not in COMPRESSORS]
+    if unknown:
+        problems.append(f"advise.compressors: unknown {unknown}; choose from {list(COMPRESSORS)}, "
+                        "e.g. advise.compressors=[int8,topk]")
+    for key, low in (("warmup_steps", 1), ("steps", 1), ("rounds", 1)):
+        if a[key] < low:
+            problems.append(f"advise.{key}={a[key]}: use {low} or more")
+    if a.timeout_s <= 0:
+        problems.append(f"advise.timeout_s={a.timeout_s}: seconds, > 0")
+    if cfg.strategy.get("_target_") != StrategyConf._target_:
+        problems.append("advise measures under strategy=ring_ddp (its comm hook shows the buckets); drop strategy=")
+    devices = resolve_devices(cfg.trainer.devices)
+    if isinstance(devices, int) and devices * cfg.trainer.num_nodes < 2:
+        problems.append(f"trainer.devices={cfg.trainer.devices} x num_nodes={cfg.trainer.num_nodes}: one rank has "
+                        "no links to measure; use 2 or more ranks, e.g. trainer.devices=2")
+    if problems:
+        raise ValueError("invalid advise configuration:\n  " + "\n  ".join(problems))
+    for label, kwargs in candidates(cfg).items():  # each compressor checks its own arguments
+        try:
+            build_compressor(**kwargs)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"advise: compressor {label} ({kwargs}): {err}") from err
+
+
+# -- measuring: the recording strategy and the callback --------------------------------------------------------
+@dataclass
+class _Recorded:
+    """The strategy's hook state, and what the wrapper records of each backward pass."""
+
+    inner: Any
+    hook: Callable
+    handed: list[float] = field(default_factory=list)  # perf_counter per bucket, in hand-over order
+    done: list[float] = field(default_factory=list)
+    buckets: list[tuple[BucketLayout, torch.Tensor]] = field(default_factory=list)
+    keep: bool = False  # copy the buckets' gradients (the last measured step)
+
+
+def _recording_hook(state: _Recorded, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    state.handed.append(time.perf_counter())
+    if state.keep:
+        params = bucket.parameters()
+        names = state.inner.param_names
+        layout = BucketLayout.of([(names.get(id(p), f"param{i}"), p.shape) for i, p in enumerate(params)])
+        state.buckets.append((layout, bucket.buffer().detach().clone()))
+    done = state.done
+
+    def finished(fut: torch.futures.Future) -> torch.Tensor:
+        done.append(time.perf_counter())
+        return fut.value()
+
+    return state.hook(state.inner, bucket).then(finished)
+
+
+class RecordingRingDDPStrategy(RingDDPStrategy):
+    """``RingDDPStrategy`` whose comm hook is wrapped to record each bucket's hand-over, completion and gradient."""
+
+    recorded: Optional[_Recorded] = None
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        ddp = self.model
+        register = ddp.register_comm_hook
+
+        def wrapped(state: Any, hook: Callable) -> None:
+            self.recorded = _Recorded(state, hook)
+            register(self.recorded, _recording_hook)
+
+        ddp.register_comm_hook = wrapped
+        try:
+            super()._register_ddp_hooks()
+        finally:
+            del ddp.register_comm_hook
+
+
+class AdviseCallback(Callback):
+    """Times the dense steps, then reduces the real buckets with every candidate; rank zero writes the report.
+
+    Args:
+        candidates: ``{label: build_compressor arguments}``; the label ``none`` (dense) is the speed-ups' base.
+        settings: warm-up and timed steps, rounds, timeout (:class:`AdviseConf`).
+        path: where rank zero writes the report (JSON); None: nowhere.
+    """
+
+    def __init__(self, candidates: dict[str, dict[str, Any]], settings: AdviseConf, path: Optional[str]) -> None:
+        self.candidates, self.settings, self.path = candidates, settings, path
+        self._ends: list[float] = []
+        self._steps: list[dict[str, Any]] = []  # per timed step: step_s, ready_s, exposed_s
+        self._backward_at = 0.0
+        self.report: dict[str, Any] = {}
+
+    def _recorded(self, trainer: pl.Trainer) -> _Recorded:
+        recorded = getattr(trainer.strategy, "recorded", None)
+        if recorded is None:
+            raise RuntimeError("AdviseCallback needs RecordingRingDDPStrategy (it records the buckets)")
+        return recorded
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        rec = self._recorded(trainer)
+        rec.handed.clear()
+        rec.done.clear()
+        rec.buckets.clear()
+        rec.keep = len(self._ends) == self.settings.warmup_steps + self.settings.steps - 1
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._backward_at = time.perf_counter()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._ends.append(time.perf_counter())
+        rec = self._recorded(trainer)
+        if len(self._ends) > self.settings.warmup_steps and rec.handed:
+            self._steps.append({"step_s": self._ends[-1] - self._ends[-2],
+                                "ready_s": [t - self._backward_at for t in rec.handed],
+                                "exposed_s": max(0.0, max(rec.done) - rec.handed[-1])})
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        buckets = list(self._recorded(trainer).buckets)
+        group = dist.new_group(timeout=timedelta(seconds=self.settings.timeout_s))
+        try:
+            codecs = measure_codecs(self.candidates, buckets, trainer.strategy.algorithm, group, self.settings.rounds)
+            measured = self._dense_step()
+            measured, codecs = agree(measured, codecs, group)
+        finally:
+            dist.destroy_process_group(group)
+        for label, kwargs in self.candidates.items():
+            codecs[label]["kwargs"] = kwargs
+        self.report = {"world_size": trainer.world_size, "algorithm": trainer.strategy.algorithm,
+                       "settings": asdict(self.settings),
+                       "candidates": self.candidates, "measured": measured, "per_bucket": codecs,
+                       "compressors": predictions(measured, codecs)}
+        if trainer.is_global_zero:
+            print(table(self.report), flush=True)
+            if self.path is not None:
+                tmp = self.path + ".tmp"
+                with open(tmp, "w") as fh:
+                    json.dump(self.report, fh, indent=2)
+                os.replace(tmp, self.path)
+                print(f"advise: {self.path}", flush=True)
+
+    def _dense_step(self) -> dict[str, Any]:
+        """Medians over the timed steps (per bucket for the ready times)."""
+        if not self._steps:
+            raise RuntimeError("advise: no timed step had a gradient bucket; raise advise.steps or the data's length")
+        steps = self._steps
+        n = min(len(s["ready_s"]) for s in steps)
+        step_s = statistics.median(s["step_s"] for s in steps)
+        exposed_s = statistics.median(s["exposed_s"] for s in steps)
+        return {"step_s": step_s, "exposed_s": exposed_s, "compute_s": max(0.0, step_s - exposed_s),
+                "ready_s": [statistics.median(s["ready_s"][i] for s in steps) for i in range(n)],
+                "timed_steps": len(steps)}
+
+
+def measure_codecs(candidates: dict[str, dict[str, Any]], buckets: Sequence[tuple[BucketLayout, torch.Tensor]],
+                   algorithm: str, group: Any, rounds: int) -> dict[str, dict[str, list[float]]]:
+    """Per candidate, per bucket: median coding and wire seconds and bytes of ``reduce`` on copies of the buckets,
+    round-robin over the candidates (the order rotated each round), after one untimed round."""
+    compressors = {label: build_compressor(**kwargs) for label, kwargs in candidates.items()}
+    labels = list(compressors)
+    samples: dict[str, list[list[tuple[float, float, int]]]] = {label: [[] for _ in buckets] for label in labels}
+    for r in range(rounds + 1):
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            codec = compressors[label]
+            for i, (layout, grad) in enumerate(buckets):
+                flat = grad.clone()
+                stats = CommStats(keep_records=False)
+                transport = Transport(algorithm, group, stats)
+                dist.barrier(group)  # each bucket timed from a common start: no skew of the previous one
+                _sync(flat)
+                started = time.perf_counter()
+                codec.reduce(flat, layout, transport)
+                _sync(flat)
+                wall = time.perf_counter() - started
+                if r > 0:
+                    samples[label][i].append((max(0.0, wall - transport.seconds), transport.seconds, stats.bytes_sent))
+            codec.commit()
+    return {label: {key: [statistics.median(s[k] for s in per) for per in samples[label]]
+                    for k, key in enumerate(("coding_s", "wire_s", "bytes"))} for label in labels}
+
+
+def agree(measured: dict[str, Any], codecs: dict[str, dict[str, list[float]]], group: Any
+          ) -> tuple[dict[str, Any], dict[str, dict[str, list[float]]]]:
+    """Every figure as its maximum over the ranks (one all-reduce), so every rank predicts the same."""
+    labels = list(codecs)
+    keys = ("coding_s", "wire_s", "bytes")
+    flat = [measured["step_s"], measured["exposed_s"], *measured["ready_s"]]
+    flat += [v for label in labels for key in keys for v in codecs[label][key]]
+    counts = torch.tensor([len(measured["ready_s"]), -len(measured["ready_s"])], dtype=torch.float64)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)  # every rank the same number of buckets
+    if counts[0] != -counts[1]:
+        raise RuntimeError(f"advise: ranks saw different numbers of buckets ({-counts[1]:.0f} to {counts[0]:.0f})")
+    values = torch.tensor(flat, dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    it = iter(values.tolist())
+    step_s, exposed_s = next(it), next(it)
+    ready = [next(it) for _ in measured["ready_s"]]
+    out = {label: {key: [next(it) for _ in codecs[label][key]] for key in keys} for label in labels}
+    agreed = {**measured, "step_s": step_s, "exposed_s": exposed_s, "ready_s": ready,
+              "compute_s": max(0.0, step_s - exposed_s)}
+    return agreed, out
+
+
+def _sync(tensor: torch.Tensor) -> None:
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+
+
+# -- the command -------------------------------------------------------------------------------------------------
+def run(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
+    """Measure as configured; returns rank zero's report (read back from ``advise.json`` in the launching process)."""
+    check(cfg)
+    settings = AdviseConf(**OmegaConf.to_container(cfg.advise, resolve=True))
+    a = settings
+    chosen = candidates(cfg)
+    cfg = copy.deepcopy(cfg)
+    with open_dict(cfg):
+        cfg.strategy._target_ = f"{__name__}.RecordingRingDDPStrategy"
+        cfg.compression = {"_target_": "lightning_dist.compression.build_compressor", "name": "none"}
+        cfg.callbacks = {}  # no checkpoints, no per-step metrics: nothing but the measurement
+        cfg.trainer.max_steps = a.warmup_steps + a.steps
+        cfg.trainer.max_epochs = -1
+    path = os.path.join(output_dir, "advise.json")
+    callback = AdviseCallback(chosen, settings, path)
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    trainer, model, data = build(cfg, output_dir, time.time(), [callback], summary=False, trainer_overrides={
+        "logger": False, "enable_checkpointing": False, "limit_val_batches": 0, "num_sanity_val_steps": 0,
+        "enable_progress_bar": False, "enable_model_summary": False})
+    rank_zero_info(f"advise: {a.warmup_steps} + {a.steps} dense steps, then {a.rounds} rounds of {list(chosen)}")
+    trainer.fit(model, datamodule=data)
+    if trainer.is_global_zero and os.path.exists(path):
+        with open(path) as fh:
+            return json.load(fh)
+    return {}
+
+
+@hydra_main
+def _advise(cfg: DictConfig) -> None:
+    run(cfg, HydraConfig.get().runtime.output_dir)
+
+
+def _add_advise_group(overrides: list[str]) -> list[str]:
+    """``+advise=default`` unless given (a rank that Lightning re-runs sees it already)."""
+    return [] if any(o.lstrip("+~").startswith("advise=") for o in overrides) else ["+advise=default"]
+
+
+def main() -> Any:
+    """``lightning-dist-advise``: the Hydra command (``lightning_dist.train.hydra_command``) with the advise group."""
+    return hydra_command(_advise, "lightning-dist-advise", added=_add_advise_group)
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

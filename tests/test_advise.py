@@ -1,0 +1,119 @@
+"""``lightning-dist-advise``: the FIFO replay and the prediction (pure), the settings checked before any rank starts,
+and one launched run on 2 local ranks (fork, gloo, the digits CNN, few rounds) whose table and JSON are sane."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.errors import ConfigCompositionException
+
+from lightning_dist import advise
+from lightning_dist.advise import accuracy_cost, candidates, check, predict_step, predictions, replay
+from lightning_dist.compression import COMPRESSORS
+
+CLI = [sys.executable, "-m", "lightning_dist.advise"]
+
+
+def _compose(*overrides):
+    with initialize_config_module("lightning_dist.conf", version_base="1.3"):
+        return compose("config", overrides=["+advise=default", *overrides])
+
+
+# -- pure -------------------------------------------------------------------------------------------------------
+def test_replay_is_a_fifo_queue_fed_at_the_ready_times():
+    assert replay([], []) == 0.0
+    assert replay([1.0, 2.0], [0.5, 0.5]) == 2.5  # idle between: each starts when handed over
+    assert replay([1.0, 1.2], [1.0, 1.0]) == 3.0  # the second waits for the first
+    assert replay([0.0, 5.0], [10.0, 1.0]) == 11.0
+    with pytest.raises(ValueError, match="2 ready times for 1"):
+        replay([0.0, 1.0], [1.0])
+
+
+def test_prediction_adds_only_what_runs_past_backward():
+    # backward ends at the last hand-over (3.0): a worker done by then costs nothing
+    assert predict_step(10.0, [1.0, 2.0, 3.0], [0.1, 0.1, 0.0]) == 10.0
+    assert predict_step(10.0, [1.0, 2.0, 3.0], [0.1, 0.1, 0.5]) == 10.5
+    assert predict_step(10.0, [1.0, 2.0, 3.0], [3.0, 0.0, 0.0]) == pytest.approx(11.0)  # 1 + 3 = 4, past 3 by 1
+    assert predict_step(4.0, [], []) == 4.0
+
+
+def test_predictions_take_dense_as_the_base_and_quote_the_readme():
+    measured = {"compute_s": 1.0, "ready_s": [0.2, 0.5]}
+    codecs = {"none": {"coding_s": [0.0, 0.0], "wire_s": [0.4, 0.4], "bytes": [800, 800]},
+              "topk": {"coding_s": [0.05, 0.05], "wire_s": [0.01, 0.01], "bytes": [12, 12],
+                       "kwargs": {"name": "topk", "ratio": 0.01}}}
+    out = predictions(measured, codecs)
+    assert out["none"]["predicted_step_s"] == pytest.approx(1.0 + (0.2 + 0.8) - 0.5)  # FIFO: done at 1.0 + 0.2
+    assert out["topk"]["predicted_step_s"] == pytest.approx(1.0 + 0.06)
+    assert out["none"]["speedup_vs_dense"] == 1.0
+    assert out["topk"]["speedup_vs_dense"] == pytest.approx(1.5 / 1.06)
+    assert out["topk"]["bytes_per_step"] == 24
+    assert out["topk"]["accuracy_cost_pt"] == -5.3  # README: topk 1% with error feedback (the default)
+    assert out["none"]["accuracy_cost_pt"] == 0.0
+
+
+def test_accuracy_costs_match_the_settings_they_were_measured_at():
+    assert accuracy_cost({"name": "int8"}) == (0.19, "EF: 98.33%")
+    assert accuracy_cost({"name": "topk", "ratio": 0.01, "error_feedback": False})[0] == -1.76
+    assert accuracy_cost({"name": "powersgd", "rank": 2})[0] == -0.46
+    cost, what = accuracy_cost({"name": "threshold", "threshold": 0.001})
+    assert cost == -1.67 and "not these settings" in what
+    assert {row[0] for row in advise.ACCURACY_COST} == set(COMPRESSORS)
+
+
+# -- settings ---------------------------------------------------------------------------------------------------
+def test_candidates_take_the_configs_defaults_and_the_configured_compressor():
+    chosen = candidates(_compose("advise.compressors=[topk,int8]", "compression=topk", "compression.ratio=0.001"))
+    assert list(chosen) == ["none", "topk", "int8"]  # dense first: the base of every speed-up
+    assert chosen["topk"]["ratio"] == 0.001 and chosen["int8"]["chunk"] == 512
+    assert set(candidates(_compose())) == set(COMPRESSORS)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["advise.compressors=[int8,topkk]"], r"unknown \['topkk'\]; choose from"),
+    (["advise.rounds=0"], "advise.rounds=0: use 1 or more"),
+    (["advise.warmup_steps=0"], "advise.warmup_steps=0"),
+    (["trainer.devices=1"], "one rank has no links to measure"),
+    (["strategy=ddp"], "strategy=ring_ddp"),
+    (["compression=topk", "compression.ratio=2.0"], "compressor topk"),
+])
+def test_bad_settings_fail_naming_the_value(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        check(_compose(*overrides))
+
+
+def test_the_command_refuses_bad_input_before_any_rank(tmp_path):
+    proc = subprocess.run(CLI + ["advise.compressors=[nope]", f"hydra.run.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "advise.compressors: unknown ['nope']" in proc.stderr
+    assert "Initializing distributed" not in proc.stdout + proc.stderr
+    with pytest.raises(ConfigCompositionException, match="round"):  # a typo, caught by the schema
+        _compose("advise.round=3")
+
+
+# -- one launched run -------------------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_advise_on_two_local_ranks(tmp_path):
+    proc = subprocess.run(CLI + ["trainer.devices=2", "strategy.start_method=fork", "advise.steps=3",
+                                 "advise.rounds=2", f"hydra.run.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "advise.json").read_text())
+    rows = report["compressors"]
+    assert set(rows) == set(COMPRESSORS) and report["world_size"] == 2
+    for name in COMPRESSORS:
+        assert f"\n{name} " in proc.stdout  # the table, from rank zero only
+    dense = rows["none"]["bytes_per_step"]
+    assert dense > 0
+    assert rows["fp16"]["bytes_per_step"] == pytest.approx(dense / 2, rel=0.01)
+    assert rows["int8"]["bytes_per_step"] < dense / 3
+    assert rows["topk"]["bytes_per_step"] < dense / 30
+    assert rows["powersgd"]["bytes_per_step"] < dense / 3
+    assert rows["none"]["speedup_vs_dense"] == 1.0
+    measured = report["measured"]
+    assert measured["timed_steps"] == 3 and len(measured["ready_s"]) >= 1
+    # the replay with the dense all-reduce timed on its own comes within a factor of the dense step it models
+    assert 0.33 < rows["none"]["predicted_step_s"] / measured["step_s"] < 3.0
+    assert all(r["predicted_step_s"] > 0 and r["accuracy_cost_pt"] is not None for r in rows.values())
