@@ -90,6 +90,17 @@ def test_tables_show_every_record():
     assert "0.93x" in cluster.busbw_table([bus])
 
 
+def test_advise_predictions_join_their_records():
+    assert set(cluster.advise_candidates(list(cluster.CONFIGS))) == {"none", "fp16", "int8", "topk1%", "powersgd-r2"}
+    records = [_rec(2, 100, "dense", 2.0), _rec(2, 100, "topk1%", 0.25), _rec(2, 100, "dense/ring", 2.0),
+               _rec(2, 1000, "dense", 0.2)]
+    advice = {(2, 100): {"compressors": {"none": {"predicted_step_s": 1.8}, "topk1%": {"predicted_step_s": 0.5}}}}
+    dense, topk, ring, other = cluster.add_predictions(records, advice)
+    assert dense["predicted_vs_measured"] == pytest.approx(0.9) and topk["predicted_vs_measured"] == 2.0
+    assert ring["predicted_s"] is None and other["predicted_vs_measured"] is None
+    assert "0.90x" in cluster.step_table(records)
+
+
 def test_argument_checks():
     with pytest.raises(SystemExit):
         cluster._parse_args(["--hosts", "1"])
@@ -116,6 +127,10 @@ def test_quick_run_on_a_simulated_cluster(tmp_path):
         assert rec["bytes_sent_per_step"] > 0
     dense, topk = payload["records"]
     assert topk["bytes_sent_per_step"] < dense["bytes_sent_per_step"] / 20
+    (advice,) = payload["advise"]
+    assert set(advice["compressors"]) == {"none", "topk1%"}
+    for rec in payload["records"]:  # advise's prediction, within a factor of the measured step
+        assert 0.25 < rec["predicted_vs_measured"] < 4.0, rec
     (bus,) = payload["allreduce"]
     assert bus["error"] is None and bus["ring_busbw_GBps"] > 0 and bus["native_busbw_GBps"] > 0
     assert set(payload["targets"]) == {"topk_speedup_vs_dense", "ring_busbw_vs_native"}

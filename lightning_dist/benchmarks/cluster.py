@@ -22,6 +22,11 @@ alternating (the order swapped every iteration) after one untimed call of each
 (:func:`lightning_dist.benchmarks.allreduce.time_rounds`); the median over ``--iterations`` of the slowest rank's
 time; ``busbw = 2 (N - 1) / N * bytes / time`` as in nccl-tests, the line rate its ceiling.
 
+Advise: at each setting one more job runs :mod:`lightning_dist.advise` on the same hosts, model and buckets
+(``--worker-advise``: :data:`ADVISE_STEPS` dense steps, then :data:`ADVISE_ROUNDS` rounds of every compressor
+configuration over the real buckets); each record gets its ``predicted_s`` and ``predicted_vs_measured`` (the
+prediction over the measured median step; ``dense/ring`` has none, advise measures under ``auto``).
+
 Targets (from the issue, at 2 hosts and 100 Mbit/s): ``topk1%`` at least 5x faster per step than ``dense``; ring
 busbw at least 0.9x native's. The plot: step time per configuration grouped by (hosts, rate), log scale; busbw
 of ring and native against the line rate.
@@ -47,6 +52,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lightning_dist.advise import DENSE as ADVISE_DENSE
+from lightning_dist.advise import AdviseCallback, AdviseConf, RecordingRingDDPStrategy
 from lightning_dist.benchmarks import _common as bench
 from lightning_dist.benchmarks.allreduce import time_rounds
 from lightning_dist.comm import ring_allreduce_
@@ -66,6 +73,8 @@ MIN_PARAMS = 5_000_000
 TARGET_HOSTS, TARGET_RATE = 2, 100
 TOPK_SPEEDUP_TARGET, RING_BUSBW_TARGET = 5.0, 0.9
 BASE_PORT = 29600
+ADVISE_WARMUP, ADVISE_STEPS, ADVISE_ROUNDS = 2, 6, 3  # advise's dense steps (untimed, timed) and codec rounds
+QUICK_ADVISE_STEPS, QUICK_ADVISE_ROUNDS = 3, 2
 
 
 @dataclass(frozen=True)
@@ -105,6 +114,38 @@ def _train_worker(args: argparse.Namespace) -> None:
     trainer = bench.quiet_trainer(devices=1, num_nodes=args.nodes, strategy=strategy, max_steps=args.steps,
                                   limit_val_batches=0, callbacks=[recorder])
     trainer.fit(model, SyntheticDataModule(batch_size=BATCH_SIZE))
+
+
+def advise_candidates(labels: Sequence[str]) -> dict[str, dict]:
+    """The compressor configurations among ``labels`` as advise's candidates; dense is advise's ``none``."""
+    out = {ADVISE_DENSE: {"name": "none"}}
+    out.update({label: dict(CONFIGS[label].compressor) for label in labels
+                if CONFIGS[label].algorithm == "auto" and CONFIGS[label].compressor.get("name") != "none"})
+    return out
+
+
+def _advise_worker(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    settings = AdviseConf(compressors=[], warmup_steps=ADVISE_WARMUP, steps=args.advise_steps,
+                          rounds=args.advise_rounds, timeout_s=args.collective_timeout)
+    strategy = RecordingRingDDPStrategy(algorithm="auto", bucket_cap_mb=BUCKET_CAP_MB, timeout=args.collective_timeout)
+    callback = AdviseCallback(advise_candidates(args.configs), settings, args.out)
+    trainer = bench.quiet_trainer(devices=1, num_nodes=args.nodes, strategy=strategy, limit_val_batches=0,
+                                  max_steps=ADVISE_WARMUP + args.advise_steps, callbacks=[callback])
+    trainer.fit(WideMLP(width=MLP_WIDTH, depth=MLP_DEPTH), SyntheticDataModule(batch_size=BATCH_SIZE))
+
+
+def add_predictions(records: list[dict[str, Any]], advice: dict[tuple[int, float], dict[str, Any]]
+                    ) -> list[dict[str, Any]]:
+    """``predicted_s`` and ``predicted_vs_measured`` on every record whose (hosts, rate) has advise's report."""
+    for r in records:
+        rows = (advice.get((r["hosts"], r["rate_mbit"])) or {}).get("compressors", {})
+        row = rows.get(ADVISE_DENSE if r["config"] == DENSE else r["config"])
+        r["predicted_s"] = row["predicted_step_s"] if row else None
+        r["predicted_vs_measured"] = (r["predicted_s"] / r["median_s"]
+                                      if r["predicted_s"] and r.get("median_s") else None)
+    return records
 
 
 def _allreduce_worker(args: argparse.Namespace) -> None:
@@ -206,14 +247,15 @@ def step_table(records: Sequence[dict[str, Any]]) -> str:
     rows = []
     for r in records:
         if r.get("error"):
-            rows.append([r["hosts"], f"{r['rate_mbit']:g}", r["config"], "FAILED", "-", "-", "-", "-", r["error"][:40]])
+            rows.append([r["hosts"], f"{r['rate_mbit']:g}", r["config"], "FAILED", "-", "-", "-", "-", "-", "-",
+                         r["error"][:40]])
             continue
         rows.append([r["hosts"], f"{r['rate_mbit']:g}", r["config"], _ms(r["median_s"]), _ms(r["exposed_median_s"]),
                      _ms(r["comm_median_s"]), _mb(r["bytes_sent_per_step"]),
-                     bench.cell(r.get("speedup_vs_dense"), ".2f", unit="x"),
-                     f"{r['wall_s']:.0f}"])
+                     bench.cell(r.get("speedup_vs_dense"), ".2f", unit="x"), _ms(r.get("predicted_s")),
+                     bench.cell(r.get("predicted_vs_measured"), ".2f", unit="x"), f"{r['wall_s']:.0f}"])
     headers = ["hosts", "Mbit/s", "config", "median step ms", "exposed comm ms", "comm ms", "MB sent/step",
-               "vs dense", "run s"]
+               "vs dense", "advise ms", "advise/measured", "run s"]
     return bench.format_table(headers, rows)
 
 
@@ -295,6 +337,9 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     # worker modes (what each host runs under torchrun)
     cli.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     cli.add_argument("--worker-allreduce", action="store_true", help=argparse.SUPPRESS)
+    cli.add_argument("--worker-advise", action="store_true", help=argparse.SUPPRESS)
+    cli.add_argument("--advise-steps", type=int, default=None, help=argparse.SUPPRESS)
+    cli.add_argument("--advise-rounds", type=int, default=None, help=argparse.SUPPRESS)
     cli.add_argument("--config", default=DENSE, choices=list(CONFIGS), help=argparse.SUPPRESS)
     cli.add_argument("--nodes", type=int, default=1, help=argparse.SUPPRESS)
     cli.add_argument("--nbytes", type=int, default=ALLREDUCE_BYTES, help=argparse.SUPPRESS)
@@ -305,7 +350,9 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     args.configs = tuple(args.configs or (QUICK_CONFIGS if args.quick else CONFIGS))
     args.steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
     args.iterations = args.iterations or (QUICK_ITERATIONS if args.quick else DEFAULT_ITERATIONS)
-    if not (args.worker or args.worker_allreduce):
+    args.advise_steps = args.advise_steps or (QUICK_ADVISE_STEPS if args.quick else ADVISE_STEPS)
+    args.advise_rounds = args.advise_rounds or (QUICK_ADVISE_ROUNDS if args.quick else ADVISE_ROUNDS)
+    if not (args.worker or args.worker_allreduce or args.worker_advise):
         if min(args.hosts) < 2:
             cli.error(f"--hosts {args.hosts}: a cluster needs at least 2 hosts.")
         bench.check_counts(cli, args.steps, args.warmup)
@@ -320,6 +367,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         return {}
     if args.worker_allreduce:
         _allreduce_worker(args)
+        return {}
+    if args.worker_advise:
+        _advise_worker(args)
         return {}
 
     out = bench.output_dir(args.out, "cluster")
@@ -338,6 +388,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     logs.mkdir(exist_ok=True)
     records: list[dict[str, Any]] = []
     busbw: list[dict[str, Any]] = []
+    advice: dict[tuple[int, float], dict[str, Any]] = {}  # (hosts, rate) -> advise's report
     ports = itertools.count(BASE_PORT + 1)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lightning_dist_cluster_") as workdir:
@@ -367,6 +418,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                                        f"{_ms(rec['exposed_median_s'])} ms, {_mb(rec['bytes_sent_per_step'])} MB/step "
                                        f"(run {wall:.0f}s)")
                     records.append(rec)
+                raw, error, wall = job(hosts, rate, "advise", "--worker-advise", "--configs", *args.configs,
+                                       "--advise-steps", str(args.advise_steps), "--advise-rounds",
+                                       str(args.advise_rounds))
+                advice[(hosts, rate)] = raw or {"error": error}
+                bench.progress(f"[cluster] {where} advise FAILED: {error}" if raw is None else
+                               f"[cluster] {where} advise: " + ", ".join(
+                                   f"{label} {_ms(row['predicted_step_s'])} ms"
+                                   for label, row in raw["compressors"].items()) + f" (run {wall:.0f}s)")
                 raw, error, wall = job(hosts, rate, "allreduce", "--worker-allreduce", "--iterations",
                                        str(args.iterations))
                 bus = {"hosts": hosts, "rate_mbit": rate} if raw is None else busbw_record(raw, hosts, rate)
@@ -380,9 +439,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     bench.progress(f"[cluster] {len(records)} training runs and {len(busbw)} all-reduce runs in {total:.0f}s")
 
     add_speedups(records)
+    add_predictions(records, advice)
     targets = check_targets(records, busbw)
     payload = {"meta": {**meta, "wall_s": total}, "skipped": None, "records": records, "allreduce": busbw,
-               "targets": targets}
+               "targets": targets, "advise": [{"hosts": h, "rate_mbit": r, **rep} for (h, r), rep in advice.items()]}
     return bench.write_results(out, "cluster", [step_table(records), busbw_table(busbw), target_lines(targets)],
                                payload, lambda: plot(records, busbw))
 
