@@ -16,6 +16,12 @@ Two ways to reduce, one interface:
   that cannot be summed on the way (top-k indices, int8 codes with per-chunk scales, PowerSGD's two
   rounds with an orthogonalisation between them). The default ``reduce`` is the summable path.
 
+Error feedback reaches a codec through one seam: ``reduce(..., feedback=Feedback(owed, keep))``. The codec
+reduces ``flat + owed`` (what this rank still owes from earlier steps) and writes into ``keep`` what it did not
+send (``flat + owed - sent``), each from its own intermediate values: a sparse codec subtracts at the indices it
+sent, int8 from its codes, PowerSGD with one ``addmm``. So error feedback costs a codec one or two passes over
+the bucket, not a decode of its own payload and three more. The base class gives every codec a generic form.
+
 State (error-feedback residuals, PowerSGD factors, random generators) is **per parameter, keyed by
 name** (DDP rebuilds and renumbers its buckets after the first step and in every new process), and
 **staged per step**: what a step changes becomes the state only at :meth:`Compressor.commit`, which the
@@ -37,6 +43,34 @@ import torch
 
 if TYPE_CHECKING:
     from lightning_dist.compression.transport import Transport
+
+
+class Feedback:
+    """Error feedback's hand-over to a codec for one bucket (made by :class:`~lightning_dist.compression.
+    ErrorFeedback`, filled by the codec's :meth:`Compressor.reduce`).
+
+    ``owed``: per parameter of the layout, what this rank still owes (a flat tensor), or None where nothing;
+    the codec reduces ``flat + owed``. ``keep``: a bucket-sized buffer in the bucket's layout; on return it holds
+    ``flat + owed - sent``, where ``sent`` is this rank's contribution as the other ranks decode it. It may
+    hold a committed residual of this same bucket only where it is also ``owed`` (a bucket reduced twice in a
+    step): codecs read ``owed`` before they write ``keep``, element by element. ``finite``: the codec sets it
+    when it can tell cheaply whether ``flat + owed`` was finite (None: error feedback checks ``keep``).
+    """
+
+    __slots__ = ("owed", "keep", "finite")
+
+    def __init__(self, owed: list[Optional[torch.Tensor]], keep: torch.Tensor) -> None:
+        self.owed, self.keep = owed, keep
+        self.finite: Optional[bool] = None
+
+    def add_owed(self, flat: torch.Tensor, layout: BucketLayout, out: torch.Tensor) -> torch.Tensor:
+        """``out = flat + owed``, parameter by parameter (one pass; ``out`` may be ``flat``)."""
+        for (_, start, end, _), owed in zip(layout.spans(), self.owed):
+            if owed is not None:
+                torch.add(flat[start:end], owed, out=out[start:end])
+            elif out is not flat:
+                out[start:end].copy_(flat[start:end])
+        return out
 
 
 @dataclass(frozen=True)
@@ -132,15 +166,22 @@ class Compressor:
 
     # -- the general path ----------------------------------------------------------------------------------
     def reduce(self, flat: torch.Tensor, layout: BucketLayout, transport: Transport,
-               sent: Optional[torch.Tensor] = None) -> torch.Tensor:
+               feedback: Optional[Feedback] = None) -> torch.Tensor:
         """Replace ``flat`` (this rank's weighted gradients) by the compressed sum over ranks; return it.
 
-        ``sent``, when given, receives this rank's own contribution as the others decode it (what
-        error feedback subtracts from the gradient to get the new residual). Runs on one thread at a time.
+        With ``feedback`` (error feedback), reduce ``flat + feedback.owed`` and leave in ``feedback.keep`` what
+        was not sent (see :class:`Feedback`). Runs on one thread at a time.
         """
-        payload, ctx = self.compress(flat, layout)
-        if sent is not None:
-            self.decompress(payload, ctx, sent)
+        if feedback is None:
+            payload, ctx = self.compress(flat, layout)
+            transport.allreduce_(payload)
+            return self.decompress(payload, ctx, flat)
+        # the generic form: keep = corrected; payload from it; keep -= what the others decode from the payload
+        keep = feedback.add_owed(flat, layout, feedback.keep)
+        payload, ctx = self.compress(keep, layout)
+        if payload.data_ptr() == keep.data_ptr():
+            payload = payload.clone()
+        keep -= self.decompress(payload, ctx, flat)
         transport.allreduce_(payload)
         return self.decompress(payload, ctx, flat)
 

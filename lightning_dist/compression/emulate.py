@@ -4,6 +4,10 @@ a way to try a compressor (or write a new one) without starting a process group.
 Each emulated rank is a thread with its own compressor instance and a :class:`LocalTransport`, whose
 collectives meet at a barrier and compute in plain torch: the all-reduce sums in rank order, the
 all-gather stacks, the all-to-all hands part ``j`` of every rank to rank ``j``.
+
+:class:`MirrorTransport` is one rank of a group whose other ranks hold the same bucket: it moves no bytes
+and waits for nobody, so timing a codec through it measures the codec's own arithmetic at a given world
+size (``python -m lightning_dist.benchmarks.codecs``).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Optional
 import torch
 
 from lightning_dist.comm import CommStats
-from lightning_dist.compression.base import BucketLayout, Compressor
+from lightning_dist.compression.base import BucketLayout, Compressor, Feedback
 from lightning_dist.compression.transport import Transport
 
 
@@ -57,12 +61,40 @@ class LocalTransport(Transport):
         return torch.stack([part.chunk(self.world_size)[self.rank] for part in parts]).view_as(tensor)
 
 
+class MirrorTransport(Transport):
+    """Rank 0 of ``world_size`` ranks that all hold this rank's tensors: the all-reduce multiplies by the world
+    size, the all-gather and the all-to-all hand back copies of what this rank would have received, written
+    as a real transport writes them (one contiguous copy per part)."""
+
+    def __init__(self, world_size: int = 2) -> None:
+        self.algorithm, self.group, self.stats = "mirror", None, None
+        self.rank, self.world_size, self.seconds = 0, world_size, 0.0
+
+    def allreduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.mul_(self.world_size)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+        for part in out:
+            part.copy_(tensor)
+        return out
+
+    def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(tensor)
+        mine = tensor.chunk(self.world_size)[self.rank]
+        for part in out.chunk(self.world_size):
+            part.copy_(mine)
+        return out
+
+
 def emulate_reduce(compressors: Sequence[Compressor], flats: Sequence[torch.Tensor], layout: BucketLayout,
-                   sent: bool = False, timeout_s: float = 60.0) -> list[torch.Tensor]:
+                   owed: Optional[Sequence[Optional[torch.Tensor]]] = None, timeout_s: float = 60.0) -> list:
     """Reduce ``flats[r]`` (rank ``r``'s weighted bucket) with ``compressors[r]`` on N emulated ranks.
 
-    Returns every rank's result (new tensors; ``flats`` is not modified); with ``sent=True``, pairs of
-    (result, this rank's own decoded contribution). State is staged in each compressor as in training.
+    Returns every rank's result (new tensors; ``flats`` is not modified). With ``owed`` (per rank, a bucket-
+    shaped tensor of what that rank owes, or None), each plain codec is handed a
+    :class:`~lightning_dist.compression.base.Feedback` and the result is a list of (result, keep) pairs:
+    ``keep`` is what the rank owes afterwards. State is staged in each compressor as in training.
     """
     n = len(compressors)
     if len(flats) != n:
@@ -74,9 +106,15 @@ def emulate_reduce(compressors: Sequence[Compressor], flats: Sequence[torch.Tens
     def rank_main(rank: int) -> None:
         try:
             flat = flats[rank].clone()
-            mine = torch.empty_like(flat) if sent else None
-            compressors[rank].reduce(flat, layout, LocalTransport(meeting, rank), sent=mine)
-            results[rank] = (flat, mine) if sent else flat
+            transport = LocalTransport(meeting, rank)
+            if owed is None:
+                results[rank] = compressors[rank].reduce(flat, layout, transport)
+                return
+            mine = owed[rank]
+            fed = Feedback([None if mine is None else view.reshape(-1) for view in
+                            (layout.views(mine) if mine is not None else [None] * len(layout.names))],
+                           torch.empty_like(flat))
+            results[rank] = (compressors[rank].reduce(flat, layout, transport, fed), fed.keep)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, after the other ranks are released
             errors.append(exc)
             meeting.barrier.abort()

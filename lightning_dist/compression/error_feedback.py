@@ -22,6 +22,11 @@ when the scale changes (:meth:`Compressor.set_grad_scale`), and ``clip_norm`` ap
 Residuals are per parameter, keyed by name, staged per step (discarded with a skipped step). A non-finite
 gradient never reaches the residual: the step's residuals for that bucket are left as they were (the
 non-finite values still go on the wire, so every rank sees them).
+
+The arithmetic lives in the codec (:class:`~lightning_dist.compression.base.Feedback`): it adds what is owed
+in its first pass over the bucket and writes the new residual from its own intermediate values. Each bucket's
+residuals live in one of two buffers that alternate between steps, so a step never writes over the committed
+residuals that a skipped step must return to, and no step allocates a bucket-sized tensor.
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_dist.compression.base import BucketLayout, Compressor
-from lightning_dist.compression.state import ParamState
+from lightning_dist.compression.base import BucketLayout, Compressor, Feedback
+from lightning_dist.compression.state import ParamState, Scratch
 from lightning_dist.compression.transport import Transport
 
 
@@ -55,41 +60,63 @@ class ErrorFeedback(Compressor):
         self.can_overflow = inner.can_overflow
         self.clip_norm = None if clip_norm is None else float(clip_norm)
         self.residuals = ParamState()
+        self._buffers = Scratch()  # per bucket, the two buffers its residuals alternate between
+        self._used: set = set()  # the buffers' keys this step used (the others belong to rebuilt layouts)
 
     def describe(self) -> str:
         clip = "" if self.clip_norm is None else f", clip_norm={self.clip_norm:g}"
         return f"{self.inner.describe()}+ef{clip}"
 
     def reduce(self, flat: torch.Tensor, layout: BucketLayout, transport: Transport,
-               sent: Optional[torch.Tensor] = None) -> torch.Tensor:
-        views = layout.views(flat)
-        for name, grad in zip(layout.names, views):
-            if self.clip_norm is not None:
-                limit = self.clip_norm * self.grad_scale  # the gradient carries the loss scale; the limit does not
+               feedback: Optional[Feedback] = None) -> torch.Tensor:
+        if feedback is not None:
+            raise ValueError("ErrorFeedback cannot be fed back into: wrap a plain Compressor once")
+        if self.clip_norm is not None:
+            limit = self.clip_norm * self.grad_scale  # the gradient carries the loss scale; the limit does not
+            for grad in layout.views(flat):
                 norm = grad.norm()
                 if norm > limit:  # False for NaN: a non-finite gradient is left to be seen
                     grad.mul_(limit / norm)
-            residual = self.residuals.get(name)
-            if residual is not None:
-                grad.add_(residual.to(grad.device))
-        corrected = flat.clone()
-        mine = torch.empty_like(flat)
-        self.inner.reduce(flat, layout, transport, sent=mine)
-        if sent is not None:
-            sent.copy_(mine)
-        corrected -= mine  # the new residual: what this rank owes after this step
-        if torch.isfinite(corrected.sum()):  # one pass; any NaN or Inf makes the sum non-finite
-            for name, residual in zip(layout.names, layout.views(corrected)):
-                self.residuals.stage(name, residual)
+        owed = [self._owed(name, flat.device) for name in layout.names]
+        fed = Feedback(owed, self._keep_buffer(flat, layout))
+        self.inner.reduce(flat, layout, transport, fed)
+        finite = fed.finite if fed.finite is not None else bool(torch.isfinite(fed.keep.sum()))
+        for name, residual in zip(layout.names, layout.views(fed.keep)):
+            if finite:  # the new residual: what this rank owes after this step
+                self.residuals.stage(name, residual.view(-1))
+            else:  # a non-finite gradient: the residuals stay as they were before this step
+                self.residuals.unstage(name)
         return flat
+
+    def _owed(self, name: str, device: torch.device) -> Optional[torch.Tensor]:
+        residual = self.residuals.get(name)
+        if residual is None:
+            return None
+        if residual.device != device:  # loaded from a checkpoint onto the CPU
+            residual = residual.to(device)
+        return residual.reshape(-1)
+
+    def _keep_buffer(self, flat: torch.Tensor, layout: BucketLayout) -> torch.Tensor:
+        """The buffer of ``layout``'s two that holds none of its committed residuals."""
+        self._used.update({(layout.key, 0), (layout.key, 1)})
+        first = self._buffers.get((layout.key, 0), flat.numel(), flat.dtype, flat.device)
+        committed = self.residuals.committed(layout.names[0])
+        if committed is not None and committed.untyped_storage().data_ptr() == first.untyped_storage().data_ptr():
+            return self._buffers.get((layout.key, 1), flat.numel(), flat.dtype, flat.device)
+        return first
+
+    def _end_step(self) -> None:
+        if self._used:  # buffers of layouts this step did not use are let go (residuals keep what they view)
+            self._buffers.keep_only(self._used)
+        self._used = set()
 
     def state_bytes(self, layout: BucketLayout, element_size: int) -> int:
         # a residual per gradient element, twice at the step's peak: the committed one and the staged new one
         return 2 * layout.numel * element_size + self.inner.state_bytes(layout, element_size)
 
     def workspace_bytes(self, numel: int, element_size: int, world_size: int) -> int:
-        # the corrected copy (kept as the staged residual, counted in state_bytes) and this rank's decoded share
-        return numel * element_size + self.inner.workspace_bytes(numel, element_size, world_size)
+        # the residuals' buffers are counted in state_bytes; the codec writes the new residual in its own pass
+        return self.inner.workspace_bytes(numel, element_size, world_size)
 
     def set_grad_scale(self, scale: float) -> None:
         super().set_grad_scale(scale)
@@ -103,10 +130,12 @@ class ErrorFeedback(Compressor):
         super().commit()
         self.inner.commit()
         self.residuals.commit()
+        self._end_step()
 
     def discard(self) -> None:
         self.inner.discard()
         self.residuals.discard()
+        self._end_step()
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "inner": self.inner.state_dict(), "residuals": self.residuals.state_dict()}

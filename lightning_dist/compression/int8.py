@@ -1,7 +1,8 @@
 """int8: stochastic rounding with one scale per chunk, through a two-phase compressed all-reduce.
 
-Quantizing (per chunk of ``chunk`` elements, scale ``s = max|x| / 127``): ``q = floor(x / s + u)`` with
-``u ~ U[0, 1)``, so ``E[q s] = x``: unbiased, and within one step ``s`` of ``x``. int8 codes cannot be summed
+Quantizing (per chunk of ``chunk`` elements, step ``s = max|x| / 126.999``): ``q = floor(x / s + u)`` with ``u``
+uniform in [0, 1), so ``E[q s] = x``: unbiased, and within one step ``s`` of ``x``; ``|x / s| <= 126.999``, so
+``q`` stays in [-127, 127] without a clamp. int8 codes cannot be summed
 on the wire (the sum overflows and the scales differ), so the bucket travels in two phases, as a ring
 all-reduce does, but compressed in both:
 
@@ -17,6 +18,15 @@ ring would have to be re-quantized at every hop, and an all-gather of every rank
 
 Both roundings are unbiased, so the result is an unbiased estimate of the dense sum. A chunk holding a NaN
 or Inf gets a non-finite scale, and decodes as non-finite on every rank.
+
+The noise does not come from a fresh 32-bit draw per element (``torch.rand`` of a 4 M bucket costs ~20 passes
+over it on the CPU's Mersenne twister): each rank holds a table of ``P`` (32768) stratified points
+``(j + 1/2) / P`` in an order shuffled from ``(seed, rank)``, and each rounding reads it from an offset drawn
+from the rank's staged generator, element ``i`` taking point ``(offset + i) mod P``. Over the offset every
+element's ``u`` is uniform over the ``P`` points, so the rounding is unbiased to ``1 / (2P)`` of a step; the
+generator is checkpointed and rolled back with a skipped step as before. Elements ``P`` apart share a
+point in one rounding: their errors are correlated, not biased. Codes are found from ``floor`` of one fused
+multiply-add per element; with error feedback the residual is ``x - q s`` from the same ``q``.
 """
 
 from __future__ import annotations
@@ -26,15 +36,16 @@ from typing import Optional
 
 import torch
 
-from lightning_dist.compression.base import BucketLayout, Compressor
-from lightning_dist.compression.state import StagedGenerator
+from lightning_dist.compression.base import BucketLayout, Compressor, Feedback
+from lightning_dist.compression.state import Scratch, StagedGenerator
 from lightning_dist.compression.transport import Transport
 
-_LEVELS = 127  # codes in [-127, 127]: symmetric, so zero is exact and -x decodes as -(x)
+_LEVELS = 126.999  # max|x| / step: codes stay within [-127, 127] with no clamp (zero exact, -x decodes as -(x))
+_POINTS = 32768  # noise table length (a multiple of the chunk is used: whole chunks per table period)
 
 
 class Int8Compressor(Compressor):
-    """int8 codes with a float32 scale per ``chunk`` elements, stochastic rounding (seeded per rank)."""
+    """int8 codes with a float32 step per ``chunk`` elements, stochastic rounding (seeded per rank)."""
 
     name = "int8"
     summable = False
@@ -48,38 +59,77 @@ class Int8Compressor(Compressor):
             raise ValueError(f"int8 chunk={chunk!r} must be an int >= 1 (elements per scale; 512 is typical)")
         self.chunk = chunk
         self.rng = StagedGenerator(seed)
+        self._scratch = Scratch()
+        self._table: Optional[torch.Tensor] = None  # this rank's shuffled noise points, twice over
 
     def describe(self) -> str:
         return f"int8(chunk={self.chunk})"
 
     def reduce(self, flat: torch.Tensor, layout: BucketLayout, transport: Transport,
-               sent: Optional[torch.Tensor] = None) -> torch.Tensor:
+               feedback: Optional[Feedback] = None) -> torch.Tensor:
         n, numel, chunk = transport.world_size, flat.numel(), self.chunk
-        region = math.ceil(numel / (n * chunk)) * chunk  # elements each rank owns, whole chunks
+        align = 4 // math.gcd(chunk, 4)  # whole chunks per region, and a region of whole 4-byte words
+        region = math.ceil(numel / (n * chunk * align)) * chunk * align  # elements each rank owns
         # The parameters in name order, not DDP's: DDP's first step in every process lays a bucket out in a
         # different order than its rebuilt buckets do, and chunks, regions and noise would follow the order
         # (a resumed run would then round its first step differently from an uninterrupted one).
-        spans = sorted(layout.spans())
-        x = torch.zeros(n * region, dtype=torch.float32, device=flat.device)
-        torch.cat([flat[start:end] for _, start, end, _ in spans], out=x[:numel])
+        order = sorted(range(len(layout.names)), key=layout.names.__getitem__)
+        spans = [layout.spans()[i] for i in order]
+        x = self._buffer("x", n * region, flat.device)
+        offset = 0
+        for i, (_, start, end, _) in zip(order, spans):
+            owed = None if feedback is None else feedback.owed[i]
+            part = x[offset : offset + end - start]
+            torch.add(flat[start:end], owed, out=part) if owed is not None else part.copy_(flat[start:end])
+            offset += end - start
+        x[numel:].zero_()
         gen = self.rng.get(transport.rank, flat.device)
-        codes, steps = quantize(x, chunk, gen)
-        if sent is not None:
-            _scatter(dequantize(codes, steps, chunk), spans, sent)
+        table = self._noise(transport.rank, flat.device)
         # phase 1: region j of every rank's codes goes to rank j, which sums the N of them in rank order
-        arrived = transport.all_to_all(pack(codes.view(n, region), steps.view(n, region // chunk)))
-        mine = torch.zeros(region, dtype=torch.float32, device=flat.device)
-        for part in arrived:
-            mine += dequantize(*unpack(part, region, chunk), chunk)
+        message = self._buffer("phase1", n * _row(region, chunk), flat.device, torch.uint8).view(n, -1)
+        codes = self._buffer("codes", n * region, flat.device)
+        steps = _encode(x, chunk, table, gen, codes, message[:, :region], message[:, region:])
+        if feedback is not None:  # what this rank owes: x - q s, in the bucket's layout
+            keep, offset = feedback.keep, 0
+            torch.addcmul(x.view(-1, chunk), codes.view(-1, chunk), steps.view(-1, 1).neg(), out=codes.view(-1, chunk))
+            for _, start, end, _ in spans:
+                keep[start:end].copy_(codes[offset : offset + end - start])
+                offset += end - start
+            feedback.finite = bool(torch.isfinite(steps).all())
+        arrived = transport.all_to_all(message)
+        mine = self._buffer("mine", region, flat.device)
+        decoded = self._buffer("decoded", n * region, flat.device)
+        _decode(arrived, region, chunk, decoded.view(n, region))
+        torch.sum(decoded.view(n, region), dim=0, out=mine)  # in rank order, the same on every owner
         # phase 2: each owner's re-quantized sum goes to every rank
-        everyone = transport.all_gather(pack(*quantize(mine, chunk, gen)))
-        total = torch.cat([dequantize(*unpack(part, region, chunk), chunk) for part in everyone])
-        return _scatter(total, spans, flat)
+        reply = self._buffer("phase2", _row(region, chunk), flat.device, torch.uint8).view(1, -1)
+        _encode(mine, chunk, table, gen, codes[:region], reply[:, :region], reply[:, region:])
+        everyone = transport.all_gather(reply[0])
+        _decode(everyone, region, chunk, decoded.view(n, region))
+        offset = 0
+        for _, start, end, _ in spans:
+            flat[start:end].copy_(decoded[offset : offset + end - start])
+            offset += end - start
+        return flat
+
+    def _buffer(self, key: str, numel: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self._scratch.get(key, numel, dtype, device)
+
+    def _noise(self, rank: int, device: torch.device) -> torch.Tensor:
+        """The rank's stratified points ``(j + 1/2) / P`` in a shuffled order, the table written twice (any
+        ``P`` consecutive entries from an offset below ``P``), ``P`` a multiple of the chunk."""
+        if self._table is None or self._table.device != device:
+            points = self.chunk * max(1, _POINTS // self.chunk)
+            shuffle = torch.Generator().manual_seed(self.rng.seed * 1_000_003 + rank + 7_919)
+            order = torch.randperm(points, generator=shuffle)
+            table = (order.to(torch.float64) + 0.5) / points
+            self._table = table.to(torch.float32).repeat(2).to(device)
+        return self._table
 
     def workspace_bytes(self, numel: int, element_size: int, world_size: int) -> int:
-        # at the peak of quantize: the padded float32 copy, the random codes and the scaled blocks (4 bytes
-        # each per element), then the int8 codes, the packed message and the decoded sum
-        return numel * (3 * 4 + 2 * 1 + 4)
+        # kept between steps: the name-ordered copy, the codes' float working buffer and the decoded parts
+        # (4 bytes each per element), the two messages (~1 byte each per element)
+        return numel * (3 * 4 + 2 * 1)
 
     def commit(self) -> None:
         super().commit()
@@ -96,43 +146,46 @@ class Int8Compressor(Compressor):
         self.rng.load_state_dict({} if shared_only else state)
 
 
-def _scatter(ordered: torch.Tensor, spans: list, out: torch.Tensor) -> torch.Tensor:
-    """The inverse of the name-ordered concatenation: each parameter's part back to its place in ``out``."""
-    offset = 0
-    for _, start, end, _ in spans:
-        out[start:end].copy_(ordered[offset : offset + end - start])
-        offset += end - start
-    return out
+def _row(region: int, chunk: int) -> int:
+    """Bytes of one destination's message: the region's codes, then its float32 steps."""
+    return region + 4 * (region // chunk)
 
 
-def quantize(x: torch.Tensor, chunk: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (float32, a multiple of ``chunk`` long) -> (int8 codes, float32 step per chunk).
+def _encode(x: torch.Tensor, chunk: int, table: torch.Tensor, gen: torch.Generator, work: torch.Tensor,
+            codes: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Quantize ``x`` (float32, whole chunks) into ``codes`` (uint8 bytes of int8 codes, shaped as the
+    destinations' rows) and ``steps`` (the rows' float32 bytes); ``work`` (as long as ``x``) is left holding
+    the codes as floats. Returns the steps, one per chunk.
 
     A chunk with a NaN or Inf gets a non-finite step (``amax`` propagates NaN), so it decodes as non-finite.
     """
     blocks = x.view(-1, chunk)
-    step = blocks.abs().amax(dim=1) / _LEVELS
-    safe = torch.where(step > 0, step, torch.ones_like(step))  # an all-zero chunk: codes 0, step 0
-    codes = torch.rand(blocks.shape, generator=gen, device=x.device, dtype=torch.float32)
-    codes.add_(blocks / safe.unsqueeze(1)).floor_().clamp_(-_LEVELS, _LEVELS)
-    codes.nan_to_num_(nan=0.0)  # the step carries the non-finite value
-    return codes.to(torch.int8).view(-1), step
+    step = blocks.amax(1)
+    torch.maximum(step, blocks.amin(1).neg_(), out=step).div_(_LEVELS)
+    inverse = torch.where(step > 0, 1.0 / step, 0.0).unsqueeze(1)  # an all-zero or non-finite chunk: codes 0
+    period = table.numel() // 2
+    start = int(torch.randint(period, (1,), generator=gen, device=gen.device))
+    whole = x.numel() // period * period
+    out = work.view(-1, chunk)
+    for lo, hi in ((0, whole), (whole, x.numel())):  # the table's periods, then the rest
+        if hi > lo:
+            rows = (hi - lo) // min(period, hi - lo)
+            noise = table[start : start + (hi - lo) // rows].view(1, -1, chunk)
+            torch.addcmul(noise, blocks[lo // chunk : hi // chunk].view(rows, -1, chunk),
+                          inverse[lo // chunk : hi // chunk].view(rows, -1, 1),
+                          out=out[lo // chunk : hi // chunk].view(rows, -1, chunk))
+    work.floor_()
+    codes.view(torch.int8).copy_(work.view(codes.shape))
+    steps.view(torch.float32).copy_(step.view(steps.shape[0], -1))
+    return step
 
 
-def dequantize(codes: torch.Tensor, step: torch.Tensor, chunk: int) -> torch.Tensor:
-    return (codes.view(-1, chunk).to(torch.float32) * step.unsqueeze(1)).view(-1)
-
-
-def pack(codes: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """Codes and steps as one byte tensor (leading dimensions kept): one message per destination."""
-    lead = codes.shape[:-1]
-    return torch.cat([codes.view(torch.uint8), step.contiguous().view(torch.uint8).view(*lead, -1)], dim=-1)
-
-
-def unpack(part: torch.Tensor, region: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    codes = part[:region].view(torch.int8)
-    step = part[region:]
-    if step.storage_offset() % 4:  # a chunk size that is not a multiple of 4 leaves the steps unaligned
-        step = step.clone()
-    step = step.view(torch.float32)
-    return codes, step
+def _decode(parts: torch.Tensor, region: int, chunk: int, out: torch.Tensor) -> torch.Tensor:
+    """Every row's codes times its steps: ``parts`` (rows of :func:`_row` bytes) -> ``out`` (rows x region)."""
+    rows = parts.shape[0]
+    steps = parts[:, region:]
+    if steps.storage_offset() % 4:  # not reached with the aligned regions; kept for any other caller
+        steps = steps.clone()
+    out.copy_(parts[:, :region].view(torch.int8))
+    out.view(rows, -1, chunk).mul_(steps.view(torch.float32).view(rows, -1, 1))
+    return out

@@ -13,7 +13,8 @@ the rest), and a factor ``Q`` (``m x r``) that every rank holds alike:
    tracks the gradient's slowly turning top subspace).
 
 Both rounds are sums, so they ride on the strategy's own algorithm (ring, tree or native). Bytes: ``r (n + m)``
-per matrix instead of ``n m``. This rank's own contribution, ``P P^T M``, is what error feedback subtracts.
+per matrix instead of ``n m``. This rank's own contribution, ``P P^T M``, is what error feedback subtracts (one
+``addmm`` into the corrected gradient, which then is the residual).
 The first ``Q`` is drawn from a generator seeded by the parameter's name, so every rank draws the same one.
 A non-finite ``M`` makes ``P`` non-finite on every rank after the first sum; a non-finite ``Q`` is never
 kept for the next step.
@@ -26,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from lightning_dist.compression.base import BucketLayout, Compressor
+from lightning_dist.compression.base import BucketLayout, Compressor, Feedback
 from lightning_dist.compression.state import ParamState
 from lightning_dist.compression.transport import Transport
 
@@ -66,10 +67,13 @@ class PowerSGDCompressor(Compressor):
         return out
 
     def reduce(self, flat: torch.Tensor, layout: BucketLayout, transport: Transport,
-               sent: Optional[torch.Tensor] = None) -> torch.Tensor:
+               feedback: Optional[Feedback] = None) -> torch.Tensor:
         plan = self.plan(layout)
         spans = layout.spans()
-        work = flat.float() if flat.dtype != torch.float32 else flat
+        # with error feedback the corrected gradient is built in `keep`, which then becomes the residual: the
+        # dense parameters are sent exactly (owed nothing), each matrix owes M - P (M^T P)^T (one addmm)
+        source = flat if feedback is None else feedback.add_owed(flat, layout, feedback.keep)
+        work = source.float() if source.dtype != torch.float32 else source
         matrices = {i: work[start:end].view(p[0], p[1]) for i, ((_, start, end, _), p) in enumerate(zip(spans, plan))
                     if p is not None}
         dense = [i for i, p in enumerate(plan) if p is None]
@@ -77,13 +81,15 @@ class PowerSGDCompressor(Compressor):
         # round 1: P = M Q for every matrix, and the dense parameters as they are, in one sum
         ps = {i: matrices[i] @ qs[i] for i in matrices}
         first = torch.cat([work[spans[i][1]:spans[i][2]] for i in dense] + [ps[i].reshape(-1) for i in matrices])
-        if sent is not None:
-            sent.copy_(flat)  # dense parameters are sent exactly; matrices are overwritten below
         transport.allreduce_(first)
+        if feedback is not None:  # any rank's non-finite M makes the summed P non-finite, and every residual
+            feedback.finite = bool(torch.isfinite(first).all())
         offset = 0
         for i in dense:
             start, end = spans[i][1], spans[i][2]
-            work[start:end].copy_(first[offset : offset + end - start])
+            flat[start:end].copy_(first[offset : offset + end - start])
+            if feedback is not None:
+                feedback.keep[start:end].zero_()
             offset += end - start
         for i in matrices:
             n, _, r = plan[i]
@@ -91,10 +97,12 @@ class PowerSGDCompressor(Compressor):
             offset += n * r
         # round 2: Q = M^T P, summed; this rank's own share is P (M^T P)^T
         local_q = {i: matrices[i].t() @ ps[i] for i in matrices}
-        if sent is not None:
+        if feedback is not None:
             for i in matrices:
-                start, end = spans[i][1], spans[i][2]
-                sent[start:end].copy_((ps[i] @ local_q[i].t()).view(-1))
+                matrices[i].addmm_(ps[i], local_q[i].t(), alpha=-1.0)
+                if work is not source:
+                    start, end = spans[i][1], spans[i][2]
+                    source[start:end].copy_(work[start:end])
         second = torch.cat([local_q[i].reshape(-1) for i in matrices]) if matrices else None
         if second is not None:
             transport.allreduce_(second)
@@ -103,11 +111,13 @@ class PowerSGDCompressor(Compressor):
             _, m, r = plan[i]
             q = second[offset : offset + m * r].view(m, r)
             offset += m * r
-            matrices[i].copy_(ps[i] @ q.t())
+            start, end = spans[i][1], spans[i][2]
+            if flat.dtype == torch.float32:
+                torch.mm(ps[i], q.t(), out=flat[start:end].view(plan[i][0], m))
+            else:
+                flat[start:end].copy_((ps[i] @ q.t()).view(-1))
             if torch.isfinite(q).all():  # a non-finite factor would poison every later step
                 self.q.stage(layout.names[i], q.clone())
-        if work is not flat:
-            flat.copy_(work)
         return flat
 
     def state_bytes(self, layout: BucketLayout, element_size: int) -> int:

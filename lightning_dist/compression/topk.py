@@ -4,7 +4,10 @@ not sent waits in a per-parameter residual and is sent once it has grown large e
 
 The selection is per layer (per parameter), ``max(1, ceil(ratio x numel))`` entries each, so every rank sends
 the same count and no count exchange is needed, and a layer with small gradients is never starved by one
-with large ones. ``torch.topk`` ranks NaN above every number, so a non-finite entry is always sent.
+with large ones. It goes through a sampled threshold and an exact top-k of the candidates
+(:func:`~lightning_dist.compression.sparse.largest`: the exact top-k up to ties, at ~1/10 of ``torch.topk``'s
+cost); ``selection="exact"`` runs ``torch.topk`` over every layer. NaN ranks above every number, so a
+non-finite entry is always sent.
 Values travel as bf16 by default (4 + 2 bytes per pair: at ``ratio=0.01`` and 2 ranks ~66x fewer bytes
 than the dense fp32 ring); error feedback keeps their rounding in the residual.
 """
@@ -16,7 +19,7 @@ import math
 import torch
 
 from lightning_dist.compression.base import BucketLayout
-from lightning_dist.compression.sparse import SparseCompressor
+from lightning_dist.compression.sparse import SparseCompressor, largest
 
 
 class TopKCompressor(SparseCompressor):
@@ -25,15 +28,17 @@ class TopKCompressor(SparseCompressor):
     name = "topk"
     fixed_count = True
 
-    def __init__(self, ratio: float = 0.01, value_dtype: str = "bf16", start_step: int = 0) -> None:
+    def __init__(self, ratio: float = 0.01, value_dtype: str = "bf16", selection: str = "sampled",
+                 start_step: int = 0) -> None:
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio <= 1.0:
             raise ValueError(f"topk ratio={ratio!r} must be in (0, 1]: the fraction of each layer's entries sent "
                              "(0.01 sends 1%)")
-        super().__init__(value_dtype, start_step)
+        super().__init__(value_dtype, selection, start_step)
         self.ratio = float(ratio)
 
     def describe(self) -> str:
-        return f"topk(ratio={self.ratio:g}, values={self.value_dtype})"
+        exact = ", exact" if self.selection == "exact" else ""
+        return f"topk(ratio={self.ratio:g}, values={self.value_dtype}{exact})"
 
     def sent_fraction(self) -> float:
         return self.ratio
@@ -42,11 +47,6 @@ class TopKCompressor(SparseCompressor):
         return [max(1, math.ceil(self.ratio * size)) for size in layout.sizes()]
 
     def select(self, flat: torch.Tensor, layout: BucketLayout) -> torch.Tensor:
-        magnitude = flat.abs()
-        picked = []
-        for (_, start, end, _), k in zip(layout.spans(), self.counts(layout)):
-            if k >= end - start:
-                picked.append(torch.arange(start, end, device=flat.device))
-            else:
-                picked.append(torch.topk(magnitude[start:end], k, sorted=False).indices + start)
-        return torch.cat(picked)
+        exact = self.selection == "exact"
+        return torch.cat([largest(flat[start:end], k, self.steps, exact) + start
+                          for (_, start, end, _), k in zip(layout.spans(), self.counts(layout))])
