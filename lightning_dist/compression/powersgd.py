@@ -79,7 +79,7 @@ class PowerSGDCompressor(Compressor):
         dense = [i for i, p in enumerate(plan) if p is None]
         qs = {i: self._factor(layout.names[i], plan[i], work) for i in matrices}
         # round 1: P = M Q for every matrix, and the dense parameters as they are, in one sum
-        ps = {i: matrices[i] @ qs[i] for i in matrices}
+        ps = {i: (qs[i].t().contiguous() @ matrices[i].t()).t() for i in matrices}  # M Q, as BLAS runs it fast
         first = torch.cat([work[spans[i][1]:spans[i][2]] for i in dense] + [ps[i].reshape(-1) for i in matrices])
         transport.allreduce_(first)
         if feedback is not None:  # any rank's non-finite M makes the summed P non-finite, and every residual
@@ -96,10 +96,10 @@ class PowerSGDCompressor(Compressor):
             ps[i] = _orthonormalize(first[offset : offset + n * r].view(n, r))
             offset += n * r
         # round 2: Q = M^T P, summed; this rank's own share is P (M^T P)^T
-        local_q = {i: matrices[i].t() @ ps[i] for i in matrices}
+        local_q = {i: (ps[i].t().contiguous() @ matrices[i]).t() for i in matrices}  # M^T P
         if feedback is not None:
             for i in matrices:
-                matrices[i].addmm_(ps[i], local_q[i].t(), alpha=-1.0)
+                _outer(ps[i], local_q[i], matrices[i], subtract=True)
                 if work is not source:
                     start, end = spans[i][1], spans[i][2]
                     source[start:end].copy_(work[start:end])
@@ -113,7 +113,7 @@ class PowerSGDCompressor(Compressor):
             offset += m * r
             start, end = spans[i][1], spans[i][2]
             if flat.dtype == torch.float32:
-                torch.mm(ps[i], q.t(), out=flat[start:end].view(plan[i][0], m))
+                _outer(ps[i], q, flat[start:end].view(plan[i][0], m))
             else:
                 flat[start:end].copy_((ps[i] @ q.t()).view(-1))
             if torch.isfinite(q).all():  # a non-finite factor would poison every later step
@@ -150,6 +150,21 @@ class PowerSGDCompressor(Compressor):
     def load_state_dict(self, state: dict, shared_only: bool = False) -> None:
         super().load_state_dict(state, shared_only)
         self.q.load_state_dict(state.get("q", {}))  # every rank holds the same factors: shared
+
+
+def _outer(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor, subtract: bool = False) -> torch.Tensor:
+    """``out = p q^T`` (or ``out -= p q^T``) for thin ``p`` (n x r) and ``q`` (m x r): a rank-1 update per column
+    for small r, each one pass over ``out`` (one thread's ``mm`` into a 1024 x 1024 output costs ~4 passes)."""
+    r = p.shape[1]
+    if r > 4:
+        return out.addmm_(p, q.t(), alpha=-1.0) if subtract else torch.mm(p, q.t(), out=out)
+    rows = q.t().contiguous()
+    for j in range(r):
+        if subtract or j:
+            out.addcmul_(p[:, j : j + 1], rows[j], value=-1.0 if subtract else 1.0)
+        else:
+            torch.mul(p[:, j : j + 1], rows[j], out=out)
+    return out
 
 
 def _orthonormalize(p: torch.Tensor) -> torch.Tensor:
