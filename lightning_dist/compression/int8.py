@@ -36,6 +36,7 @@ from typing import Optional
 
 import torch
 
+from lightning_dist.compression import kernels
 from lightning_dist.compression.base import BucketLayout, Compressor, Feedback
 from lightning_dist.compression.state import Scratch, StagedGenerator
 from lightning_dist.compression.transport import Transport
@@ -87,28 +88,42 @@ class Int8Compressor(Compressor):
         table = self._noise(transport.rank, flat.device)
         # phase 1: region j of every rank's codes goes to rank j, which sums the N of them in rank order
         message = self._buffer("phase1", n * _row(region, chunk), flat.device, torch.uint8).view(n, -1)
-        codes = self._buffer("codes", n * region, flat.device)
-        steps = _encode(x, chunk, table, gen, codes, message[:, :region], message[:, region:])
-        if feedback is not None:  # what this rank owes: x - q s, in the bucket's layout
-            keep, offset = feedback.keep, 0
-            torch.addcmul(x.view(-1, chunk), codes.view(-1, chunk), steps.view(-1, 1).neg(), out=codes.view(-1, chunk))
+        work = self._buffer("work", n * region, flat.device)
+        codes8 = self._buffer("codes", n * region, flat.device, torch.int8)
+        steps = _encode(x, chunk, table, gen, work, codes8, message[:, :region], message[:, region:],
+                        residual=feedback is not None)
+        if feedback is not None:  # what this rank owes, x - q s (in `work`), back in the bucket's layout
+            offset = 0
             for _, start, end, _ in spans:
-                keep[start:end].copy_(codes[offset : offset + end - start])
+                feedback.keep[start:end].copy_(work[offset : offset + end - start])
                 offset += end - start
             feedback.finite = bool(torch.isfinite(steps).all())
         arrived = transport.all_to_all(message)
+        # the N contributions to this rank's region, decoded and summed in rank order (the same on every owner)
         mine = self._buffer("mine", region, flat.device)
-        decoded = self._buffer("decoded", n * region, flat.device)
-        _decode(arrived, region, chunk, decoded.view(n, region))
-        torch.sum(decoded.view(n, region), dim=0, out=mine)  # in rank order, the same on every owner
-        # phase 2: each owner's re-quantized sum goes to every rank
+        for i, part in enumerate(arrived):
+            codes_i, steps_i = _split(part, region)
+            if i == 0:
+                mine.copy_(codes_i)
+                mine.view(-1, chunk).mul_(steps_i.view(-1, 1))
+            else:
+                work[:region].copy_(codes_i)
+                mine.view(-1, chunk).addcmul_(work[:region].view(-1, chunk), steps_i.view(-1, 1))
+        # phase 2: each owner's re-quantized sum goes to every rank, which decodes it into the bucket's layout
         reply = self._buffer("phase2", _row(region, chunk), flat.device, torch.uint8).view(1, -1)
-        _encode(mine, chunk, table, gen, codes[:region], reply[:, :region], reply[:, region:])
+        _encode(mine, chunk, table, gen, work[:region], codes8[:region], reply[:, :region], reply[:, region:])
         everyone = transport.all_gather(reply[0])
-        _decode(everyone, region, chunk, decoded.view(n, region))
+        all_steps = torch.cat([_split(part, region)[1] for part in everyone])
         offset = 0
         for _, start, end, _ in spans:
-            flat[start:end].copy_(decoded[offset : offset + end - start])
+            for a, b, c in _pieces(offset, offset + end - start, chunk, region):
+                out = flat[start + a - offset : start + b - offset]
+                row = a // region
+                out.copy_(_split(everyone[row], region)[0][a - row * region : b - row * region])
+                if (b - a) % chunk == 0 and a % chunk == 0:
+                    out.view(-1, chunk).mul_(all_steps[c : c + (b - a) // chunk].view(-1, 1))
+                else:
+                    out.mul_(all_steps[c])
             offset += end - start
         return flat
 
@@ -127,9 +142,9 @@ class Int8Compressor(Compressor):
         return self._table
 
     def workspace_bytes(self, numel: int, element_size: int, world_size: int) -> int:
-        # kept between steps: the name-ordered copy, the codes' float working buffer and the decoded parts
-        # (4 bytes each per element), the two messages (~1 byte each per element)
-        return numel * (3 * 4 + 2 * 1)
+        # kept between steps: the name-ordered copy and the working buffer (4 bytes each per element), the
+        # int8 codes and the two messages (~1 byte each per element)
+        return numel * (2 * 4 + 3 * 1)
 
     def commit(self) -> None:
         super().commit()
@@ -152,40 +167,49 @@ def _row(region: int, chunk: int) -> int:
 
 
 def _encode(x: torch.Tensor, chunk: int, table: torch.Tensor, gen: torch.Generator, work: torch.Tensor,
-            codes: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """Quantize ``x`` (float32, whole chunks) into ``codes`` (uint8 bytes of int8 codes, shaped as the
-    destinations' rows) and ``steps`` (the rows' float32 bytes); ``work`` (as long as ``x``) is left holding
-    the codes as floats. Returns the steps, one per chunk.
+            codes8: torch.Tensor, codes: torch.Tensor, steps: torch.Tensor, residual: bool = False) -> torch.Tensor:
+    """Quantize ``x`` (float32, whole chunks) into ``codes`` (the bytes of int8 codes, shaped as the destinations'
+    rows) and ``steps`` (the rows' float32 bytes), through ``codes8`` (int8, as long as ``x``); ``work`` (float32,
+    as long as ``x``) receives ``x - q s`` with ``residual``, else serves as scratch. Returns the steps.
 
     A chunk with a NaN or Inf gets a non-finite step (``amax`` propagates NaN), so it decodes as non-finite.
     """
     blocks = x.view(-1, chunk)
     step = blocks.amax(1)
     torch.maximum(step, blocks.amin(1).neg_(), out=step).div_(_LEVELS)
-    inverse = torch.where(step > 0, 1.0 / step, 0.0).unsqueeze(1)  # an all-zero or non-finite chunk: codes 0
+    inverse = torch.where(step > 0, 1.0 / step, 0.0)  # an all-zero or non-finite chunk: codes 0
     period = table.numel() // 2
     start = int(torch.randint(period, (1,), generator=gen, device=gen.device))
     whole = x.numel() // period * period
-    out = work.view(-1, chunk)
     for lo, hi in ((0, whole), (whole, x.numel())):  # the table's periods, then the rest
         if hi > lo:
             rows = (hi - lo) // min(period, hi - lo)
-            noise = table[start : start + (hi - lo) // rows].view(1, -1, chunk)
-            torch.addcmul(noise, blocks[lo // chunk : hi // chunk].view(rows, -1, chunk),
-                          inverse[lo // chunk : hi // chunk].view(rows, -1, 1),
-                          out=out[lo // chunk : hi // chunk].view(rows, -1, chunk))
-    work.floor_()
-    codes.view(torch.int8).copy_(work.view(codes.shape))
+            shape, per_chunk = (rows, -1, chunk), slice(lo // chunk, hi // chunk)
+            kernels.int8_encode(x[lo:hi].view(shape), inverse[per_chunk].view(rows, -1, 1),
+                                table[start : start + (hi - lo) // rows].view(1, -1, chunk), codes8[lo:hi].view(shape),
+                                work[lo:hi].view(shape), step[per_chunk].view(rows, -1, 1), residual)
+    codes.view(torch.int8).copy_(codes8.view(codes.shape))
     steps.view(torch.float32).copy_(step.view(steps.shape[0], -1))
     return step
 
 
-def _decode(parts: torch.Tensor, region: int, chunk: int, out: torch.Tensor) -> torch.Tensor:
-    """Every row's codes times its steps: ``parts`` (rows of :func:`_row` bytes) -> ``out`` (rows x region)."""
-    rows = parts.shape[0]
-    steps = parts[:, region:]
+def _split(part: torch.Tensor, region: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One destination's message (:func:`_row` bytes) -> its int8 codes and float32 steps."""
+    steps = part[region:]
     if steps.storage_offset() % 4:  # not reached with the aligned regions; kept for any other caller
         steps = steps.clone()
-    out.copy_(parts[:, :region].view(torch.int8))
-    out.view(rows, -1, chunk).mul_(steps.view(torch.float32).view(rows, -1, 1))
-    return out
+    return part[:region].view(torch.int8), steps.view(torch.float32)
+
+
+def _pieces(lo: int, hi: int, chunk: int, region: int) -> list[tuple[int, int, int]]:
+    """``[lo, hi)`` of the name-ordered layout cut into pieces that are either whole chunks of one region or part
+    of one chunk: ``(start, end, first chunk)``, so that each piece takes its steps by one broadcast."""
+    pieces, a = [], lo
+    while a < hi:
+        if a % chunk or hi - a < chunk:
+            b = min(hi, (a // chunk + 1) * chunk)
+        else:
+            b = min(hi // chunk * chunk, (a // region + 1) * region)
+        pieces.append((a, b, a // chunk))
+        a = b
+    return pieces

@@ -70,7 +70,9 @@ def candidates(x: torch.Tensor, t: float, density: float = 0.013) -> tuple[torch
     col = torch.lt(reach, t).logical_not_().nonzero().view(-1)
     found = torch.index_select(view, 1, col).abs_().view(-1)  # (rows, hit columns), flattened
     where = torch.lt(found, t).logical_not_().nonzero().view(-1)
-    index, magnitude = (where // max(col.numel(), 1)) * cols + col[where % max(col.numel(), 1)], found[where]
+    width = max(col.numel(), 1)
+    index = (where // width) * cols + col.index_select(0, where % width)
+    magnitude = found.index_select(0, where)
     if rows * cols < n:  # fewer than `rows` entries outside the view: always candidates
         tail = torch.arange(rows * cols, n, device=x.device)
         index, magnitude = torch.cat([index, tail]), torch.cat([magnitude, x[rows * cols :].abs()])
@@ -89,7 +91,7 @@ def largest(x: torch.Tensor, k: int, offset: int = 0, exact: bool = False) -> to
                 break
             index, magnitude = candidates(x, t)
             if index.numel() >= k:
-                return index[torch.topk(magnitude, k, sorted=False).indices]
+                return index.index_select(0, torch.topk(magnitude, k, sorted=False).indices)
             t /= 4
     return torch.topk(x.abs(), k, sorted=False).indices
 
@@ -133,10 +135,9 @@ class SparseCompressor(Compressor):
                feedback: Optional[Feedback] = None) -> torch.Tensor:
         source = flat if feedback is None else feedback.add_owed(flat, layout, feedback.keep)
         index = self.select(source, layout)
-        chosen = source[index]
-        values = chosen.to(self._dtype)
+        values = source.index_select(0, index).to(self._dtype)
         if feedback is not None:  # what was sent is no longer owed; every non-finite entry is among the sent
-            source.index_put_((index,), chosen - values.to(chosen.dtype))
+            source.scatter_add_(0, index, torch.neg(values).to(source.dtype))
             feedback.finite = bool(torch.isfinite(values).all())
         count = index.numel()
         if self.fixed_count:
@@ -159,5 +160,5 @@ class SparseCompressor(Compressor):
             k = counts[rank]
             rank_index = part[: 4 * longest].view(torch.int32)[:k].long()
             rank_values = part[4 * longest : 4 * longest + k * values.element_size()].view(self._dtype)
-            flat.index_add_(0, rank_index, rank_values.to(flat.dtype))
+            flat.scatter_add_(0, rank_index, rank_values.to(flat.dtype))
         return flat

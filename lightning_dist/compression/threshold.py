@@ -68,5 +68,5 @@ class ThresholdCompressor(SparseCompressor):
             t = max(t, sampled_threshold(flat, cap, self.steps, margin=0.9))
         index, magnitude = candidates(flat, t, density=min(1.0, cap / flat.numel()))
         if index.numel() > cap:  # the sample aimed low: the largest `cap` of the candidates
-            index = index[torch.topk(magnitude, cap, sorted=False).indices]
+            index = index.index_select(0, torch.topk(magnitude, cap, sorted=False).indices)
         return index
