@@ -12,11 +12,15 @@ from lightning_dist.compression import (
     COMPRESSORS,
     BucketLayout,
     ErrorFeedback,
+    Int8Compressor,
     NoCompressor,
     as_compressor,
     build_compressor,
+    kernels,
+    sparse,
 )
-from lightning_dist.compression.emulate import emulate_reduce
+from lightning_dist.compression.emulate import MirrorTransport, emulate_reduce
+from lightning_dist.compression.sparse import SMALL, largest
 from lightning_dist.strategy import RingDDPStrategy
 from lightning_dist.strategy.checkpoint import restore_compressor
 
@@ -339,6 +343,8 @@ def _tensors(state, prefix=""):
         ("fp16", {"clip_norm": 1.0}, "clip_norm=1.0 clips"),
         ("topk", {"clip_norm": -1.0}, "clip_norm=-1.0"),
         ("none", {"error_feedback": True}, "nothing to feed back"),
+        ("topk", {"selection": "fast"}, "selection='fast': use 'sampled'"),
+        ("threshold", {"selection": "approx"}, "selection='approx'"),
     ],
 )
 def test_bad_arguments_name_the_value_and_the_fix(name, kwargs, match):
@@ -412,3 +418,119 @@ def test_a_checkpoint_of_another_compressor_or_none_starts_afresh(recwarn):
     assert same.features.compressor.steps == 1 and len(same.features.compressor.residuals) == 4
     saved = _checkpoint(same.features.compressor, 2)["lightning_dist"]["compressor"]["ranks"][1]["residuals"]
     assert torch.equal(same.features.compressor.residuals.get("fc.weight"), saved["fc.weight"])  # this rank's own
+
+
+# ---- codecs near memory speed: each fast path against the exact one ------------------------------------------
+
+def _heavy(n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=gen) * torch.rand(n, generator=gen).pow(4) * 1e-2  # heavy-tailed magnitudes
+
+
+@pytest.mark.parametrize("data", ["normal", "heavy", "nonfinite", "sparse"])
+def test_sampled_top_k_is_the_exact_top_k(data):
+    n = 3 * SMALL + 5  # not a multiple of the rows: the tail is searched too
+    gen = torch.Generator().manual_seed(11)
+    x = {"normal": lambda: torch.randn(n, generator=gen), "heavy": lambda: _heavy(n, 12),
+         "nonfinite": lambda: torch.randn(n, generator=gen), "sparse": lambda: torch.zeros(n)}[data]()
+    if data == "nonfinite":
+        x[[3, n - 2]] = torch.tensor([float("nan"), float("-inf")])
+    if data == "sparse":  # mostly zeros: the sampled threshold is 0, torch.topk decides
+        x[torch.randperm(n, generator=gen)[:500]] = torch.randn(500, generator=gen)
+    for k in (1, n // 1000, n // 100, n // 20):
+        for step in (0, 7):
+            picked = largest(x, k, offset=step)
+            exact = torch.topk(x.abs(), k).indices
+            assert picked.numel() == k and set(picked.tolist()) == set(exact.tolist()), (data, k, step)
+
+
+@pytest.mark.parametrize("overshoot", [1.5, 100.0])
+def test_a_sample_that_aims_too_high_still_gives_the_exact_top_k(monkeypatch, overshoot):
+    # a threshold that leaves too few candidates is lowered (x1/4), and failing that torch.topk decides
+    x = torch.randn(2 * SMALL, generator=torch.Generator().manual_seed(8))
+    k = 1000
+    kth = float(torch.topk(x.abs(), k).values.min())
+    monkeypatch.setattr(sparse, "sampled_threshold", lambda *args, **kwargs: kth * overshoot)
+    picked = largest(x, k)
+    assert set(picked.tolist()) == set(torch.topk(x.abs(), k).indices.tolist())
+
+
+def test_threshold_cap_sends_the_largest_entries_up_to_the_cap_on_a_large_bucket():
+    n = 4 * SMALL
+    layout = BucketLayout.of([("w", torch.Size([n // 256, 256]))])
+    gen = torch.Generator().manual_seed(5)
+    g = torch.randn(n, generator=gen) * 1e-2  # 92% of the entries cross 1e-3: the 5% cap binds
+    g[17] = float("nan")
+    compressor = build_compressor("threshold", error_feedback=False, value_dtype="fp32")
+    index = compressor.select(g, layout)
+    cap = math.floor(0.05 * n)
+    assert 0.8 * cap <= index.numel() <= cap and 17 in index.tolist()
+    sent = torch.zeros(n, dtype=torch.bool)
+    sent[index] = True
+    finite = torch.isfinite(g)
+    assert g[sent & finite].abs().min() >= g[~sent].abs().max()  # the largest entries, nothing skipped
+    exact = build_compressor("threshold", error_feedback=False, selection="exact").select(g, layout)
+    assert exact.numel() == cap and set(index.tolist()) <= set(exact.tolist())
+
+
+def test_int8_noise_is_a_shuffled_stratified_table_per_rank():
+    tables = [Int8Compressor(chunk=512, seed=3)._noise(rank, torch.device("cpu")) for rank in (0, 1)]
+    period = tables[0].numel() // 2
+    points = (torch.arange(period, dtype=torch.float64) + 0.5) / period
+    for table in tables:
+        assert torch.equal(table[:period], table[period:])
+        assert torch.allclose(table[:period].double().sort().values, points)
+    assert not torch.equal(tables[0], tables[1])  # ranks' roundings are not correlated
+
+
+def test_a_bucket_reduced_twice_in_a_skipped_step_leaves_the_committed_residuals():
+    # LBFGS evaluates its closure several times a step: the residuals alternate between two buffers, and the
+    # second reduce must not write over the committed ones that the skipped step returns to
+    steps = [_grads(2, seed=s) for s in range(3)]
+    plain, twice = _ranks("topk", 2), _ranks("topk", 2)
+    _step(plain, steps[0])
+    _step(twice, steps[0])
+    emulate_reduce(twice, steps[1], LAYOUT)
+    emulate_reduce(twice, steps[2], LAYOUT)
+    for c in twice:
+        c.discard()
+    assert _step(plain, steps[2])[0].equal(_step(twice, steps[2])[0])
+
+
+@pytest.mark.parametrize("name", ["fp16", "topk", "powersgd"])
+def test_the_mirror_transport_reduces_as_identical_ranks_do(name):
+    flat = _grads(1)[0]
+    mirrored = _ranks(name, 1)[0].reduce(flat.clone(), LAYOUT, MirrorTransport(2))
+    emulated = emulate_reduce(_ranks(name, 2), [flat, flat], LAYOUT)[0]
+    assert torch.equal(mirrored, emulated)
+
+
+def test_a_bad_compile_mode_is_named_where_int8_is_built(monkeypatch):
+    monkeypatch.setenv("LIGHTNING_DIST_COMPILE", "sometimes")
+    with pytest.raises(ValueError, match="LIGHTNING_DIST_COMPILE='sometimes': use auto"):
+        build_compressor("int8")
+
+
+@pytest.mark.slow  # compiles two kernels: ~10 s with a cold Inductor cache, ~2 s warm
+def test_the_compiled_int8_kernels_match_the_plain_path(monkeypatch):
+    shape = (2, 1024, 512)  # 1 M elements, over kernels.MIN_ELEMENTS
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(shape, generator=gen) * 1e-2
+    step = x.abs().amax(2, keepdim=True) / 126.999
+    inverse, noise = 1.0 / step, torch.rand((1, 1024, 512), generator=gen)
+    results = {}
+    for compile_mode in ("0", "1"):
+        monkeypatch.setenv("LIGHTNING_DIST_COMPILE", compile_mode)
+        codes, residual = torch.empty(shape, dtype=torch.int8), torch.empty(shape)
+        kernels.int8_encode(x, inverse, noise, codes, residual, step, residual=True)
+        plain_codes = torch.empty(shape, dtype=torch.int8)
+        kernels.int8_encode(x, inverse, noise, plain_codes, torch.empty(shape))
+        assert torch.equal(codes, plain_codes)
+        results[compile_mode] = codes, residual
+    assert "int8_codes_and_residual" in kernels.COMPILE_SECONDS and "int8_codes" in kernels.COMPILE_SECONDS
+    (plain_codes, plain_residual), (fused_codes, fused_residual) = results["0"], results["1"]
+    # a fused multiply-add may round a value that lies within an ulp of an integer the other way
+    assert (plain_codes != fused_codes).float().mean() < 1e-5
+    assert (plain_codes.int() - fused_codes.int()).abs().max() <= 1
+    same = plain_codes == fused_codes
+    assert torch.allclose(plain_residual[same], fused_residual[same], atol=1e-8)

@@ -22,7 +22,6 @@ rank 2 <= 10. The plot: passes per codec and bucket, log scale, with the targets
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -74,7 +73,9 @@ def bucket_layout(name: str) -> BucketLayout:
     rows = bench.parse_size(name) // 4 // WIDTH
     if rows < 1:
         raise ValueError(f"bucket {name!r} holds less than one {WIDTH}-wide row; use 'mlp' or at least 4K")
-    shapes = [torch.Size([WIDTH, WIDTH])] * (rows // WIDTH) + ([torch.Size([rows % WIDTH, WIDTH])] if rows % WIDTH else [])
+    shapes = [torch.Size([WIDTH, WIDTH])] * (rows // WIDTH)
+    if rows % WIDTH:
+        shapes.append(torch.Size([rows % WIDTH, WIDTH]))
     return BucketLayout.of([(f"layer{i}.weight", shape) for i, shape in enumerate(shapes)])
 
 

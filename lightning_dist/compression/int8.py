@@ -58,6 +58,7 @@ class Int8Compressor(Compressor):
         super().__init__(start_step)
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"int8 chunk={chunk!r} must be an int >= 1 (elements per scale; 512 is typical)")
+        kernels.mode()  # a bad LIGHTNING_DIST_COMPILE is named here, in the launching process
         self.chunk = chunk
         self.rng = StagedGenerator(seed)
         self._scratch = Scratch()
