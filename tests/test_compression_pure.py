@@ -80,6 +80,23 @@ def test_int8_error_is_within_one_step_per_rounding():
     assert 0 < ratio < 0.05
 
 
+def test_int8_codes_chunks_of_zeros_and_of_subnormal_values_as_zeros():
+    # 1 / (max|x| / 127) overflows for subnormal values: such a chunk must code as zeros, its residual finite
+    layout = BucketLayout.single(3 * 64)
+    flat = torch.randn(3 * 64) * 1e-2
+    flat[:64] = 0.0
+    flat[64:128] = torch.randn(64) * 1e-41  # subnormal float32
+    (out, keep), = emulate_reduce([build_compressor("int8", error_feedback=False, chunk=64)], [flat], layout,
+                                  owed=[None])
+    assert torch.isfinite(out).all() and torch.isfinite(keep).all()
+    assert (out[:128].abs() <= 1e-38).all() and torch.allclose(out + keep, flat, atol=1e-9)
+    ef = build_compressor("int8", chunk=64)
+    for _ in range(3):
+        emulate_reduce([ef], [flat], layout)
+        ef.commit()
+    assert torch.isfinite(ef.residuals.get("tensor")).all()
+
+
 def test_int8_is_unbiased():
     # 2 ranks, one fixed gradient, 300 independent roundings (each step draws fresh noise). The mean of T
     # unbiased draws differs from the truth by about sigma / sqrt(T) per element, sigma <= step / 2 (a

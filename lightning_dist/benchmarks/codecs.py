@@ -22,8 +22,10 @@ rank 2 <= 10. The plot: passes per codec and bucket, log scale, with the targets
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -144,6 +146,11 @@ def measure_bucket(bucket: str, codecs: Sequence[str], rounds: int, world_size: 
     return records
 
 
+def replot(path: str) -> Any:
+    """The plot again from a saved ``codecs.json`` (no measuring)."""
+    return plot(json.loads(Path(path).read_text())["records"])
+
+
 def table(records: Sequence[dict[str, Any]]) -> str:
     rows = [(f"{r['bucket']} ({r['numel'] / 1e6:.2f} M) {r['device']}", r["codec"], bench.cell(r["ms"], ".2f"),
              f"{r['passes']:.1f} [{r['passes_p25']:.1f}-{r['passes_p75']:.1f}]", bench.cell(r["first_ms"], ".1f"),
@@ -163,9 +170,11 @@ def verdicts(records: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def plot(records: Sequence[dict[str, Any]]) -> Any:
-    groups = sorted({(r["device"], r["bucket"]) for r in records}, key=lambda k: (k[0], k[1] != "mlp", k[1]))
+    from matplotlib.ticker import ScalarFormatter
+
+    groups = list(dict.fromkeys((r["device"], r["bucket"]) for r in records))  # in the order measured
     codecs = list(dict.fromkeys(r["codec"] for r in records))
-    fig, (ax,) = bench.figure_row(1, max(8.0, 1.1 * len(codecs) * len(groups) / 2 + 3), 4.6)
+    fig, (ax,) = bench.figure_row(1, min(13.0, 4.0 + 0.25 * len(codecs) * len(groups)), 4.6)
     width = 0.8 / len(groups)
     for g, (device, bucket) in enumerate(groups):
         values = [next((r["passes"] for r in records if (r["device"], r["bucket"], r["codec"]) == (device, bucket, c)),
@@ -177,6 +186,8 @@ def plot(records: Sequence[dict[str, Any]]) -> Any:
         if target is not None:
             ax.plot([i - 0.45, i + 0.45], [target, target], "k--", lw=1.2)
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(ScalarFormatter())
     ax.set_xticks(range(len(codecs)), codecs, rotation=20, ha="right")
     ax.set(ylabel="passes over the bucket (torch.abs = 1)",
            title="codec cost per bucket, one thread (dashed: issue 22's targets on the mlp bucket)")

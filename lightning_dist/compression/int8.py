@@ -42,6 +42,7 @@ from lightning_dist.compression.state import Scratch, StagedGenerator
 from lightning_dist.compression.transport import Transport
 
 _LEVELS = 126.999  # max|x| / step: codes stay within [-127, 127] with no clamp (zero exact, -x decodes as -(x))
+_TINY = torch.finfo(torch.float32).tiny
 _POINTS = 32768  # noise table length (a multiple of the chunk is used: whole chunks per table period)
 
 
@@ -177,8 +178,10 @@ def _encode(x: torch.Tensor, chunk: int, table: torch.Tensor, gen: torch.Generat
     """
     blocks = x.view(-1, chunk)
     step = blocks.amax(1)
-    torch.maximum(step, blocks.amin(1).neg_(), out=step).div_(_LEVELS)
-    inverse = torch.where(step > 0, 1.0 / step, 0.0)  # an all-zero or non-finite chunk: codes 0
+    # at least the smallest normal float: 1 / step stays finite for a chunk of zeros or of subnormal values
+    # (their codes are 0 and decode to 0); NaN stays NaN, and an Inf step has inverse 0
+    torch.maximum(step, blocks.amin(1).neg_(), out=step).div_(_LEVELS).clamp_min_(_TINY)
+    inverse = torch.reciprocal(step)
     period = table.numel() // 2
     start = int(torch.randint(period, (1,), generator=gen, device=gen.device))
     whole = x.numel() // period * period
