@@ -41,7 +41,7 @@ from lightning_dist.compression.base import BucketLayout, Compressor, Feedback
 from lightning_dist.compression.state import Scratch, StagedGenerator
 from lightning_dist.compression.transport import Transport
 
-_LEVELS = 126.999  # max|x| / step: codes stay within [-127, 127] with no clamp (zero exact, -x decodes as -(x))
+_LEVELS = 126.999  # max|x| / step: codes stay within [-127, 127] with no clamp
 _TINY = torch.finfo(torch.float32).tiny
 _POINTS = 32768  # noise table length (a multiple of the chunk is used: whole chunks per table period)
 
@@ -83,7 +83,10 @@ class Int8Compressor(Compressor):
         for i, (_, start, end, _) in zip(order, spans):
             owed = None if feedback is None else feedback.owed[i]
             part = x[offset : offset + end - start]
-            torch.add(flat[start:end], owed, out=part) if owed is not None else part.copy_(flat[start:end])
+            if owed is None:
+                part.copy_(flat[start:end])
+            else:
+                torch.add(flat[start:end], owed, out=part)
             offset += end - start
         x[numel:].zero_()
         gen = self.rng.get(transport.rank, flat.device)
@@ -199,10 +202,7 @@ def _encode(x: torch.Tensor, chunk: int, table: torch.Tensor, gen: torch.Generat
 
 def _split(part: torch.Tensor, region: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One destination's message (:func:`_row` bytes) -> its int8 codes and float32 steps."""
-    steps = part[region:]
-    if steps.storage_offset() % 4:  # not reached with the aligned regions; kept for any other caller
-        steps = steps.clone()
-    return part[:region].view(torch.int8), steps.view(torch.float32)
+    return part[:region].view(torch.int8), part[region:].view(torch.float32)  # regions are whole 4-byte words
 
 
 def _pieces(lo: int, hi: int, chunk: int, region: int) -> list[tuple[int, int, int]]:
