@@ -77,7 +77,8 @@ class Int8Compressor(Compressor):
         # different order than its rebuilt buckets do, and chunks, regions and noise would follow the order
         # (a resumed run would then round its first step differently from an uninterrupted one).
         order = sorted(range(len(layout.names)), key=layout.names.__getitem__)
-        spans = [layout.spans()[i] for i in order]
+        every = layout.spans()
+        spans = [every[i] for i in order]
         x = self._buffer("x", n * region, flat.device)
         offset = 0
         for i, (_, start, end, _) in zip(order, spans):
