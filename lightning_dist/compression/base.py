@@ -19,7 +19,7 @@ Two ways to reduce, one interface:
 Error feedback reaches a codec through one seam: ``reduce(..., feedback=Feedback(owed, keep))``. The codec
 reduces ``flat + owed`` (what this rank still owes from earlier steps) and writes into ``keep`` what it did not
 send (``flat + owed - sent``), each from its own intermediate values: a sparse codec subtracts at the indices it
-sent, int8 from its codes, PowerSGD with one ``addmm``. So error feedback costs a codec one or two passes over
+sent, int8 from its codes, PowerSGD with rank-r updates. So error feedback costs a codec one or two passes over
 the bucket, not a decode of its own payload and three more. The base class gives every codec a generic form.
 
 State (error-feedback residuals, PowerSGD factors, random generators) is **per parameter, keyed by

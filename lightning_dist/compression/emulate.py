@@ -111,9 +111,8 @@ def emulate_reduce(compressors: Sequence[Compressor], flats: Sequence[torch.Tens
                 results[rank] = compressors[rank].reduce(flat, layout, transport)
                 return
             mine = owed[rank]
-            fed = Feedback([None if mine is None else view.reshape(-1) for view in
-                            (layout.views(mine) if mine is not None else [None] * len(layout.names))],
-                           torch.empty_like(flat))
+            per_param = [None] * len(layout.names) if mine is None else [v.reshape(-1) for v in layout.views(mine)]
+            fed = Feedback(per_param, torch.empty_like(flat))
             results[rank] = (compressors[rank].reduce(flat, layout, transport, fed), fed.keep)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, after the other ranks are released
             errors.append(exc)

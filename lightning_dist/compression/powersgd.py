@@ -13,8 +13,8 @@ the rest), and a factor ``Q`` (``m x r``) that every rank holds alike:
    tracks the gradient's slowly turning top subspace).
 
 Both rounds are sums, so they ride on the strategy's own algorithm (ring, tree or native). Bytes: ``r (n + m)``
-per matrix instead of ``n m``. This rank's own contribution, ``P P^T M``, is what error feedback subtracts (one
-``addmm`` into the corrected gradient, which then is the residual).
+per matrix instead of ``n m``. This rank's own contribution, ``P P^T M``, is what error feedback subtracts (r
+rank-1 updates of the corrected gradient, which then is the residual).
 The first ``Q`` is drawn from a generator seeded by the parameter's name, so every rank draws the same one.
 A non-finite ``M`` makes ``P`` non-finite on every rank after the first sum; a non-finite ``Q`` is never
 kept for the next step.
@@ -71,7 +71,7 @@ class PowerSGDCompressor(Compressor):
         plan = self.plan(layout)
         spans = layout.spans()
         # with error feedback the corrected gradient is built in `keep`, which then becomes the residual: the
-        # dense parameters are sent exactly (owed nothing), each matrix owes M - P (M^T P)^T (one addmm)
+        # dense parameters are sent exactly (owed nothing), each matrix owes M - P (M^T P)^T
         source = flat if feedback is None else feedback.add_owed(flat, layout, feedback.keep)
         work = source.float() if source.dtype != torch.float32 else source
         matrices = {i: work[start:end].view(p[0], p[1]) for i, ((_, start, end, _), p) in enumerate(zip(spans, plan))
