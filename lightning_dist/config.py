@@ -254,6 +254,19 @@ def resolve_devices(devices: Union[int, str]) -> Union[int, str]:
     return devices
 
 
+def resolve_num_nodes(num_nodes: int) -> int:
+    """What the command passes to ``Trainer(num_nodes=...)``: under torchrun or srun the nodes the launcher has now
+    (under ``torchrun --nnodes MIN:MAX`` that changes between restarts, and Lightning refuses a count that does not
+    match the launcher's world size), else the configured count."""
+    launched = LaunchEnv.current().num_nodes
+    if launched is None:
+        return num_nodes
+    if num_nodes not in (1, launched):
+        print(f"[lightning_dist] trainer.num_nodes={num_nodes}: the launcher runs {launched} node(s) now; using "
+              f"{launched}", flush=True)
+    return launched
+
+
 def local_world_size(devices: Union[int, str], accelerator: str) -> int:
     """Ranks on this node, for sizing each rank's thread pools."""
     resolved = resolve_devices(devices)
@@ -335,6 +348,7 @@ def validate(cfg: DictConfig) -> None:
     problems += _nan_recovery_problems(cfg)
     problems += _memory_monitor_problems(cfg)
     problems += _fault_tolerance_problems(cfg)
+    problems += _elastic_problems(cfg)
     if problems:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(problems))
 
@@ -376,6 +390,27 @@ def _fault_tolerance_problems(cfg: DictConfig) -> list[str]:
     return _callback_problems(cfg, "fault_tolerance", FaultTolerance, check_settings)
 
 
+def _elastic_problems(cfg: DictConfig) -> list[str]:
+    """callbacks.elastic: what an elastic run needs besides it (lightning_dist.callbacks.elastic)."""
+    callbacks = cfg.get("callbacks") or {}
+    if callbacks.get("elastic") is None:
+        return []
+    from lightning_dist.callbacks.elastic import launch_problems
+
+    problems = [f"callbacks.elastic: {p}" for p in launch_problems()]
+    hetero = cfg.get("hetero") or {}
+    if cfg.strategy.get("_target_", "") != StrategyConf._target_:
+        problems.append("callbacks.elastic needs strategy=ring_ddp (it splits the global batch over whoever is there)")
+    if not (hetero.get("enabled", False) and hetero.get("elastic", False)):
+        problems.append("callbacks.elastic needs hetero=elastic with a fixed hetero.global_batch_size (the global "
+                        "batch must not change with the world size), e.g. hetero=elastic hetero.global_batch_size=96")
+    if callbacks.get("fault_tolerance") is None:
+        problems.append("callbacks.elastic needs fault_tolerance: callbacks=[checkpoint,fault_tolerance,elastic]")
+    if cfg.get("resume", "never") != "auto" and cfg.get("ckpt_path") is None:
+        problems.append("callbacks.elastic needs resume=auto (every restart resumes from the newest consistent state)")
+    return problems
+
+
 def _hetero_problems(cfg: DictConfig) -> list[str]:
     """hetero.* against the world size and the global batch, which only the whole config knows."""
     hetero = cfg.get("hetero") or {}
@@ -390,7 +425,7 @@ def _hetero_problems(cfg: DictConfig) -> list[str]:
     devices = resolve_devices(cfg.trainer.devices)
     if not isinstance(devices, int):
         return []
-    world = devices * cfg.trainer.num_nodes
+    world = devices * (LaunchEnv.current().num_nodes or cfg.trainer.num_nodes)
     problems = []
     try:
         settings.check_world(world)

@@ -14,8 +14,11 @@ machines (DESIGN.md). :meth:`LaunchEnv.current` reads what they set:
   ``slurm-<job id>.<step id>``, else None (a static torchrun rendezvous without ``--rdzv-id`` has the id "none").
 
 The store. Every process of a launch reaches one ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT``: torchrun's agent hosts
-it (``TORCHELASTIC_USE_AGENT_STORE=True``), under Lightning's launchers rank 0's process group does.
-:func:`connect_store` is the one client to it; every key lightning_dist puts there follows one scheme,
+it (``TORCHELASTIC_USE_AGENT_STORE=True``), under Lightning's launchers rank 0's process group does, and under
+torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (elastic runs, see below) rank 0's process does, from the
+first time any code of this package asks for it (:attr:`LaunchEnv.hosts_store`): the agent then gives every
+rendezvous round a fresh port, so each attempt has a store of its own. :func:`connect_store` is the one client to
+it; every key lightning_dist puts there follows one scheme,
 :meth:`LaunchEnv.key`, ``lightning_dist/<purpose>/attempt_<restart_count>`` for what belongs to one attempt and
 ``lightning_dist/<purpose>`` for what every attempt of the run shares:
 
@@ -28,6 +31,12 @@ Why per attempt: torchrun's c10d rendezvous keeps one store for the agent's life
 default group on it without a per-attempt prefix (it assumes a new store per attempt). After a restart a rank could
 read the previous attempt's peer addresses and fail with "Gloo connectFullMesh failed ... Connection refused", a
 watchdog could read dead ranks' counters, and a resume choice could be stale.
+
+Why elastic runs need a store per round instead: ``TORCHELASTIC_RESTART_COUNT`` is each agent's own count of the
+failures it saw, and a restart for a membership change (a node joining, or a peer's agent re-joining first) does not
+count. So under ``--nnodes MIN:MAX`` the ranks of one attempt can disagree on it (a joining node always starts at 0),
+and keys named after it would not meet. With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` every round has a store of its
+own at a new port, hosted by its rank 0, and nothing of an earlier attempt can be read (:mod:`lightning_dist.elastic`).
 """
 
 from __future__ import annotations
@@ -65,6 +74,7 @@ class LaunchEnv:
     rank: int = 0  # the global rank the launcher gave this process (SLURM_PROCID under srun, else RANK)
     store_address: Optional[tuple[str, int]] = None  # MASTER_ADDR, MASTER_PORT
     agent_store: bool = False  # torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE=True)
+    world_size: Optional[int] = None  # WORLD_SIZE (SLURM_NTASKS under srun), None where no launcher says
 
     @classmethod
     def current(cls, environ: Optional[Mapping[str, str]] = None) -> LaunchEnv:
@@ -89,7 +99,23 @@ class LaunchEnv:
             rank=int(rank) if rank.isdigit() else 0,
             store_address=(env["MASTER_ADDR"], int(port)) if env.get("MASTER_ADDR") and port.isdigit() else None,
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            world_size=_positive(env, "SLURM_NTASKS" if launcher == "slurm" else "WORLD_SIZE") if launcher else None,
         )
+
+    @property
+    def num_nodes(self) -> Optional[int]:
+        """The nodes this launch has now (world size / processes per node): what ``Trainer(num_nodes=...)`` must say
+        for Lightning's check against the launcher. Under ``torchrun --nnodes MIN:MAX`` it changes between restarts."""
+        if self.world_size is None or self.local_world_size is None or self.world_size % self.local_world_size:
+            return None
+        return self.world_size // self.local_world_size
+
+    @property
+    def hosts_store(self) -> bool:
+        """This process hosts the launch's store: rank 0 under torchrun without its agent's store (the module
+        docstring); torch's own ``env://`` initialisation would host it there too, later."""
+        return self.launcher == "torchrun" and not self.agent_store and self.rank == 0 \
+            and self.store_address is not None
 
     def key(self, purpose: str) -> str:
         """The store key (or key prefix) of ``purpose``: ``lightning_dist/<purpose>/attempt_<n>`` for a purpose of one
@@ -109,6 +135,8 @@ def connect_store(timeout_s: float, env: Optional[LaunchEnv] = None) -> dist.TCP
     client. Raises :class:`LaunchStoreError` when there is no address or the store did not answer in time.
     """
     env = env or LaunchEnv.current()
+    if env.hosts_store:
+        _host_store(env)
     if env.store_address is None:
         raise LaunchStoreError("no launcher store: MASTER_ADDR and MASTER_PORT (a port number) are not set; torchrun, "
                                "Lightning's launchers and Lightning under srun set them for every rank")
@@ -133,10 +161,21 @@ def connect_store(timeout_s: float, env: Optional[LaunchEnv] = None) -> dist.TCP
                            "Lightning's launchers) is gone or not up yet, or MASTER_ADDR/MASTER_PORT point elsewhere")
 
 
+_HOSTED: dict[tuple[str, int], dist.TCPStore] = {}  # the store this process hosts (rank 0), kept for its life
+
+
+def _host_store(env: LaunchEnv) -> None:
+    """Start the launch's store in this process (once): rank 0 under torchrun without its agent's store."""
+    assert env.store_address is not None
+    if env.store_address not in _HOSTED:
+        _HOSTED[env.store_address] = dist.TCPStore("0.0.0.0", env.store_address[1], is_master=True,
+                                                   wait_for_workers=False)
+
+
 def attempt_store(timeout: timedelta) -> Optional[dist.Store]:
-    """Under torchrun's agent store, a view of it private to this restart attempt (None elsewhere: the default group
+    """Under torchrun, a view of the launch's store private to this restart attempt (None elsewhere: the default group
     makes its own store), for ``init_process_group(store=...)``; see the module docstring for why."""
     env = LaunchEnv.current()
-    if not env.agent_store or env.store_address is None:
+    if env.launcher != "torchrun" or env.store_address is None:
         return None
     return dist.PrefixStore(env.key("process_group"), connect_store(timeout.total_seconds(), env))

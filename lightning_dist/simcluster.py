@@ -7,7 +7,9 @@ and delay; where the kernel lacks netem, ``tbf``: the rate only), so traffic bet
 hop at a real rate, unlike loopback. :meth:`SimCluster.popen` starts a process inside a host (``ip netns exec``) in
 its own session; :meth:`SimCluster.torchrun` builds the multi-node ``torchrun`` command for one host (static
 rendezvous on host 0's address; ``GLOO_SOCKET_IFNAME=eth0``, since a host's name resolves to 127.0.0.1).
-:meth:`SimCluster.cut` takes a host's link down without a reset being sent, as a pulled cable would.
+:meth:`SimCluster.cut` takes a host's link down without a reset being sent, as a pulled cable would;
+:meth:`SimCluster.kill` kills everything running in a host, as when the machine dies. ``torchrun(...,
+nnodes="MIN:MAX")`` builds an elastic job's command instead (c10d rendezvous on host 0, README "Elastic training").
 
 Leaving the context removes every process it started, every namespace, link and the bridge, also when the body
 raised. Only the namespaces' own private addresses are used: no traffic leaves them. It needs root and iproute2
@@ -174,16 +176,42 @@ class SimCluster:
         self._procs.append(proc)
         return proc
 
-    def torchrun(self, host: int, args: Sequence[str], port: int = 29500, nproc: int = 1) -> list[str]:
-        """The command that starts ``nproc`` ranks on ``host`` of a static multi-node torchrun job."""
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.hosts), "--node-rank", str(host),
-                "--nproc-per-node", str(nproc), "--master-addr", self.addresses[0], "--master-port", str(port),
-                *args]
+    def torchrun(self, host: int, args: Sequence[str], port: int = 29500, nproc: int = 1,
+                 nnodes: Optional[str] = None, max_restarts: int = 0, rdzv: Sequence[str] = ()) -> list[str]:
+        """The command that starts ``nproc`` ranks on ``host`` of a multi-node torchrun job: a static rendezvous on
+        host 0's address, or with ``nnodes="MIN:MAX"`` an elastic one (c10d, its store hosted by host 0's agent;
+        every host gives its own address, which decides the node order; ``rdzv``: more ``--rdzv-conf`` settings)."""
+        if nnodes is None:
+            return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.hosts), "--node-rank",
+                    str(host), "--nproc-per-node", str(nproc), "--master-addr", self.addresses[0], "--master-port",
+                    str(port), "--max-restarts", str(max_restarts), *args]
+        conf = ",".join([f"is_host={int(host == 0)}", *rdzv])
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+                "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                f"{self.addresses[0]}:{port}", "--rdzv-id", f"sim{self.namespaces[0]}", "--rdzv-conf", conf,
+                "--local-addr", self.addresses[host], *args]
 
     @staticmethod
-    def env() -> dict[str, str]:
-        """What every rank inside a host needs: gloo on the host's interface (its name resolves to 127.0.0.1)."""
-        return {"GLOO_SOCKET_IFNAME": "eth0", "TP_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
+    def env(host: Optional[int] = None) -> dict[str, str]:
+        """What every rank inside a host needs: gloo on the host's interface (its name resolves to 127.0.0.1); a
+        store of its own for every rendezvous round (elastic runs; :mod:`lightning_dist.launch`); with ``host``,
+        the node's name (every namespace shares this machine's host name)."""
+        env = {"GLOO_SOCKET_IFNAME": "eth0", "TP_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0",
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        if host is not None:
+            env["LIGHTNING_DIST_NODE"] = f"host{host}"
+        return env
+
+    def kill(self, host: int) -> None:
+        """Every process inside ``host`` killed at once (SIGKILL), as when the machine dies: the launcher's agent and
+        its workers, which run in sessions of their own."""
+        pids = subprocess.run(["ip", "netns", "pids", self.namespaces[host]], capture_output=True, text=True,
+                              check=False).stdout
+        for pid in pids.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
 
     def wait(self, procs: Sequence[subprocess.Popen], timeout: float) -> list[Optional[int]]:
         """Wait for ``procs`` until ``timeout`` seconds in all; the exit codes (None: still running)."""

@@ -39,6 +39,7 @@ from lightning_dist.config import (
     local_world_size,
     register_configs,
     resolve_devices,
+    resolve_num_nodes,
     run_dir_name,
     validate,
 )
@@ -136,6 +137,7 @@ def build(
         callbacks.append(RunSummaryCallback(os.path.join(output_dir, "summary.json"), plain, started))
     trainer_kwargs = dict(plain["trainer"])
     trainer_kwargs["devices"] = resolve_devices(trainer_kwargs["devices"])
+    trainer_kwargs["num_nodes"] = resolve_num_nodes(trainer_kwargs["num_nodes"])
     if trainer_kwargs.get("profiler") == "pytorch":  # with the communication worker's thread in the trace
         trainer_kwargs["profiler"] = AllThreadsProfiler()
     trainer_kwargs.update(logger=CSVLogger(output_dir, name="csv", version=""), default_root_dir=output_dir)

@@ -125,6 +125,7 @@ class FaultTolerance(Callback):
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         if isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO):
             trainer.strategy.checkpoint_io.guard = self.paused  # a long write is not a stall
+            trainer.strategy.checkpoint_io.kind = "regular"
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -229,6 +230,9 @@ class FaultTolerance(Callback):
             trainer.save_checkpoint(path)  # every rank calls it; rank zero writes (atomically)
         self.stopped_by, self.stop_checkpoint = requested, path
         trainer.should_stop = True
+        if isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO):
+            # Lightning will call the stopped epoch finished: what it writes from now on must not be resumed from
+            trainer.strategy.checkpoint_io.kind = "after_stop"
 
     def _stop_overdue(self) -> Optional[Fault]:
         """Polled by the watchdog: a stop signal that has waited longer than ``stop_timeout_s`` for agreement."""
@@ -282,7 +286,8 @@ class FaultTolerance(Callback):
         gather = not self._emergency.writing and trainer.world_size > 1 and dist.is_initialized()
         features = features_of(trainer.strategy)
         checkpoint[rng.RNG_KEY] = rng.checkpoint_entry(trainer.global_rank, trainer.world_size, gather,
-                                                       features.exchange_group if features is not None else None)
+                                                       features.exchange_group if features is not None else None,
+                                                       features.identities if features is not None else None)
         self._tick(trainer)
 
     @override
@@ -291,7 +296,9 @@ class FaultTolerance(Callback):
         # now, before the fit loop creates its data iterator (which draws a seed from torch's generator, as the
         # uninterrupted run's did after this checkpoint); the sanity check in between runs under isolate_rng
         if rng.RNG_KEY in checkpoint:
-            rng.restore_entry(checkpoint[rng.RNG_KEY], trainer.global_rank, trainer.world_size)
+            features = features_of(trainer.strategy)
+            rng.restore_entry(checkpoint[rng.RNG_KEY], trainer.global_rank, trainer.world_size,
+                              features.identities if features is not None else None)
 
     @override
     def state_dict(self) -> dict[str, Any]:

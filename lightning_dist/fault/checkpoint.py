@@ -8,7 +8,8 @@ checkpoints. Next to it lies a sidecar ``run.ckpt.meta.json``::
     {"global_step": 120, "epoch": 3, "kind": "regular", ..., "format": 1, "sha256": "<hex>", "bytes": 123456}
 
 ``sha256`` and ``bytes`` describe the checkpoint file; the other keys are for choosing which checkpoint to resume
-from without loading one (``kind`` is ``"regular"`` or ``"emergency"``, ``rank`` names the writer where it matters).
+from without loading one (``kind`` is ``"regular"``, ``"emergency"`` or ``"after_stop"``, :data:`KIND_ORDER`; ``rank``
+names the writer where it matters).
 
 Guarantees
 ----------
@@ -231,9 +232,16 @@ class CheckpointInfo:
     mtime: float
     meta: dict = field(repr=False, compare=False)
 
-    def sort_key(self) -> tuple[int, bool, float]:
-        """Larger is newer: the step, then a regular checkpoint over an emergency one, then the modification time."""
-        return self.global_step, self.kind != "emergency", self.mtime
+    def sort_key(self) -> tuple[int, int, float]:
+        """Larger is newer: the step, then a regular checkpoint over one written after an agreed stop over an
+        emergency one (:data:`KIND_ORDER`), then the modification time."""
+        return self.global_step, KIND_ORDER.get(self.kind, KIND_ORDER["regular"]), self.mtime
+
+
+# At one step, which checkpoint to resume from. "after_stop": written (by ModelCheckpoint, say) after FaultTolerance's
+# agreed stop, whose checkpoint holds the loop mid-epoch; Lightning records the stopped epoch as finished, so resuming
+# from a later file of the same step would skip the rest of that epoch.
+KIND_ORDER = {"emergency": 0, "after_stop": 1, "regular": 2}
 
 
 def _candidates(dirs: Iterable[str | os.PathLike], pattern: str, recursive: bool) -> Iterator[Path]:
@@ -323,6 +331,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """
 
     guard: Optional[Callable[[str], AbstractContextManager[Any]]] = None
+    kind: str = "regular"  # the sidecar's kind for what it writes ("after_stop" once FaultTolerance stopped the fit)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
                         storage_options: Any | None = None) -> None:
@@ -335,7 +344,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             )
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         with self.guard(f"writing {path}") if self.guard is not None else nullcontext():
-            save_checkpoint(checkpoint, path, meta={"kind": "regular"})
+            save_checkpoint(checkpoint, path, meta={"kind": self.kind})
 
     def load_checkpoint(self, path: str | os.PathLike, map_location: Callable | Any = lambda storage, loc: storage,
                         weights_only: bool | None = None) -> dict[str, Any]:

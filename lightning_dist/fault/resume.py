@@ -57,5 +57,7 @@ def _say(info: Optional[CheckpointInfo]) -> None:
     print(f"[lightning_dist] resume=auto: resuming from {describe(info)}", flush=True)
     if info.kind == "emergency":
         print("[lightning_dist] an emergency checkpoint holds the state of one rank at the fault: the other ranks' "
-              "compressor residuals and random generators restart, and a fault inside a step may have left that "
-              "step half done", flush=True)
+              "compressor residuals and random generators restart (elastic runs: unless their own emergency "
+              "checkpoints of the same step lie beside it), and a fault inside a step may have left that step half "
+              "done",
+              flush=True)

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lightning_dist.elastic import map_ranks
+
 RNG_KEY = "lightning_dist_rng"  # the checkpoint's entry: {"world_size": N, "ranks": [state or None per rank]}
 
 
@@ -42,20 +44,30 @@ def restore(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def checkpoint_entry(rank: int, world_size: int, gather: bool, group: Optional[dist.ProcessGroup] = None) -> dict:
+def checkpoint_entry(rank: int, world_size: int, gather: bool, group: Optional[dist.ProcessGroup] = None,
+                     identities: Optional[list[str]] = None) -> dict:
     """The checkpoint's :data:`RNG_KEY` entry: every rank's generators, gathered over ``group`` (every rank is dumping
-    the same checkpoint), or with ``gather=False`` this rank's alone (an emergency write, or one rank)."""
+    the same checkpoint), or with ``gather=False`` this rank's alone (an emergency write, or one rank); in an elastic
+    run with every rank's node identity."""
     mine = capture()
     ranks: list[Any] = [None] * world_size
     if gather:
         dist.all_gather_object(ranks, mine, group=group)
     else:
         ranks[rank] = mine
-    return {"world_size": world_size, "ranks": ranks}
+    return {"world_size": world_size, "ranks": ranks, "identities": identities}
 
 
-def restore_entry(entry: dict, rank: int, world_size: int) -> bool:
-    """Restore this rank's generators from a :func:`checkpoint_entry`; False, with a warning, when it has none."""
+def restore_entry(entry: dict, rank: int, world_size: int, identities: Optional[list[str]] = None) -> bool:
+    """Restore this rank's generators from a :func:`checkpoint_entry`; False, with a warning, when it has none (in an
+    elastic run, ``identities`` given: the generators of the old rank with this rank's identity, silently; the
+    elastic callback says what was lost)."""
+    if identities is not None and entry.get("identities"):
+        old = map_ranks(entry["identities"], identities)[rank]
+        if old is None or entry["ranks"][old] is None:
+            return False
+        restore(entry["ranks"][old])
+        return True
     if entry["world_size"] != world_size or entry["ranks"][rank] is None:
         warnings.warn(f"rank {rank}: the checkpoint holds no random-generator state for this rank (written by "
                       f"{entry['world_size']} ranks, or an emergency checkpoint of another rank): its generators "

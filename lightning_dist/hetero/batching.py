@@ -50,6 +50,8 @@ class HeteroBatching:
         every_n_steps: also rebalance within an epoch, every this many steps (None: at epoch boundaries only).
         window: steps of measurements a decision is based on.
         threshold: the compute-time spread (max / min - 1) above which sizes change.
+        elastic: the same global batches at every world size, each sample once per epoch (an elastic run under
+            ``torchrun --nnodes MIN:MAX``, :mod:`lightning_dist.elastic`); needs ``global_batch_size``.
     """
 
     speeds: Optional[list[float]] = None
@@ -62,7 +64,9 @@ class HeteroBatching:
     every_n_steps: Optional[int] = None
     window: int = 10
     threshold: float = 0.05
+    elastic: bool = False
     # runtime state (not settings)
+    identities: Optional[list[str]] = field(default=None, init=False, repr=False)  # every rank's, elastic runs
     plan: Optional[BatchPlan] = field(default=None, init=False, repr=False)
     global_batch: int = field(default=0, init=False, repr=False)
     sampler: Any = field(default=None, init=False, repr=False)  # this rank's HeteroBatchSampler, once built
@@ -96,6 +100,12 @@ class HeteroBatching:
             problems.append(f"window={self.window}: an int >= 1 (steps)")
         if not (_positive(self.threshold) or self.threshold == 0):
             problems.append(f"threshold={self.threshold}: a compute-time spread >= 0, e.g. 0.05")
+        if self.elastic and self.global_batch_size is None:
+            problems.append("elastic=true needs a fixed global_batch_size (the global batch must not change with the "
+                            "world size), e.g. global_batch_size=96")
+        if self.elastic and (self.speeds is not None or self.batch_sizes is not None or self.memory_caps is not None):
+            problems.append("elastic=true with per-rank lists (speeds, batch_sizes, memory_caps): the ranks change "
+                            "with the world; use online rebalancing, max_batch_size, or drop elastic")
         if self.rebalance and self.batch_sizes is not None:
             problems.append("rebalance=true with fixed batch_sizes: drop one of them")
         if problems:
@@ -250,6 +260,11 @@ class HeteroBatching:
         batch the loop has reached) and return this rank's :meth:`share` of it."""
         self.sampler.consumed = (epoch, batch_idx + 1)
         return self.share(epoch, batch_idx, rank)
+
+    def finish_step(self) -> None:
+        """An optimizer step ended (taken or skipped): every batch started so far is done with; a checkpoint written
+        from now on resumes after them (:meth:`~lightning_dist.hetero.loader.HeteroDataLoader.state_dict`)."""
+        self.sampler.completed = self.sampler.consumed
 
     def share(self, epoch: int, batch_idx: int, rank: int) -> float:
         """What rank ``rank``'s loss gradient for batch ``batch_idx`` of ``epoch`` is multiplied by: its share of

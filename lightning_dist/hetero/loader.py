@@ -14,7 +14,7 @@ checkpoint written mid-epoch resumes at the next batch of the same epoch, with t
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
@@ -25,17 +25,32 @@ if TYPE_CHECKING:
 
 
 class HeteroDataLoader(DataLoader):
-    """A DataLoader whose batch sampler splits stock DDP's global batches by the plan; resumable mid-epoch."""
+    """A DataLoader whose batch sampler splits stock DDP's global batches by the plan; resumable mid-epoch (and, with
+    elastic batching, at another world size)."""
+
+    identities: Optional[list[str]] = None  # every rank's node identity (elastic runs), saved with the plan
 
     def state_dict(self) -> dict[str, Any]:
+        # the batch after the last optimizer step that ended, not the last one started: an emergency checkpoint
+        # written inside a step must redo that step's batch
         sampler: HeteroBatchSampler = self.batch_sampler  # type: ignore[assignment]
-        epoch, next_batch = sampler.consumed
-        return {"epoch": epoch, "next_batch": next_batch, "plan": sampler.plan.state_dict()}
+        epoch, next_batch = sampler.completed
+        return {"epoch": epoch, "next_batch": next_batch, "plan": sampler.plan.state_dict(),
+                "world_size": sampler.world_size, "identities": self.identities}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         sampler: HeteroBatchSampler = self.batch_sampler  # type: ignore[assignment]
-        sampler.plan.load_state_dict(state["plan"])
+        saved_world = int(state.get("world_size", sampler.world_size))
+        if saved_world == sampler.world_size and state.get("identities") == self.identities:
+            sampler.plan.load_state_dict(state["plan"])
+        elif sampler.elastic:  # the world changed: who is left keeps its weight, a newcomer gets the mean
+            sampler.plan.carry_over(state["plan"], state.get("identities"), self.identities)
+        else:
+            raise ValueError(f"this checkpoint's training loader ran on {saved_world} ranks, this run has "
+                             f"{sampler.world_size}: resuming mid-epoch at another world size needs elastic batching "
+                             "(hetero.elastic=true with a fixed hetero.global_batch_size)")
         sampler.resume_at(int(state["epoch"]), int(state["next_batch"]))
+        sampler.completed = sampler.consumed = (int(state["epoch"]), int(state["next_batch"]))
 
 
 def hetero_dataloader(dataloader: DataLoader, hetero: HeteroBatching, world_size: int, rank: int) -> HeteroDataLoader:
@@ -51,7 +66,7 @@ def hetero_dataloader(dataloader: DataLoader, hetero: HeteroBatching, world_size
     plan = hetero.make_plan(world_size, dataloader.batch_size)
     batch_sampler = HeteroBatchSampler(len(dataloader.dataset), world_size, rank, hetero.global_batch, plan,
                                        shuffle=shuffle, seed=seed, drop_last=drop_last,
-                                       drop_last_batch=dataloader.drop_last)
+                                       drop_last_batch=dataloader.drop_last, elastic=hetero.elastic)
     kwargs: dict[str, Any] = {
         "num_workers": dataloader.num_workers, "collate_fn": dataloader.collate_fn,
         "pin_memory": dataloader.pin_memory, "timeout": dataloader.timeout,
@@ -61,7 +76,9 @@ def hetero_dataloader(dataloader: DataLoader, hetero: HeteroBatching, world_size
     }
     if dataloader.num_workers > 0:
         kwargs["prefetch_factor"] = dataloader.prefetch_factor
-    return HeteroDataLoader(dataloader.dataset, batch_sampler=batch_sampler, **kwargs)
+    loader = HeteroDataLoader(dataloader.dataset, batch_sampler=batch_sampler, **kwargs)
+    loader.identities = list(hetero.identities) if hetero.identities else None
+    return loader
 
 
 def prefetch_horizon(dataloader: DataLoader) -> int:

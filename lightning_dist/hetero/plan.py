@@ -126,3 +126,19 @@ class BatchPlan:
     def load_state_dict(self, state: dict) -> None:
         self.changes = [(int(first), tuple(float(w) for w in weights)) for first, weights in state["changes"]]
         self._cache.clear()
+
+    def carry_over(self, state: dict, old_identities: Optional[Sequence[str]],
+                   new_identities: Optional[Sequence[str]]) -> None:
+        """Take over a plan saved at another world size (an elastic restart): each rank that was in the old world
+        (the same identity, :func:`lightning_dist.elastic.node_identity`) keeps its last weight (its measured or
+        given speed), a newcomer gets the mean of the old weights; without identities, every rank weighs the same."""
+        old = [float(w) for w in state["changes"][-1][1]]
+        if old_identities is None or new_identities is None or len(old_identities) != len(old):
+            weights = [1.0] * self.world_size
+        else:
+            mean = sum(old) / len(old)
+            where = {identity: rank for rank, identity in enumerate(old_identities)}
+            weights = [old[where[i]] if i in where else mean for i in new_identities]
+        self.changes = [(0, tuple(weights))]
+        self._cache.clear()
+

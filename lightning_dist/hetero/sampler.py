@@ -12,6 +12,11 @@ so the floating-point summation order, differ. Every rank yields the same number
 uneven count hangs DDP). The epoch's remainder is stock DDP's: the padding repeats up to ``N - 1`` samples
 (or, with ``drop_last``, up to ``N - 1`` are left out), and the last global batch holds what is left (at
 least ``N`` samples, split by the same weights).
+
+Elastic runs (``elastic=True``, :mod:`lightning_dist.elastic`) must use the same global batch at every step whatever
+the world size, and every sample of an epoch exactly once: the epoch's order is then the permutation itself, not
+padded (the padding depends on ``N``), and its last global batch holds the ``len(dataset) mod B`` samples left.
+Global batch ``i`` is ``order[i B : (i + 1) B]`` at any world size; only its split into pieces depends on ``N``.
 """
 
 from __future__ import annotations
@@ -36,10 +41,13 @@ class HeteroBatchSampler(Sampler[list[int]]):
         shuffle, seed, drop_last: as ``DistributedSampler``'s (Lightning's own defaults: shuffle for training,
             ``seed`` = the run's seed).
         drop_last_batch: drop the epoch's last, smaller global batch (the DataLoader's ``drop_last``).
+        elastic: the same global batches at every world size, each sample once per epoch (the module docstring;
+            ``drop_last`` does not apply).
     """
 
     def __init__(self, dataset_size: int, world_size: int, rank: int, global_batch: int, plan: BatchPlan,
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, drop_last_batch: bool = False) -> None:
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, drop_last_batch: bool = False,
+                 elastic: bool = False) -> None:
         if dataset_size < world_size:
             raise ValueError(f"{dataset_size} samples cannot feed {world_size} ranks: every rank needs at least one "
                              "sample per step")
@@ -48,14 +56,27 @@ class HeteroBatchSampler(Sampler[list[int]]):
         self.dataset_size, self.world_size, self.rank = dataset_size, world_size, rank
         self.global_batch, self.plan = global_batch, plan
         self.shuffle, self.seed, self.drop_last, self.drop_last_batch = shuffle, seed, drop_last, drop_last_batch
-        per_rank = (math.ceil((dataset_size - world_size) / world_size) if drop_last and dataset_size % world_size
-                    else math.ceil(dataset_size / world_size))  # DistributedSampler's num_samples
-        self.total_size = per_rank * world_size
+        self.elastic = elastic
+        if elastic:
+            self.total_size = dataset_size
+        else:
+            per_rank = (math.ceil((dataset_size - world_size) / world_size) if drop_last and dataset_size % world_size
+                        else math.ceil(dataset_size / world_size))  # DistributedSampler's num_samples
+            self.total_size = per_rank * world_size
         steps = self.total_size / global_batch
         self.steps_per_epoch = math.floor(steps) if drop_last_batch else math.ceil(steps)
+        last = self.total_size - (self.steps_per_epoch - 1) * global_batch
+        if last < world_size:
+            raise ValueError(f"the epoch's last global batch would hold {last} samples ({self.total_size} in the "
+                             f"epoch, global batch {global_batch}), fewer than the {world_size} ranks: choose a global "
+                             f"batch size B with {self.total_size} mod B = 0 or >= {world_size}, or drop the last "
+                             "batch (the training DataLoader's drop_last=True)")
         self.epoch = 0
         self._resume: tuple[int, int] = (-1, 0)  # (epoch, first batch) of a run resumed mid-epoch
         self.consumed: tuple[int, int] = (0, 0)  # (epoch, next batch) after the last batch training used
+        self.completed: tuple[int, int] = (0, 0)  # (epoch, next batch) after the last optimizer step that ended
+        self.record_drawn = elastic  # keep what the loader draws, for take_drawn (elastic runs' sample ledger)
+        self.drawn: dict[tuple[int, int], list[int]] = {}  # batches the loader drew and training has not taken
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -93,10 +114,19 @@ class HeteroBatchSampler(Sampler[list[int]]):
         order, epoch = self.global_order(), self.epoch
         start = self._resume[1] if self._resume[0] == epoch else 0
         self._resume = (-1, 0)
+        self.drawn = {}
         for index in range(start, self.steps_per_epoch):
             sizes = self.sizes(epoch, index)
             begin = index * self.global_batch + sum(sizes[: self.rank])
-            yield order[begin : begin + sizes[self.rank]]
+            piece = order[begin : begin + sizes[self.rank]]
+            if self.record_drawn:
+                self.drawn[(epoch, index)] = piece
+            yield piece
+
+    def take_drawn(self, epoch: int, index: int) -> list[int]:
+        """The indices this rank's loader drew for batch ``index`` of ``epoch`` (forgotten once taken): what the
+        sample ledger records, observed rather than recomputed."""
+        return self.drawn.pop((epoch, index), [])
 
     def resume_at(self, epoch: int, index: int) -> None:
         """The next iteration over ``epoch`` starts at batch ``index`` (a run resumed mid-epoch)."""

@@ -7,7 +7,9 @@ them all under ``"lightning_dist"``. An emergency checkpoint, written by one ran
 holds that rank's state only (:func:`compressor_entry` with the others None).
 
 On resume, :func:`restore_compressor` loads this rank's own state when the world size matches, and otherwise
-the shared part only, with a warning saying what restarts at zero.
+the shared part only, with a warning saying what restarts at zero. In an elastic run the entry also names every
+rank's node identity (:func:`lightning_dist.elastic.node_identity`), and a rank takes the state of the old rank with
+its identity at any world size (the elastic callback names what was lost, in one warning for the whole restart).
 """
 
 from __future__ import annotations
@@ -19,22 +21,27 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_dist.compression import Compressor
+from lightning_dist.elastic import map_ranks
 
 CHECKPOINT_KEY = "lightning_dist"  # the checkpoint's entry for every rank's compressor state
 
 
-def compressor_entry(compressor: Compressor, world_size: int, ranks: list[Any]) -> dict[str, Any]:
-    """What the checkpoint gains: the compressor's description and every rank's state (None: not saved)."""
+def compressor_entry(compressor: Compressor, world_size: int, ranks: list[Any],
+                     identities: Optional[list[str]] = None) -> dict[str, Any]:
+    """What the checkpoint gains: the compressor's description and every rank's state (None: not saved), and in an
+    elastic run every rank's node identity."""
     return {CHECKPOINT_KEY: {"compressor": {"describe": compressor.describe(), "world_size": world_size,
-                                            "ranks": ranks}}}
+                                            "ranks": ranks, "identities": identities}}}
 
 
-def local_entry(compressor: Compressor, rank: int, world_size: int) -> dict[str, Any]:
+def local_entry(compressor: Compressor, rank: int, world_size: int,
+                identities: Optional[list[str]] = None) -> dict[str, Any]:
     """The entry with this rank's state only, and no collective: for an emergency checkpoint. A run resumed from
-    it restarts the other ranks' per-rank state (residuals, generators) at zero."""
+    it restarts the other ranks' per-rank state (residuals, generators) at zero, unless (elastic runs) they find
+    their own in the emergency checkpoints their ranks wrote at the same step."""
     ranks: list[Any] = [None] * world_size
     ranks[rank] = compressor.state_dict()
-    return compressor_entry(compressor, world_size, ranks)
+    return compressor_entry(compressor, world_size, ranks, identities)
 
 
 def gather_states(compressor: Compressor, world_size: int, group: Optional[dist.ProcessGroup]) -> list[Any]:
@@ -47,8 +54,10 @@ def gather_states(compressor: Compressor, world_size: int, group: Optional[dist.
     return everyone
 
 
-def restore_compressor(compressor: Compressor, checkpoint: dict[str, Any], rank: int, world_size: int) -> None:
-    """This rank's compressor state from a checkpoint; what cannot apply starts afresh, with a warning."""
+def restore_compressor(compressor: Compressor, checkpoint: dict[str, Any], rank: int, world_size: int,
+                       identities: Optional[list[str]] = None) -> None:
+    """This rank's compressor state from a checkpoint; what cannot apply starts afresh, with a warning (in an elastic
+    run, ``identities`` given: the state of the old rank with this rank's identity, silently)."""
     saved = (checkpoint.get(CHECKPOINT_KEY) or {}).get("compressor")
     if saved is None:
         if compressor.lossy:
@@ -61,6 +70,13 @@ def restore_compressor(compressor: Compressor, checkpoint: dict[str, Any], rank:
         return
     ranks = saved["ranks"]
     first = next(state for state in ranks if state is not None)  # shared state is the same on every rank
+    if identities is not None and saved.get("identities"):
+        old = map_ranks(saved["identities"], identities)[rank]
+        if old is not None and ranks[old] is not None:
+            compressor.load_state_dict(ranks[old])
+        else:
+            compressor.load_state_dict(first, shared_only=True)
+        return
     if saved["world_size"] == world_size and ranks[rank] is not None:
         compressor.load_state_dict(ranks[rank])
     elif saved["world_size"] == world_size:  # an emergency checkpoint: another rank's state only

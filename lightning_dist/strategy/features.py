@@ -20,7 +20,10 @@ What a feature may use:
   last reduction finished);
 - **mechanisms a policy drives**: :attr:`RingFeatures.step_guard` (step-or-skip, armed by NaNRecovery),
   :attr:`RingFeatures.loss_scaler` (fp16 loss scaling), :attr:`RingFeatures.compressor` (its state, for
-  snapshots) and :meth:`RingFeatures.local_checkpoint_state` (an emergency checkpoint's entry, no collective).
+  snapshots) and :meth:`RingFeatures.local_checkpoint_state` (an emergency checkpoint's entry, no collective);
+- **elastic runs**: :attr:`RingFeatures.identities`, every rank's node identity, which
+  :class:`~lightning_dist.callbacks.ElasticTraining` sets at set-up; checkpoints then record it, and a restart at
+  another world size maps each rank's state by it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dist.compression import Compressor
+from lightning_dist.hetero import HeteroBatching
 from lightning_dist.strategy.checkpoint import local_entry
 from lightning_dist.strategy.exchange import StepExchange
 from lightning_dist.strategy.hook import RingHookState
@@ -51,6 +55,7 @@ class RingFeatures:
                  hook_state: RingHookState) -> None:
         self._strategy = strategy  # for what only the running strategy knows: ranks, the precision plugin
         self._meter, self._schedule, self._guard, self._hook_state = meter, schedule, guard, hook_state
+        self.identities: Optional[list[str]] = None  # every rank's node identity, in rank order (elastic runs)
 
     # -- the step counter -------------------------------------------------------------------------------------
     @property
@@ -123,11 +128,17 @@ class RingFeatures:
         """The gradient compressor (state staged per step: committed after the optimizer stepped)."""
         return self._hook_state.compressor
 
+    @property
+    def hetero(self) -> Optional[HeteroBatching]:
+        """The strategy's heterogeneous batching (its plan, sampler and hand-overs), None without one."""
+        return self._strategy._hetero
+
     def local_checkpoint_state(self) -> dict[str, Any]:
         """The checkpoint entry :meth:`~lightning_dist.strategy.RingDDPStrategy.save_checkpoint` adds, with this
         rank's compressor state only and no collective (an emergency checkpoint, written while peers may be
         gone)."""
-        return local_entry(self._hook_state.compressor, self._strategy.global_rank, self._strategy.world_size)
+        return local_entry(self._hook_state.compressor, self._strategy.global_rank, self._strategy.world_size,
+                           self.identities)
 
 
 def features_of(strategy: Any) -> Optional[RingFeatures]:

@@ -43,6 +43,7 @@ from typing_extensions import override
 
 from lightning_dist.comm import check_algorithm, release_scratch
 from lightning_dist.compression import Compressor, as_compressor
+from lightning_dist.elastic import complete_from_siblings
 from lightning_dist.hetero import HeteroBatching
 from lightning_dist.hetero.batching import as_hetero, describe_event
 from lightning_dist.launch import attempt_store
@@ -331,6 +332,8 @@ class RingDDPStrategy(DDPStrategy):
         self._meter.step_finished(state.stats, state.exposed_s)
         state.reset_step()
         self._schedule.step_finished()
+        if self._hetero is not None and self._hetero.attached:
+            self._hetero.finish_step()
 
     # -- end of a fit -----------------------------------------------------------------------------------------
     @override
@@ -360,13 +363,22 @@ class RingDDPStrategy(DDPStrategy):
         compressor = self._hook_state.compressor
         states = gather_states(compressor, self.world_size, self._schedule.group)
         if self.is_global_zero:
-            checkpoint = {**checkpoint, **compressor_entry(compressor, self.world_size, states)}
+            entry = compressor_entry(compressor, self.world_size, states, self._features.identities)
+            checkpoint = {**checkpoint, **entry}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if self._features.identities is not None:  # elastic: survivors' own state from their emergency checkpoints
+            complete_from_siblings(checkpoint, str(checkpoint_path))
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
-        restore_compressor(self._hook_state.compressor, checkpoint, self.global_rank, self.world_size)
+        restore_compressor(self._hook_state.compressor, checkpoint, self.global_rank, self.world_size,
+                           self._features.identities)
 
     @classmethod
     @override
