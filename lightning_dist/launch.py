@@ -113,18 +113,25 @@ class LaunchEnv:
     @property
     def hosts_store(self) -> bool:
         """This process hosts the launch's store: rank 0 under torchrun without its agent's store (the module
-        docstring); torch's own ``env://`` initialisation would host it there too, later."""
-        return self.launcher == "torchrun" and not self.agent_store and self.rank == 0 \
-            and self.store_address is not None
+        docstring), from the first :func:`connect_store` before the default group exists (ring_ddp gives the group
+        that store); where Lightning's own strategies start the group, torch's ``env://`` starts it there."""
+        return self.store_per_round and self.rank == 0 and self.store_address is not None
+
+    @property
+    def store_per_round(self) -> bool:
+        """Every rendezvous round has a store of its own (torchrun without its agent's store): nothing in it outlives
+        the attempt, and the attempt needs no number in its keys (the ranks' restart counts may differ)."""
+        return self.launcher == "torchrun" and not self.agent_store
 
     def key(self, purpose: str) -> str:
         """The store key (or key prefix) of ``purpose``: ``lightning_dist/<purpose>/attempt_<n>`` for a purpose of one
-        attempt, ``lightning_dist/<purpose>`` for one of the whole run (:data:`PER_ATTEMPT`)."""
+        attempt, ``lightning_dist/<purpose>`` for one of the whole run (:data:`PER_ATTEMPT`) and for every purpose
+        where the store itself belongs to one attempt (:attr:`store_per_round`)."""
         if purpose not in PER_ATTEMPT:
             raise ValueError(f"store key purpose {purpose!r}: use one of {sorted(PER_ATTEMPT)} (add a new one to "
                              "lightning_dist.launch.PER_ATTEMPT, saying whether it belongs to one restart attempt)")
         base = f"lightning_dist/{purpose}"
-        return f"{base}/attempt_{self.restart_count}" if PER_ATTEMPT[purpose] else base
+        return f"{base}/attempt_{self.restart_count}" if PER_ATTEMPT[purpose] and not self.store_per_round else base
 
 
 def connect_store(timeout_s: float, env: Optional[LaunchEnv] = None) -> dist.TCPStore:
@@ -135,7 +142,7 @@ def connect_store(timeout_s: float, env: Optional[LaunchEnv] = None) -> dist.TCP
     client. Raises :class:`LaunchStoreError` when there is no address or the store did not answer in time.
     """
     env = env or LaunchEnv.current()
-    if env.hosts_store:
+    if env.hosts_store and not dist.is_initialized():  # once the default group is up, its store is there already
         _host_store(env)
     if env.store_address is None:
         raise LaunchStoreError("no launcher store: MASTER_ADDR and MASTER_PORT (a port number) are not set; torchrun, "

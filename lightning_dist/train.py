@@ -74,9 +74,17 @@ class RunSummaryCallback(Callback):
 
     def __init__(self, path: str, config: dict[str, Any], started: float) -> None:
         self.path, self.config, self.started = path, config, started
+        self._first_step: Optional[int] = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._first_step = trainer.global_step  # after a resume: the checkpoint's
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.is_global_zero:
+            return
+        if trainer.global_step == self._first_step and os.path.exists(self.path):
+            # resumed from a finished run (an elastic restart as the job ended): nothing trained, nothing to add
+            print(f"[lightning_dist] no step trained in this fit: {self.path} is kept as the run left it", flush=True)
             return
         strategy, features = trainer.strategy, features_of(trainer.strategy)
         totals = dict(features.totals) if features is not None else {}
@@ -155,7 +163,8 @@ def run(cfg: DictConfig, output_dir: str, extra_callbacks: Sequence[Callback] = 
     trainer, model, data = build(cfg, output_dir, started, extra_callbacks)
     ckpt_path = cfg.ckpt_path
     if ckpt_path is None and cfg.resume == "auto":
-        ckpt_path = choose_checkpoint(os.path.join(output_dir, "checkpoints"))
+        ckpt_path = choose_checkpoint(os.path.join(output_dir, "checkpoints"),
+                                      may_host_store=features_of(trainer.strategy) is not None)
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
     path = os.path.join(output_dir, "summary.json")
     if trainer.is_global_zero and os.path.exists(path):

@@ -127,7 +127,11 @@ class ElasticTraining(Callback):
         epoch = trainer.current_epoch
         self._batch = (epoch * sampler.steps_per_epoch + batch_idx, trainer.global_step)
         if self._writer is not None:
-            self._writer.started(*self._batch, epoch, batch_idx, sampler.take_drawn(epoch, batch_idx))
+            indices = sampler.take_drawn(epoch, batch_idx)
+            if not indices:  # the loop counts another batch than the loader drew: the ledger would be wrong
+                rank_zero_warn(f"ElasticTraining: the training loop is at batch {batch_idx} of epoch {epoch}, but the "
+                               f"loader drew {sorted(sampler.drawn)}: the ledger records this batch as empty")
+            self._writer.started(*self._batch, epoch, batch_idx, indices)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

@@ -51,6 +51,7 @@ class EmergencyCheckpoint:
                             f"emergency-rank{rank}-step={trainer.global_step}.ckpt")
         try:
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            rewind_unfinished_batch(checkpoint)
             features = features_of(trainer.strategy)
             if features is not None:
                 checkpoint.update(features.local_checkpoint_state())
@@ -72,6 +73,28 @@ class EmergencyCheckpoint:
         """Let a write another thread has begun finish (up to ``timeout_s``), rather than cut it off."""
         if self.writing and self._done is not None:
             self._done.wait(timeout_s)
+
+
+def rewind_unfinished_batch(checkpoint: dict[str, Any]) -> bool:
+    """The batch a fault interrupted (started, not processed: its step did not finish) did not happen: the checkpoint's
+    loop counters are put back to the last processed batch, as the data loader's state already is.
+
+    Lightning resets only its per-epoch counters on a restart and tells where a checkpoint was written from its
+    running totals; left as they were, a run that resumes from this checkpoint and later from one written at a batch's
+    end (an agreed stop, an elastic join) would resume one batch before its loader. Returns whether it rewound."""
+    loops = checkpoint.get("loops") or {}
+    progress = (loops.get("fit_loop") or {}).get("epoch_loop.batch_progress")
+    if not progress:
+        return False
+    rewound = False
+    for part in ("total", "current"):
+        counts = progress[part]
+        if counts["processed"] < counts["started"]:
+            counts["ready"] = counts["started"] = counts["processed"]
+            rewound = True
+    if rewound:
+        progress["is_last_batch"] = False
+    return rewound
 
 
 def exit_later(seconds: float, code: int) -> None:

@@ -29,12 +29,16 @@ def describe(info: CheckpointInfo) -> str:
     return f"{info.path}: {kind}, global step {info.global_step}"
 
 
-def choose(checkpoint_dir: str) -> Optional[str]:
-    """The checkpoint every rank of this launch resumes from (None: start afresh)."""
+def choose(checkpoint_dir: str, may_host_store: bool = True) -> Optional[str]:
+    """The checkpoint every rank of this launch resumes from (None: start afresh).
+
+    ``may_host_store=False``: the strategy will start the launch's store itself (Lightning's own strategies under
+    torchrun with a store per rendezvous round, :mod:`lightning_dist.launch`), so rank 0 must not start it first;
+    every rank then chooses for itself (the same file, unless one is written meanwhile)."""
     if ENV in os.environ and os.environ.get(ENV_DIR) == os.path.abspath(checkpoint_dir):
         return os.environ[ENV] or None  # a rank started by a launcher that already chose (not a sweep's next job)
     launch = LaunchEnv.current()
-    if launch.launcher == "torchrun" and launch.store_address is not None:
+    if launch.launcher == "torchrun" and launch.store_address is not None and (may_host_store or launch.agent_store):
         store = connect_store(CHOICE_TIMEOUT_S, launch)
         key = launch.key("resume")
         if launch.rank == 0:

@@ -1,0 +1,376 @@
+"""Elastic training under real faults: a host killed, a host's link cut, a host joining, at random steps, on a
+simulated cluster of 3 hosts; how long until the survivors train again, and whether the run is still the same run.
+
+Every job is the training command (digits CNN, one rank per host, ``hetero=elastic`` with a global batch of 96,
+``callbacks=[checkpoint,fault_tolerance,elastic]``, ``resume=auto``, 3 epochs of 15 global batches) under
+``torchrun --nnodes 2:3 --max-restarts 3`` with a c10d rendezvous on host 0 (:meth:`SimCluster.torchrun`; the
+rendezvous settings are :data:`RDZV`, the watchdog's ``timeout_s`` is :data:`TIMEOUT_S`). A reference run on 3 hosts
+without a fault comes first. Each trial draws (``--seed``) a kind, a host (1 or 2: host 0 holds the rendezvous) and a
+global batch at which the fault strikes, when rank 0's ledger reaches it:
+
+* ``kill``: every process of the host killed at once (the machine died);
+* ``cut``: the host's link taken down without a reset (a pulled cable; its processes live on, cut off);
+* ``join``: the job starts on the other two hosts, and this one's torchrun starts at that batch.
+
+A trial passes when (:func:`judge`): the surviving hosts' torchrun exits 0; the sample ledger
+(:func:`lightning_dist.elastic.read_ledger`) has every global batch of the run, each with every rank's piece, each
+the same set of samples as the reference's at that position, and each sample once per epoch; the final validation
+accuracy is within :data:`ACCURACY_POINTS` of the reference's; the loss at the first global batch after the restart
+equals the reference's there (the same model state and samples: :data:`LOSS_TOLERANCE`); no worker is left running;
+and the recovery, from the fault to the end of the survivors' first step (from the ledger's clock), is within its
+bound: :data:`KILL_BOUND_S` for a kill, ``timeout_s`` + :data:`KILL_BOUND_S` for a cut; a join is timed the same way,
+to the first step at the larger size.
+
+The anchor: stock Lightning DDP (``strategy=ddp``, no elastic batching, no FaultTolerance, ``resume=auto``) under the
+same launch and a kill of host 2 in the second epoch: what it resumed from, with which global batch, and how many
+samples it applied again or never.
+
+Target: every trial passes (20 of 20 by default). The plot shows each trial's recovery time by kind, with the bounds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from lightning_dist.benchmarks import _common as bench
+from lightning_dist.elastic import LedgerStep, read_ledger
+
+HOSTS = 3
+EPOCHS = 3
+GLOBAL_BATCH = 96
+TRAIN_SAMPLES = 1437  # the digits training split
+POSITIONS_PER_EPOCH = math.ceil(TRAIN_SAMPLES / GLOBAL_BATCH)
+TIMEOUT_S, POLL_S = 10.0, 1.0  # FaultTolerance's watchdog in every job
+# c10d rendezvous: a host whose agent stops sending keep-alives is dropped after interval x attempts; once MIN nodes
+# are there, the round closes after last_call_timeout
+RDZV = ("last_call_timeout=2", "keep_alive_interval=1", "keep_alive_max_attempt=3", "join_timeout=120")
+MONITOR_S = 0.5  # torchrun's --monitor-interval: how often an agent looks at its workers and at waiting nodes
+KILL_BOUND_S = 60.0  # from a kill (or a join) to the survivors' first completed step; a cut adds timeout_s
+ACCURACY_POINTS = 0.5  # final validation accuracy within this many points of the reference's
+LOSS_TOLERANCE = 1e-3  # the loss at the first resumed batch against the reference's there (same state and samples)
+DEADLINE_S = 360.0  # a job that runs longer fails the trial
+PORT = 29400
+KINDS = ("kill", "cut", "join")
+QUICK = (("kill", 2, 8), ("cut", 1, 20), ("join", 2, 10))
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One job: ``kind`` ("none" for the reference) strikes ``host`` when rank 0 reaches global batch ``position``;
+    ``rejoin_at``: after a kill, the host comes back when the survivors reach that batch (a kill, then a join)."""
+
+    kind: str = "none"
+    host: int = 2
+    position: int = 0
+    compression: str = "none"
+    epochs: int = EPOCHS
+    rejoin_at: Optional[int] = None
+    strategy: str = "ring_ddp"
+
+
+def job_args(out: Path, trial: Trial) -> list[str]:
+    """The training command's arguments (after torchrun's own) for ``trial``'s job in run directory ``out``."""
+    common = ["-m", "lightning_dist.train", "trainer.devices=1", f"trainer.max_epochs={trial.epochs}",
+              "trainer.enable_progress_bar=false", "resume=auto", f"hydra.run.dir={out}"]
+    if trial.strategy != "ring_ddp":  # the anchor: Lightning's own DDP as a user would run it under torchrun
+        return ["--monitor-interval", str(MONITOR_S), *common, f"strategy={trial.strategy}", "callbacks=[checkpoint]"]
+    return ["--monitor-interval", str(MONITOR_S), *common, "callbacks=[checkpoint,fault_tolerance,elastic]",
+            f"callbacks.fault_tolerance.timeout_s={TIMEOUT_S}", f"callbacks.fault_tolerance.poll_s={POLL_S}",
+            "hetero=elastic", f"hetero.global_batch_size={GLOBAL_BATCH}", f"compression={trial.compression}"]
+
+
+def _reached(ledger: Path, attempts_before: int = 0) -> tuple[int, int]:
+    """(attempts started, the highest global batch rank 0 has started in the newest) from the ledger files."""
+    files = sorted(ledger.glob("*-rank0.jsonl"), key=lambda p: p.stat().st_mtime) if ledger.is_dir() else []
+    if len(files) <= attempts_before:
+        return len(files), -1
+    lines = files[-1].read_text().splitlines()
+    positions = [json.loads(line).get("position", -1) for line in lines[1:] if line.strip()]
+    return len(files), max(positions, default=-1)
+
+
+def _workers_left(cluster: Any, out: Path) -> list[str]:
+    """Training processes of this run still alive in any host (torchrun's agents excepted)."""
+    left = []
+    for ns in cluster.namespaces:
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False).stdout.split()
+        for pid in pids:
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if f"hydra.run.dir={out}" in cmd and "torch.distributed.run" not in cmd:
+                left.append(f"{ns}:{pid}")
+    return left
+
+
+def run_trial(trial: Trial, out: Path, deadline_s: float = DEADLINE_S) -> dict[str, Any]:
+    """Run ``trial``'s job on a fresh simulated cluster; what happened (see :func:`judge` for what it must be)."""
+    from lightning_dist.simcluster import SimCluster
+
+    out.mkdir(parents=True, exist_ok=True)
+    ledger = out / "checkpoints" / "ledger"
+    args = job_args(out, trial)
+    record: dict[str, Any] = {"trial": asdict(trial), "problems": []}
+    started = time.monotonic()
+    with SimCluster(HOSTS, rate_mbit=1000) as cluster:
+        procs: dict[int, Any] = {}
+
+        def start(host: int) -> None:
+            with open(out / f"host{host}.log", "a") as log:
+                procs[host] = cluster.popen(host, cluster.torchrun(host, args, port=PORT, nnodes=f"2:{HOSTS}",
+                                                                   max_restarts=3, rdzv=RDZV),
+                                            env=cluster.env(host), stdout=log, stderr=subprocess.STDOUT)
+
+        def wait_for(position: int, attempts_before: int = 0) -> bool:
+            while time.monotonic() - started < deadline_s:
+                attempts, reached = _reached(ledger, attempts_before)
+                if reached >= position:
+                    return True
+                if trial.strategy != "ring_ddp" and (out / "checkpoints" / "last.ckpt").exists():
+                    time.sleep(1.5)  # the anchor keeps no ledger: strike early in its second epoch
+                    return True
+                if all(p.poll() is not None for p in procs.values()):
+                    return False
+                time.sleep(0.1)
+            return False
+
+        for host in range(HOSTS):
+            if not (trial.kind == "join" and host == trial.host):
+                start(host)
+        struck = None
+        if trial.kind != "none":
+            if not wait_for(trial.position):
+                record["problems"].append(f"the job never reached global batch {trial.position}")
+            struck = time.time()
+            if trial.kind == "kill":
+                cluster.kill(trial.host)
+            elif trial.kind == "cut":
+                cluster.cut(trial.host)
+            else:
+                start(trial.host)
+            if trial.rejoin_at is not None:
+                attempts = len(list(ledger.glob("*-rank0.jsonl")))
+                if wait_for(trial.rejoin_at, attempts):
+                    record["rejoined"] = time.time()
+                    start(trial.host)
+                else:
+                    record["problems"].append(f"the survivors never reached global batch {trial.rejoin_at}")
+        survivors = [h for h in range(HOSTS) if trial.kind in ("none", "join") or h != trial.host]
+        codes = cluster.wait([procs[h] for h in survivors], max(1.0, deadline_s - (time.monotonic() - started)))
+        record["workers_left"] = _workers_left(cluster, out)
+    record.update(codes=codes, struck=struck, wall_s=time.monotonic() - started)
+    summary = out / "summary.json"
+    record["summary"] = json.loads(summary.read_text()) if summary.exists() else None
+    record["ledger"] = read_ledger(str(ledger)) if ledger.is_dir() else {}
+    logs = "".join((out / f"host{h}.log").read_text(errors="replace") for h in range(HOSTS)
+                   if (out / f"host{h}.log").exists())
+    record["warnings"] = logs.count("ElasticTraining: elastic restart")
+    record["resumed_from"] = [line.split("resuming from ", 1)[1][:200] for line in logs.splitlines()
+                              if "resume=auto: resuming from" in line]
+    record["attempts"] = _attempts(record["ledger"])
+    record["recovery_s"] = _recovery(record)
+    return record
+
+
+def _attempts(ledger: dict[int, LedgerStep]) -> list[dict[str, Any]]:
+    """The attempts whose batches reached the model, in order: their world size, first batch, first step's end."""
+    attempts: list[dict[str, Any]] = []
+    for step in ledger.values():
+        if not attempts or attempts[-1]["attempt"] != step.attempt:
+            attempts.append({"attempt": step.attempt, "world_size": step.world_size, "first": step.position,
+                             "first_done": step.finished})
+    return attempts
+
+
+def _recovery(record: dict[str, Any]) -> Optional[float]:
+    """Seconds from the fault to the end of the first step of the attempt after it."""
+    struck = record["struck"]
+    if struck is None:
+        return None
+    later = [a["first_done"] for a in record["attempts"] if a["first_done"] > struck]
+    return min(later) - struck if later else None
+
+
+def bound_s(kind: str) -> float:
+    return KILL_BOUND_S + (TIMEOUT_S if kind == "cut" else 0.0)
+
+
+def judge(record: dict[str, Any], reference: Optional[dict[str, Any]]) -> list[str]:
+    """What is wrong with a trial (empty: it passed); without a reference, only what the trial can say alone."""
+    problems = list(record["problems"])
+    trial = Trial(**record["trial"])
+    if any(code != 0 for code in record["codes"]):
+        problems.append(f"the surviving hosts' torchrun exited {record['codes']} (not all 0)")
+    if record["workers_left"]:
+        problems.append(f"workers left running: {record['workers_left']}")
+    ledger: dict[int, LedgerStep] = record["ledger"]
+    total = trial.epochs * POSITIONS_PER_EPOCH
+    if list(ledger) != list(range(total)):
+        missing = sorted(set(range(total)) - set(ledger))
+        problems.append(f"the ledger lacks global batches {missing[:10]} (has {len(ledger)} of {total})")
+    broken = [p for p, s in ledger.items() if not (s.complete and s.stepped)]
+    if broken:
+        problems.append(f"global batches without every rank's piece or step: {broken[:10]}")
+    for epoch in range(trial.epochs):
+        seen = [i for s in ledger.values() if s.epoch == epoch for i in s.indices]
+        if sorted(seen) != list(range(TRAIN_SAMPLES)):
+            problems.append(f"epoch {epoch}: {len(seen)} samples applied, {len(set(seen))} distinct, of "
+                            f"{TRAIN_SAMPLES}: not each once")
+    if trial.kind != "none" and len(record["attempts"]) < 2:
+        problems.append(f"no restart: attempts {[a['world_size'] for a in record['attempts']]}")
+    recovery = record["recovery_s"]
+    if trial.kind != "none" and (recovery is None or recovery > bound_s(trial.kind)):
+        problems.append(f"recovery {recovery} s, bound {bound_s(trial.kind):.0f} s")
+    accuracy = (record["summary"] or {}).get("metrics", {}).get("val/acc")
+    if accuracy is None:
+        problems.append("no summary.json with val/acc")
+    if reference is None:
+        return problems
+    ref_ledger: dict[int, LedgerStep] = reference["ledger"]
+    differ = [p for p, s in ledger.items() if p in ref_ledger and sorted(s.indices) != sorted(ref_ledger[p].indices)]
+    if differ:
+        problems.append(f"global batches with other samples than the reference's: {differ[:10]}")
+    ref_accuracy = reference["summary"]["metrics"]["val/acc"]
+    if accuracy is not None and abs(accuracy - ref_accuracy) * 100 > ACCURACY_POINTS:
+        problems.append(f"val/acc {accuracy:.4f} against the reference's {ref_accuracy:.4f}")
+    for attempt in record["attempts"][1:]:
+        first = attempt["first"]
+        mine, theirs = ledger[first].loss, ref_ledger.get(first, ledger[first]).loss
+        if trial.kind in ("kill", "cut") and attempt is record["attempts"][1] and abs(mine - theirs) > LOSS_TOLERANCE:
+            problems.append(f"loss at the first resumed batch {first}: {mine:.6f}, the reference's {theirs:.6f}")
+    return problems
+
+
+def plan_trials(n: int, seed: int, quick: bool = False) -> list[Trial]:
+    """``n`` trials in shuffled rounds of every (kind, host) pair, each at a random global batch."""
+    if quick:
+        return [Trial(kind, host, position) for kind, host, position in QUICK]
+    rng = random.Random(seed)
+    pairs = [(kind, host) for kind in KINDS for host in (1, 2)]
+    trials: list[Trial] = []
+    while len(trials) < n:
+        rng.shuffle(pairs)
+        for kind, host in pairs[: n - len(trials)]:
+            trials.append(Trial(kind, host, rng.randint(4, EPOCHS * POSITIONS_PER_EPOCH - 4)))
+    return trials
+
+
+def anchor_record(record: dict[str, Any]) -> dict[str, Any]:
+    """What stock DDP did under the same fault (it keeps no ledger: its logs and summary say it)."""
+    summary = record["summary"] or {}
+    return {"codes": record["codes"], "resumed_from": record["resumed_from"],
+            "global_step": summary.get("global_step"), "world_size": summary.get("world_size"),
+            "val_acc": summary.get("metrics", {}).get("val/acc"), "wall_s": record["wall_s"]}
+
+
+def _row(i: int, record: dict[str, Any]) -> list[str]:
+    trial = record["trial"]
+    worlds = "->".join(str(a["world_size"]) for a in record["attempts"])
+    accuracy = (record["summary"] or {}).get("metrics", {}).get("val/acc")
+    return [str(i), trial["kind"], str(trial["host"]), str(trial["position"]), worlds,
+            bench.cell(record["recovery_s"], ".1f"), f"{bound_s(trial['kind']):.0f}", bench.cell(accuracy, ".4f"),
+            "yes" if not record["verdict"] else "NO: " + "; ".join(record["verdict"])[:120]]
+
+
+def report(records: Sequence[dict[str, Any]], reference: dict[str, Any], anchor: Optional[dict[str, Any]]) -> str:
+    rows = [_row(i, r) for i, r in enumerate(records, start=1)]
+    table = bench.format_table(["trial", "fault", "host", "at batch", "world", "recovery s", "bound s", "val/acc",
+                                "ledger exact, accuracy, no leftovers"], rows)
+    lines = [f"reference (3 hosts, no fault): val/acc {reference['summary']['metrics']['val/acc']:.4f}, "
+             f"{reference['wall_s']:.0f} s"]
+    for kind in KINDS:
+        times = [r["recovery_s"] for r in records if r["trial"]["kind"] == kind and r["recovery_s"] is not None]
+        if times:
+            lines.append(f"{kind}: recovery median {bench.median(times):.1f} s, max {max(times):.1f} s over "
+                         f"{len(times)} (bound {bound_s(kind):.0f} s)")
+    passed = sum(1 for r in records if not r["verdict"])
+    lines.append(bench.verdict(f"every trial exact (ledger, accuracy within {ACCURACY_POINTS} point, bound)",
+                               passed == len(records), f"{passed} of {len(records)}"))
+    if anchor is not None:
+        lines.append(f"anchor, stock DDP, kill of host 2 in epoch 1: exit codes {anchor['codes']}, resumed from "
+                     f"{anchor['resumed_from'] or 'nothing'}, ended at global step {anchor['global_step']} on "
+                     f"{anchor['world_size']} ranks, val/acc {anchor['val_acc']}")
+    return table + "\n\n" + "\n".join(lines)
+
+
+def plot(records: Sequence[dict[str, Any]]) -> Any:
+    fig, (ax,) = bench.figure_row(1, 7.0)
+    for x, kind in enumerate(KINDS):
+        times = [r["recovery_s"] for r in records if r["trial"]["kind"] == kind and r["recovery_s"] is not None]
+        colors = ["tab:green" if not r["verdict"] else "tab:red" for r in records
+                  if r["trial"]["kind"] == kind and r["recovery_s"] is not None]
+        ax.scatter([x + random.Random(i).uniform(-0.15, 0.15) for i in range(len(times))], times, c=colors, s=30)
+        ax.hlines(bound_s(kind), x - 0.3, x + 0.3, colors="black", linestyles="dashed")
+    ax.set_xticks(range(len(KINDS)), [f"{k}\n(bound dashed)" for k in KINDS])
+    ax.set_ylabel("fault to the survivors' first step, s")
+    ax.set_title(f"elastic restarts on {HOSTS} simulated hosts (green: ledger exact, accuracy kept)")
+    ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    return fig
+
+
+def _plain(record: dict[str, Any]) -> dict[str, Any]:
+    """A record for the JSON file: the ledger reduced to its attempts."""
+    return {k: v for k, v in record.items() if k != "ledger"}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    from lightning_dist.simcluster import unavailable
+
+    cli = bench.parser("elastic", __doc__, "3 trials (kill, cut, join at fixed batches), no anchor",
+                       seed="seeds the kinds, hosts and batches drawn")
+    cli.add_argument("--trials", type=int, default=20)
+    cli.add_argument("--keep-runs", action="store_true", help="keep the run directories (path printed)")
+    args = cli.parse_args(argv)
+    bench.check_counts(cli, trials=args.trials)
+    if (why := unavailable()) is not None:
+        cli.error(f"the simulated cluster cannot run here: {why}")
+    out = bench.output_dir(args.out, "elastic")
+    workdir = Path(tempfile.mkdtemp(prefix="lightning_dist_elastic_"))
+    trials = plan_trials(args.trials, args.seed, args.quick)
+    records: list[dict[str, Any]] = []
+    anchor = None
+    started = time.monotonic()
+    try:
+        bench.progress(f"[elastic] reference run, then {len(trials)} trials; runs in {workdir}")
+        reference = run_trial(Trial(), workdir / "reference")
+        reference["verdict"] = judge(reference, None)
+        if reference["verdict"]:
+            raise RuntimeError(f"the reference run failed: {reference['verdict']}")
+        for i, trial in enumerate(trials, start=1):
+            record = run_trial(trial, workdir / f"trial-{i:02d}")
+            record["verdict"] = judge(record, reference)
+            records.append(record)
+            bench.progress(f"  trial {i}/{len(trials)}: {trial.kind} host {trial.host} at batch {trial.position}: "
+                           f"worlds {'->'.join(str(a['world_size']) for a in record['attempts'])}, recovery "
+                           f"{bench.cell(record['recovery_s'], '.1f')} s: "
+                           + ("ok" if not record["verdict"] else "; ".join(record["verdict"])))
+        if not args.quick:
+            anchor = anchor_record(run_trial(Trial("kill", 2, 0, strategy="ddp"), workdir / "anchor"))
+            bench.progress(f"  anchor (stock DDP): {anchor}")
+    finally:
+        if args.keep_runs:
+            bench.progress(f"[elastic] run directories kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    meta = bench.environment("elastic", hosts=HOSTS, epochs=EPOCHS, global_batch=GLOBAL_BATCH, seed=args.seed,
+                             quick=args.quick, timeout_s=TIMEOUT_S, rdzv=list(RDZV), monitor_s=MONITOR_S,
+                             wall_s=time.monotonic() - started, cpu_threads=os.cpu_count())
+    return bench.write_results(out, "elastic", [report(records, reference, anchor)],
+                               {"meta": meta, "reference": _plain(reference), "records": [_plain(r) for r in records],
+                                "anchor": anchor}, lambda: plot(records))
+
+
+if __name__ == "__main__":
+    main()
