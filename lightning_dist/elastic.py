@@ -151,6 +151,7 @@ class LedgerStep:
     complete: bool = True  # every rank of the attempt recorded its piece
     world_size: int = 0
     attempt: str = ""
+    attempt_started: float = math.nan  # wall-clock time the attempt's first rank began training (restored)
     started: float = math.nan  # wall-clock time the first rank started it
     finished: float = math.nan  # wall-clock time the last rank that recorded its end ended it
 
@@ -187,7 +188,7 @@ def read_ledger(directory: str) -> dict[int, LedgerStep]:
                 indices=[i for r in ranks for i in pieces[r]["indices"]],
                 loss=sum(p["loss"] * len(p["indices"]) for p in ended) / count if count else math.nan,
                 stepped=all(piece["stepped"] for piece in ended), complete=len(ranks) == attempt["world_size"],
-                world_size=attempt["world_size"], attempt=name,
+                world_size=attempt["world_size"], attempt=name, attempt_started=attempt["started"],
                 started=min(pieces[r].get("t0", math.nan) for r in ranks),
                 finished=max((piece.get("t1", math.nan) for piece in ended), default=math.nan))
     return dict(sorted(batches.items()))

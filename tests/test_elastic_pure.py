@@ -239,3 +239,46 @@ def test_the_training_command_refuses_an_elastic_run_that_cannot_work(monkeypatc
     with pytest.raises(ValueError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
         validate(cfg)
     assert OmegaConf.select(cfg, "hetero.elastic") is True
+
+
+def test_the_benchmark_judges_plans_and_reports_without_a_cluster(tmp_path):
+    from lightning_dist.benchmarks import elastic as bench
+    from lightning_dist.elastic import LedgerStep
+
+    trials = bench.plan_trials(20, seed=0)
+    assert len(trials) == 20 and {t.kind for t in trials} == set(bench.KINDS) and {t.host for t in trials} == {1, 2}
+    assert all(4 <= t.position <= bench.EPOCHS * bench.POSITIONS_PER_EPOCH - 4 for t in trials)
+
+    def ledger(world_of, loss_shift=0.0):
+        steps = {}
+        for p in range(bench.EPOCHS * bench.POSITIONS_PER_EPOCH):
+            epoch, batch = divmod(p, bench.POSITIONS_PER_EPOCH)
+            start = batch * bench.GLOBAL_BATCH
+            steps[p] = LedgerStep(p, p, epoch, batch, list(range(start, min(start + bench.GLOBAL_BATCH,
+                                                                               bench.TRAIN_SAMPLES))),
+                                  loss=1.0 + loss_shift, world_size=world_of(p), attempt="A" if p < 9 else "B",
+                                  attempt_started=100.0 if p < 9 else 130.0, finished=101.0 + p + 30 * (p >= 9))
+        return steps
+
+    def record(kind, steps, struck, codes=(0, 0), acc=0.97):
+        out = {"trial": vars(bench.Trial(kind, 2, 9)), "problems": [], "codes": list(codes), "workers_left": [],
+               "ledger": steps, "summary": {"metrics": {"val/acc": acc}}, "struck": struck, "wall_s": 60.0,
+               "resumed_from": []}
+        out["attempts"] = bench._attempts(steps)
+        out["recovery_s"], out["phases"] = bench._recovery(out), bench.phases(out)
+        return out
+
+    reference = record("none", ledger(lambda p: 3), None)
+    assert bench.judge(reference, None) == []
+    good = record("kill", ledger(lambda p: 3 if p < 9 else 2), struck=115.0)
+    assert bench.judge(good, reference) == [] and good["phases"]["until_training_s"] == 15.0
+    bad = record("kill", ledger(lambda p: 3 if p < 9 else 2, loss_shift=0.5), struck=115.0, codes=(0, 1), acc=0.9)
+    del bad["ledger"][20]
+    problems = " | ".join(bench.judge(bad, reference))
+    for expected in ("exited [0, 1]", "lacks global batches [20]", "val/acc 0.9000", "loss at the first resumed"):
+        assert expected in problems, problems
+    good["verdict"], bad["verdict"] = [], ["x"]
+    text = bench.report([good, bad], reference, {"codes": [1], "resumed_from": [], "global_step": 59,
+                                                  "world_size": 2, "val_acc": 0.95, "wall_s": 80.0})
+    assert "1 of 2" in text and "kill: recovery median" in text and "anchor" in text
+    bench.plot([good, bad]).savefig(tmp_path / "elastic.png")

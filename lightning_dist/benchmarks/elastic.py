@@ -180,6 +180,7 @@ def run_trial(trial: Trial, out: Path, deadline_s: float = DEADLINE_S) -> dict[s
                               if "resume=auto: resuming from" in line]
     record["attempts"] = _attempts(record["ledger"])
     record["recovery_s"] = _recovery(record)
+    record["phases"] = phases(record)
     return record
 
 
@@ -189,17 +190,30 @@ def _attempts(ledger: dict[int, LedgerStep]) -> list[dict[str, Any]]:
     for step in ledger.values():
         if not attempts or attempts[-1]["attempt"] != step.attempt:
             attempts.append({"attempt": step.attempt, "world_size": step.world_size, "first": step.position,
-                             "first_done": step.finished})
+                             "training": step.attempt_started, "first_done": step.finished})
     return attempts
 
 
 def _recovery(record: dict[str, Any]) -> Optional[float]:
     """Seconds from the fault to the end of the first step of the attempt after it."""
+    after = _next_attempt(record)
+    return after["first_done"] - record["struck"] if after is not None else None
+
+
+def _next_attempt(record: dict[str, Any]) -> Optional[dict[str, Any]]:
     struck = record["struck"]
-    if struck is None:
+    later = [a for a in record["attempts"] if struck is not None and a["first_done"] > struck]
+    return later[0] if later else None
+
+
+def phases(record: dict[str, Any]) -> Optional[dict[str, float]]:
+    """Where a recovery's seconds went: until the new attempt trained again (the old workers' exit, torchrun's
+    rendezvous, the new processes' start, the restore), then its first step."""
+    after = _next_attempt(record)
+    if after is None:
         return None
-    later = [a["first_done"] for a in record["attempts"] if a["first_done"] > struck]
-    return min(later) - struck if later else None
+    return {"until_training_s": after["training"] - record["struck"], "first_step_s": after["first_done"]
+            - after["training"]}
 
 
 def bound_s(kind: str) -> float:
@@ -290,10 +304,14 @@ def report(records: Sequence[dict[str, Any]], reference: dict[str, Any], anchor:
     lines = [f"reference (3 hosts, no fault): val/acc {reference['summary']['metrics']['val/acc']:.4f}, "
              f"{reference['wall_s']:.0f} s"]
     for kind in KINDS:
-        times = [r["recovery_s"] for r in records if r["trial"]["kind"] == kind and r["recovery_s"] is not None]
-        if times:
+        mine = [r for r in records if r["trial"]["kind"] == kind and r["recovery_s"] is not None]
+        if mine:
+            times = [r["recovery_s"] for r in mine]
+            until = bench.median([r["phases"]["until_training_s"] for r in mine])
+            first = bench.median([r["phases"]["first_step_s"] for r in mine])
             lines.append(f"{kind}: recovery median {bench.median(times):.1f} s, max {max(times):.1f} s over "
-                         f"{len(times)} (bound {bound_s(kind):.0f} s)")
+                         f"{len(times)} (bound {bound_s(kind):.0f} s); of the median, {until:.1f} s until the new "
+                         f"attempt trains (exit, rendezvous, start, restore), {first:.1f} s its first step")
     passed = sum(1 for r in records if not r["verdict"])
     lines.append(bench.verdict(f"every trial exact (ledger, accuracy within {ACCURACY_POINTS} point, bound)",
                                passed == len(records), f"{passed} of {len(records)}"))
