@@ -201,9 +201,13 @@ def attempt_token() -> str:
 
 # ---- per-rank state across a change of world --------------------------------------------------------------------
 
-# the checkpoint entries that hold one state per rank ({"ranks": [...], "identities": [...]}): the compressor's
-# (lightning_dist.strategy.checkpoint) and the random generators' (lightning_dist.fault.rng)
-PER_RANK_ENTRIES: tuple[tuple[str, ...], ...] = (("lightning_dist", "compressor"), ("lightning_dist_rng",))
+# the checkpoint entries that hold one state per rank ({"ranks": [...], "identities": [...]}), and what a lost one is
+# called: the compressor's (lightning_dist.strategy.checkpoint; its norm says what a lost residual weighed) and the
+# random generators' (lightning_dist.fault.rng)
+PER_RANK_ENTRIES: dict[tuple[str, ...], str] = {
+    ("lightning_dist", "compressor"): "compressor state (error-feedback residuals, generators)",
+    ("lightning_dist_rng",): "random generators",
+}
 
 
 def per_rank_entry(checkpoint: Mapping[str, Any], keys: Sequence[str]) -> Optional[dict[str, Any]]:

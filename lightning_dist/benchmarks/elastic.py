@@ -61,6 +61,11 @@ LOSS_TOLERANCE = 1e-3  # the loss at the first resumed batch against the referen
 DEADLINE_S = 360.0  # a job that runs longer fails the trial
 PORT = 29400
 KINDS = ("kill", "cut", "join")
+# A joining host's torchrun takes ~5 s to start and reach the rendezvous, and the survivors stop at the step after
+# they see it waiting; two ranks train ~2 batches a second here. A host that arrives in the last ~12 batches finds
+# the job over: its torchrun exits 1 when the rendezvous closes (seen in the first 20-trial run, 3 joins at batches
+# 34-41 of 45; when the agreed stop lands on the last step, the resumed run ends at once, without a final validation).
+JOIN_ROOM = 16
 QUICK = (("kill", 2, 8), ("cut", 1, 20), ("join", 2, 10))
 
 
@@ -267,16 +272,19 @@ def judge(record: dict[str, Any], reference: Optional[dict[str, Any]]) -> list[s
 
 
 def plan_trials(n: int, seed: int, quick: bool = False) -> list[Trial]:
-    """``n`` trials in shuffled rounds of every (kind, host) pair, each at a random global batch."""
+    """``n`` trials in shuffled rounds of every (kind, host) pair, each at a random global batch: a kill or a cut
+    anywhere but the first and last 4, a join with :data:`JOIN_ROOM` batches left (below)."""
     if quick:
         return [Trial(kind, host, position) for kind, host, position in QUICK]
     rng = random.Random(seed)
     pairs = [(kind, host) for kind in KINDS for host in (1, 2)]
+    total = EPOCHS * POSITIONS_PER_EPOCH
     trials: list[Trial] = []
     while len(trials) < n:
         rng.shuffle(pairs)
         for kind, host in pairs[: n - len(trials)]:
-            trials.append(Trial(kind, host, rng.randint(4, EPOCHS * POSITIONS_PER_EPOCH - 4)))
+            last = total - (JOIN_ROOM if kind == "join" else 4)
+            trials.append(Trial(kind, host, rng.randint(4, last)))
     return trials
 
 

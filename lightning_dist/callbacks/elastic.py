@@ -31,7 +31,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_dist.callbacks.fault_tolerance import FaultTolerance
 from lightning_dist.elastic import (
+    PER_RANK_ENTRIES,
     LedgerWriter,
     attempt_token,
     ledger_dir,
@@ -67,7 +69,6 @@ class ElasticTraining(Callback):
         self.ledger = ledger
         self.identities: Optional[list[str]] = None
         self.attempt: Optional[str] = None
-        self.resumed: Optional[dict[str, Any]] = None  # what the last load found: world sizes, lost state
         self._writer: Optional[LedgerWriter] = None
         self._hetero: Any = None
         self._batch: Optional[tuple[int, int]] = None  # the batch under way: (position, global step before)
@@ -86,7 +87,7 @@ class ElasticTraining(Callback):
         elif hetero is None or not hetero.elastic:
             problems.append("ElasticTraining needs elastic batching: RingDDPStrategy(hetero=HeteroBatching("
                             "elastic=True, global_batch_size=B)) (hetero=elastic hetero.global_batch_size=B)")
-        if not any(type(cb).__name__ == "FaultTolerance" for cb in trainer.callbacks):
+        if not any(isinstance(cb, FaultTolerance) for cb in trainer.callbacks):
             problems.append("ElasticTraining needs FaultTolerance (callbacks=[checkpoint,fault_tolerance,elastic]): "
                             "without it a host whose link is cut leaves the survivors hanging")
         if problems:
@@ -159,30 +160,19 @@ class ElasticTraining(Callback):
         features = features_of(trainer.strategy)
         new = self.identities or []
         parts, worlds = [], set()
-        labels = {("lightning_dist", "compressor"): "compressor state (error-feedback residuals, generators)",
-                  ("lightning_dist_rng",): "random generators"}
-        for keys, what in labels.items():
+        for keys, what in PER_RANK_ENTRIES.items():
             entry = per_rank_entry(checkpoint, keys)
             if entry is None or not entry.get("identities"):
                 continue
-            if keys[0] == "lightning_dist" and features is not None and not features.compressor.lossy:
+            residuals = keys == ("lightning_dist", "compressor")
+            if residuals and features is not None and not features.compressor.lossy:
                 continue  # a lossless compressor keeps nothing per rank
             worlds.add(len(entry["identities"]))
-            message = lost_state_message(what, entry["identities"], new, entry["ranks"],
-                                         with_norm=keys[0] == "lightning_dist")
+            message = lost_state_message(what, entry["identities"], new, entry["ranks"], with_norm=residuals)
             if message:
                 parts.append(message)
-        self.resumed = {"world_sizes": sorted(worlds), "lost": parts}
         if parts:
             rank_zero_warn(f"ElasticTraining: elastic restart on {len(new)} ranks (was {', '.join(map(str, worlds))}): "
                            + " ".join(parts))
 
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {"identities": self.identities, "attempt": self.attempt}
-
-
-def ledger_path(trainer: pl.Trainer) -> str:
-    """Where this run's sample ledger is (:func:`lightning_dist.elastic.read_ledger` reads it)."""
-    return ledger_dir(checkpoint_dir(trainer))
 
