@@ -278,8 +278,27 @@ def test_the_benchmark_judges_plans_and_reports_without_a_cluster(tmp_path):
     problems = " | ".join(bench.judge(bad, reference))
     for expected in ("exited [0, 1]", "lacks global batches [20]", "val/acc 0.9000", "loss at the first resumed"):
         assert expected in problems, problems
+    late = record("join", ledger(lambda p: 2), struck=115.0)
+    for step in late["ledger"].values():
+        step.attempt = "A"
+    late["attempts"] = bench._attempts(late["ledger"])
+    late["recovery_s"], late["resumed_from"] = bench._recovery(late), [f"x/preempted-step={total}.ckpt: regular"]
+    assert bench.late_join(late) and bench.judge(late, reference) == []  # the job was over before the host got in
     good["verdict"], bad["verdict"] = [], ["x"]
     text = bench.report([good, bad], reference, {"codes": [1], "resumed_from": [], "global_step": 59,
                                                   "world_size": 2, "val_acc": 0.95, "wall_s": 80.0})
     assert "1 of 2" in text and "kill: recovery median" in text and "anchor" in text
     bench.plot([good, bad]).savefig(tmp_path / "elastic.png")
+
+
+def test_a_script_whose_num_nodes_the_launcher_no_longer_has_is_told_what_to_pass(monkeypatch):
+    import lightning.pytorch as L
+
+    from lightning_dist import RingDDPStrategy
+
+    for key, value in {**ELASTIC_ENV, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                       "GROUP_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    told = r"num_nodes=3\) but torchrun runs 2 node\(s\).*LaunchEnv.current\(\).num_nodes"
+    with pytest.raises(ValueError, match=told):
+        L.Trainer(accelerator="cpu", devices=1, num_nodes=3, strategy=RingDDPStrategy(), logger=False)

@@ -46,7 +46,7 @@ from lightning_dist.compression import Compressor, as_compressor
 from lightning_dist.elastic import complete_from_siblings
 from lightning_dist.hetero import HeteroBatching
 from lightning_dist.hetero.batching import as_hetero, describe_event
-from lightning_dist.launch import attempt_store
+from lightning_dist.launch import LaunchEnv, attempt_store
 from lightning_dist.strategy import stepping
 from lightning_dist.strategy.checkpoint import compressor_entry, gather_states, restore_compressor
 from lightning_dist.strategy.dist_metrics import DistMetricsCallback
@@ -182,6 +182,14 @@ class RingDDPStrategy(DDPStrategy):
         # launch nothing, whatever start_method says. (Lightning's own DDPStrategy with "fork" or "spawn"
         # forks N more ranks inside each worker.) The subprocess launcher is the one that checks for this.
         assert self.cluster_environment is not None
+        launch = LaunchEnv.current()
+        if launch.launcher == "torchrun" and launch.num_nodes is not None and self.num_nodes != launch.num_nodes:
+            # Lightning's own check would say only that the product does not match; say what to pass
+            raise ValueError(
+                f"Trainer(num_nodes={self.num_nodes}) but torchrun runs {launch.num_nodes} node(s) now (world size "
+                f"{launch.world_size}, {launch.local_world_size} per node); under torchrun --nnodes MIN:MAX the count "
+                "changes between restarts: pass Trainer(num_nodes=lightning_dist.launch.LaunchEnv.current().num_nodes, "
+                "devices=LaunchEnv.current().local_world_size) (lightning-dist-train reads both from the launcher)")
         if self._hetero is not None and self.parallel_devices:  # list lengths, in the launching process
             self._hetero.check_world(self.num_nodes * len(self.parallel_devices))
         if self._start_method != "popen" and self.cluster_environment.creates_processes_externally:
