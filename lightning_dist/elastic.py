@@ -13,10 +13,10 @@ the same run, and how this package keeps it so:
   which rank of the old world a rank of the new one was, since torchrun renumbers ranks at every restart: a
   survivor gets its own error-feedback residuals and generators back (:func:`map_ranks`), a newcomer starts
   afresh, and what belonged to a lost host is named in one warning with its norm (:func:`lost_state_message`);
-- **the sample ledger** (:class:`LedgerWriter`, :func:`read_ledger`): every rank appends, per step, the dataset
-  indices its loader actually drew for that step and its loss, one file per process under
-  ``<checkpoint dir>/ledger/``; :func:`read_ledger` replays the attempts in order, dropping the steps an attempt
-  did after the state the next one resumed from (they were redone), and returns per step the global batch that
+- **the sample ledger** (:class:`LedgerWriter`, :func:`read_ledger`): every rank appends, per global batch, the
+  dataset indices its loader actually drew for it and its loss, one file per process under
+  ``<checkpoint dir>/ledger/``; :func:`read_ledger` replays the attempts in order, dropping the batches an attempt
+  did after the state the next one resumed from (they were redone), and returns per global batch the samples that
   reached the model.
 """
 
