@@ -102,7 +102,7 @@ def ledger_dir(checkpoint_dir: str) -> str:
 
 
 class LedgerWriter:
-    """One process's ledger file: a header line, then a line per training batch it finished.
+    """One process's ledger file: a header line, then two lines per training batch (its start, its end).
 
     The header names the attempt (a token every rank of one attempt shares), the global batch it resumed from, the
     world size, this rank and its identity. Each batch gets two lines: when it starts, the global batch's position in
@@ -221,19 +221,16 @@ def complete_from_siblings(checkpoint: dict[str, Any], path: str) -> list[int]:
     """Fill the per-rank states an emergency checkpoint lacks from the emergency checkpoints the other ranks wrote at
     the same step beside it (every survivor of a fault writes its own); returns the old ranks filled in. A regular
     checkpoint holds every rank's state already and is left as it is."""
-    from lightning_dist.fault.checkpoint import META_SUFFIX, find_checkpoints
+    from lightning_dist.fault.checkpoint import find_checkpoints
 
-    try:
-        with open(f"{path}{META_SUFFIX}") as fh:
-            meta = json.load(fh)
-    except (OSError, ValueError):
-        return []
-    if meta.get("kind") != "emergency":
+    here = os.path.abspath(path)
+    emergency = find_checkpoints([os.path.dirname(here)], "emergency-rank*-step=*.ckpt", recursive=False)
+    chosen = next((info for info in emergency if os.path.abspath(info.path) == here), None)
+    if chosen is None or chosen.kind != "emergency":
         return []
     filled = []
-    here = os.path.abspath(path)
-    for info in find_checkpoints([os.path.dirname(here)], "emergency-rank*-step=*.ckpt", recursive=False):
-        if info.global_step != meta.get("global_step") or info.rank is None or os.path.abspath(info.path) == here:
+    for info in emergency:
+        if info.global_step != chosen.global_step or info.rank is None or info is chosen:
             continue
         wanted = [keys for keys in PER_RANK_ENTRIES if (entry := per_rank_entry(checkpoint, keys)) is not None
                   and info.rank < len(entry["ranks"]) and entry["ranks"][info.rank] is None]

@@ -33,6 +33,19 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
 
 
+def _pids_inside(namespace: str) -> list[int]:
+    listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=False).stdout
+    return [int(pid) for pid in listed.split() if pid.isdigit()]
+
+
+def _kill_inside(namespace: str) -> None:
+    for pid in _pids_inside(namespace):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def unavailable() -> Optional[str]:
     """None when namespaces can be made here, else the reason (for a test's skip message)."""
     if not sys.platform.startswith("linux"):
@@ -118,13 +131,7 @@ class SimCluster:
                 pass
         self._procs = []
         for ns in self._made_namespaces:
-            # anything still running inside (a process that escaped its session) goes first
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False)
-            for pid in pids.stdout.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
+            _kill_inside(ns)  # anything still running inside (a process that escaped its session) goes first
             _ip("netns", "del", ns, check=False)
         for link in self._made_links:
             _ip("link", "del", link, check=False)
@@ -205,13 +212,11 @@ class SimCluster:
     def kill(self, host: int) -> None:
         """Every process inside ``host`` killed at once (SIGKILL), as when the machine dies: the launcher's agent and
         its workers, which run in sessions of their own."""
-        pids = subprocess.run(["ip", "netns", "pids", self.namespaces[host]], capture_output=True, text=True,
-                              check=False).stdout
-        for pid in pids.split():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
+        _kill_inside(self.namespaces[host])
+
+    def pids(self, host: int) -> list[int]:
+        """Every process running inside ``host``."""
+        return _pids_inside(self.namespaces[host])
 
     def wait(self, procs: Sequence[subprocess.Popen], timeout: float) -> list[Optional[int]]:
         """Wait for ``procs`` until ``timeout`` seconds in all; the exit codes (None: still running)."""

@@ -107,15 +107,14 @@ def _reached(ledger: Path, attempts_before: int = 0) -> tuple[int, int]:
 def _workers_left(cluster: Any, out: Path) -> list[str]:
     """Training processes of this run still alive in any host (torchrun's agents excepted)."""
     left = []
-    for ns in cluster.namespaces:
-        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False).stdout.split()
-        for pid in pids:
+    for host in range(cluster.hosts):
+        for pid in cluster.pids(host):
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
             if f"hydra.run.dir={out}" in cmd and "torch.distributed.run" not in cmd:
-                left.append(f"{ns}:{pid}")
+                left.append(f"host{host}:{pid}")
     return left
 
 

@@ -67,8 +67,8 @@ class ElasticTraining(Callback):
 
     def __init__(self, ledger: bool = True) -> None:
         self.ledger = ledger
-        self.identities: Optional[list[str]] = None
-        self.attempt: Optional[str] = None
+        self.identities: list[str] = []  # every rank's node identity, in rank order (set up per fit)
+        self.attempt = ""  # this attempt's name, rank 0's (set up per fit)
         self._writer: Optional[LedgerWriter] = None
         self._hetero: Any = None
         self._batch: Optional[tuple[int, int]] = None  # the batch under way: (position, global step before)
@@ -92,33 +92,32 @@ class ElasticTraining(Callback):
                             "without it a host whose link is cut leaves the survivors hanging")
         if problems:
             raise ValueError("ElasticTraining: " + "; ".join(problems))
-        identity = node_identity()
-        identities: list[Any] = [identity]
-        token: list[Any] = [attempt_token()]
+        # one exchange: every rank's identity, and rank 0's name for the attempt
+        mine = (node_identity(), attempt_token())
+        everyone: list[Any] = [mine]
         if trainer.world_size > 1 and dist.is_initialized():
-            identities = [None] * trainer.world_size
-            dist.all_gather_object(identities, identity)
-            dist.broadcast_object_list(token, src=0)
+            everyone = [None] * trainer.world_size
+            dist.all_gather_object(everyone, mine)
+        identities = [identity for identity, _ in everyone]
         if len(set(identities)) != len(identities):
             raise ValueError(f"ElasticTraining: node identities {identities} are not unique: several nodes have the "
                              "same host name; give each node a name in LIGHTNING_DIST_NODE")
-        self.identities, self.attempt, self._hetero = list(identities), str(token[0]), hetero
+        self.identities, self.attempt, self._hetero = identities, everyone[0][1], hetero
         features.identities = hetero.identities = self.identities  # type: ignore[union-attr]
 
     # -- the ledger ---------------------------------------------------------------------------------------------
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        sampler = self._hetero.sampler if self._hetero is not None else None
-        epoch, next_batch = sampler.completed if sampler is not None else (trainer.current_epoch, 0)
-        position = epoch * sampler.steps_per_epoch + next_batch if sampler is not None else 0
-        sizes = sampler.sizes(epoch, next_batch) if sampler is not None and next_batch < sampler.steps_per_epoch \
-            else None
+        sampler = self._hetero.sampler  # the training loader's, made before training starts
+        epoch, next_batch = sampler.completed
+        position = epoch * sampler.steps_per_epoch + next_batch
+        sizes = sampler.sizes(epoch, next_batch) if next_batch < sampler.steps_per_epoch else None
         rank_zero_info(f"ElasticTraining: attempt {self.attempt} on {trainer.world_size} ranks "
-                       f"({', '.join(self.identities or [])}) from global batch {position} (epoch {epoch}, batch "
+                       f"({', '.join(self.identities)}) from global batch {position} (epoch {epoch}, batch "
                        f"{next_batch}, global step {trainer.global_step}); per-rank sizes {sizes}")
         if self.ledger:
-            self._writer = LedgerWriter(ledger_dir(checkpoint_dir(trainer)), str(self.attempt), trainer.global_rank,
-                                        trainer.world_size, (self.identities or ["?"])[trainer.global_rank],
+            self._writer = LedgerWriter(ledger_dir(checkpoint_dir(trainer)), self.attempt, trainer.global_rank,
+                                        trainer.world_size, self.identities[trainer.global_rank],
                                         resumed_from=position, started=time.time())
 
     @override

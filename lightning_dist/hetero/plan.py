@@ -19,6 +19,8 @@ import math
 from collections.abc import Sequence
 from typing import Optional
 
+from lightning_dist.elastic import map_ranks
+
 
 def split_batch(total: int, weights: Sequence[float], min_size: int = 1, max_sizes: Optional[Sequence[int]] = None
                 ) -> list[int]:
@@ -137,8 +139,7 @@ class BatchPlan:
             weights = [1.0] * self.world_size
         else:
             mean = sum(old) / len(old)
-            where = {identity: rank for rank, identity in enumerate(old_identities)}
-            weights = [old[where[i]] if i in where else mean for i in new_identities]
+            weights = [old[r] if r is not None else mean for r in map_ranks(old_identities, new_identities)]
         self.changes = [(0, tuple(weights))]
         self._cache.clear()
 
