@@ -14,17 +14,18 @@ from lightning_dist.simcluster import unavailable
 
 REASON = unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+DEADLINE_S = 200  # a job that hangs is ended, and judged, well before pytest-timeout's 300 s
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    record = run_trial(Trial(), tmp_path_factory.mktemp("reference"))
+    record = run_trial(Trial(), tmp_path_factory.mktemp("reference"), DEADLINE_S)
     assert judge(record, None) == [], record
     return record
 
 
 def test_a_host_killed_then_back_costs_no_sample(reference, tmp_path):
-    record = run_trial(Trial("kill", host=2, position=5, rejoin_at=7), tmp_path)
+    record = run_trial(Trial("kill", host=2, position=5, rejoin_at=7), tmp_path, DEADLINE_S)
     assert judge(record, reference) == []
     assert [a["world_size"] for a in record["attempts"]] == [3, 2, 3]
     rejoined = [a for a in record["attempts"] if a["first_done"] > record["rejoined"]]
@@ -33,14 +34,14 @@ def test_a_host_killed_then_back_costs_no_sample(reference, tmp_path):
 
 
 def test_a_host_cut_off_costs_no_sample(reference, tmp_path):
-    record = run_trial(Trial("cut", host=1, position=25), tmp_path)
+    record = run_trial(Trial("cut", host=1, position=25), tmp_path, DEADLINE_S)
     assert judge(record, reference) == []
     assert [a["world_size"] for a in record["attempts"]] == [3, 2]
 
 
 @pytest.mark.parametrize("compression", ["int8", "topk", "powersgd"])
 def test_every_stateful_compressor_trains_on_and_warns_once(tmp_path, compression):
-    record = run_trial(Trial("kill", host=1, position=5, compression=compression, epochs=1), tmp_path)
+    record = run_trial(Trial("kill", host=1, position=5, compression=compression, epochs=1), tmp_path, DEADLINE_S)
     assert judge(record, None) == []
     assert record["warnings"] == 1  # one warning, on rank 0, naming what the lost host held
     losses = [step.loss for step in record["ledger"].values()]
