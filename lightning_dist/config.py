@@ -40,6 +40,12 @@ class Algorithm(str, Enum):
     auto = "auto"
 
 
+class TopologyKind(str, Enum):
+    auto = "auto"
+    flat = "flat"
+    two_tier = "two_tier"
+
+
 class StartMethod(str, Enum):
     popen = "popen"
     spawn = "spawn"
@@ -75,6 +81,8 @@ class StrategyConf:
     _target_: str = "lightning_dist.RingDDPStrategy"
     algorithm: Optional[Algorithm] = Algorithm.auto  # None for strategies without one (stock ddp)
     overlap: Optional[bool] = True  # reduce buckets on a communication thread during backward; None for stock ddp
+    # flat | two_tier (dense inside a host, compressed between hosts) | auto; None for stock ddp
+    topology: Optional[TopologyKind] = TopologyKind.auto
     start_method: StartMethod = StartMethod.fork  # fork starts fastest on CPU; popen for CUDA / clusters
     timeout: float = 1800.0  # seconds a collective waits for a stalled peer before failing
     find_unused_parameters: bool = False
@@ -132,7 +140,8 @@ class TrainConf:
 
 
 def stock_ddp_strategy(timeout: float, algorithm: Optional[str] = None, overlap: Optional[bool] = None,
-                       compressor: Any = None, hetero: Any = None, **kwargs: Any) -> Any:
+                       compressor: Any = None, hetero: Any = None, topology: Optional[str] = None,
+                       **kwargs: Any) -> Any:
     """Lightning's own DDPStrategy from the same keys, for side-by-side runs (``strategy=ddp``)."""
     from datetime import timedelta
 
@@ -143,6 +152,9 @@ def stock_ddp_strategy(timeout: float, algorithm: Optional[str] = None, overlap:
     if overlap is not None:
         raise ValueError(f"strategy.overlap={overlap!r} has no meaning for stock ddp (it always overlaps); "
                          "use strategy=ring_ddp")
+    if topology is not None:
+        raise ValueError(f"strategy.topology={topology!r} needs strategy=ring_ddp (stock ddp leaves the choice to "
+                         "the backend); drop strategy.topology= or use strategy=ring_ddp")
     if compressor is not None and getattr(compressor, "name", "none") != "none":
         raise ValueError(f"compression={compressor.name} needs strategy=ring_ddp (stock ddp sends gradients as they "
                          "are on CPU); drop compression= or use strategy=ring_ddp")
@@ -339,6 +351,10 @@ def validate(cfg: DictConfig) -> None:
                         "or resume=never; ckpt_path=PATH resumes from one file")
     if cfg.strategy.timeout <= 0:
         problems.append(f"strategy.timeout={cfg.strategy.timeout}: seconds, > 0 (default 1800)")
+    nodes = LaunchEnv.current().num_nodes or t.num_nodes  # the launcher's count wins (resolve_num_nodes)
+    if _value(cfg.strategy.get("topology")) == "two_tier" and nodes < 2:
+        problems.append(f"strategy.topology=two_tier on {nodes} node: it needs 2 or more hosts; use "
+                        "strategy.topology=auto (two_tier where it applies) or flat")
     if t.accelerator == "cpu" and isinstance(devices, int) and devices > (os.cpu_count() or 1) * 4:
         problems.append(
             f"trainer.devices={t.devices} CPU processes on {os.cpu_count()} cores would crawl; "
@@ -351,6 +367,11 @@ def validate(cfg: DictConfig) -> None:
     problems += _elastic_problems(cfg)
     if problems:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def _value(option: Any) -> Any:
+    """An enum option's value (structured configs hold enums), anything else as it is."""
+    return getattr(option, "value", option)
 
 
 def _callback_problems(cfg: DictConfig, name: str, cls: type, check: Any) -> list[str]:

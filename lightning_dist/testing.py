@@ -150,7 +150,7 @@ def run_ranks(
 
 
 @contextlib.contextmanager
-def launched_externally(rank: int, world_size: int) -> Iterator[None]:
+def launched_externally(rank: int, world_size: int, hosts: int = 1) -> Iterator[None]:
     """Inside a :func:`run_ranks` rank: let Lightning train in this very process, as under ``torchrun``.
 
     Sets the variables a launcher sets (``LOCAL_RANK``, ``RANK``, ``WORLD_SIZE``, ``NODE_RANK``), so
@@ -158,10 +158,25 @@ def launched_externally(rank: int, world_size: int) -> Iterator[None]:
     :func:`run_ranks` already initialised: ``Trainer(devices=world_size).fit(...)`` then runs on every rank
     in-process, fits in a fraction of a second, and its exceptions reach the caller. Restores the
     environment afterwards.
+
+    With ``hosts`` > 1 the ranks pose as ``hosts`` nodes of ``world_size // hosts`` ranks each, numbered node by
+    node, through the variables torchrun sets (``GROUP_RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+    ``TORCHELASTIC_RUN_ID``; no ``MASTER_ADDR``, so no store is looked for): train with
+    ``Trainer(devices=world_size // hosts, num_nodes=hosts)``.
     """
-    names = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")
+    if hosts < 1 or world_size % hosts:
+        raise ValueError(f"hosts={hosts} must divide world_size={world_size}")
+    per_host = world_size // hosts
+    values = {"LOCAL_RANK": str(rank % per_host), "RANK": str(rank), "WORLD_SIZE": str(world_size),
+              "NODE_RANK": str(rank // per_host)}
+    if hosts > 1:
+        values.update(GROUP_RANK=str(rank // per_host), LOCAL_WORLD_SIZE=str(per_host), GROUP_WORLD_SIZE=str(hosts),
+                      TORCHELASTIC_RUN_ID="launched_externally")
+    names = (*values, "GROUP_RANK", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
     saved = {name: os.environ.get(name) for name in names}
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size), NODE_RANK="0")
+    for name in names:
+        os.environ.pop(name, None)
+    os.environ.update(values)
     try:
         yield
     finally:

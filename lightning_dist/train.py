@@ -102,6 +102,11 @@ class RunSummaryCallback(Callback):
             "compression_ratio": (totals["dense_bytes"] / totals["bytes_sent"]
                                   if totals.get("bytes_sent") and "dense_bytes" in totals else 1.0),
             "compressor": features.compressor.describe() if features is not None else "none",
+            # how the gradients travelled (flat or two_tier, the ranks on each host) and rank zero's bytes per tier
+            "topology": ({"kind": features.topology.kind, "hosts": [list(h) for h in features.topology.hosts]}
+                         if features is not None and features.topology is not None else None),
+            "bytes_intra_host_rank0": totals.get("bytes_intra_host", 0.0),
+            "bytes_inter_host_rank0": totals.get("bytes_inter_host", 0.0),
             "comm_time_s_rank0": totals.get("comm_s", 0.0),
             "codec_time_s_rank0": totals.get("codec_s", 0.0),
             # callbacks that report on the run (MemoryMonitor: the estimate, the peaks, threshold events)

@@ -82,14 +82,19 @@ def test_choose_algorithm_depends_only_on_size_backend_and_world_size():
 def test_comm_stats_totals_and_reset():
     stats = CommStats()
     stats.record(CallRecord("ring", 10, 40, 40, 0.5))
-    stats.record(CallRecord("tree", 2, 8, 8, 0.25))
+    stats.tier("inter_host").record(CallRecord("tree", 2, 8, 8, 0.25))  # a view: counted in both
+    stats.tier("intra_host").record(CallRecord("native", 1, 4, 4, 0.0))
     stats.record_dense(80)
-    stats.record_codec(0.125)
-    assert stats.as_dict() == {"calls": 2, "bytes_sent": 48, "bytes_received": 48, "seconds": 0.75,
-                               "dense_bytes": 80, "codec_seconds": 0.125}
-    assert [r.algorithm for r in stats.records] == ["ring", "tree"]
+    stats.tier("intra_host").record_codec(0.125)
+    assert stats.as_dict() == {"calls": 3, "bytes_sent": 52, "bytes_received": 52, "seconds": 0.75,
+                               "dense_bytes": 80, "codec_seconds": 0.125, "bytes_intra_host": 4.0,
+                               "bytes_inter_host": 8.0}
+    assert [r.algorithm for r in stats.records] == ["ring", "tree", "native"]
+    with pytest.raises(ValueError, match="tier='host'"):
+        stats.tier("host")
     stats.reset()
     assert stats.calls == 0 and stats.records == [] and stats.dense_bytes == 0 and stats.codec_seconds == 0
+    assert stats.tier_bytes == {}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

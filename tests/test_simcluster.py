@@ -120,3 +120,29 @@ def test_a_host_fault_ends_every_rank_within_the_bound_and_the_run_resumes(tmp_p
         assert "no rank has made progress" in logs
     assert resumed == [0, 0] and "resume=auto: resuming from" in logs
     assert summary["global_step"] == 46  # both epochs done
+
+
+def test_two_hosts_of_two_ranks_train_two_tier_to_flats_accuracy(tmp_path):
+    """Issue 24: torchrun --nproc-per-node 2 on each of 2 hosts; top-k between hosts only (two_tier) against top-k
+    over all 4 ranks (flat): the same accuracy, and two_tier sends far less across the hosts."""
+    summaries = {}
+    for topology in ("flat", "two_tier"):
+        out = str(tmp_path / topology)
+        args = ["-m", "lightning_dist.train", "trainer.devices=2", "trainer.num_nodes=2", "trainer.max_epochs=6",
+                "trainer.enable_progress_bar=false", "callbacks=[]", "compression=topk", "compression.ratio=0.05",
+                f"strategy.topology={topology}", f"hydra.run.dir={out}"]
+        with SimCluster(2, rate_mbit=1000) as cluster:
+            procs = []
+            for i in range(2):
+                with open(f"{out}.host{i}.log", "w") as log:
+                    procs.append(cluster.popen(i, cluster.torchrun(i, args, nproc=2), env=cluster.env(), stdout=log,
+                                               stderr=subprocess.STDOUT))
+            codes = cluster.wait(procs, 150)
+        assert codes == [0, 0], Path(f"{out}.host0.log").read_text()[-3000:]
+        summaries[topology] = json.loads(Path(f"{out}/summary.json").read_text())
+    flat, tiered = summaries["flat"], summaries["two_tier"]
+    assert flat["topology"]["kind"] == "flat" and tiered["topology"] == {"kind": "two_tier", "hosts": [[0, 1], [2, 3]]}
+    accuracy = tiered["metrics"]["val/acc"]
+    assert accuracy >= 0.9 and abs(accuracy - flat["metrics"]["val/acc"]) < 0.02, (accuracy, flat["metrics"])
+    assert tiered["bytes_inter_host_rank0"] * 3 < flat["bytes_inter_host_rank0"]  # 1 payload of half, not 3 whole
+    assert tiered["bytes_intra_host_rank0"] > 0 and flat["bytes_intra_host_rank0"] == 0

@@ -70,6 +70,8 @@ def test_callbacks_take_a_list():
         ("trainer.max_epoch=3", ConfigCompositionException, "max_epoch"),
         ("strategy.algorithm=rings", ConfigCompositionException, "rings"),
         ("strategy.overlap=maybe", ConfigCompositionException, "maybe"),
+        ("strategy.topology=two_tiers", ConfigCompositionException, "two_tiers"),
+        ("strategy.topology=two_tier", ValueError, "strategy.topology=two_tier on 1 node"),
         ("trainer.devices=two", ValueError, "trainer.devices='two'"),
         ("trainer.devices=-1", ValueError, "trainer.devices=-1 on CPU"),
         ("trainer.num_nodes=2", ValueError, "num_nodes=2 needs a launcher"),
@@ -207,6 +209,8 @@ def test_stock_ddp_refuses_ring_ddp_only_keys():
         stock_ddp_strategy(timeout=60.0, overlap=False)
     with pytest.raises(ValueError, match="strategy.algorithm='ring'"):
         stock_ddp_strategy(timeout=60.0, algorithm="ring")
+    with pytest.raises(ValueError, match="strategy.topology='flat'"):
+        stock_ddp_strategy(timeout=60.0, topology="flat")
     plain = OmegaConf.to_container(_compose("strategy=ddp"), resolve=True, enum_to_str=True)
     assert instantiate(plain["strategy"]).__class__.__name__ == "DDPStrategy"
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 TOPOLOGIES = ("auto", "flat", "two_tier")
 
@@ -52,6 +53,12 @@ class Topology:
             if rank in ranks:
                 return ranks.index(rank)
         raise ValueError(f"rank {rank} is on no host of {self.hosts}")
+
+
+def state_layout(topology: Optional[Topology]) -> str:
+    """What a compressor's per-rank state is kept for: whole buckets (``"flat"``; also with one rank, ``None``) or one
+    of ``L`` shards of each (``"two_tier/L"``). A checkpoint's per-rank state applies only under the same layout."""
+    return "flat" if topology is None or topology.kind == "flat" else f"two_tier/{topology.ranks_per_host}"
 
 
 def resolve_topology(requested: str, node_ranks: Sequence[int]) -> Topology:

@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from lightning_dist.comm._common import chunk_bounds
+
 if TYPE_CHECKING:
     from lightning_dist.compression.transport import Transport
 
@@ -111,6 +113,39 @@ class BucketLayout:
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's part of ``flat``, in its own shape (views: writing them writes ``flat``)."""
         return [flat[start:end].view(shape) for _, start, end, shape in self.spans()]
+
+    def split(self, parts: int) -> list[tuple[BucketLayout, list[tuple[int, int]]]]:
+        """Every parameter cut into ``parts`` slices; slice ``i`` of every parameter, in bucket order, makes part
+        ``i``: its layout and where each of its pieces lies in the bucket (``(start, end)``, flat).
+
+        A parameter with at least ``parts`` rows is cut between rows (slice ``i`` is a ``(rows_i, *shape[1:])``
+        block, so PowerSGD still sees a matrix); a smaller one between elements (1-D slices). Sizes differ by at
+        most one row. A piece is named ``name#i/parts``: the name depends on the parameter and ``parts`` only, never
+        on where DDP put the parameter in its bucket (DDP rebuilds its buckets after the first step, in the order
+        gradients became ready), so per-piece state (error feedback, PowerSGD's factors) follows the piece across
+        rebuilds, processes and checkpoints. Empty slices are left out.
+
+        A two-tier reduction (:mod:`lightning_dist.strategy.tiers`) hands part ``i`` to the ``i``-th rank of every
+        host.
+        """
+        if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+            raise ValueError(f"parts={parts!r} must be an int >= 1")
+        pieces: list[list[tuple[str, torch.Size]]] = [[] for _ in range(parts)]
+        spans: list[list[tuple[int, int]]] = [[] for _ in range(parts)]
+        for name, start, end, shape in self.spans():
+            for i, (a, b, piece_shape) in enumerate(_slices(shape, end - start, parts)):
+                if b > a:
+                    pieces[i].append((f"{name}#{i}/{parts}", piece_shape))
+                    spans[i].append((start + a, start + b))
+        return [(BucketLayout.of(pieces[i]), spans[i]) for i in range(parts)]
+
+
+def _slices(shape: torch.Size, numel: int, parts: int) -> list[tuple[int, int, torch.Size]]:
+    """A parameter's ``parts`` slices: (first element, end, shape), between rows where there are enough rows."""
+    if len(shape) >= 1 and shape[0] >= parts:
+        row = numel // shape[0]
+        return [(r0 * row, r1 * row, torch.Size([r1 - r0, *shape[1:]])) for r0, r1 in chunk_bounds(shape[0], parts)]
+    return [(a, b, torch.Size([b - a])) for a, b in chunk_bounds(numel, parts)]
 
 
 class Compressor:

@@ -27,21 +27,22 @@ CHECKPOINT_KEY = "lightning_dist"  # the checkpoint's entry for every rank's com
 
 
 def compressor_entry(compressor: Compressor, world_size: int, ranks: list[Any],
-                     identities: Optional[list[str]] = None) -> dict[str, Any]:
-    """What the checkpoint gains: the compressor's description and every rank's state (None: not saved), and in an
-    elastic run every rank's node identity."""
+                     identities: Optional[list[str]] = None, layout: str = "flat") -> dict[str, Any]:
+    """What the checkpoint gains: the compressor's description and every rank's state (None: not saved), what that
+    state is kept for (``layout``: :attr:`lightning_dist.comm.topology.Topology.state_layout`), and in an elastic run
+    every rank's node identity."""
     return {CHECKPOINT_KEY: {"compressor": {"describe": compressor.describe(), "world_size": world_size,
-                                            "ranks": ranks, "identities": identities}}}
+                                            "ranks": ranks, "identities": identities, "layout": layout}}}
 
 
 def local_entry(compressor: Compressor, rank: int, world_size: int,
-                identities: Optional[list[str]] = None) -> dict[str, Any]:
+                identities: Optional[list[str]] = None, layout: str = "flat") -> dict[str, Any]:
     """The entry with this rank's state only, and no collective: for an emergency checkpoint. A run resumed from
     it restarts the other ranks' per-rank state (residuals, generators) at zero, unless (elastic runs) they find
     their own in the emergency checkpoints their ranks wrote at the same step."""
     ranks: list[Any] = [None] * world_size
     ranks[rank] = compressor.state_dict()
-    return compressor_entry(compressor, world_size, ranks, identities)
+    return compressor_entry(compressor, world_size, ranks, identities, layout)
 
 
 def gather_states(compressor: Compressor, world_size: int, group: Optional[dist.ProcessGroup]) -> list[Any]:
@@ -55,9 +56,10 @@ def gather_states(compressor: Compressor, world_size: int, group: Optional[dist.
 
 
 def restore_compressor(compressor: Compressor, checkpoint: dict[str, Any], rank: int, world_size: int,
-                       identities: Optional[list[str]] = None) -> None:
+                       identities: Optional[list[str]] = None, layout: str = "flat") -> None:
     """This rank's compressor state from a checkpoint; what cannot apply starts afresh, with a warning (in an elastic
-    run, ``identities`` given: the state of the old rank with this rank's identity, silently)."""
+    run, ``identities`` given: the state of the old rank with this rank's identity, silently). Per-rank state applies
+    only under the ``layout`` it was kept for (a two-tier rank's residuals are its host's debt on its shard)."""
     saved = (checkpoint.get(CHECKPOINT_KEY) or {}).get("compressor")
     if saved is None:
         if compressor.lossy:
@@ -70,6 +72,14 @@ def restore_compressor(compressor: Compressor, checkpoint: dict[str, Any], rank:
         return
     ranks = saved["ranks"]
     first = next(state for state in ranks if state is not None)  # shared state is the same on every rank
+    saved_layout = saved.get("layout", "flat")
+    if saved_layout != layout:
+        if compressor.lossy:
+            rank_zero_warn(f"The checkpoint's compressor state was kept for topology {saved_layout}, this run reduces "
+                           f"as {layout}: per-rank state (error-feedback residuals, random generators, PowerSGD's "
+                           "factors of shard pieces) starts afresh; the step count is restored.")
+        compressor.load_state_dict(first, shared_only=True)
+        return
     if identities is not None and saved.get("identities"):
         old = map_ranks(saved["identities"], identities)[rank]
         if old is not None and ranks[old] is not None:

@@ -23,6 +23,11 @@ Logged metrics (``r`` is a rank index):
 - ``dist/dense_bytes_per_rank``: what the dense ring would have sent for the same gradients,
   ``2 (N - 1) / N`` x the bucket's bytes (4 per fp32 element), mean over ranks
 - ``dist/compression_ratio``: dense bytes over bytes sent (1.0 uncompressed; ~2 with fp16, ~4 with int8)
+- ``dist/bytes_inter_host``: the bytes every rank together sent this step in collectives whose group spans hosts:
+  under ``topology="two_tier"`` the shards' reductions between hosts; on the flat path, with ranks on 2 or more
+  hosts, all of it (an upper bound on what crossed: a ring's edges inside a host are counted too)
+- ``dist/bytes_intra_host``: the bytes every rank together sent this step in collectives inside one host
+  (two_tier's reduce-scatter and all-gather; everything on the flat path on one host)
 - ``dist/codec_ms``: the longest time any rank spent compressing and decompressing this step, ms
 - ``dist/straggler_ratio``: slowest rank's compute time over the fastest's (1.0 is balanced)
 - ``dist/rank{r}/compute_ms``: rank ``r``'s forward+backward time less its exposed communication, ms

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_dist.comm.topology import Topology, state_layout
 from lightning_dist.compression import Compressor
 from lightning_dist.hetero import HeteroBatching
 from lightning_dist.strategy.checkpoint import local_entry
@@ -138,7 +139,13 @@ class RingFeatures:
         rank's compressor state only and no collective (an emergency checkpoint, written while peers may be
         gone)."""
         return local_entry(self._hook_state.compressor, self._strategy.global_rank, self._strategy.world_size,
-                           self.identities)
+                           self.identities, state_layout(self.topology))
+
+    @property
+    def topology(self) -> Optional[Topology]:
+        """How the gradients are reduced, resolved at set-up, the same on every rank: ``kind`` (``"flat"`` or
+        ``"two_tier"``) and the ranks on each host; None with one rank."""
+        return self._strategy.topology
 
 
 def features_of(strategy: Any) -> Optional[RingFeatures]:

@@ -32,6 +32,10 @@ DDP waits for every Future at the end of backward. Work that would block (our ri
 is queued on the worker; the backend's native all-reduce of a lightly compressed bucket is issued
 asynchronously (:func:`~lightning_dist.comm.allreduce_async`) right here when the worker is idle, and
 decompressed in its completion callback; so is the last bucket, behind which nothing is left to overlap.
+With a two-tier topology (``RingHookState.tiers``, :mod:`lightning_dist.strategy.tiers`) every bucket takes the
+general path: a reduce-scatter inside the host, the shard across hosts through the compressor, an all-gather
+inside the host, on the worker.
+
 Without a worker the hook reduces on the autograd thread and returns a completed ``Future``
 (``overlap=False``: simpler to debug, and the baseline the step benchmark compares against).
 
@@ -55,9 +59,11 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from lightning_dist.comm import CommStats, allreduce_async, completed_future, resolve_algorithm, ring_bytes_sent
+from lightning_dist.comm.stats import TierStats
 from lightning_dist.compression import BucketLayout, Compressor, NoCompressor, Transport
 from lightning_dist.strategy.comm_worker import CommWorker
 from lightning_dist.strategy.skip import StepGuard
+from lightning_dist.strategy.tiers import TwoTier
 
 
 @dataclass
@@ -100,23 +106,34 @@ class RingHookState:
     # (and renumbers) its buckets after the first step and in every new process
     param_names: dict[int, str] = field(default_factory=dict)
     rank: int = 0  # this rank's place in process_group (for counting the dense ring's bytes)
+    # two-tier reduction (None: flat, every bucket on process_group); with it, process_group is unused
+    tiers: Optional[TwoTier] = None
+    # the tier of process_group's traffic on the flat path: "inter_host" when its ranks span hosts
+    flat_tier: str = "intra_host"
     transport: Optional[Transport] = None  # made on first use from process_group, algorithm and stats
     _layouts: dict[tuple[int, int, int], BucketLayout] = field(default_factory=dict)
     _dense_bytes: dict[BucketLayout, int] = field(default_factory=dict)  # the dense ring's bytes per bucket
 
     def get_transport(self) -> Transport:
         if self.transport is None or self.transport.group is not self.process_group:
-            self.transport = Transport(self.algorithm, self.process_group, self.stats)
+            self.transport = Transport(self.algorithm, self.process_group, self.flat_stats())
         return self.transport
+
+    def flat_stats(self) -> TierStats:
+        """The step's stats as the flat path records into them (bytes counted under :attr:`flat_tier`)."""
+        return self.stats.tier(self.flat_tier)
 
     def step_share(self) -> float:
         """This rank's share of the step: what the gradient of the loss is multiplied by."""
         return 1.0 / self.world_size if self.share is None else self.share
 
     def bind(self, model: torch.nn.Module, group: Optional[dist.ProcessGroup], world_size: int,
-             on_last_bucket: Optional[Callable[[], None]]) -> None:
-        """Attach to a freshly wrapped DDP model: its parameters' names, the comm group, no cached buckets."""
+             on_last_bucket: Optional[Callable[[], None]], tiers: Optional[TwoTier] = None,
+             spans_hosts: bool = False) -> None:
+        """Attach to a freshly wrapped DDP model: its parameters' names, the comm group (or the two-tier groups),
+        no cached buckets."""
         self.world_size, self.process_group, self.on_last_bucket = world_size, group, on_last_bucket
+        self.tiers, self.flat_tier = tiers, "inter_host" if spans_hosts else "intra_host"
         self.rank = dist.get_rank(group) if group is not None else 0
         self.transport = None
         self._layouts.clear()
@@ -138,7 +155,7 @@ class RingHookState:
 
     def unbind(self) -> None:
         """After teardown: no group, no transport (the groups are destroyed)."""
-        self.process_group = self.transport = None
+        self.process_group = self.transport = self.tiers = None
 
     def close_backward(self) -> None:
         """After a backward pass (all its buckets reduced): add the time backward waited for the last of them."""
@@ -188,7 +205,7 @@ def ring_comm_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futur
     if is_last:
         state.handed_at = time.perf_counter()
     what = f"gradient bucket {bucket.index()} ({_short(layout.key)})"
-    if not codec.summable:  # its own collectives, run to completion on the worker
+    if not codec.summable or state.tiers is not None:  # its own collectives, run to completion on the worker
         return state.worker.submit(reduce_job, what=what, here_if_idle=is_last)
     # Work that only issues the backend's asynchronous all-reduce never blocks; it runs right here when the
     # worker is idle (the order stays DDP's), as does the last bucket, behind which nothing is left to overlap.
@@ -207,7 +224,8 @@ def ring_comm_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futur
         if timed:
             stats.record_codec(time.perf_counter() - started)
         with _stage(f"lightning_dist.transport.{state.algorithm}"):
-            return allreduce_async(payload, state.algorithm, group=state.process_group, op="sum", stats=stats,
+            return allreduce_async(payload, state.algorithm, group=state.process_group, op="sum",
+                                   stats=state.flat_stats(),
                                    then=lambda reduced: _decompress(codec, stats, clock, reduced, ctx, buffer, timed,
                                                                      reduced_check))
 
@@ -224,12 +242,16 @@ def _weigh(state: RingHookState, buffer: torch.Tensor) -> None:
 
 
 def _reduce(state: RingHookState, codec: Compressor, buffer: torch.Tensor, layout: BucketLayout) -> torch.Tensor:
-    """The general path: the compressor drives its own collectives through the state's transport."""
-    transport = state.get_transport()
-    started, on_wire = time.perf_counter(), transport.seconds
+    """The general path: the compressor drives its own collectives through the state's transport (flat), or
+    through the two tiers."""
+    wire = state.get_transport() if state.tiers is None else state.tiers
+    started, on_wire = time.perf_counter(), wire.seconds
     with _stage(f"lightning_dist.compressed_reduce.{codec.name}"):
-        codec.reduce(buffer, layout, transport)
-    state.stats.record_codec(max(0.0, time.perf_counter() - started - (transport.seconds - on_wire)))
+        if state.tiers is None:
+            codec.reduce(buffer, layout, wire)
+        else:
+            state.tiers.reduce(buffer, layout, codec)
+    state.stats.record_codec(max(0.0, time.perf_counter() - started - (wire.seconds - on_wire)))
     state.clock.done_at = max(state.clock.done_at, time.perf_counter())
     return buffer
 

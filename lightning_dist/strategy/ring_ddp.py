@@ -3,7 +3,8 @@
 Like Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy`, the class is a set of overrides that
 delegate; each mechanism lives in a module beside it:
 
-- :mod:`.hook` (with :mod:`.comm_worker`): the DDP comm hook, registered on every device. Lightning's
+- :mod:`.hook` (with :mod:`.comm_worker`): the DDP comm hook, registered on every device; with a two-tier
+  topology (:mod:`lightning_dist.comm.topology`) it reduces each bucket through :mod:`.tiers`. Lightning's
   ``_register_ddp_hooks`` (private, hence the ``lightning>=2.6,<2.7`` pin and a test that fails if it goes)
   registers hooks only on CUDA and drops them silently on CPU. With ``overlap=True`` each bucket travels on
   a communication thread while backward computes the next, on a process group of the strategy's own;
@@ -42,6 +43,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_dist.comm import check_algorithm, release_scratch
+from lightning_dist.comm.topology import TOPOLOGIES, Topology, resolve_topology, state_layout
 from lightning_dist.compression import Compressor, as_compressor
 from lightning_dist.elastic import complete_from_siblings
 from lightning_dist.hetero import HeteroBatching
@@ -55,6 +57,7 @@ from lightning_dist.strategy.hook import RingHookState, ring_comm_hook
 from lightning_dist.strategy.schedule import ExchangeSchedule
 from lightning_dist.strategy.skip import StepGuard
 from lightning_dist.strategy.step_meter import StepMeter
+from lightning_dist.strategy.tiers import TwoTier
 
 if not callable(getattr(DDPStrategy, "_register_ddp_hooks", None)):  # pragma: no cover - guarded by a test too
     raise ImportError(
@@ -89,6 +92,11 @@ class RingDDPStrategy(DDPStrategy):
             sizes that follow each rank's speed, gradients weighted by sample count. None: even batches.
         overlap: ``True`` (default): a communication thread reduces each bucket while backward computes the
             next; ``False``: the hook blocks the autograd thread until its bucket has travelled.
+        topology: ``"flat"`` (every rank alike), ``"two_tier"`` (dense inside each host, ``algorithm`` and
+            ``compressor`` only between hosts: :mod:`lightning_dist.strategy.tiers`) or ``"auto"`` (default:
+            two_tier on at least 2 hosts of at least 2 ranks each, the same count on every host; flat
+            otherwise). Hosts are the launcher's nodes (Lightning's node rank: torchrun's ``GROUP_RANK``,
+            SLURM's ``SLURM_NODEID``, ``NODE_RANK``).
         **kwargs: every other keyword of :class:`~torch.nn.parallel.DistributedDataParallel` that
             DDPStrategy passes through (``find_unused_parameters``, ``static_graph``, ``bucket_cap_mb``, ...).
 
@@ -115,6 +123,7 @@ class RingDDPStrategy(DDPStrategy):
         compressor: Union[Compressor, str, None] = None,
         overlap: bool = True,
         hetero: Union[HeteroBatching, dict, None] = None,
+        topology: str = "auto",
         **kwargs: Any,
     ) -> None:
         given = {"ddp_comm_state": ddp_comm_state, "ddp_comm_hook": ddp_comm_hook,
@@ -127,6 +136,10 @@ class RingDDPStrategy(DDPStrategy):
                 "Lightning's DDPStrategy if you need your own hook."
             )
         check_algorithm(algorithm)
+        topology = getattr(topology, "value", topology)  # Hydra's structured config passes an enum
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"topology={topology!r}; use one of {', '.join(TOPOLOGIES)} ('auto': two_tier on 2 or "
+                             "more hosts of 2 or more ranks each).")
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method={start_method!r}; use 'popen', 'spawn', 'fork' or 'forkserver'.")
         if not isinstance(overlap, bool):
@@ -140,6 +153,9 @@ class RingDDPStrategy(DDPStrategy):
         self._algorithm = algorithm
         self._overlap = overlap
         self._hetero = as_hetero(hetero)
+        self._topology_request = topology
+        self.topology: Optional[Topology] = None  # what topology resolved to at set-up (every rank alike)
+        self._tier_groups: list[dist.ProcessGroup] = []  # this rank's host group and shard group (two_tier)
         self._guard = StepGuard()  # step-or-skip, armed by NaNRecovery
         self._hook_state = RingHookState(algorithm=algorithm, compressor=as_compressor(compressor), guard=self._guard)
         self._comm_group: Optional[dist.ProcessGroup] = None  # the gradient buckets' own group
@@ -166,15 +182,19 @@ class RingDDPStrategy(DDPStrategy):
         store = attempt_store(self._timeout)
         if store is None:
             super().setup_distributed()
-            return
-        # DDPStrategy.setup_distributed, with the store of this attempt
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._get_process_group_backend()
-        assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
-                              device_id=device_id, store=store)
+        else:  # DDPStrategy.setup_distributed, with the store of this attempt
+            reset_seed()
+            self.set_world_ranks()
+            self._process_group_backend = self._get_process_group_backend()
+            assert self.cluster_environment is not None
+            device_id = self.root_device if self.root_device.type != "cpu" else None
+            _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
+                                  device_id=device_id, store=store)
+        # The exchange's group (a CPU tensor on every backend, so gloo) and the topology, before anything is
+        # restored from a checkpoint (whose compressor state applies only under the same topology)
+        if self.world_size > 1:
+            self._schedule.group = dist.new_group(backend="gloo", timeout=self._timeout)
+            self.topology = self._resolve_topology()
 
     @override
     def _configure_launcher(self) -> None:
@@ -192,6 +212,9 @@ class RingDDPStrategy(DDPStrategy):
                 "devices=LaunchEnv.current().local_world_size) (lightning-dist-train reads both from the launcher)")
         if self._hetero is not None and self.parallel_devices:  # list lengths, in the launching process
             self._hetero.check_world(self.num_nodes * len(self.parallel_devices))
+        if self._topology_request == "two_tier" and self.num_nodes < 2:
+            raise ValueError(f"topology='two_tier' needs at least 2 nodes, and Trainer(num_nodes={self.num_nodes}): "
+                             "run on 2 or more hosts (num_nodes=2, ...), or use topology='auto' or 'flat'.")
         if self._start_method != "popen" and self.cluster_environment.creates_processes_externally:
             rank_zero_info(
                 f"RingDDPStrategy: {type(self.cluster_environment).__name__} created the processes; "
@@ -214,19 +237,38 @@ class RingDDPStrategy(DDPStrategy):
         # Lightning registers hooks only when root_device is CUDA; ours must run on CPU as well.
         assert isinstance(self.model, DistributedDataParallel)
         self._stop_worker()  # a fit that failed before teardown may have left one
-        # Two groups of our own, made by every rank here in the same order: the gradient buckets' (the
-        # default backend, so NCCL for CUDA tensors), driven by the worker thread, never interleaving with
-        # what DDP and Lightning run on the default group from the main thread; and the exchange's, a CPU
-        # tensor on every backend, so gloo.
-        if self.world_size > 1:
+        # The gradient buckets' own group (the default backend, so NCCL for CUDA tensors), made by every rank here
+        # in the same order, driven by the worker thread, never interleaving with what DDP and Lightning run on
+        # the default group from the main thread. With a two-tier topology, two groups replace it: this rank's
+        # host's, and its shard's across hosts.
+        tiers = None
+        if self.topology is not None and self.topology.kind == "two_tier":
+            tiers = self._two_tier(self.topology)
+        elif self.world_size > 1:
             self._comm_group = dist.new_group(timeout=self._timeout)
-            self._schedule.group = dist.new_group(backend="gloo", timeout=self._timeout)
         self._schedule.every_step = bool(self._hetero is not None and self._hetero.rebalance)
         state = self._hook_state
-        state.bind(self.model.module, self._comm_group, self.world_size, on_last_bucket=self._start_exchange_early)
+        state.bind(self.model.module, self._comm_group, self.world_size, on_last_bucket=self._start_exchange_early,
+                   tiers=tiers, spans_hosts=self.topology is not None and len(self.topology.hosts) > 1)
         if self._overlap:
             state.start_worker(f"rank{self.global_rank}", self.root_device)
         self.model.register_comm_hook(state, ring_comm_hook)
+
+    def _resolve_topology(self) -> Topology:
+        """Every rank's node rank, gathered, and the topology they imply (the same decision on every rank)."""
+        nodes: list[Any] = [None] * self.world_size
+        dist.all_gather_object(nodes, self.node_rank, group=self._schedule.group)
+        topology = resolve_topology(self._topology_request, nodes)
+        rank_zero_info(f"RingDDPStrategy: topology {topology.kind} ({topology.reason}; hosts: "
+                       f"{[list(ranks) for ranks in topology.hosts]})")
+        return topology
+
+    def _two_tier(self, topology: Topology) -> TwoTier:
+        """This rank's two groups, made by every rank in the same order: its host's, and its shard's across hosts."""
+        intra, _ = dist.new_subgroups_by_enumeration(topology.intra_groups(), timeout=self._timeout)
+        inter, _ = dist.new_subgroups_by_enumeration(topology.inter_groups(), timeout=self._timeout)
+        self._tier_groups = [intra, inter]
+        return TwoTier(topology, self.global_rank, intra, inter, self._algorithm, self._hook_state.stats)
 
     def _stop_worker(self) -> None:
         warning = self._hook_state.stop_worker(WORKER_JOIN_TIMEOUT_S)
@@ -352,13 +394,14 @@ class RingDDPStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         self._stop_worker()  # first: it may still use the comm group
-        for group in (self._comm_group, self._schedule.group):
+        for group in (self._comm_group, self._schedule.group, *self._tier_groups):
             if group is not None and dist.is_initialized():
                 try:
                     dist.destroy_process_group(group)
                 except (RuntimeError, ValueError) as err:  # already gone with the default group after a fault
                     rank_zero_debug(f"RingDDPStrategy.teardown: {type(err).__name__}: {err}")
         self._comm_group = self._schedule.group = None
+        self._tier_groups = []
         self._hook_state.unbind()
         release_scratch()
         super().teardown()
@@ -371,7 +414,8 @@ class RingDDPStrategy(DDPStrategy):
         compressor = self._hook_state.compressor
         states = gather_states(compressor, self.world_size, self._schedule.group)
         if self.is_global_zero:
-            entry = compressor_entry(compressor, self.world_size, states, self._features.identities)
+            entry = compressor_entry(compressor, self.world_size, states, self._features.identities,
+                                     state_layout(self.topology))
             checkpoint = {**checkpoint, **entry}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -386,7 +430,8 @@ class RingDDPStrategy(DDPStrategy):
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
         restore_compressor(self._hook_state.compressor, checkpoint, self.global_rank, self.world_size,
-                           self._features.identities)
+                           self._features.identities, state_layout(self.topology))
+
 
     @classmethod
     @override

@@ -20,10 +20,12 @@ from typing import Any, Optional
 from lightning.pytorch.utilities.data import extract_batch_size
 
 from lightning_dist.comm import CommStats
+from lightning_dist.comm.stats import TIERS
 from lightning_dist.strategy.exchange import StepExchange
 
 # Per-rank slots of the exchange: what each rank measured in the previous step.
-PER_RANK_SLOTS = ("samples", "compute_s", "comm_s", "exposed_s", "bytes_sent", "dense_bytes", "codec_s", "step_s")
+PER_RANK_SLOTS = ("samples", "compute_s", "comm_s", "exposed_s", "bytes_sent", "dense_bytes", "codec_s", "step_s",
+                  "bytes_intra_host", "bytes_inter_host")
 
 
 class StepMeter:
@@ -46,7 +48,8 @@ class StepMeter:
         self.exchange_step = -1  # ``step`` during the step whose exchange refreshed step_metrics (-1: none)
         # this rank's running totals over the run (for summary.json)
         self.totals: dict[str, float] = {"steps": 0, "bytes_sent": 0.0, "dense_bytes": 0.0, "comm_s": 0.0,
-                                         "codec_s": 0.0, "exposed_s": 0.0, "samples": 0.0}
+                                         "codec_s": 0.0, "exposed_s": 0.0, "samples": 0.0,
+                                         "bytes_intra_host": 0.0, "bytes_inter_host": 0.0}
 
     def batch_started(self, batch: Any) -> None:
         if self._step_started is None:
@@ -74,10 +77,12 @@ class StepMeter:
             "dense_bytes": float(stats.dense_bytes),
             "codec_s": stats.codec_seconds,
             "step_s": now - (self._last_step_end or started),
+            **{f"bytes_{tier}": float(stats.tier_bytes.get(tier, 0)) for tier in TIERS},
         }
         for key, value in (("steps", 1), ("bytes_sent", stats.bytes_sent), ("dense_bytes", stats.dense_bytes),
                            ("comm_s", stats.seconds), ("codec_s", stats.codec_seconds), ("exposed_s", exposed_s),
-                           ("samples", self._samples)):
+                           ("samples", self._samples),
+                           *((f"bytes_{tier}", stats.tier_bytes.get(tier, 0)) for tier in TIERS)):
             self.totals[key] += value
         self._samples = 0
         self.step += 1
@@ -105,6 +110,8 @@ def metrics_from(exchange: StepExchange, world_size: int) -> dict[str, float]:
         "dist/dense_bytes_per_rank": sum(dense) / world_size,
         "dist/compression_ratio": sum(dense) / sum(sent) if sum(sent) > 0 else 1.0,
         "dist/codec_ms": 1e3 * max(codec),
+        # every rank's bytes in collectives between hosts / inside one host, summed: the step's traffic per tier
+        **{f"dist/bytes_{tier}": sum(exchange.per_rank(f"rank_bytes_{tier}")) for tier in TIERS},
         "dist/straggler_ratio": max(compute) / min(compute) if min(compute) > 0 else 1.0,
     }
     for r in range(world_size):

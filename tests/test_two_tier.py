@@ -1,0 +1,241 @@
+"""Two-tier reduction (issue 24) on 4 local gloo ranks posing as 2 hosts of 2, the hosts read from torchrun's
+variables: every compressor against the flat path, per-tier bytes, NaN, hetero weights, resume.
+
+One launched group holds every fit; the assertions below share it. The model's single bucket (709 elements) is odd,
+so the reduce-scatter pads, and each host part holds a slice of every parameter (a row block of each matrix).
+"""
+
+import math
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_dist import RingDDPStrategy
+from lightning_dist.callbacks import NaNRecovery
+from lightning_dist.comm import ring_bytes_sent
+from lightning_dist.compression import BucketLayout, build_compressor
+from lightning_dist.hetero import HeteroBatching
+from lightning_dist.strategy import features_of
+from lightning_dist.testing import RecordingLogger, launched_externally, run_ranks
+
+WORLD, HOSTS = 4, 2
+PER_HOST = WORLD // HOSTS
+N_SAMPLES, BATCH = 96, 8  # 3 optimizer steps per epoch at 4 ranks
+EPOCHS = 2
+SETTINGS = {"topk": {"ratio": 0.05}, "threshold": {"threshold": 1e-3, "max_ratio": 0.2}, "powersgd": {"rank": 2}}
+COMPRESSORS = ("none", "fp16", "bf16", "int8", "topk", "threshold", "powersgd")
+DENSE_TOLERANCE = 1e-5  # two_tier against flat, uncompressed: float rounding of another summation order
+
+
+class Net(pl.LightningModule):
+    """709 parameters in one bucket; ``inf_grad``: (rank, step) pairs whose gradient gets +Inf at
+    ``net.0.weight[30, 5]`` (in host part 1, far from the sentinel in element 0)."""
+
+    def __init__(self, inf_grad=()):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 5))
+        self.inf_grad = set(inf_grad)
+        self.net[0].weight.register_hook(self._poison)
+
+    def _poison(self, grad):
+        if (self.global_rank, self.trainer.global_step) in self.inf_grad:
+            grad = grad.clone()
+            grad[30, 5] = float("inf")
+        return grad
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self):
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(N_SAMPLES, 16, generator=gen)
+        data = TensorDataset(x, x[:, :5].argmax(1))
+        return DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data, shuffle=False))
+
+
+class Record(Callback):
+    """Per optimizer step: this rank's parameters and its bytes per tier."""
+
+    def __init__(self):
+        self.params, self.tiers, self.sent = [], [], []
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        self.params.append(torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()]).clone())
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        stats = trainer.strategy._hook_state.stats  # this step's, before the strategy resets them
+        self.tiers.append((stats.tier_bytes.get("intra_host", 0), stats.tier_bytes.get("inter_host", 0)))
+        self.sent.append(stats.bytes_sent)
+
+
+def _fit(strategy, model=None, callbacks=(), epochs=EPOCHS, ckpt_path=None, **kwargs):
+    pl.seed_everything(0, verbose=False)
+    record = Record()
+    options = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   num_sanity_val_steps=0, use_distributed_sampler=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=PER_HOST, num_nodes=HOSTS, strategy=strategy, max_epochs=epochs,
+                         callbacks=[record, *callbacks], **{**options, **kwargs})
+    trainer.fit(model or Net(), ckpt_path=ckpt_path)
+    return trainer, record
+
+
+def _strategy(name, topology, **kwargs):
+    return RingDDPStrategy(compressor=build_compressor(name, **SETTINGS.get(name, {})), topology=topology,
+                           timeout=60, start_method="fork", **kwargs)
+
+
+def _layouts(trainer):
+    return list(trainer.strategy._hook_state._layouts.values())
+
+
+def _run(rank, world_size, ckpt_dir):
+    out = {}
+    with launched_externally(rank, world_size, hosts=HOSTS), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in COMPRESSORS:
+            for topology in ("flat", "two_tier"):
+                trainer, record = _fit(_strategy(name, topology))
+                out[(name, topology)] = {"params": record.params, "tiers": record.tiers, "sent": record.sent}
+        trainer, _ = _fit(_strategy("none", "auto"), epochs=1)
+        topo = features_of(trainer.strategy).topology
+        out["auto"] = (topo.kind, topo.hosts, [(layout.numel, layout.names) for layout in _layouts(trainer)])
+        # a non-finite gradient on rank 3, in host part 1: every rank skips the step together
+        for name in ("none", "topk"):
+            cb = NaNRecovery()
+            _, record = _fit(_strategy(name, "two_tier"), Net(inf_grad={(3, 2)}), [cb])
+            out[("nan", name)] = (record.params, cb.skipped)
+        # hetero weights: uneven batches, the same sum as flat
+        for topology in ("flat", "two_tier"):
+            strategy = _strategy("none", topology, hetero=HeteroBatching(batch_sizes=[12, 4, 10, 6]))
+            _, record = _fit(strategy, epochs=1)
+            out[("hetero", topology)] = record.params
+        # resume at the epoch's end: error-feedback residuals per part restored, the run continues exactly
+        trainer, _ = _fit(_strategy("topk", "two_tier"), epochs=1)
+        path = f"{ckpt_dir}/two_tier.ckpt"
+        trainer.save_checkpoint(path)
+        _, record = _fit(_strategy("topk", "two_tier"), epochs=EPOCHS, ckpt_path=path)
+        out["resumed"] = record.params
+        # logged per-tier metrics
+        logger = RecordingLogger()
+        _fit(_strategy("none", "two_tier"), epochs=1, logger=logger, log_every_n_steps=1)
+        out["logged"] = logger.logged if rank == 0 else None
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_ranks(_run, WORLD, str(tmp_path_factory.mktemp("two_tier")), deadline_s=240)
+
+
+def test_auto_reads_the_hosts_from_torchruns_variables(runs):
+    for kind, hosts, _ in (r["auto"] for r in runs):
+        assert kind == "two_tier" and hosts == ((0, 1), (2, 3))
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_ranks_bit_identical_after_every_step(runs, name):
+    steps = runs[0][(name, "two_tier")]["params"]
+    assert len(steps) == 3 * EPOCHS
+    for r in range(1, WORLD):
+        for step, (mine, theirs) in enumerate(zip(steps, runs[r][(name, "two_tier")]["params"])):
+            assert torch.equal(mine, theirs), f"{name}: rank {r} differs from rank 0 after step {step}"
+
+
+@pytest.mark.parametrize("name", ("none", "fp16", "bf16"))
+def test_uncompressed_and_cast_equal_flat_within_rounding(runs, name):
+    flat, tiered = runs[0][(name, "flat")]["params"], runs[0][(name, "two_tier")]["params"]
+    tolerance = DENSE_TOLERANCE if name == "none" else 2e-2  # casts round twice as often on two tiers
+    for step, (a, b) in enumerate(zip(flat, tiered)):
+        assert (a - b).abs().max() <= tolerance * a.abs().max(), f"{name} step {step}"
+
+
+@pytest.mark.parametrize("name", ("int8", "topk", "threshold", "powersgd"))
+def test_compressed_two_tier_trains_like_flat(runs, name):
+    # not the same arithmetic (a host's partial sum is compressed, not each rank's gradient), but the same descent
+    start = Net()
+    initial = torch.cat([p.detach().reshape(-1) for p in start.parameters()])
+    flat, tiered = runs[0][(name, "flat")]["params"][-1], runs[0][(name, "two_tier")]["params"][-1]
+    moved_flat, moved_tiered = flat - initial, tiered - initial
+    cosine = torch.nn.functional.cosine_similarity(moved_flat, moved_tiered, dim=0)
+    assert cosine > 0.8, f"{name}: two_tier's update points elsewhere than flat's (cosine {cosine:.3f})"
+
+
+def _parts(runs):
+    """The bucket's layout (one bucket; DDP's rebuild may reorder it) and its host parts."""
+    (numel, names), *_ = runs[0]["auto"][2]
+    shapes = {n: p.shape for n, p in Net().named_parameters()}
+    layout = BucketLayout.of([(n, shapes[n]) for n in names])
+    return layout, [part for part, _ in layout.split(PER_HOST)]
+
+
+def test_dense_bytes_per_tier_exact(runs):
+    layout, parts = _parts(runs)
+    width = max(part.numel for part in parts)
+    for rank, out in enumerate(runs):
+        intra = 2 * (PER_HOST - 1) * width * 4  # reduce-scatter and all-gather, the ring's count
+        inter = ring_bytes_sent(parts[rank % PER_HOST].numel, HOSTS, rank // PER_HOST, 4)
+        assert set(out[("none", "two_tier")]["tiers"]) == {(intra, inter)}
+        # flat on 2 hosts: one group spanning them (auto's tree at 4 ranks), all of it counted between hosts
+        flat = out[("none", "flat")]
+        assert [inter for _, inter in flat["tiers"]] == flat["sent"] and {intra for intra, _ in flat["tiers"]} == {0}
+        assert sum(out[("none", "two_tier")]["tiers"][0]) == out[("none", "two_tier")]["sent"][0]
+
+
+def _sparse_payload(k):
+    return 4 * k + -(-2 * k // 4) * 4  # int32 indices, then bf16 values padded to a word
+
+
+def test_topk_crosses_hosts_once_per_part(runs):
+    layout, parts = _parts(runs)
+    codec = build_compressor("topk", **SETTINGS["topk"]).inner
+    width = max(part.numel for part in parts)
+    flat_payload = _sparse_payload(sum(codec.counts(layout)))
+    for rank, out in enumerate(runs):
+        payload = _sparse_payload(sum(codec.counts(parts[rank % PER_HOST])))
+        intra = 2 * (PER_HOST - 1) * width * 4
+        assert set(out[("topk", "two_tier")]["tiers"]) == {(intra, (HOSTS - 1) * payload)}
+        assert set(out[("topk", "flat")]["tiers"]) == {(0, (WORLD - 1) * flat_payload)}
+
+
+@pytest.mark.parametrize("name", ("none", "topk"))
+def test_a_non_finite_gradient_in_another_part_skips_the_step_on_every_rank(runs, name):
+    for rank, out in enumerate(runs):
+        params, skipped = out[("nan", name)]
+        assert skipped == 1, f"rank {rank}"
+        assert all(torch.isfinite(p).all() for p in params)
+        assert torch.equal(params[-1], runs[0][("nan", name)][0][-1])
+
+
+def test_hetero_weights_hold_on_two_tiers(runs):
+    flat, tiered = runs[0][("hetero", "flat")], runs[0][("hetero", "two_tier")]
+    for a, b in zip(flat, tiered):
+        assert (a - b).abs().max() <= DENSE_TOLERANCE * a.abs().max()
+    assert all(torch.equal(tiered[-1], out[("hetero", "two_tier")][-1]) for out in runs)
+
+
+def test_resume_restores_each_parts_state_exactly(runs):
+    straight = runs[0][("topk", "two_tier")]["params"][-1]
+    for out in runs:
+        assert torch.equal(out["resumed"][-1], straight)
+
+
+def test_per_tier_bytes_are_logged_summed_over_ranks(runs):
+    _, parts = _parts(runs)
+    width = max(part.numel for part in parts)
+    logged = [m for _, m in runs[0]["logged"] if "dist/bytes_inter_host" in m]
+    assert logged
+    inter = sum(ring_bytes_sent(parts[r % PER_HOST].numel, HOSTS, r // PER_HOST, 4) for r in range(WORLD))
+    for metrics in logged:
+        assert metrics["dist/bytes_inter_host"] == inter
+        assert metrics["dist/bytes_intra_host"] == WORLD * 2 * (PER_HOST - 1) * width * 4
+    assert math.isfinite(logged[-1]["dist/step_time_ms"])
