@@ -10,6 +10,8 @@ rendezvous on host 0's address; ``GLOO_SOCKET_IFNAME=eth0``, since a host's name
 :meth:`SimCluster.cut` takes a host's link down without a reset being sent, as a pulled cable would;
 :meth:`SimCluster.kill` kills everything running in a host, as when the machine dies. ``torchrun(...,
 nnodes="MIN:MAX")`` builds an elastic job's command instead (c10d rendezvous on host 0, README "Elastic training").
+Several ranks in one host talk over its loopback, unshaped (a host's fast local links); inside a host,
+:func:`link_bytes_sent` reads what left it through ``eth0``, so a benchmark can weigh what crossed the slow network.
 
 Leaving the context removes every process it started, every namespace, link and the bridge, also when the body
 raised. Only the namespaces' own private addresses are used: no traffic leaves them. It needs root and iproute2
@@ -44,6 +46,13 @@ def _kill_inside(namespace: str) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def link_bytes_sent(interface: str = "eth0") -> int:
+    """Inside a host: bytes that have left it through ``interface`` so far (the kernel's counter, headers included;
+    ``ip netns exec`` gives the host its own ``/sys``, so every process in the host reads the same counter)."""
+    with open(f"/sys/class/net/{interface}/statistics/tx_bytes") as fh:
+        return int(fh.read())
 
 
 def unavailable() -> Optional[str]:

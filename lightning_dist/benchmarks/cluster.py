@@ -59,7 +59,7 @@ from lightning_dist.benchmarks.allreduce import time_rounds
 from lightning_dist.comm import ring_allreduce_
 from lightning_dist.compression import build_compressor
 from lightning_dist.examples import SyntheticDataModule, WideMLP
-from lightning_dist.simcluster import SimCluster, unavailable
+from lightning_dist.simcluster import SimCluster, link_bytes_sent, unavailable
 from lightning_dist.strategy import RingDDPStrategy
 
 DEFAULT_HOSTS = (2, 3)
@@ -106,13 +106,13 @@ def _train_worker(args: argparse.Namespace) -> None:
     model = WideMLP(width=MLP_WIDTH, depth=MLP_DEPTH)
     params = sum(p.numel() for p in model.parameters())
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"[worker] {config.label}: WideMLP {params:,} parameters", flush=True)
+        print(f"[worker] {config.label} ({args.topology}): WideMLP {params:,} parameters", flush=True)
     strategy = RingDDPStrategy(algorithm=config.algorithm, compressor=build_compressor(**config.compressor),
-                               bucket_cap_mb=BUCKET_CAP_MB, timeout=args.collective_timeout)
-    # rank 0 writes its stamps and the model's size to args.out
-    recorder = bench.StepRecorder(args.out, probe=lambda trainer: {"params": params})
-    trainer = bench.quiet_trainer(devices=1, num_nodes=args.nodes, strategy=strategy, max_steps=args.steps,
-                                  limit_val_batches=0, callbacks=[recorder])
+                               bucket_cap_mb=BUCKET_CAP_MB, timeout=args.collective_timeout, topology=args.topology)
+    # rank 0 writes its stamps, the model's size and what had left its host by its second step and at the end
+    recorder = bench.StepRecorder(args.out, probe=lambda trainer: {"params": params, "link_sent": link_bytes_sent()})
+    trainer = bench.quiet_trainer(devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), num_nodes=args.nodes,
+                                  strategy=strategy, max_steps=args.steps, limit_val_batches=0, callbacks=[recorder])
     trainer.fit(model, SyntheticDataModule(batch_size=BATCH_SIZE))
 
 
@@ -175,9 +175,15 @@ def run_record(raw: dict[str, Any], warmup: int) -> dict[str, Any]:
     def med(key: str) -> Optional[float]:
         return bench.median([s[key] for s in timed if key in s])
 
-    return {"params": raw["last"].get("params"), "timed_steps": len(times), **bench.summarize(times),
+    first, last = raw.get("first", {}), raw["last"]
+    link = None  # what left rank 0's host per step, from its second step to the end
+    if "link_sent" in first and "link_sent" in last and len(raw["ends"]) > 1:
+        link = (last["link_sent"] - first["link_sent"]) / (len(raw["ends"]) - 1)
+    return {"params": last.get("params"), "timed_steps": len(times), **bench.summarize(times),
             "exposed_median_s": med("exposed_s"), "comm_median_s": med("comm_s"),
-            "bytes_sent_per_step": med("bytes_sent"), "dense_bytes_per_step": med("dense_bytes")}
+            "bytes_sent_per_step": med("bytes_sent"), "dense_bytes_per_step": med("dense_bytes"),
+            "inter_host_bytes_per_step": med("bytes_inter_host"), "intra_host_bytes_per_step": med("bytes_intra_host"),
+            "link_bytes_per_step": link}
 
 
 def add_speedups(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -303,14 +309,14 @@ def plot(records: Sequence[dict[str, Any]], busbw: Sequence[dict[str, Any]]) -> 
 
 # -- driver --------------------------------------------------------------------------------------------------
 def _launch(hosts: int, rate_mbit: float, worker_args: list[str], port: int, timeout_s: float,
-            log_path: Path) -> tuple[list[Optional[int]], float]:
-    """One torchrun job over ``hosts`` fresh shaped hosts; every rank's output appended to ``log_path``.
-    Returns the exit codes (None: killed at the deadline) and the wall time."""
+            log_path: Path, per_host: int = 1) -> tuple[list[Optional[int]], float]:
+    """One torchrun job over ``hosts`` fresh shaped hosts of ``per_host`` ranks each; every rank's output appended to
+    ``log_path``. Returns the exit codes (None: killed at the deadline) and the wall time."""
     start = time.perf_counter()
     with SimCluster(hosts, rate_mbit=rate_mbit) as cluster, open(log_path, "w") as log:
         cmd_args = ["-m", "lightning_dist.benchmarks.cluster", *worker_args, "--nodes", str(hosts)]
         env = {**cluster.env(), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        procs = [cluster.popen(i, cluster.torchrun(i, cmd_args, port=port), env=env, stdout=log,
+        procs = [cluster.popen(i, cluster.torchrun(i, cmd_args, port=port, nproc=per_host), env=env, stdout=log,
                                stderr=subprocess.STDOUT) for i in range(hosts)]
         codes = cluster.wait(procs, timeout_s)  # those past the deadline die with the cluster
     return codes, time.perf_counter() - start
@@ -334,6 +340,13 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     cli.add_argument("--iterations", type=int, default=None,
                         help=f"timed all-reduce iterations per algorithm (default {DEFAULT_ITERATIONS})")
     cli.add_argument("--run-timeout", type=float, default=420.0, help="one run's hard deadline, s (default 420)")
+    cli.add_argument("--two-tier", action="store_true",
+                     help="instead: flat against two_tier on 2 hosts of several ranks each (lightning_dist.benchmarks."
+                          "tiers; default 2 and 4 ranks per host, 100 and 1000 Mbit/s)")
+    cli.add_argument("--ranks-per-host", type=int, nargs="+", default=None,
+                     help="with --two-tier: ranks on each host (default 2 4)")
+    cli.add_argument("--topology", default="auto", choices=["auto", "flat", "two_tier"], help=argparse.SUPPRESS)
+    cli.add_argument("--worker-tiers", action="store_true", help=argparse.SUPPRESS)
     # worker modes (what each host runs under torchrun)
     cli.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     cli.add_argument("--worker-allreduce", action="store_true", help=argparse.SUPPRESS)
@@ -345,6 +358,10 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     cli.add_argument("--nbytes", type=int, default=ALLREDUCE_BYTES, help=argparse.SUPPRESS)
     cli.add_argument("--collective-timeout", type=float, default=300.0, help=argparse.SUPPRESS)
     args = cli.parse_args(argv)
+    if args.two_tier:
+        from lightning_dist.benchmarks import tiers
+
+        tiers.defaults(args)
     args.hosts = tuple(args.hosts or ((TARGET_HOSTS,) if args.quick else DEFAULT_HOSTS))
     args.rates = tuple(args.rates or ((TARGET_RATE,) if args.quick else DEFAULT_RATES))
     args.configs = tuple(args.configs or (QUICK_CONFIGS if args.quick else CONFIGS))
@@ -352,7 +369,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     args.iterations = args.iterations or (QUICK_ITERATIONS if args.quick else DEFAULT_ITERATIONS)
     args.advise_steps = args.advise_steps or (QUICK_ADVISE_STEPS if args.quick else ADVISE_STEPS)
     args.advise_rounds = args.advise_rounds or (QUICK_ADVISE_ROUNDS if args.quick else ADVISE_ROUNDS)
-    if not (args.worker or args.worker_allreduce or args.worker_advise):
+    if not (args.worker or args.worker_allreduce or args.worker_advise or args.worker_tiers):
         if min(args.hosts) < 2:
             cli.error(f"--hosts {args.hosts}: a cluster needs at least 2 hosts.")
         bench.check_counts(cli, args.steps, args.warmup)
@@ -371,6 +388,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     if args.worker_advise:
         _advise_worker(args)
         return {}
+    if args.worker_tiers or args.two_tier:
+        from lightning_dist.benchmarks import tiers
+
+        if args.worker_tiers:
+            tiers.allreduce_worker(args)
+            return {}
+        return tiers.run(args)
 
     out = bench.output_dir(args.out, "cluster")
     meta = bench.environment("cluster", hosts=list(args.hosts), rates_mbit=list(args.rates), steps=args.steps,

@@ -46,8 +46,9 @@ from lightning_dist.comm.topology import Topology
 from lightning_dist.compression import BucketLayout, Compressor, Transport
 from lightning_dist.compression.state import Scratch
 
-# torch 2.13 renamed all_gather_into_tensor (which still works, with a warning)
+# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (which still work, with a warning)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class TwoTier:
@@ -88,7 +89,7 @@ class TwoTier:
         # the bucket rearranged part by part (slice i of every parameter, then padding to a common width)
         torch.cat([buffer[a:b] if a >= 0 else zeros[:b] for a, b in plan.gather], out=parts)
         mine = self._scratch.get(("mine", width), width, dtype, device)
-        self._intra("reduce_scatter", dist.reduce_scatter_tensor, mine, parts)
+        self._intra("reduce_scatter", _reduce_scatter_single, mine, parts)
         if plan.length:  # a parameter smaller than the host leaves the last ranks nothing to send
             codec.reduce(mine[: plan.length], plan.layout, self.transport)
         self._intra("all_gather", _all_gather_single, parts, mine)
