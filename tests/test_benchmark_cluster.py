@@ -7,7 +7,7 @@ import json
 import pytest
 
 from lightning_dist import simcluster
-from lightning_dist.benchmarks import cluster
+from lightning_dist.benchmarks import cluster, tiers
 
 
 def _raw(step_s: float, steps: int = 10, exposed_s: float = 0.5, bytes_sent: float = 1e6) -> dict:
@@ -134,3 +134,51 @@ def test_quick_run_on_a_simulated_cluster(tmp_path):
     (bus,) = payload["allreduce"]
     assert bus["error"] is None and bus["ring_busbw_GBps"] > 0 and bus["native_busbw_GBps"] > 0
     assert set(payload["targets"]) == {"topk_speedup_vs_dense", "ring_busbw_vs_native"}
+
+
+# -- the two-tier part (--two-tier, lightning_dist.benchmarks.tiers): summaries and verdicts on hand-made records --
+def _tier_rec(per_host, rate, config, topology, median_s, link):
+    return {"per_host": per_host, "rate_mbit": rate, "config": config, "topology": topology, "median_s": median_s,
+            "link_bytes_per_step": link, "inter_host_bytes_per_step": link, "intra_host_bytes_per_step": 0.0,
+            "wall_s": 30.0, "error": None}
+
+
+def test_two_tier_records_ratios_and_targets():
+    raw = {"bytes": 16 << 20, "times": {"flat": [3.0, 2.0, 2.5], "two_tier": [1.0, 1.5, 1.25]},
+           "link_sent": {"flat": 29e6, "two_tier": 17e6}}
+    bus = tiers.allreduce_record(raw, per_host=4, rate_mbit=100)
+    assert bus["speedup"] == pytest.approx(2.0) and bus["flat_link_bytes"] == 29e6
+    records = tiers.add_ratios([
+        _tier_rec(4, 100, "topk1%", "flat", 0.2, 2.2e6), _tier_rec(4, 100, "topk1%", "two_tier", 0.25, 0.32e6),
+        _tier_rec(2, 100, "dense", "flat", 3.0, 32e6), _tier_rec(2, 100, "dense", "two_tier", 2.0, 21e6),
+        _tier_rec(2, 100, "topk1%", "flat", 0.17, 1e6), _tier_rec(2, 100, "topk1%", "two_tier", 0.33, 0.33e6),
+    ])
+    assert records[1]["link_vs_flat"] == pytest.approx(0.32 / 2.2) and records[0]["flat_over_two_tier"] is None
+    assert records[3]["flat_over_two_tier"] == pytest.approx(1.5)
+    targets = tiers.check_targets([bus], records)
+    assert targets["allreduce_speedup"]["met"] and not targets["topk_link_bytes"]["met"]
+    assert targets["no_slower/dense@100"]["met"] and not targets["no_slower/topk1%@100"]["met"]
+    lines = tiers.target_lines(targets, ["dense", "topk1%", "int8"], [100])
+    assert lines[0].startswith("target") and "MET (2.00x)" in lines[0]
+    assert "MISSED (0.145 (1/6.9))" in lines[1]
+    assert lines[-1].endswith("MISSED (not measured)")  # int8 never ran
+    assert "2.00x" in tiers.allreduce_table([bus]) and "1.50x" in tiers.step_table(records)
+    assert "FAILED" in tiers.step_table([{**records[0], "error": "timed out"}])
+    assert tiers.plot([bus], records, params=5_324_810) is not None
+
+
+def test_two_tier_byte_formulas_match_the_issues_table():
+    s, p = 1.0, 1.0
+    assert tiers.host_bytes("dense_flat", 4, 2, s, p) == pytest.approx(1.75)  # 2 (N - 1) / N
+    assert tiers.host_bytes("dense_two_tier", 4, 2, s, p) == pytest.approx(1.0)  # 2 (H - 1) / H
+    assert tiers.host_bytes("topk_flat_direct", 8, 2, s, p) == 64  # L (N - L): the issue's 64x at 2 hosts of 8
+    assert tiers.host_bytes("topk_flat_ring", 4, 2, s, p) == 7  # gloo's ring all-gather relays: N - 1
+    assert tiers.host_bytes("topk_two_tier", 4, 2, s, p) == 1  # H - 1
+
+
+def test_two_tier_arguments():
+    args = cluster._parse_args(["--two-tier", "--quick"])
+    assert (args.hosts, args.ranks_per_host, args.rates, args.configs) == ((2,), (2,), (100,), ("dense", "topk1%"))
+    args = cluster._parse_args(["--two-tier"])
+    assert args.ranks_per_host == (2, 4) and args.rates == (100, 1000) and args.steps == tiers.DEFAULT_STEPS
+    assert args.configs == ("dense", "int8", "topk1%", "powersgd-r2")

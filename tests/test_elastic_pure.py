@@ -142,6 +142,34 @@ def test_compressor_and_generator_state_follow_the_identity():
                                  ["y/0"])
 
 
+@pytest.mark.parametrize("name", ["int8", "topk", "powersgd"])
+def test_every_stateful_compressors_state_follows_the_identity_to_a_smaller_world(name):
+    """Each real compressor's own state after 3 emulated ranks stepped, restored at 2 ranks by identity: a survivor
+    gets its own residuals (and generators, factors) back, a newcomer the shared part only (the end-to-end restart
+    under a kill is tests/test_elastic.py's, with PowerSGD)."""
+    from lightning_dist.compression import BucketLayout, build_compressor
+    from lightning_dist.compression.emulate import emulate_reduce
+
+    layout = BucketLayout.of([("w", (16, 12)), ("b", (16,))])
+    codecs = [build_compressor(name) for _ in range(3)]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        emulate_reduce(codecs, [torch.randn(layout.numel, generator=gen) for _ in range(3)], layout)
+        for codec in codecs:
+            codec.commit()
+    entry = compressor_entry(codecs[0], 3, [c.state_dict() for c in codecs], ["a/0", "b/0", "c/0"])
+    survivor, newcomer = build_compressor(name), build_compressor(name)
+    restore_compressor(survivor, entry, rank=0, world_size=2, identities=["c/0", "z/0"])
+    restore_compressor(newcomer, entry, rank=1, world_size=2, identities=["c/0", "z/0"])
+    mine, theirs = survivor.state_dict(), codecs[2].state_dict()
+    assert mine["steps"] == 2 and len(mine["residuals"]) == 2
+    assert all(torch.equal(mine["residuals"][k], theirs["residuals"][k]) for k in theirs["residuals"])
+    fresh = newcomer.state_dict()
+    assert fresh["steps"] == 2 and len(fresh["residuals"]) == 0  # per-rank state starts afresh
+    if name == "powersgd":  # the factors every rank holds alike come back for a newcomer too
+        assert torch.equal(fresh["inner"]["q"]["w"], theirs["inner"]["q"]["w"])
+
+
 def test_survivors_find_their_own_state_in_the_emergency_checkpoints_beside_the_chosen_one(tmp_path):
     def emergency(rank: int, step: int) -> str:
         ranks = [None] * 3

@@ -6,7 +6,7 @@ The hosts are the launcher's nodes: every rank knows its own node rank (torchrun
 the same decision on every rank:
 
 - ``"flat"``: every rank alike (today's paths);
-- ``"two_tier"``: a reduce-scatter inside each host, a reduction of each shard between the ranks of the same local
+- ``"two_tier"``: a reduce-scatter inside each host, a reduction of each part between the ranks of the same local
   index on the other hosts (:meth:`Topology.inter_groups`), an all-gather inside the host
   (:meth:`Topology.intra_groups`). It needs at least 2 hosts and the same number of ranks on each (every local
   index must have a peer on every host); otherwise it is refused, naming the counts;
@@ -42,13 +42,13 @@ class Topology:
         return [list(ranks) for ranks in self.hosts]
 
     def inter_groups(self) -> list[list[int]]:
-        """One group per local index ``i``: the ``i``-th rank of every host (the reduction of shard ``i``)."""
+        """One group per local index ``i``: the ``i``-th rank of every host (the reduction of part ``i``)."""
         if self.kind != "two_tier":
             return []
         return [[ranks[i] for ranks in self.hosts] for i in range(self.ranks_per_host)]
 
     def local_index(self, rank: int) -> int:
-        """``rank``'s place on its host (the shard it reduces across hosts)."""
+        """``rank``'s place on its host (the part it reduces across hosts)."""
         for ranks in self.hosts:
             if rank in ranks:
                 return ranks.index(rank)
@@ -57,7 +57,7 @@ class Topology:
 
 def state_layout(topology: Optional[Topology]) -> str:
     """What a compressor's per-rank state is kept for: whole buckets (``"flat"``; also with one rank, ``None``) or one
-    of ``L`` shards of each (``"two_tier/L"``). A checkpoint's per-rank state applies only under the same layout."""
+    of ``L`` parts of each (``"two_tier/L"``). A checkpoint's per-rank state applies only under the same layout."""
     return "flat" if topology is None or topology.kind == "flat" else f"two_tier/{topology.ranks_per_host}"
 
 

@@ -59,7 +59,7 @@ def restore_compressor(compressor: Compressor, checkpoint: dict[str, Any], rank:
                        identities: Optional[list[str]] = None, layout: str = "flat") -> None:
     """This rank's compressor state from a checkpoint; what cannot apply starts afresh, with a warning (in an elastic
     run, ``identities`` given: the state of the old rank with this rank's identity, silently). Per-rank state applies
-    only under the ``layout`` it was kept for (a two-tier rank's residuals are its host's debt on its shard)."""
+    only under the ``layout`` it was kept for (a two-tier rank's residuals are its host's debt on its part)."""
     saved = (checkpoint.get(CHECKPOINT_KEY) or {}).get("compressor")
     if saved is None:
         if compressor.lossy:
@@ -77,7 +77,7 @@ def restore_compressor(compressor: Compressor, checkpoint: dict[str, Any], rank:
         if compressor.lossy:
             rank_zero_warn(f"The checkpoint's compressor state was kept for topology {saved_layout}, this run reduces "
                            f"as {layout}: per-rank state (error-feedback residuals, random generators, PowerSGD's "
-                           "factors of shard pieces) starts afresh; the step count is restored.")
+                           "factors of part slices) starts afresh; the step count is restored.")
         compressor.load_state_dict(first, shared_only=True)
         return
     if identities is not None and saved.get("identities"):

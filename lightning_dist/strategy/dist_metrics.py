@@ -24,7 +24,7 @@ Logged metrics (``r`` is a rank index):
   ``2 (N - 1) / N`` x the bucket's bytes (4 per fp32 element), mean over ranks
 - ``dist/compression_ratio``: dense bytes over bytes sent (1.0 uncompressed; ~2 with fp16, ~4 with int8)
 - ``dist/bytes_inter_host``: the bytes every rank together sent this step in collectives whose group spans hosts:
-  under ``topology="two_tier"`` the shards' reductions between hosts; on the flat path, with ranks on 2 or more
+  under ``topology="two_tier"`` the parts' reductions between hosts; on the flat path, with ranks on 2 or more
   hosts, all of it (an upper bound on what crossed: a ring's edges inside a host are counted too)
 - ``dist/bytes_intra_host``: the bytes every rank together sent this step in collectives inside one host
   (two_tier's reduce-scatter and all-gather; everything on the flat path on one host)

@@ -32,9 +32,10 @@ DDP waits for every Future at the end of backward. Work that would block (our ri
 is queued on the worker; the backend's native all-reduce of a lightly compressed bucket is issued
 asynchronously (:func:`~lightning_dist.comm.allreduce_async`) right here when the worker is idle, and
 decompressed in its completion callback; so is the last bucket, behind which nothing is left to overlap.
-With a two-tier topology (``RingHookState.tiers``, :mod:`lightning_dist.strategy.tiers`) every bucket takes the
-general path: a reduce-scatter inside the host, the shard across hosts through the compressor, an all-gather
-inside the host, on the worker.
+With a two-tier topology (``RingHookState.tiers``, :mod:`lightning_dist.strategy.tiers`) the hook checks and
+weights the bucket and issues its reduce-scatter inside the host right away (asynchronous: it runs while backward
+computes the next buckets); the worker then waits for it, reduces this rank's part across hosts through the
+compressor and all-gathers the parts inside the host.
 
 Without a worker the hook reduces on the autograd thread and returns a completed ``Future``
 (``overlap=False``: simpler to debug, and the baseline the step benchmark compares against).
@@ -63,7 +64,7 @@ from lightning_dist.comm.stats import TierStats
 from lightning_dist.compression import BucketLayout, Compressor, NoCompressor, Transport
 from lightning_dist.strategy.comm_worker import CommWorker
 from lightning_dist.strategy.skip import StepGuard
-from lightning_dist.strategy.tiers import TwoTier
+from lightning_dist.strategy.tiers import InFlight, TwoTier
 
 
 @dataclass
@@ -199,13 +200,19 @@ def ring_comm_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futur
 
     if state.worker is None:
         started = time.perf_counter()
-        reduce_job()
+        if state.tiers is not None:
+            _begin_two_tier(state, codec, buffer, layout, bucket.index(), guard, reduced_check)()
+        else:
+            reduce_job()
         state.exposed_s += time.perf_counter() - started
         return completed_future(buffer)
     if is_last:
         state.handed_at = time.perf_counter()
     what = f"gradient bucket {bucket.index()} ({_short(layout.key)})"
-    if not codec.summable or state.tiers is not None:  # its own collectives, run to completion on the worker
+    if state.tiers is not None:  # the host's reduce-scatter issued now, the rest on the worker (tiers.py)
+        return state.worker.submit(_begin_two_tier(state, codec, buffer, layout, bucket.index(), guard,
+                                                   reduced_check), what=what, here_if_idle=is_last)
+    if not codec.summable:  # its own collectives, run to completion on the worker
         return state.worker.submit(reduce_job, what=what, here_if_idle=is_last)
     # Work that only issues the backend's asynchronous all-reduce never blocks; it runs right here when the
     # worker is idle (the order stays DDP's), as does the last bucket, behind which nothing is left to overlap.
@@ -241,19 +248,40 @@ def _weigh(state: RingHookState, buffer: torch.Tensor) -> None:
             buffer.mul_(state.step_share())
 
 
-def _reduce(state: RingHookState, codec: Compressor, buffer: torch.Tensor, layout: BucketLayout) -> torch.Tensor:
+def _reduce(state: RingHookState, codec: Compressor, buffer: torch.Tensor, layout: BucketLayout,
+            flight: Optional[InFlight] = None) -> torch.Tensor:
     """The general path: the compressor drives its own collectives through the state's transport (flat), or
-    through the two tiers."""
-    wire = state.get_transport() if state.tiers is None else state.tiers
+    through the two tiers (``flight``: the bucket's reduce-scatter inside the host, already issued)."""
+    wire = state.get_transport() if flight is None else state.tiers
     started, on_wire = time.perf_counter(), wire.seconds
     with _stage(f"lightning_dist.compressed_reduce.{codec.name}"):
-        if state.tiers is None:
+        if flight is None:
             codec.reduce(buffer, layout, wire)
         else:
-            state.tiers.reduce(buffer, layout, codec)
+            state.tiers.finish(flight, codec)
     state.stats.record_codec(max(0.0, time.perf_counter() - started - (wire.seconds - on_wire)))
     state.clock.done_at = max(state.clock.done_at, time.perf_counter())
     return buffer
+
+
+def _begin_two_tier(state: RingHookState, codec: Compressor, buffer: torch.Tensor, layout: BucketLayout, slot: int,
+                    guard: Optional[StepGuard], reduced_check: Optional[Callable[[torch.Tensor], None]]
+                    ) -> Callable[[], torch.Tensor]:
+    """On the autograd thread: check, weight, and issue the bucket's reduce-scatter inside the host; returns the job
+    that finishes it (across hosts, the all-gather, the reduced check), for the worker."""
+    if guard is not None:
+        guard.check_local(buffer)
+    _weigh(state, buffer)
+    with _stage("lightning_dist.two_tier.reduce_scatter"):
+        flight = state.tiers.begin(buffer, layout, slot)
+
+    def finish_job() -> torch.Tensor:
+        _reduce(state, codec, buffer, layout, flight)
+        if reduced_check is not None:
+            reduced_check(buffer)
+        return buffer
+
+    return finish_job
 
 
 def _decompress(codec: Compressor, stats: CommStats, clock: _Clock, payload: torch.Tensor, ctx: object,

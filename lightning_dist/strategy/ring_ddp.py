@@ -155,7 +155,7 @@ class RingDDPStrategy(DDPStrategy):
         self._hetero = as_hetero(hetero)
         self._topology_request = topology
         self.topology: Optional[Topology] = None  # what topology resolved to at set-up (every rank alike)
-        self._tier_groups: list[dist.ProcessGroup] = []  # this rank's host group and shard group (two_tier)
+        self._tier_groups: list[dist.ProcessGroup] = []  # two_tier: its host's two groups, its part's
         self._guard = StepGuard()  # step-or-skip, armed by NaNRecovery
         self._hook_state = RingHookState(algorithm=algorithm, compressor=as_compressor(compressor), guard=self._guard)
         self._comm_group: Optional[dist.ProcessGroup] = None  # the gradient buckets' own group
@@ -239,8 +239,8 @@ class RingDDPStrategy(DDPStrategy):
         self._stop_worker()  # a fit that failed before teardown may have left one
         # The gradient buckets' own group (the default backend, so NCCL for CUDA tensors), made by every rank here
         # in the same order, driven by the worker thread, never interleaving with what DDP and Lightning run on
-        # the default group from the main thread. With a two-tier topology, two groups replace it: this rank's
-        # host's, and its shard's across hosts.
+        # the default group from the main thread. With a two-tier topology, this rank's host's groups and its
+        # part's across hosts replace it.
         tiers = None
         if self.topology is not None and self.topology.kind == "two_tier":
             tiers = self._two_tier(self.topology)
@@ -264,11 +264,14 @@ class RingDDPStrategy(DDPStrategy):
         return topology
 
     def _two_tier(self, topology: Topology) -> TwoTier:
-        """This rank's two groups, made by every rank in the same order: its host's, and its shard's across hosts."""
+        """This rank's groups, made by every rank in the same order: its host's two (the reduce-scatter, issued from the
+        autograd thread; the all-gather, from the worker), and its part's across hosts."""
         intra, _ = dist.new_subgroups_by_enumeration(topology.intra_groups(), timeout=self._timeout)
+        gather, _ = dist.new_subgroups_by_enumeration(topology.intra_groups(), timeout=self._timeout)
         inter, _ = dist.new_subgroups_by_enumeration(topology.inter_groups(), timeout=self._timeout)
-        self._tier_groups = [intra, inter]
-        return TwoTier(topology, self.global_rank, intra, inter, self._algorithm, self._hook_state.stats)
+        self._tier_groups = [intra, gather, inter]
+        return TwoTier(topology, self.global_rank, intra, inter, self._algorithm, self._hook_state.stats,
+                       gather_group=gather)
 
     def _stop_worker(self) -> None:
         warning = self._hook_state.stop_worker(WORKER_JOIN_TIMEOUT_S)

@@ -18,10 +18,11 @@ goes through three collectives:
 
 So each host sends ``2 (H - 1) / H`` of a bucket across the slow network in all (dense), shared by its ``L`` ranks,
 where the flat ring sends about ``2`` buckets per crossing edge; and a sparse codec's payload crosses once per host
-shard instead of once per rank.
+part instead of once per rank. The price is the dense reduce-scatter and all-gather inside the host: worth it where
+the host's own links are much faster than the network (NVLink or PCIe against Ethernet), not where they are not.
 
-What holds, as on the flat path: ranks bit-identical (a host's ranks copy the same shards; the ranks reducing a
-shard across hosts get the same bits, the compressors' own contract); a non-finite value in any rank's bucket is
+What holds, as on the flat path: ranks bit-identical (a host's ranks copy the same parts; the ranks reducing a
+part across hosts get the same bits, the compressors' own contract); a non-finite value in any rank's bucket is
 non-finite at the same place on every rank (a sum keeps it, the codecs carry it), so the step guard's sentinel in
 element 0 (slice 0 of the first parameter, in part 0) still speaks for the whole bucket; the hetero weights are
 applied before, in autograd.
@@ -52,19 +53,29 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 class TwoTier:
-    """One rank's two-tier reduction: its host's group, its part's group across hosts, how buckets are cut."""
+    """One rank's two-tier reduction: its host's groups, its part's group across hosts, how buckets are cut.
+
+    :meth:`reduce` does one bucket to completion. The hook splits it: :meth:`begin` (on the autograd thread, as DDP
+    hands the bucket over) rearranges the bucket and issues the reduce-scatter inside the host asynchronously, so it
+    runs while backward computes the next buckets; :meth:`finish` (on the communication worker, in the same order)
+    waits for it, reduces the part across hosts and gathers the parts. The all-gather has a host group of its own
+    (``gather_group``): the two threads each issue their collectives in bucket order, and one group's collectives must
+    come in the same order on every rank.
+    """
 
     def __init__(self, topology: Topology, rank: int, intra_group: Optional[dist.ProcessGroup],
-                 inter_group: Optional[dist.ProcessGroup], algorithm: str, stats: CommStats) -> None:
+                 inter_group: Optional[dist.ProcessGroup], algorithm: str, stats: CommStats,
+                 gather_group: Optional[dist.ProcessGroup] = None) -> None:
         if topology.kind != "two_tier":
             raise ValueError(f"TwoTier needs a two_tier topology, got {topology.kind!r}")
         self.topology = topology
         self.local_size = topology.ranks_per_host
         self.local_index = topology.local_index(rank)
         self.intra_group, self.inter_group = intra_group, inter_group
+        self.gather_group = intra_group if gather_group is None else gather_group
         self.intra_stats = stats.tier("intra_host")
         self.transport = Transport(algorithm, inter_group, stats.tier("inter_host"))
-        self.intra_seconds = 0.0  # wall time inside the collectives within the host
+        self.intra_seconds = 0.0  # wall time waiting for the collectives inside the host (on the worker)
         self._plans: dict[BucketLayout, _Plan] = {}
         self._scratch = Scratch()
 
@@ -82,29 +93,55 @@ class TwoTier:
 
     def reduce(self, buffer: torch.Tensor, layout: BucketLayout, codec: Compressor) -> torch.Tensor:
         """Replace ``buffer`` (this rank's weighted gradients, flat) by the sum over every rank, in place."""
+        return self.finish(self.begin(buffer, layout), codec)
+
+    def begin(self, buffer: torch.Tensor, layout: BucketLayout, slot: int = 0) -> InFlight:
+        """Rearrange the bucket part by part (slice ``i`` of every parameter, padded to a common width) and issue the
+        reduce-scatter inside the host. ``slot``: the bucket's own buffers (DDP's bucket index), so that buckets in
+        flight together never share one."""
         plan = self.plan(layout)
         width, dtype, device = plan.width, buffer.dtype, buffer.device
-        parts = self._scratch.get(("parts", width), width * self.local_size, dtype, device)
-        zeros = self._scratch.get(("zeros", plan.pad), plan.pad, dtype, device).zero_() if plan.pad else None
-        # the bucket rearranged part by part (slice i of every parameter, then padding to a common width)
+        parts = self._scratch.get(("parts", slot), width * self.local_size, dtype, device)
+        mine = self._scratch.get(("mine", slot), width, dtype, device)
+        zeros = self._scratch.get(("zeros", slot), plan.pad, dtype, device).zero_() if plan.pad else None
         torch.cat([buffer[a:b] if a >= 0 else zeros[:b] for a, b in plan.gather], out=parts)
-        mine = self._scratch.get(("mine", width), width, dtype, device)
-        self._intra("reduce_scatter", _reduce_scatter_single, mine, parts)
-        if plan.length:  # a parameter smaller than the host leaves the last ranks nothing to send
-            codec.reduce(mine[: plan.length], plan.layout, self.transport)
-        self._intra("all_gather", _all_gather_single, parts, mine)
-        torch.cat([parts[a:b] for a, b in plan.scatter], out=buffer)  # back in the bucket's order
-        return buffer
+        work = _reduce_scatter_single(mine, parts, group=self.intra_group, async_op=True)
+        return InFlight(buffer, plan, parts, mine, work)
 
-    def _intra(self, name: str, collective: object, output: torch.Tensor, inp: torch.Tensor) -> None:
+    def finish(self, flight: InFlight, codec: Compressor) -> torch.Tensor:
+        """Wait for :meth:`begin`'s reduce-scatter, reduce this rank's part across hosts, gather every part back into
+        the bucket."""
         started = time.perf_counter()
-        collective(output, inp, group=self.intra_group)  # type: ignore[operator]
+        flight.work.wait()
+        waited = time.perf_counter() - started  # the part backward did not hide
+        self.intra_seconds += waited
+        self._record("reduce_scatter", flight.parts, waited)
+        plan = flight.plan
+        if plan.length:  # a bucket of parameters smaller than the host can leave the last ranks nothing to send
+            codec.reduce(flight.mine[: plan.length], plan.layout, self.transport)
+        started = time.perf_counter()
+        _all_gather_single(flight.parts, flight.mine, group=self.gather_group)
         seconds = time.perf_counter() - started
         self.intra_seconds += seconds
-        part = min(output.numel(), inp.numel())
-        nbytes = (self.local_size - 1) * part * inp.element_size()  # the ring's count; the backend does not say
-        self.intra_stats.record(CallRecord(name, max(output.numel(), inp.numel()), nbytes, nbytes, seconds,
-                                           estimated=True))
+        self._record("all_gather", flight.parts, seconds)
+        torch.cat([flight.parts[a:b] for a, b in plan.scatter], out=flight.buffer)  # back in the bucket's order
+        return flight.buffer
+
+    def _record(self, name: str, parts: torch.Tensor, seconds: float) -> None:
+        # the ring's count for the backend's collective (it does not say): L - 1 parts of the L
+        nbytes = (self.local_size - 1) * (parts.numel() // self.local_size) * parts.element_size()
+        self.intra_stats.record(CallRecord(name, parts.numel(), nbytes, nbytes, seconds, estimated=True))
+
+
+@dataclass
+class InFlight:
+    """One bucket between :meth:`TwoTier.begin` and :meth:`TwoTier.finish`."""
+
+    buffer: torch.Tensor
+    plan: _Plan
+    parts: torch.Tensor
+    mine: torch.Tensor
+    work: dist.Work
 
 
 @dataclass(frozen=True)
