@@ -6,7 +6,8 @@ host: a host's ranks talk over its loopback, unshaped, and share its one shaped 
 
 - **the all-reduce of 16 MiB** float32, flat (gloo's own ``all_reduce`` over all ``2 L`` ranks) against two_tier dense
   (:class:`~lightning_dist.strategy.tiers.TwoTier` without a compressor: reduce-scatter inside the host, gloo's
-  all-reduce of each part between hosts, all-gather inside the host), alternating after one untimed call of each
+  all-reduce of each part between hosts, all-gather inside the host; in 4 MiB buckets as the strategy sends a
+  gradient, so one bucket's part crosses while the next is reduce-scattered), alternating after one untimed call of each
   (:func:`~lightning_dist.benchmarks.allreduce.time_rounds`), the median of the slowest rank's time; then one more
   call of each between barriers, reading what left host 0 through its link
   (:func:`~lightning_dist.simcluster.link_bytes_sent`: the kernel's count, TCP/IP headers included);
@@ -86,9 +87,19 @@ def allreduce_worker(args: argparse.Namespace) -> None:
     topology = resolve_topology("two_tier", nodes)
     intra, _ = dist.new_subgroups_by_enumeration(topology.intra_groups())
     inter, _ = dist.new_subgroups_by_enumeration(topology.inter_groups())
-    tiers = TwoTier(topology, rank, intra, inter, "native", CommStats(keep_records=False))
-    layout, codec = BucketLayout.single(args.nbytes // 4), NoCompressor()
-    calls = {"flat": dist.all_reduce, "two_tier": lambda tensor: tiers.reduce(tensor, layout, codec)}
+    gather, _ = dist.new_subgroups_by_enumeration(topology.intra_groups())
+    tiers = TwoTier(topology, rank, intra, inter, "native", CommStats(keep_records=False), gather_group=gather)
+    codec, bucket = NoCompressor(), cluster.BUCKET_CAP_MB << 18  # float32 elements per bucket
+
+    def two_tier(tensor: torch.Tensor) -> None:
+        # as the strategy sends a gradient: in buckets, each one's reduce-scatter issued as it comes, then each
+        # one's part across hosts while the next bucket's reduce-scatter and the last one's all-gather run
+        spans = [(a, min(a + bucket, tensor.numel())) for a in range(0, tensor.numel(), bucket)]
+        flights = [tiers.begin(tensor[a:b], BucketLayout.single(b - a), slot) for slot, (a, b) in enumerate(spans)]
+        for done in [tiers.finish(flight, codec) for flight in flights]:
+            done.wait()
+
+    calls = {"flat": dist.all_reduce, "two_tier": two_tier}
     tensor = torch.empty(args.nbytes // 4, dtype=torch.float32)
     orders = [("flat", "two_tier") if k % 2 == 0 else ("two_tier", "flat") for k in range(-1, args.iterations)]
     times = time_rounds(calls, tensor, orders, warmup=1)

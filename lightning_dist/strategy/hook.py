@@ -64,7 +64,7 @@ from lightning_dist.comm.stats import TierStats
 from lightning_dist.compression import BucketLayout, Compressor, NoCompressor, Transport
 from lightning_dist.strategy.comm_worker import CommWorker
 from lightning_dist.strategy.skip import StepGuard
-from lightning_dist.strategy.tiers import InFlight, TwoTier
+from lightning_dist.strategy.tiers import TwoTier
 
 
 @dataclass
@@ -201,7 +201,7 @@ def ring_comm_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futur
     if state.worker is None:
         started = time.perf_counter()
         if state.tiers is not None:
-            _begin_two_tier(state, codec, buffer, layout, bucket.index(), guard, reduced_check)()
+            _begin_two_tier(state, codec, buffer, layout, bucket.index(), guard, reduced_check)().wait()
         else:
             reduce_job()
         state.exposed_s += time.perf_counter() - started
@@ -248,38 +248,44 @@ def _weigh(state: RingHookState, buffer: torch.Tensor) -> None:
             buffer.mul_(state.step_share())
 
 
-def _reduce(state: RingHookState, codec: Compressor, buffer: torch.Tensor, layout: BucketLayout,
-            flight: Optional[InFlight] = None) -> torch.Tensor:
-    """The general path: the compressor drives its own collectives through the state's transport (flat), or
-    through the two tiers (``flight``: the bucket's reduce-scatter inside the host, already issued)."""
-    wire = state.get_transport() if flight is None else state.tiers
-    started, on_wire = time.perf_counter(), wire.seconds
+def _reduce(state: RingHookState, codec: Compressor, buffer: torch.Tensor, layout: BucketLayout) -> torch.Tensor:
+    """The general path: the compressor drives its own collectives through the state's transport."""
+    transport = state.get_transport()
+    started, on_wire = time.perf_counter(), transport.seconds
     with _stage(f"lightning_dist.compressed_reduce.{codec.name}"):
-        if flight is None:
-            codec.reduce(buffer, layout, wire)
-        else:
-            state.tiers.finish(flight, codec)
-    state.stats.record_codec(max(0.0, time.perf_counter() - started - (wire.seconds - on_wire)))
+        codec.reduce(buffer, layout, transport)
+    state.stats.record_codec(max(0.0, time.perf_counter() - started - (transport.seconds - on_wire)))
     state.clock.done_at = max(state.clock.done_at, time.perf_counter())
     return buffer
 
 
 def _begin_two_tier(state: RingHookState, codec: Compressor, buffer: torch.Tensor, layout: BucketLayout, slot: int,
                     guard: Optional[StepGuard], reduced_check: Optional[Callable[[torch.Tensor], None]]
-                    ) -> Callable[[], torch.Tensor]:
-    """On the autograd thread: check, weight, and issue the bucket's reduce-scatter inside the host; returns the job
-    that finishes it (across hosts, the all-gather, the reduced check), for the worker."""
+                    ) -> Callable[[], torch.futures.Future]:
+    """On the autograd thread: check, weight, and issue the bucket's reduce-scatter inside the host. Returns the job
+    that finishes it on the worker (across hosts, then the all-gather, whose completion checks the reduced bucket)."""
     if guard is not None:
         guard.check_local(buffer)
     _weigh(state, buffer)
+    tiers = state.tiers
     with _stage("lightning_dist.two_tier.reduce_scatter"):
-        flight = state.tiers.begin(buffer, layout, slot)
+        flight = tiers.begin(buffer, layout, slot)
+    stats, clock = state.stats, state.clock  # never the state itself in a callback: see _Clock
 
-    def finish_job() -> torch.Tensor:
-        _reduce(state, codec, buffer, layout, flight)
-        if reduced_check is not None:
-            reduced_check(buffer)
-        return buffer
+    def finish_job() -> torch.futures.Future:
+        started, on_wire = time.perf_counter(), tiers.seconds
+        with _stage(f"lightning_dist.compressed_reduce.{codec.name}"):
+            gathered = tiers.finish(flight, codec)
+        stats.record_codec(max(0.0, time.perf_counter() - started - (tiers.seconds - on_wire)))
+
+        def done(fut: torch.futures.Future) -> torch.Tensor:
+            reduced = fut.value()
+            if reduced_check is not None:
+                reduced_check(reduced)
+            clock.done_at = max(clock.done_at, time.perf_counter())
+            return reduced
+
+        return gathered.then(done)
 
     return finish_job
 

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dist.comm import CommStats
-from lightning_dist.comm.stats import CallRecord
+from lightning_dist.comm.stats import CallRecord, TierStats
 from lightning_dist.comm.topology import Topology
 from lightning_dist.compression import BucketLayout, Compressor, Transport
 from lightning_dist.compression.state import Scratch
@@ -58,7 +58,8 @@ class TwoTier:
     :meth:`reduce` does one bucket to completion. The hook splits it: :meth:`begin` (on the autograd thread, as DDP
     hands the bucket over) rearranges the bucket and issues the reduce-scatter inside the host asynchronously, so it
     runs while backward computes the next buckets; :meth:`finish` (on the communication worker, in the same order)
-    waits for it, reduces the part across hosts and gathers the parts. The all-gather has a host group of its own
+    waits for it, reduces the part across hosts and issues the all-gather of the parts, which completes on the backend's
+thread while the next bucket's part travels. The all-gather has a host group of its own
     (``gather_group``): the two threads each issue their collectives in bucket order, and one group's collectives must
     come in the same order on every rank.
     """
@@ -93,7 +94,7 @@ class TwoTier:
 
     def reduce(self, buffer: torch.Tensor, layout: BucketLayout, codec: Compressor) -> torch.Tensor:
         """Replace ``buffer`` (this rank's weighted gradients, flat) by the sum over every rank, in place."""
-        return self.finish(self.begin(buffer, layout), codec)
+        return self.finish(self.begin(buffer, layout), codec).wait()
 
     def begin(self, buffer: torch.Tensor, layout: BucketLayout, slot: int = 0) -> InFlight:
         """Rearrange the bucket part by part (slice ``i`` of every parameter, padded to a common width) and issue the
@@ -108,9 +109,10 @@ class TwoTier:
         work = _reduce_scatter_single(mine, parts, group=self.intra_group, async_op=True)
         return InFlight(buffer, plan, parts, mine, work)
 
-    def finish(self, flight: InFlight, codec: Compressor) -> torch.Tensor:
-        """Wait for :meth:`begin`'s reduce-scatter, reduce this rank's part across hosts, gather every part back into
-        the bucket."""
+    def finish(self, flight: InFlight, codec: Compressor) -> torch.futures.Future:
+        """Wait for :meth:`begin`'s reduce-scatter, reduce this rank's part across hosts, and issue the all-gather of
+        every part; the returned Future completes (on the backend's thread) once the parts are back in the bucket,
+        so the next bucket's part can travel between hosts meanwhile."""
         started = time.perf_counter()
         flight.work.wait()
         waited = time.perf_counter() - started  # the part backward did not hide
@@ -119,18 +121,28 @@ class TwoTier:
         plan = flight.plan
         if plan.length:  # a bucket of parameters smaller than the host can leave the last ranks nothing to send
             codec.reduce(flight.mine[: plan.length], plan.layout, self.transport)
-        started = time.perf_counter()
-        _all_gather_single(flight.parts, flight.mine, group=self.gather_group)
-        seconds = time.perf_counter() - started
-        self.intra_seconds += seconds
-        self._record("all_gather", flight.parts, seconds)
-        torch.cat([flight.parts[a:b] for a, b in plan.scatter], out=flight.buffer)  # back in the bucket's order
-        return flight.buffer
+        gathered = _all_gather_single(flight.parts, flight.mine, group=self.gather_group, async_op=True)
+        # the callback runs, and is dropped, on the backend's thread: it holds tensors and the stats, never this
+        # object (whose groups' destructor would join that very thread; see lightning_dist.comm.dispatch)
+        parts, scatter, buffer, stats = flight.parts, plan.scatter, flight.buffer, self.intra_stats
+        size, issued = self.local_size, time.perf_counter()
+
+        def back_in_bucket_order(done: torch.futures.Future) -> torch.Tensor:
+            done.value()  # raises the backend's error
+            torch.cat([parts[a:b] for a, b in scatter], out=buffer)
+            _record_intra(stats, "all_gather", parts, size, time.perf_counter() - issued)
+            return buffer
+
+        return gathered.get_future().then(back_in_bucket_order)
 
     def _record(self, name: str, parts: torch.Tensor, seconds: float) -> None:
-        # the ring's count for the backend's collective (it does not say): L - 1 parts of the L
-        nbytes = (self.local_size - 1) * (parts.numel() // self.local_size) * parts.element_size()
-        self.intra_stats.record(CallRecord(name, parts.numel(), nbytes, nbytes, seconds, estimated=True))
+        _record_intra(self.intra_stats, name, parts, self.local_size, seconds)
+
+
+def _record_intra(stats: TierStats, name: str, parts: torch.Tensor, size: int, seconds: float) -> None:
+    # the ring's count for the backend's collective (it does not say): L - 1 parts of the L
+    nbytes = (size - 1) * (parts.numel() // size) * parts.element_size()
+    stats.record(CallRecord(name, parts.numel(), nbytes, nbytes, seconds, estimated=True))
 
 
 @dataclass
