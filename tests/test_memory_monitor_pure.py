@@ -180,6 +180,10 @@ def test_estimate_parts_follow_buckets_compressor_and_activations():
     topk = build_compressor("topk", ratio=0.01)  # with error feedback
     est = estimate_memory(model, [sgd], CommSetup(compressor=topk, world_size=2))
     assert est.parts["compressor_state"] == 2 * grads  # residuals, committed and staged
+    # two_tier, 2 ranks per host: residuals for this rank's half of every parameter; the parts rearranged, and its own
+    est = estimate_memory(model, [sgd], CommSetup(compressor=topk, world_size=4, two_tier_ranks_per_host=2))
+    assert est.parts["compressor_state"] == 2 * 4 * (128 * 256 + 128 + 4 * 256 + 4)
+    assert est.parts["two_tier_buffers"] == grads + grads // 2
     assert est.total == sum(est.parts.values())
     est.capacity, est.baseline, est.capacity_source = est.total, 1, "test"
     assert not est.fits and "DOES NOT FIT" in est.table()

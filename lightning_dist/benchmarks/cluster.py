@@ -27,6 +27,9 @@ Advise: at each setting one more job runs :mod:`lightning_dist.advise` on the sa
 configuration over the real buckets); each record gets its ``predicted_s`` and ``predicted_vs_measured`` (the
 prediction over the measured median step; ``dense/ring`` has none, advise measures under ``auto``).
 
+``--two-tier`` runs :mod:`lightning_dist.benchmarks.tiers` instead: flat against two_tier on 2 hosts of several ranks
+each (the workers here take ``--topology``; each host's ranks under one ``torchrun --nproc-per-node``).
+
 Targets (from the issue, at 2 hosts and 100 Mbit/s): ``topk1%`` at least 5x faster per step than ``dense``; ring
 busbw at least 0.9x native's. The plot: step time per configuration grouped by (hosts, rate), log scale; busbw
 of ring and native against the line rate.

@@ -191,9 +191,12 @@ class MemoryMonitor(Callback):
     def _estimate(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                   activations: Optional[int], largest: int = 0) -> MemoryEstimate:
         features = features_of(trainer.strategy)  # ring_ddp: its compressor and its transport's buffers count
+        topology = features.topology if features is not None else None
         comm = comm_setup_of(trainer.strategy.model or pl_module,
                              compressor=features.compressor if features is not None else None,
-                             world_size=trainer.world_size, transport_buffers=features is not None)
+                             world_size=trainer.world_size, transport_buffers=features is not None,
+                             two_tier_ranks_per_host=topology.ranks_per_host
+                             if topology is not None and topology.kind == "two_tier" else 0)
         est = estimate_memory(pl_module, trainer.optimizers, comm, activation_bytes=activations,
                               largest_activation=largest)
         for callback in trainer.callbacks:  # callbacks that hold copies (NaNRecovery's snapshot) say how much

@@ -232,18 +232,22 @@ class CommSetup:
     transport_buffers: bool = False  # ring_ddp's collectives keep a scratch buffer per bucket-sized message
     compressor: Any = None  # a lightning_dist Compressor, or None
     world_size: int = 1
+    # ring_ddp's two-tier reduction: the ranks per host (0: flat). Each bucket's parts are kept rearranged, and the
+    # compressor holds state for this rank's part of every bucket only
+    two_tier_ranks_per_host: int = 0
 
 
 def comm_setup_of(model: torch.nn.Module, compressor: Any = None, world_size: int = 1,
-                  transport_buffers: bool = False) -> CommSetup:
+                  transport_buffers: bool = False, two_tier_ranks_per_host: int = 0) -> CommSetup:
     """Read DDP's bucket settings off the wrapped model (any other wrapper: no buckets)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    if not isinstance(model, DistributedDataParallel):
-        return CommSetup(compressor=compressor, world_size=world_size, transport_buffers=transport_buffers)
-    return CommSetup(buckets_are_views=bool(model.gradient_as_bucket_view), has_buckets=True,
-                     bucket_cap_bytes=int(model.bucket_bytes_cap), transport_buffers=transport_buffers,
-                     compressor=compressor, world_size=world_size)
+    setup = CommSetup(compressor=compressor, world_size=world_size, transport_buffers=transport_buffers,
+                      two_tier_ranks_per_host=two_tier_ranks_per_host)
+    if isinstance(model, DistributedDataParallel):
+        setup.buckets_are_views, setup.has_buckets = bool(model.gradient_as_bucket_view), True
+        setup.bucket_cap_bytes = int(model.bucket_bytes_cap)
+    return setup
 
 
 def estimate_memory(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer], comm: CommSetup,
@@ -295,16 +299,24 @@ def _comm_parts(est: MemoryEstimate, params: list[tuple[str, torch.nn.Parameter]
     largest_param = max(p.numel() * p.element_size() for _, p in params)
     bucket_bytes = min(grads, max(comm.bucket_cap_bytes, largest_param))  # a parameter never splits
     bucket_numel = bucket_bytes // element
-    compressor = comm.compressor
+    compressor, per_host = comm.compressor, comm.two_tier_ranks_per_host
     if compressor is not None:
         from lightning_dist.compression.base import BucketLayout
 
         layout = BucketLayout.of([(n, p.shape) for n, p in params])
+        if per_host:  # two_tier: the state of this rank's part (slice 0 is the largest)
+            layout = layout.split(per_host)[0][0]
         state = compressor.state_bytes(layout, element)
         if state:
             est.parts["compressor_state"] = state
             est.notes["compressor_state"] = f"{compressor.describe()}: residuals / factors"
-    workspace = compressor.workspace_bytes(bucket_numel, element, comm.world_size) if compressor is not None else 0
+    peers = comm.world_size // per_host if per_host else comm.world_size  # whom the compressor reduces with
+    coded = -(-bucket_numel // per_host) if per_host else bucket_numel
+    workspace = compressor.workspace_bytes(coded, element, peers) if compressor is not None else 0
+    if per_host:
+        est.parts["two_tier_buffers"] = grads + -(-grads // per_host)
+        est.notes["two_tier_buffers"] = (f"two_tier, {per_host} ranks per host: every bucket's parts, rearranged, "
+                                         "and this rank's part of each")
     if comm.transport_buffers:
         # a scratch pool per thread that runs collectives (the communication worker, and the autograd thread
         # when it reduces a bucket itself), each up to a bucket (the ring's staging is 2/N of it, the tree's all)
