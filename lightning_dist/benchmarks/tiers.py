@@ -244,7 +244,7 @@ def step_table(records: Sequence[dict[str, Any]]) -> str:
 def plot(allreduce: Sequence[dict[str, Any]], records: Sequence[dict[str, Any]], params: Optional[int]) -> Any:
     """Left: the all-reduce, flat vs two_tier. Middle: median steps per configuration. Right: bytes out of a host per
     step against ranks per host, the formulas (lines) and host 0's link (points)."""
-    fig, (ax, bx, cx) = bench.figure_row(3, 17, 4.8, width_ratios=[1, 2, 1.3])
+    fig, (ax, bx, cx) = bench.figure_row(3, 20, 5.0, width_ratios=[1, 2.2, 1.3])
     ok = [a for a in allreduce if not a.get("error")]
     x = np.arange(len(ok))
     for offset, name in ((-0.2, "flat"), (0.2, "two_tier")):
@@ -261,7 +261,8 @@ def plot(allreduce: Sequence[dict[str, Any]], records: Sequence[dict[str, Any]],
     for offset, name in ((-0.2, "flat"), (0.2, "two_tier")):
         values = [1e3 * (by_key.get((*g, name), {}).get("median_s") or np.nan) for g in groups]
         bx.bar(x + offset, values, 0.4, label=name)
-    bx.set_xticks(x, [f"{c}\n{HOSTS}x{p} {r:g}" for p, r, c in groups], fontsize="x-small")
+    short = {"powersgd-r2": "psgd", cluster.TOPK: "topk"}
+    bx.set_xticks(x, [f"{short.get(c, c)}\n{HOSTS}x{p}\n{r:g}" for p, r, c in groups], fontsize="xx-small")
     bx.set(yscale="log", ylabel="median step ms (log)", title="WideMLP training step")
     bx.legend(fontsize="x-small")
     bx.grid(alpha=0.3, axis="y")
@@ -280,7 +281,7 @@ def plot(allreduce: Sequence[dict[str, Any]], records: Sequence[dict[str, Any]],
                 cx.plot(r["per_host"], r["link_bytes_per_step"] / 1e6, marker, color=color, ms=6, mfc="none")
         cx.set(xscale="log", yscale="log", xticks=PLOT_PER_HOST, xlabel="ranks per host (2 hosts)",
                ylabel="MB out of a host per step (log)",
-               title="across the slow link: formula, measured (o dense, ^ top-k)")
+               title="out of a host: lines formula, o dense / ^ top-k measured")
         cx.set_xticklabels([str(p) for p in PLOT_PER_HOST])
         cx.legend(fontsize="xx-small")
         cx.grid(alpha=0.3)
