@@ -131,6 +131,11 @@ def grouped_send_receive(
     return dist.batch_isend_irecv(ops) if ops else []
 
 
+# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (which still work, with a warning)
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
     """Split ``range(numel)`` into ``parts`` contiguous chunks, sizes differing by at most one.
 

@@ -24,11 +24,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_dist.comm import CommStats, allreduce_
-from lightning_dist.comm._common import group_view
+from lightning_dist.comm._common import all_gather_single, group_view
 from lightning_dist.comm.stats import CallRecord
-
-# torch 2.13 renamed all_gather_into_tensor (which still works, with a warning)
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class Transport:
@@ -58,7 +55,7 @@ class Transport:
             out[0].copy_(tensor)
             return out
         started = time.perf_counter()
-        _all_gather_single(out.view(-1), tensor.contiguous().view(-1), group=self.group)
+        all_gather_single(out.view(-1), tensor.contiguous().view(-1), group=self.group)
         nbytes = tensor.numel() * tensor.element_size()
         self._record("all_gather", tensor.numel(), (n - 1) * nbytes, (n - 1) * nbytes, started)
         return out

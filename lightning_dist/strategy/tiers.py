@@ -42,14 +42,11 @@ import torch
 import torch.distributed as dist
 
 from lightning_dist.comm import CommStats
+from lightning_dist.comm._common import all_gather_single, reduce_scatter_single
 from lightning_dist.comm.stats import CallRecord, TierStats
 from lightning_dist.comm.topology import Topology
 from lightning_dist.compression import BucketLayout, Compressor, Transport
 from lightning_dist.compression.state import Scratch
-
-# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (which still work, with a warning)
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class TwoTier:
@@ -106,7 +103,7 @@ thread while the next bucket's part travels. The all-gather has a host group of 
         mine = self._scratch.get(("mine", slot), width, dtype, device)
         zeros = self._scratch.get(("zeros", slot), plan.pad, dtype, device).zero_() if plan.pad else None
         torch.cat([buffer[a:b] if a >= 0 else zeros[:b] for a, b in plan.gather], out=parts)
-        work = _reduce_scatter_single(mine, parts, group=self.intra_group, async_op=True)
+        work = reduce_scatter_single(mine, parts, group=self.intra_group, async_op=True)
         return InFlight(buffer, plan, parts, mine, work)
 
     def finish(self, flight: InFlight, codec: Compressor) -> torch.futures.Future:
@@ -121,7 +118,7 @@ thread while the next bucket's part travels. The all-gather has a host group of 
         plan = flight.plan
         if plan.length:  # a bucket of parameters smaller than the host can leave the last ranks nothing to send
             codec.reduce(flight.mine[: plan.length], plan.layout, self.transport)
-        gathered = _all_gather_single(flight.parts, flight.mine, group=self.gather_group, async_op=True)
+        gathered = all_gather_single(flight.parts, flight.mine, group=self.gather_group, async_op=True)
         # the callback runs, and is dropped, on the backend's thread: it holds tensors and the stats, never this
         # object (whose groups' destructor would join that very thread; see lightning_dist.comm.dispatch)
         parts, scatter, buffer, stats = flight.parts, plan.scatter, flight.buffer, self.intra_stats
