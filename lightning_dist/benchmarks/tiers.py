@@ -85,10 +85,7 @@ def allreduce_worker(args: argparse.Namespace) -> None:
     nodes: list[Any] = [None] * world_size
     dist.all_gather_object(nodes, int(os.environ["GROUP_RANK"]))
     topology = resolve_topology("two_tier", nodes)
-    intra, _ = dist.new_subgroups_by_enumeration(topology.intra_groups())
-    inter, _ = dist.new_subgroups_by_enumeration(topology.inter_groups())
-    gather, _ = dist.new_subgroups_by_enumeration(topology.intra_groups())
-    tiers = TwoTier(topology, rank, intra, inter, "native", CommStats(keep_records=False), gather_group=gather)
+    tiers = TwoTier.create(topology, rank, "native", CommStats(keep_records=False))
     codec, bucket = NoCompressor(), cluster.BUCKET_CAP_MB << 18  # float32 elements per bucket
 
     def two_tier(tensor: torch.Tensor) -> None:
@@ -202,12 +199,7 @@ def host_bytes(path: str, per_host: int, hosts: int, dense_bytes: float, topk_pa
     }[path]
 
 
-def _ms(seconds: Optional[float]) -> str:
-    return bench.cell(seconds, ",.1f", 1e3)
-
-
-def _mb(nbytes: Optional[float]) -> str:
-    return bench.cell(nbytes, ".3f", 1e-6)
+_ms, _mb = cluster._ms, cluster._mb  # the cluster benchmark's cells: ms, MB
 
 
 def allreduce_table(allreduce: Sequence[dict[str, Any]]) -> str:

@@ -122,6 +122,3 @@ class TierStats:
 
     def record_codec(self, seconds: float) -> None:
         self.stats.record_codec(seconds)
-
-    def record_dense(self, nbytes: int) -> None:
-        self.stats.record_dense(nbytes)

@@ -29,8 +29,8 @@ CHECKPOINT_KEY = "lightning_dist"  # the checkpoint's entry for every rank's com
 def compressor_entry(compressor: Compressor, world_size: int, ranks: list[Any],
                      identities: Optional[list[str]] = None, layout: str = "flat") -> dict[str, Any]:
     """What the checkpoint gains: the compressor's description and every rank's state (None: not saved), what that
-    state is kept for (``layout``: :attr:`lightning_dist.comm.topology.Topology.state_layout`), and in an elastic run
-    every rank's node identity."""
+    state is kept for (``layout``: :func:`lightning_dist.comm.topology.state_layout`), and in an elastic run every
+    rank's node identity."""
     return {CHECKPOINT_KEY: {"compressor": {"describe": compressor.describe(), "world_size": world_size,
                                             "ranks": ranks, "identities": identities, "layout": layout}}}
 

@@ -243,7 +243,9 @@ class RingDDPStrategy(DDPStrategy):
         # part's across hosts replace it.
         tiers = None
         if self.topology is not None and self.topology.kind == "two_tier":
-            tiers = self._two_tier(self.topology)
+            tiers = TwoTier.create(self.topology, self.global_rank, self._algorithm, self._hook_state.stats,
+                                   self._timeout)
+            self._tier_groups = tiers.groups
         elif self.world_size > 1:
             self._comm_group = dist.new_group(timeout=self._timeout)
         self._schedule.every_step = bool(self._hetero is not None and self._hetero.rebalance)
@@ -262,16 +264,6 @@ class RingDDPStrategy(DDPStrategy):
         rank_zero_info(f"RingDDPStrategy: topology {topology.kind} ({topology.reason}; hosts: "
                        f"{[list(ranks) for ranks in topology.hosts]})")
         return topology
-
-    def _two_tier(self, topology: Topology) -> TwoTier:
-        """This rank's groups, made by every rank in the same order: its host's two (the reduce-scatter, issued from the
-        autograd thread; the all-gather, from the worker), and its part's across hosts."""
-        intra, _ = dist.new_subgroups_by_enumeration(topology.intra_groups(), timeout=self._timeout)
-        gather, _ = dist.new_subgroups_by_enumeration(topology.intra_groups(), timeout=self._timeout)
-        inter, _ = dist.new_subgroups_by_enumeration(topology.inter_groups(), timeout=self._timeout)
-        self._tier_groups = [intra, gather, inter]
-        return TwoTier(topology, self.global_rank, intra, inter, self._algorithm, self._hook_state.stats,
-                       gather_group=gather)
 
     def _stop_worker(self) -> None:
         warning = self._hook_state.stop_worker(WORKER_JOIN_TIMEOUT_S)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -55,27 +56,40 @@ class TwoTier:
     :meth:`reduce` does one bucket to completion. The hook splits it: :meth:`begin` (on the autograd thread, as DDP
     hands the bucket over) rearranges the bucket and issues the reduce-scatter inside the host asynchronously, so it
     runs while backward computes the next buckets; :meth:`finish` (on the communication worker, in the same order)
-    waits for it, reduces the part across hosts and issues the all-gather of the parts, which completes on the backend's
-thread while the next bucket's part travels. The all-gather has a host group of its own
-    (``gather_group``): the two threads each issue their collectives in bucket order, and one group's collectives must
-    come in the same order on every rank.
+    waits for it, reduces the part across hosts and issues the all-gather of the parts, which completes on the
+    backend's thread while the next bucket's part travels. The all-gather has a host group of its own: the two threads
+    each issue their collectives in bucket order, and one group's collectives must come in the same order on every
+    rank. :meth:`create` makes the three groups.
     """
 
     def __init__(self, topology: Topology, rank: int, intra_group: Optional[dist.ProcessGroup],
-                 inter_group: Optional[dist.ProcessGroup], algorithm: str, stats: CommStats,
-                 gather_group: Optional[dist.ProcessGroup] = None) -> None:
+                 gather_group: Optional[dist.ProcessGroup], inter_group: Optional[dist.ProcessGroup], algorithm: str,
+                 stats: CommStats) -> None:
         if topology.kind != "two_tier":
             raise ValueError(f"TwoTier needs a two_tier topology, got {topology.kind!r}")
         self.topology = topology
         self.local_size = topology.ranks_per_host
         self.local_index = topology.local_index(rank)
-        self.intra_group, self.inter_group = intra_group, inter_group
-        self.gather_group = intra_group if gather_group is None else gather_group
+        self.intra_group, self.gather_group, self.inter_group = intra_group, gather_group, inter_group
         self.intra_stats = stats.tier("intra_host")
         self.transport = Transport(algorithm, inter_group, stats.tier("inter_host"))
         self.intra_seconds = 0.0  # wall time waiting for the collectives inside the host (on the worker)
         self._plans: dict[BucketLayout, _Plan] = {}
         self._scratch = Scratch()
+
+    @classmethod
+    def create(cls, topology: Topology, rank: int, algorithm: str, stats: CommStats,
+               timeout: Optional[timedelta] = None) -> TwoTier:
+        """This rank's reduction on groups of its own: its host's two (the reduce-scatter's, the all-gather's) and its
+        part's across hosts. A collective call: every rank makes every group, in the same order."""
+        intra, gather, inter = (dist.new_subgroups_by_enumeration(ranks, timeout=timeout)[0] for ranks in
+                                (topology.intra_groups(), topology.intra_groups(), topology.inter_groups()))
+        return cls(topology, rank, intra, gather, inter, algorithm, stats)
+
+    @property
+    def groups(self) -> list[dist.ProcessGroup]:
+        """The groups this rank is in (to destroy at teardown)."""
+        return [self.intra_group, self.gather_group, self.inter_group]
 
     @property
     def seconds(self) -> float:
@@ -114,7 +128,7 @@ thread while the next bucket's part travels. The all-gather has a host group of 
         flight.work.wait()
         waited = time.perf_counter() - started  # the part backward did not hide
         self.intra_seconds += waited
-        self._record("reduce_scatter", flight.parts, waited)
+        _record_intra(self.intra_stats, "reduce_scatter", flight.parts, self.local_size, waited)
         plan = flight.plan
         if plan.length:  # a bucket of parameters smaller than the host can leave the last ranks nothing to send
             codec.reduce(flight.mine[: plan.length], plan.layout, self.transport)
@@ -131,9 +145,6 @@ thread while the next bucket's part travels. The all-gather has a host group of 
             return buffer
 
         return gathered.get_future().then(back_in_bucket_order)
-
-    def _record(self, name: str, parts: torch.Tensor, seconds: float) -> None:
-        _record_intra(self.intra_stats, name, parts, self.local_size, seconds)
 
 
 def _record_intra(stats: TierStats, name: str, parts: torch.Tensor, size: int, seconds: float) -> None:
