@@ -36,11 +36,15 @@ class LossScaler(torch.amp.GradScaler):
 
     Args:
         device: ``"cuda"`` or ``"cpu"`` (as GradScaler).
-        init_scale, growth_factor, backoff_factor, growth_interval: as GradScaler (2**16, 2, 0.5, 2000).
+        init_scale: the first scale, as GradScaler (2**16).
+        growth_factor: the scale's factor after ``growth_interval`` good steps, as GradScaler (2).
+        backoff_factor: the scale's factor when a bad step cuts it, as GradScaler (0.5).
+        growth_interval: consecutive good steps before the scale grows, as GradScaler (2000).
         hysteresis: bad steps tolerated before the scale is cut (1: every bad step cuts it, as GradScaler).
         consecutive_hysteresis: restore the hysteresis after every good step (True) or only when the scale
             grows (False, DeepSpeed's default).
         min_scale: the scale's floor; a bad step at the floor sets :attr:`exhausted`.
+        enabled: as GradScaler (``False``: every method passes through).
     """
 
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
