@@ -7,7 +7,8 @@ Importing the package registers ``"ring_ddp"`` (and its ``_spawn``, ``_fork``, `
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_dist.callbacks import DistMetricsCallback, FaultTolerance, MemoryMonitor, NaNRecovery
+from lightning_dist._deprecation import renamed
+from lightning_dist.callbacks import DistMetrics, ElasticTraining, FaultTolerance, MemoryMonitor, NaNRecovery
 from lightning_dist.loss_scaler import LossScaler
 from lightning_dist.strategy import RingDDPStrategy
 
@@ -15,5 +16,7 @@ __version__ = "0.1.0"
 
 RingDDPStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["DistMetricsCallback", "FaultTolerance", "LossScaler", "MemoryMonitor", "NaNRecovery", "RingDDPStrategy",
-           "__version__"]
+__all__ = ["DistMetrics", "ElasticTraining", "FaultTolerance", "LossScaler", "MemoryMonitor", "NaNRecovery",
+           "RingDDPStrategy", "__version__"]
+
+__getattr__ = renamed(__name__, {"DistMetricsCallback": DistMetrics})  # the old name, for one release

@@ -13,8 +13,9 @@ data and ``ring_ddp`` strategy and, on the real links::
 What it measures, on every rank:
 
 1. **The dense step.** ``advise.warmup_steps + advise.steps`` real training steps under ``RingDDPStrategy`` with no
-   compressor. A wrapper around the strategy's comm hook records each bucket's :class:`BucketLayout`, the moment
-   DDP hands it over (its ready time, from the start of ``loss.backward()``) and the moment its reduction is done.
+   compressor. A bucket observer (:class:`~lightning_dist.strategy.BucketObserver`, registered through the strategy's
+   feature seam) records each bucket's :class:`BucketLayout`, the moment DDP hands it over (its ready time, from the
+   start of ``loss.backward()``) and the moment its reduction is done.
    Per measured step: the step time (end to end, as the benchmarks count it), the last hand-over (backward's own
    computation is then over) and the exposed communication (last done - last hand-over); the compute-only step is
    the step minus its exposed communication.
@@ -30,11 +31,15 @@ The prediction (:func:`predict_step`) replays the communication worker's FIFO qu
 measured ready times, each taking coding + wire, one after the other; what runs past backward's end adds to the
 compute-only step. The speed-up is the predicted dense step over the compressor's. What it leaves out: coding
 competes with backward for the cores (on a loaded CPU the prediction is optimistic), and the accuracy cost is the
-README's digits measurement (:data:`ACCURACY_COST`), not this model's. Rank zero prints the table and writes
-``advise.json`` into the run's output directory.
+compression benchmark's digits measurement (:data:`lightning_dist.benchmarks.compression.ACCURACY_COST`), not this
+model's. Rank zero prints the table and writes ``advise.json`` into the run's output directory.
+
+:class:`Advisor` is the callback that measures (``AdviseCallback``, its name before one naming rule for callbacks,
+still imports for one release, with a ``DeprecationWarning``).
 """
 
-# no `from __future__ import annotations`: DDP inspects the comm hook's real annotations (dist.GradBucket)
+from __future__ import annotations
+
 import copy
 import importlib.resources
 import json
@@ -44,7 +49,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -56,36 +61,23 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 from typing_extensions import override
 
+from lightning_dist._deprecation import renamed
+from lightning_dist.benchmarks.compression import ACCURACY_COST
 from lightning_dist.comm import CommStats
 from lightning_dist.compression import COMPRESSORS, BucketLayout, Transport, build_compressor
+from lightning_dist.compression.registry import error_feedback_default
 from lightning_dist.config import StrategyConf, resolve_devices
-from lightning_dist.strategy import RingDDPStrategy
+from lightning_dist.strategy import BucketObserver, RingDDPStrategy, features_of
 from lightning_dist.train import build, hydra_command, hydra_main
-
-# Digits validation accuracy against dense, in points, from README.md "### `compression`" (2 ranks, 22 k-parameter
-# CNN, Adam, 8 epochs, mean of 3 seeds; dense 98.24%): (compressor, the settings it was measured at, points, what).
-# Not this model's: a guide to the order of the cost, to be re-measured on one's own job.
-ACCURACY_COST: list[tuple[str, dict[str, Any], float, str]] = [
-    ("none", {}, 0.0, "dense 98.24%"),
-    ("fp16", {}, +0.09, "98.33%"),
-    ("bf16", {}, -0.09, "98.15%"),
-    ("int8", {}, +0.09, "EF: 98.33%"),
-    ("topk", {"ratio": 0.01, "error_feedback": True}, -5.0, "1%, EF: 93.24%"),
-    ("topk", {"ratio": 0.01, "error_feedback": False}, -1.85, "1%, no EF: 96.39%"),
-    ("threshold", {"threshold": 0.1}, -1.48, "0.1, EF: 96.76%"),
-    ("powersgd", {"rank": 2}, -0.55, "r2, EF: 97.69%"),
-    ("powersgd", {"rank": 1}, -0.93, "r1, EF: 97.31%"),
-]
-LOSSLESS_EF_OFF = ("none", "fp16", "bf16")  # error feedback is off by default for these, on for the others
 
 
 def accuracy_cost(kwargs: dict[str, Any]) -> tuple[Optional[float], str]:
-    """The README's figure for these ``build_compressor`` arguments: the row measured at the same settings, else
-    the compressor's first row marked as measured at other settings, else none."""
+    """The compression benchmark's figure (:data:`ACCURACY_COST`) for these ``build_compressor`` arguments: the row
+    measured at the same settings, else the compressor's first row marked as measured at other settings, else none."""
     name = kwargs.get("name")
     given = {**kwargs, "error_feedback": kwargs.get("error_feedback")}
     if given["error_feedback"] is None:
-        given["error_feedback"] = name not in LOSSLESS_EF_OFF
+        given["error_feedback"] = name in COMPRESSORS and error_feedback_default(name)
     rows = [row for row in ACCURACY_COST if row[0] == name]
     for _, settings, cost, what in rows:
         if all(given.get(k) == v for k, v in settings.items()):
@@ -214,58 +206,37 @@ def check(cfg: DictConfig) -> None:
             raise ValueError(f"advise: compressor {label} ({kwargs}): {err}") from err
 
 
-# -- measuring: the recording strategy and the callback --------------------------------------------------------
-@dataclass
-class _Recorded:
-    """The strategy's hook state, and what the wrapper records of each backward pass."""
+# -- measuring: the bucket observer and the callback -----------------------------------------------------------
+class BucketRecorder(BucketObserver):
+    """What :class:`Advisor` records of each backward pass through the strategy's comm hook."""
 
-    inner: Any
-    hook: Callable
-    handed: list[float] = field(default_factory=list)  # perf_counter per bucket, in hand-over order
-    done: list[float] = field(default_factory=list)
-    buckets: list[tuple[BucketLayout, torch.Tensor]] = field(default_factory=list)
-    keep: bool = False  # copy the buckets' gradients (the last measured step)
+    def __init__(self) -> None:
+        self.handed: list[float] = []  # perf_counter per bucket, in hand-over order
+        self.done: list[float] = []
+        self.buckets: list[tuple[BucketLayout, torch.Tensor]] = []
+        self.keep = False  # copy the buckets' gradients (the last measured step)
 
-
-def _recording_hook(state: _Recorded, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    state.handed.append(time.perf_counter())
-    if state.keep:
-        params = bucket.parameters()
-        names = state.inner.param_names
-        layout = BucketLayout.of([(names.get(id(p), f"param{i}"), p.shape) for i, p in enumerate(params)])
-        state.buckets.append((layout, bucket.buffer().detach().clone()))
-    done = state.done
-
-    def finished(fut: torch.futures.Future) -> torch.Tensor:
-        done.append(time.perf_counter())
-        return fut.value()
-
-    return state.hook(state.inner, bucket).then(finished)
-
-
-class RecordingRingDDPStrategy(RingDDPStrategy):
-    """``RingDDPStrategy`` whose comm hook is wrapped to record each bucket's hand-over, completion and gradient."""
-
-    recorded: Optional[_Recorded] = None
+    def clear(self) -> None:
+        self.handed.clear()
+        self.done.clear()
+        self.buckets.clear()
 
     @override
-    def _register_ddp_hooks(self) -> None:
-        ddp = self.model
-        register = ddp.register_comm_hook
+    def bucket_handed(self, index: int, layout: BucketLayout, buffer: torch.Tensor) -> None:
+        self.handed.append(time.perf_counter())
+        if self.keep:
+            self.buckets.append((layout, buffer.detach().clone()))
 
-        def wrapped(state: Any, hook: Callable) -> None:
-            self.recorded = _Recorded(state, hook)
-            register(self.recorded, _recording_hook)
-
-        ddp.register_comm_hook = wrapped
-        try:
-            super()._register_ddp_hooks()
-        finally:
-            del ddp.register_comm_hook
+    @override
+    def bucket_done(self, index: int) -> None:
+        self.done.append(time.perf_counter())
 
 
-class AdviseCallback(Callback):
+class Advisor(Callback):
     """Times the dense steps, then reduces the real buckets with every candidate; rank zero writes the report.
+
+    Needs :class:`~lightning_dist.strategy.RingDDPStrategy`: it watches the buckets through the strategy's feature seam
+    (:meth:`~lightning_dist.strategy.RingFeatures.add_bucket_observer`).
 
     Args:
         candidates: ``{label: build_compressor arguments}``; the label ``none`` (dense) is the speed-ups' base.
@@ -278,20 +249,27 @@ class AdviseCallback(Callback):
         self._ends: list[float] = []
         self._steps: list[dict[str, Any]] = []  # per timed step: step_s, ready_s, exposed_s
         self._backward_at = 0.0
+        self._recorder = BucketRecorder()
         self.report: dict[str, Any] = {}
 
-    def _recorded(self, trainer: pl.Trainer) -> _Recorded:
-        recorded = getattr(trainer.strategy, "recorded", None)
-        if recorded is None:
-            raise RuntimeError("AdviseCallback needs RecordingRingDDPStrategy (it records the buckets)")
-        return recorded
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        features = features_of(trainer.strategy)
+        if features is None:
+            raise RuntimeError(f"Advisor needs RingDDPStrategy (it records the buckets through its comm hook), not "
+                               f"{type(trainer.strategy).__name__}: use strategy=ring_ddp")
+        features.add_bucket_observer(self._recorder)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        features = features_of(trainer.strategy)
+        if features is not None:
+            features.remove_bucket_observer(self._recorder)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        rec = self._recorded(trainer)
-        rec.handed.clear()
-        rec.done.clear()
-        rec.buckets.clear()
+        rec = self._recorder
+        rec.clear()
         rec.keep = len(self._ends) == self.settings.warmup_steps + self.settings.steps - 1
 
     @override
@@ -301,7 +279,7 @@ class AdviseCallback(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self._ends.append(time.perf_counter())
-        rec = self._recorded(trainer)
+        rec = self._recorder
         if len(self._ends) > self.settings.warmup_steps and rec.handed:
             self._steps.append({"step_s": self._ends[-1] - self._ends[-2],
                                 "ready_s": [t - self._backward_at for t in rec.handed],
@@ -309,7 +287,7 @@ class AdviseCallback(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        buckets = list(self._recorded(trainer).buckets)
+        buckets = list(self._recorder.buckets)
         group = dist.new_group(timeout=timedelta(seconds=self.settings.timeout_s))
         try:
             codecs = measure_codecs(self.candidates, buckets, trainer.strategy.algorithm, group, self.settings.rounds)
@@ -408,13 +386,12 @@ def run(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
     chosen = candidates(cfg)
     cfg = copy.deepcopy(cfg)
     with open_dict(cfg):
-        cfg.strategy._target_ = f"{__name__}.RecordingRingDDPStrategy"
         cfg.compression = {"_target_": "lightning_dist.compression.build_compressor", "name": "none"}
         cfg.callbacks = {}  # no checkpoints, no per-step metrics: nothing but the measurement
         cfg.trainer.max_steps = a.warmup_steps + a.steps
         cfg.trainer.max_epochs = -1
     path = os.path.join(output_dir, "advise.json")
-    callback = AdviseCallback(chosen, settings, path)
+    callback = Advisor(chosen, settings, path)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     trainer, model, data = build(cfg, output_dir, time.time(), [callback], summary=False, trainer_overrides={
         "logger": False, "enable_checkpointing": False, "limit_val_batches": 0, "num_sanity_val_steps": 0,
@@ -440,6 +417,10 @@ def _add_advise_group(overrides: list[str]) -> list[str]:
 def main() -> Any:
     """``lightning-dist-advise``: the Hydra command (``lightning_dist.train.hydra_command``) with the advise group."""
     return hydra_command(_advise, "lightning-dist-advise", added=_add_advise_group)
+
+
+# the names before one naming rule for callbacks, and the strategy subclass the bucket observer replaced
+__getattr__ = renamed(__name__, {"AdviseCallback": Advisor, "RecordingRingDDPStrategy": RingDDPStrategy})
 
 
 if __name__ == "__main__":

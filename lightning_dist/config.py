@@ -24,7 +24,10 @@ from hydra.core.override_parser.types import OverrideType
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_dist.comm.dispatch import ALGORITHMS
+from lightning_dist.comm.topology import TOPOLOGIES
 from lightning_dist.launch import LaunchEnv, connect_store
+from lightning_dist.strategy.ring_ddp import START_METHODS
 
 RUN_DIR_TIMEOUT_S = 120.0  # how long the other ranks wait for rank 0 to name a static torchrun rendezvous's run
 # groups whose options are plain dicts with settings of their own (one file per option in conf/<group>/), and the
@@ -33,24 +36,15 @@ RUN_DIR_TIMEOUT_S = 120.0  # how long the other ranks wait for rank 0 to name a 
 SETTING_GROUPS = {"compression": None, "hetero": "balanced"}
 
 
-class Algorithm(str, Enum):
-    ring = "ring"
-    tree = "tree"
-    native = "native"
-    auto = "auto"
+def _choices(name: str, values: Sequence[str]) -> type[Enum]:
+    """A string enum of ``values`` for the schema: Hydra then refuses any other value, naming the valid ones. The
+    values are the list the owning module keeps (the strategy checks against the same one), never a copy here."""
+    return Enum(name, [(value, value) for value in values], type=str, module=__name__)
 
 
-class TopologyKind(str, Enum):
-    auto = "auto"
-    flat = "flat"
-    two_tier = "two_tier"
-
-
-class StartMethod(str, Enum):
-    popen = "popen"
-    spawn = "spawn"
-    fork = "fork"
-    forkserver = "forkserver"
+Algorithm = _choices("Algorithm", ALGORITHMS)  # lightning_dist.comm.dispatch
+TopologyKind = _choices("TopologyKind", TOPOLOGIES)  # lightning_dist.comm.topology
+StartMethod = _choices("StartMethod", START_METHODS)  # lightning_dist.strategy.ring_ddp
 
 
 @dataclass

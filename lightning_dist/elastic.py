@@ -9,10 +9,11 @@ the same run, and how this package keeps it so:
   permutation at any world size (:class:`~lightning_dist.hetero.sampler.HeteroBatchSampler` with
   ``elastic=True``); only its split into per-rank pieces follows the world (the measured speeds of those who are
   left, :meth:`~lightning_dist.hetero.plan.BatchPlan.carry_over`);
-- **a node identity** (:func:`node_identity`: ``$LIGHTNING_DIST_NODE`` or the host name, and the local rank) says
-  which rank of the old world a rank of the new one was, since torchrun renumbers ranks at every restart: a
-  survivor gets its own error-feedback residuals and generators back (:func:`map_ranks`), a newcomer starts
-  afresh, and what belonged to a lost host is named in one warning with its norm (:func:`lost_state_message`);
+- **a node identity** (:func:`~lightning_dist.identities.node_identity`: ``$LIGHTNING_DIST_NODE`` or the host name,
+  and the local rank) says which rank of the old world a rank of the new one was, since torchrun renumbers ranks at
+  every restart: a survivor gets its own error-feedback residuals and generators back
+  (:func:`~lightning_dist.identities.map_ranks`), a newcomer starts afresh, and what belonged to a lost host is
+  named in one warning with its norm (:func:`lost_state_message`);
 - **the sample ledger** (:class:`LedgerWriter`, :func:`read_ledger`): every rank appends, per global batch, the
   dataset indices its loader actually drew for it and its loss, one file per process under
   ``<checkpoint dir>/ledger/``; :func:`read_ledger` replays the attempts in order, dropping the batches an attempt
@@ -25,7 +26,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,24 +34,11 @@ from typing import Any, Optional
 
 import torch
 
-NODE_ENV = "LIGHTNING_DIST_NODE"  # a node's name where the host name does not tell nodes apart (containers)
+# node identities and the rank mapping live below every layer that keeps per-rank state; re-exported here, beside
+# the rest of elastic training's mechanisms
+from lightning_dist.identities import NODE_ENV, map_ranks, node_identity  # noqa: F401
+
 LEDGER_DIR = "ledger"
-
-
-def node_identity(environ: Optional[Mapping[str, str]] = None) -> str:
-    """This process's place in the cluster, stable across torchrun's restarts: ``<node>/<local rank>``, the node
-    being ``$LIGHTNING_DIST_NODE`` where set, else the host name."""
-    env = os.environ if environ is None else environ
-    node = env.get(NODE_ENV) or socket.gethostname()
-    return f"{node}/{env.get('LOCAL_RANK', '0')}"
-
-
-def map_ranks(old: Optional[Sequence[str]], new: Sequence[str]) -> list[Optional[int]]:
-    """For each rank of the new world, the rank it was in the old one (None: a newcomer, or no identities saved)."""
-    if not old:
-        return [None] * len(new)
-    where = {identity: rank for rank, identity in enumerate(old)}
-    return [where.get(identity) for identity in new]
 
 
 def state_norm(state: Any) -> float:

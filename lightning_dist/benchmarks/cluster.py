@@ -30,7 +30,7 @@ prediction over the measured median step; ``dense/ring`` has none, advise measur
 ``--two-tier`` runs :mod:`lightning_dist.benchmarks.tiers` instead: flat against two_tier on 2 hosts of several ranks
 each (the workers here take ``--topology``; each host's ranks under one ``torchrun --nproc-per-node``).
 
-Targets (from the issue, at 2 hosts and 100 Mbit/s): ``topk1%`` at least 5x faster per step than ``dense``; ring
+Targets (at 2 hosts and 100 Mbit/s): ``topk1%`` at least 5x faster per step than ``dense``; ring
 busbw at least 0.9x native's. The plot: step time per configuration grouped by (hosts, rate), log scale; busbw
 of ring and native against the line rate.
 """
@@ -41,11 +41,10 @@ import argparse
 import itertools
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -56,49 +55,44 @@ import torch
 import torch.distributed as dist
 
 from lightning_dist.advise import DENSE as ADVISE_DENSE
-from lightning_dist.advise import AdviseCallback, AdviseConf, RecordingRingDDPStrategy
+from lightning_dist.advise import AdviseConf, Advisor
 from lightning_dist.benchmarks import _common as bench
+from lightning_dist.benchmarks._cluster import (
+    ALLREDUCE_BYTES,
+    BATCH_SIZE,
+    BUCKET_CAP_MB,
+    CONFIGS,
+    DEFAULT_RATES,
+    DENSE,
+    MLP_DEPTH,
+    MLP_WIDTH,
+    QUICK_ITERATIONS,
+    QUICK_STEPS,
+    TOPK,
+    failure_message,
+    launch_job,
+    mb_cell,
+    ms_cell,
+    run_record,
+)
 from lightning_dist.benchmarks.allreduce import time_rounds
 from lightning_dist.comm import ring_allreduce_
+from lightning_dist.comm.topology import TOPOLOGIES
 from lightning_dist.compression import build_compressor
 from lightning_dist.examples import SyntheticDataModule, WideMLP
-from lightning_dist.simcluster import SimCluster, link_bytes_sent, unavailable
+from lightning_dist.simcluster import link_bytes_sent, unavailable
 from lightning_dist.strategy import RingDDPStrategy
 
 DEFAULT_HOSTS = (2, 3)
-DEFAULT_RATES = (100, 1000)  # Mbit/s
 DEFAULT_STEPS, DEFAULT_WARMUP = 30, 5
-QUICK_STEPS = 10
-DEFAULT_ITERATIONS, QUICK_ITERATIONS = 4, 2
-ALLREDUCE_BYTES = 16 << 20
-MLP_WIDTH, MLP_DEPTH, BATCH_SIZE, BUCKET_CAP_MB = 1024, 5, 16, 4
+DEFAULT_ITERATIONS = 4
 MIN_PARAMS = 5_000_000
 TARGET_HOSTS, TARGET_RATE = 2, 100
 TOPK_SPEEDUP_TARGET, RING_BUSBW_TARGET = 5.0, 0.9
 BASE_PORT = 29600
 ADVISE_WARMUP, ADVISE_STEPS, ADVISE_ROUNDS = 2, 6, 3  # advise's dense steps (untimed, timed) and codec rounds
 QUICK_ADVISE_STEPS, QUICK_ADVISE_ROUNDS = 3, 2
-
-
-@dataclass(frozen=True)
-class Config:
-    """One training configuration: RingDDPStrategy's algorithm and build_compressor's arguments."""
-
-    label: str
-    algorithm: str = "auto"
-    compressor: dict = field(default_factory=lambda: {"name": "none"})
-
-
-CONFIGS = {c.label: c for c in (
-    Config("dense", "native"),
-    Config("dense/ring", "ring"),
-    Config("fp16", compressor={"name": "fp16"}),
-    Config("int8", compressor={"name": "int8"}),
-    Config("topk1%", compressor={"name": "topk", "ratio": 0.01}),
-    Config("powersgd-r2", compressor={"name": "powersgd", "rank": 2}),
-)}
-QUICK_CONFIGS = ("dense", "topk1%")
-DENSE, TOPK = "dense", "topk1%"
+QUICK_CONFIGS = (DENSE, TOPK)
 
 
 # -- workers (run inside the hosts under torchrun) ------------------------------------------------------------
@@ -132,8 +126,8 @@ def _advise_worker(args: argparse.Namespace) -> None:
     L.seed_everything(0, verbose=False)
     settings = AdviseConf(compressors=[], warmup_steps=ADVISE_WARMUP, steps=args.advise_steps,
                           rounds=args.advise_rounds, timeout_s=args.collective_timeout)
-    strategy = RecordingRingDDPStrategy(algorithm="auto", bucket_cap_mb=BUCKET_CAP_MB, timeout=args.collective_timeout)
-    callback = AdviseCallback(advise_candidates(args.configs), settings, args.out)
+    strategy = RingDDPStrategy(algorithm="auto", bucket_cap_mb=BUCKET_CAP_MB, timeout=args.collective_timeout)
+    callback = Advisor(advise_candidates(args.configs), settings, args.out)
     trainer = bench.quiet_trainer(devices=1, num_nodes=args.nodes, strategy=strategy, limit_val_batches=0,
                                   max_steps=ADVISE_WARMUP + args.advise_steps, callbacks=[callback])
     trainer.fit(WideMLP(width=MLP_WIDTH, depth=MLP_DEPTH), SyntheticDataModule(batch_size=BATCH_SIZE))
@@ -168,27 +162,6 @@ def _allreduce_worker(args: argparse.Namespace) -> None:
 
 
 # -- pure summaries (tested without a cluster) -----------------------------------------------------------------
-def run_record(raw: dict[str, Any], warmup: int) -> dict[str, Any]:
-    """A training run's numbers from rank 0's stamps: medians over the steps after ``warmup``."""
-    times = bench.step_times(raw["ends"], raw["epochs"], warmup)
-    if not times:
-        raise ValueError(f"no step left after {warmup} warm-up steps (got {len(raw['ends'])} stamps)")
-    timed = [s for s in raw["steps"][max(warmup, 1):] if s]
-
-    def med(key: str) -> Optional[float]:
-        return bench.median([s[key] for s in timed if key in s])
-
-    first, last = raw.get("first", {}), raw["last"]
-    link = None  # what left rank 0's host per step, from its second step to the end
-    if "link_sent" in first and "link_sent" in last and len(raw["ends"]) > 1:
-        link = (last["link_sent"] - first["link_sent"]) / (len(raw["ends"]) - 1)
-    return {"params": last.get("params"), "timed_steps": len(times), **bench.summarize(times),
-            "exposed_median_s": med("exposed_s"), "comm_median_s": med("comm_s"),
-            "bytes_sent_per_step": med("bytes_sent"), "dense_bytes_per_step": med("dense_bytes"),
-            "inter_host_bytes_per_step": med("bytes_inter_host"), "intra_host_bytes_per_step": med("bytes_intra_host"),
-            "link_bytes_per_step": link}
-
-
 def add_speedups(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``speedup_vs_dense`` on every record: dense's step time over the record's, same (hosts, rate)."""
     dense = {(r["hosts"], r["rate_mbit"]): r["median_s"] for r in records
@@ -216,7 +189,7 @@ def busbw_record(raw: dict[str, Any], hosts: int, rate_mbit: float) -> dict[str,
 
 def check_targets(records: Sequence[dict[str, Any]], busbw: Sequence[dict[str, Any]],
                   hosts: int = TARGET_HOSTS, rate_mbit: float = TARGET_RATE) -> dict[str, dict[str, Any]]:
-    """The issue's two targets at (hosts, rate); a target whose measurement is missing is absent."""
+    """The two targets at (hosts, rate); a target whose measurement is missing is absent."""
     out: dict[str, dict[str, Any]] = {}
     topk = next((r for r in records if (r["hosts"], r["rate_mbit"], r["config"]) == (hosts, rate_mbit, TOPK)), None)
     if topk is not None and topk.get("speedup_vs_dense") is not None:
@@ -244,14 +217,6 @@ def target_lines(targets: dict[str, dict[str, Any]], hosts: int = TARGET_HOSTS,
     return lines
 
 
-def _ms(seconds: Optional[float]) -> str:
-    return bench.cell(seconds, ",.1f", 1e3)
-
-
-def _mb(nbytes: Optional[float]) -> str:
-    return bench.cell(nbytes, ".3f", 1e-6)
-
-
 def step_table(records: Sequence[dict[str, Any]]) -> str:
     rows = []
     for r in records:
@@ -259,9 +224,9 @@ def step_table(records: Sequence[dict[str, Any]]) -> str:
             rows.append([r["hosts"], f"{r['rate_mbit']:g}", r["config"], "FAILED", "-", "-", "-", "-", "-", "-",
                          r["error"][:40]])
             continue
-        rows.append([r["hosts"], f"{r['rate_mbit']:g}", r["config"], _ms(r["median_s"]), _ms(r["exposed_median_s"]),
-                     _ms(r["comm_median_s"]), _mb(r["bytes_sent_per_step"]),
-                     bench.cell(r.get("speedup_vs_dense"), ".2f", unit="x"), _ms(r.get("predicted_s")),
+        rows.append([r["hosts"], f"{r['rate_mbit']:g}", r["config"], ms_cell(r["median_s"]),
+                     ms_cell(r["exposed_median_s"]), ms_cell(r["comm_median_s"]), mb_cell(r["bytes_sent_per_step"]),
+                     bench.cell(r.get("speedup_vs_dense"), ".2f", unit="x"), ms_cell(r.get("predicted_s")),
                      bench.cell(r.get("predicted_vs_measured"), ".2f", unit="x"), f"{r['wall_s']:.0f}"])
     headers = ["hosts", "Mbit/s", "config", "median step ms", "exposed comm ms", "comm ms", "MB sent/step",
                "vs dense", "advise ms", "advise/measured", "run s"]
@@ -274,7 +239,7 @@ def busbw_table(busbw: Sequence[dict[str, Any]]) -> str:
         if b.get("error"):
             rows.append([b["hosts"], f"{b['rate_mbit']:g}", "FAILED", "-", "-", "-", "-", b["error"][:40]])
             continue
-        rows.append([b["hosts"], f"{b['rate_mbit']:g}", _ms(b["ring_median_s"]), _ms(b["native_median_s"]),
+        rows.append([b["hosts"], f"{b['rate_mbit']:g}", ms_cell(b["ring_median_s"]), ms_cell(b["native_median_s"]),
                      *(bench.cell(b[key], ".4f") for key in ("ring_busbw_GBps", "native_busbw_GBps", "line_GBps")),
                      bench.cell(b["ring_vs_native"], ".2f", unit="x")])
     headers = ["hosts", "Mbit/s", "ring ms", "native ms", "ring busbw GB/s", "native busbw GB/s", "line GB/s",
@@ -310,27 +275,6 @@ def plot(records: Sequence[dict[str, Any]], busbw: Sequence[dict[str, Any]]) -> 
     return fig
 
 
-# -- driver --------------------------------------------------------------------------------------------------
-def _launch(hosts: int, rate_mbit: float, worker_args: list[str], port: int, timeout_s: float,
-            log_path: Path, per_host: int = 1) -> tuple[list[Optional[int]], float]:
-    """One torchrun job over ``hosts`` fresh shaped hosts of ``per_host`` ranks each; every rank's output appended to
-    ``log_path``. Returns the exit codes (None: killed at the deadline) and the wall time."""
-    start = time.perf_counter()
-    with SimCluster(hosts, rate_mbit=rate_mbit) as cluster, open(log_path, "w") as log:
-        cmd_args = ["-m", "lightning_dist.benchmarks.cluster", *worker_args, "--nodes", str(hosts)]
-        env = {**cluster.env(), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        procs = [cluster.popen(i, cluster.torchrun(i, cmd_args, port=port, nproc=per_host), env=env, stdout=log,
-                               stderr=subprocess.STDOUT) for i in range(hosts)]
-        codes = cluster.wait(procs, timeout_s)  # those past the deadline die with the cluster
-    return codes, time.perf_counter() - start
-
-
-def _failure(codes: Sequence[Optional[int]], log_path: Path) -> str:
-    tail = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()][-3:]
-    what = "timed out" if None in codes else f"exit codes {list(codes)}"
-    return f"{what}; see {log_path}: " + " | ".join(tail)
-
-
 def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     cli = bench.parser("cluster", __doc__, f"2 hosts, 100 Mbit/s, dense and topk1%%, {QUICK_STEPS} steps, "
                                            f"{QUICK_ITERATIONS} iterations")
@@ -348,7 +292,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                           "tiers; default 2 and 4 ranks per host, 100 and 1000 Mbit/s)")
     cli.add_argument("--ranks-per-host", type=int, nargs="+", default=None,
                      help="with --two-tier: ranks on each host (default 2 4)")
-    cli.add_argument("--topology", default="auto", choices=["auto", "flat", "two_tier"], help=argparse.SUPPRESS)
+    cli.add_argument("--topology", default="auto", choices=TOPOLOGIES, help=argparse.SUPPRESS)
     cli.add_argument("--worker-tiers", action="store_true", help=argparse.SUPPRESS)
     # worker modes (what each host runs under torchrun)
     cli.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -422,10 +366,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         def job(hosts: int, rate: float, tag: str, *worker_args: str) -> tuple[Optional[dict], Optional[str], float]:
             """One torchrun job: rank 0's JSON (None if the job failed), why it failed, its wall time."""
             result, log = Path(workdir) / f"h{hosts}_r{rate:g}_{tag}.json", logs / f"h{hosts}_r{rate:g}_{tag}.log"
-            codes, wall = _launch(hosts, rate, [*worker_args, "--out", str(result)], next(ports), args.run_timeout, log)
+            codes, wall = launch_job(hosts, rate, [*worker_args, "--out", str(result)], next(ports), args.run_timeout,
+                                     log)
             if codes == [0] * hosts and result.exists():
                 return json.loads(result.read_text()), None, wall
-            return None, _failure(codes, log), wall
+            return None, failure_message(codes, log), wall
 
         for rate in args.rates:
             for hosts in args.hosts:
@@ -441,9 +386,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                         bench.progress(f"[cluster] {where} {label:<12} FAILED: {error}")
                     else:
                         rec.update(run_record(raw, args.warmup), error=None)
-                        bench.progress(f"[cluster] {where} {label:<12} {_ms(rec['median_s']):>9} ms/step, exposed "
-                                       f"{_ms(rec['exposed_median_s'])} ms, {_mb(rec['bytes_sent_per_step'])} MB/step "
-                                       f"(run {wall:.0f}s)")
+                        bench.progress(f"[cluster] {where} {label:<12} {ms_cell(rec['median_s']):>9} ms/step, exposed "
+                                       f"{ms_cell(rec['exposed_median_s'])} ms, "
+                                       f"{mb_cell(rec['bytes_sent_per_step'])} MB/step (run {wall:.0f}s)")
                     records.append(rec)
                 raw, error, wall = job(hosts, rate, "advise", "--worker-advise", "--configs", *args.configs,
                                        "--advise-steps", str(args.advise_steps), "--advise-rounds",
@@ -451,7 +396,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                 advice[(hosts, rate)] = raw or {"error": error}
                 bench.progress(f"[cluster] {where} advise FAILED: {error}" if raw is None else
                                f"[cluster] {where} advise: " + ", ".join(
-                                   f"{label} {_ms(row['predicted_step_s'])} ms"
+                                   f"{label} {ms_cell(row['predicted_step_s'])} ms"
                                    for label, row in raw["compressors"].items()) + f" (run {wall:.0f}s)")
                 raw, error, wall = job(hosts, rate, "allreduce", "--worker-allreduce", "--iterations",
                                        str(args.iterations))

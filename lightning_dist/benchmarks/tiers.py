@@ -1,4 +1,4 @@
-"""Two-tier reduction on a simulated cluster: ``python -m lightning_dist.benchmarks.cluster --two-tier`` (issue 24).
+"""Two-tier reduction on a simulated cluster: ``python -m lightning_dist.benchmarks.cluster --two-tier``.
 
 2 hosts of ``L`` ranks each (``torchrun --nproc-per-node L`` in each :class:`~lightning_dist.simcluster.SimCluster`
 host: a host's ranks talk over its loopback, unshaped, and share its one shaped link), for ``L`` in
@@ -19,7 +19,7 @@ host: a host's ranks talk over its loopback, unshaped, and share its one shaped 
 Every job gets a fresh SimCluster. All hosts share this machine's cores: at 2 x 4 ranks on 2 cores, compute is
 oversubscribed four times, alike for both topologies.
 
-Targets (issue 24): at 2 hosts of 4 ranks and 100 Mbit/s, the two_tier dense all-reduce >= 1.5x faster than flat
+Targets: at 2 hosts of 4 ranks and 100 Mbit/s, the two_tier dense all-reduce >= 1.5x faster than flat
 (ideal 1.75x: ``2 (N - 1) / N`` of the buffer crosses a flat ring's host boundary, ``2 (H - 1) / H`` two_tier's) and
 two_tier top-k's bytes across the link <= 1/10 of flat top-k's; at 2 hosts of 2, a two_tier step no slower than flat
 with any compressor (within :data:`NO_SLOWER_MARGIN`, the noise of medians on a shared machine). The plot: the
@@ -45,9 +45,25 @@ import torch
 import torch.distributed as dist
 
 from lightning_dist.benchmarks import _common as bench
-from lightning_dist.benchmarks import cluster
+from lightning_dist.benchmarks._cluster import (
+    ALLREDUCE_BYTES,
+    BATCH_SIZE,
+    BUCKET_CAP_MB,
+    DEFAULT_RATES,
+    MLP_DEPTH,
+    MLP_WIDTH,
+    QUICK_ITERATIONS,
+    QUICK_STEPS,
+    TOPK,
+    failure_message,
+    launch_job,
+    mb_cell,
+    ms_cell,
+    run_record,
+)
 from lightning_dist.benchmarks.allreduce import time_rounds
 from lightning_dist.comm import CommStats
+from lightning_dist.comm.topology import TOPOLOGIES as REQUESTS
 from lightning_dist.comm.topology import resolve_topology
 from lightning_dist.compression import BucketLayout, NoCompressor
 from lightning_dist.examples import WideMLP
@@ -59,7 +75,7 @@ DEFAULT_PER_HOST, QUICK_PER_HOST = (2, 4), (2,)
 CONFIGS = ("dense", "int8", "topk1%", "powersgd-r2")
 QUICK_CONFIGS = ("dense", "topk1%")
 DEFAULT_STEPS, DEFAULT_ITERATIONS = 15, 4
-TOPOLOGIES = ("flat", "two_tier")
+TOPOLOGIES = tuple(t for t in REQUESTS if t != "auto")  # what "auto" resolves to: each one measured
 TARGET_PER_HOST, TARGET_RATE = 4, 100
 ALLREDUCE_TARGET, TOPK_BYTES_TARGET = 1.5, 0.1
 NO_SLOWER_PER_HOST, NO_SLOWER_MARGIN = 2, 1.05  # two_tier's median step at most 5% above flat's
@@ -71,10 +87,10 @@ def defaults(args: argparse.Namespace) -> None:
     """The two-tier run's defaults, before the cluster benchmark's own fill what is left."""
     args.hosts = (HOSTS,)
     args.ranks_per_host = tuple(args.ranks_per_host or (QUICK_PER_HOST if args.quick else DEFAULT_PER_HOST))
-    args.rates = tuple(args.rates or ((TARGET_RATE,) if args.quick else cluster.DEFAULT_RATES))
+    args.rates = tuple(args.rates or ((TARGET_RATE,) if args.quick else DEFAULT_RATES))
     args.configs = tuple(args.configs or (QUICK_CONFIGS if args.quick else CONFIGS))
-    args.steps = args.steps or (cluster.QUICK_STEPS if args.quick else DEFAULT_STEPS)
-    args.iterations = args.iterations or (cluster.QUICK_ITERATIONS if args.quick else DEFAULT_ITERATIONS)
+    args.steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
+    args.iterations = args.iterations or (QUICK_ITERATIONS if args.quick else DEFAULT_ITERATIONS)
 
 
 # -- the all-reduce worker (every rank of one job, under torchrun) ---------------------------------------------------
@@ -86,7 +102,7 @@ def allreduce_worker(args: argparse.Namespace) -> None:
     dist.all_gather_object(nodes, int(os.environ["GROUP_RANK"]))
     topology = resolve_topology("two_tier", nodes)
     tiers = TwoTier.create(topology, rank, "native", CommStats(keep_records=False))
-    codec, bucket = NoCompressor(), cluster.BUCKET_CAP_MB << 18  # float32 elements per bucket
+    codec, bucket = NoCompressor(), BUCKET_CAP_MB << 18  # float32 elements per bucket
 
     def two_tier(tensor: torch.Tensor) -> None:
         # as the strategy sends a gradient: in buckets, each one's reduce-scatter issued as it comes, then each
@@ -145,14 +161,14 @@ def add_ratios(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def check_targets(allreduce: Sequence[dict[str, Any]], records: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The issue's targets; one whose measurement is missing is absent (and reported as missed)."""
+    """The targets above; one whose measurement is missing is absent (and reported as missed)."""
     out: dict[str, dict[str, Any]] = {}
     bus = next((a for a in allreduce if (a["per_host"], a["rate_mbit"]) == (TARGET_PER_HOST, TARGET_RATE)), None)
     if bus is not None and bus.get("speedup") is not None:
         out["allreduce_speedup"] = {"value": bus["speedup"], "bound": ALLREDUCE_TARGET,
                                     "met": bus["speedup"] >= ALLREDUCE_TARGET}
     topk = next((r for r in records if (r["per_host"], r["rate_mbit"], r["config"], r["topology"])
-                 == (TARGET_PER_HOST, TARGET_RATE, cluster.TOPK, "two_tier")), None)
+                 == (TARGET_PER_HOST, TARGET_RATE, TOPK, "two_tier")), None)
     if topk is not None and topk.get("link_vs_flat") is not None:
         out["topk_link_bytes"] = {"value": topk["link_vs_flat"], "bound": TOPK_BYTES_TARGET,
                                   "met": topk["link_vs_flat"] <= TOPK_BYTES_TARGET}
@@ -183,11 +199,11 @@ def target_lines(targets: dict[str, dict[str, Any]], configs: Sequence[str], rat
 
 
 def host_bytes(path: str, per_host: int, hosts: int, dense_bytes: float, topk_payload: float) -> float:
-    """Bytes that leave one host per all-reduce (the issue's table), ``hosts`` hosts of ``per_host`` ranks numbered
+    """Bytes that leave one host per all-reduce, ``hosts`` hosts of ``per_host`` ranks numbered
     host by host: ``dense_flat`` (a ring's crossing edge: ``2 (N - 1) / N`` of the buffer), ``dense_two_tier``
     (``per_host`` parts of ``1 / per_host`` each, ``2 (H - 1) / H`` of it: the buffer at ``H = 2``), ``topk_flat_ring``
     (gloo's ring all-gather relays every other rank's payload over the crossing edge: ``N - 1`` payloads),
-    ``topk_flat_direct`` (every local payload sent to every remote rank, the issue's ``L (N - L)``) and
+    ``topk_flat_direct`` (every local payload sent to every remote rank: ``L (N - L)``) and
     ``topk_two_tier`` (one summed payload per host part: ``H - 1`` payloads of ``1 / per_host`` each, per rank)."""
     n = hosts * per_host
     return {
@@ -199,9 +215,6 @@ def host_bytes(path: str, per_host: int, hosts: int, dense_bytes: float, topk_pa
     }[path]
 
 
-_ms, _mb = cluster._ms, cluster._mb  # the cluster benchmark's cells: ms, MB
-
-
 def allreduce_table(allreduce: Sequence[dict[str, Any]]) -> str:
     rows = []
     for a in allreduce:
@@ -209,13 +222,13 @@ def allreduce_table(allreduce: Sequence[dict[str, Any]]) -> str:
             rows.append([f"{HOSTS}x{a['per_host']}", f"{a['rate_mbit']:g}", "FAILED", "-", "-", "-", "-",
                          a["error"][:40]])
             continue
-        rows.append([f"{HOSTS}x{a['per_host']}", f"{a['rate_mbit']:g}", _ms(a["flat_median_s"]),
-                     _ms(a["two_tier_median_s"]), bench.cell(a["speedup"], ".2f", unit="x"),
-                     _mb(a["flat_link_bytes"]), _mb(a["two_tier_link_bytes"]),
+        rows.append([f"{HOSTS}x{a['per_host']}", f"{a['rate_mbit']:g}", ms_cell(a["flat_median_s"]),
+                     ms_cell(a["two_tier_median_s"]), bench.cell(a["speedup"], ".2f", unit="x"),
+                     mb_cell(a["flat_link_bytes"]), mb_cell(a["two_tier_link_bytes"]),
                      bench.cell(a["flat_link_bytes"] / a["two_tier_link_bytes"], ".2f", unit="x")])
     headers = ["hosts x ranks", "Mbit/s", "flat ms", "two_tier ms", "speed-up", "flat MB out of host 0",
                "two_tier MB out", "flat/two_tier bytes"]
-    return f"all-reduce of {cluster.ALLREDUCE_BYTES >> 20} MiB float32\n" + bench.format_table(headers, rows)
+    return f"all-reduce of {ALLREDUCE_BYTES >> 20} MiB float32\n" + bench.format_table(headers, rows)
 
 
 def step_table(records: Sequence[dict[str, Any]]) -> str:
@@ -225,9 +238,10 @@ def step_table(records: Sequence[dict[str, Any]]) -> str:
         if r.get("error"):
             rows.append([*where, "FAILED", "-", "-", "-", "-", "-", r["error"][:40]])
             continue
-        rows.append([*where, _ms(r["median_s"]), _mb(r["link_bytes_per_step"]), _mb(r["inter_host_bytes_per_step"]),
-                     _mb(r["intra_host_bytes_per_step"]), bench.cell(r.get("flat_over_two_tier"), ".2f", unit="x"),
-                     bench.cell(r.get("link_vs_flat"), ".3f"), f"{r['wall_s']:.0f}"])
+        rows.append([*where, ms_cell(r["median_s"]), mb_cell(r["link_bytes_per_step"]),
+                     mb_cell(r["inter_host_bytes_per_step"]), mb_cell(r["intra_host_bytes_per_step"]),
+                     bench.cell(r.get("flat_over_two_tier"), ".2f", unit="x"), bench.cell(r.get("link_vs_flat"), ".3f"),
+                     f"{r['wall_s']:.0f}"])
     headers = ["hosts x ranks", "Mbit/s", "config", "topology", "median step ms", "MB out of host 0/step",
                "rank 0 inter MB", "rank 0 intra MB", "flat/two_tier step", "link vs flat", "run s"]
     return bench.format_table(headers, rows)
@@ -244,7 +258,7 @@ def plot(allreduce: Sequence[dict[str, Any]], records: Sequence[dict[str, Any]],
         if name == "two_tier":
             ax.bar_label(bars, [f"{a['speedup']:.2f}x" for a in ok], fontsize="x-small")
     ax.set_xticks(x, [f"{HOSTS}x{a['per_host']}\n{a['rate_mbit']:g} Mbit/s" for a in ok])
-    ax.set(yscale="log", ylabel="median ms (log)", title=f"all-reduce {cluster.ALLREDUCE_BYTES >> 20} MiB, dense")
+    ax.set(yscale="log", ylabel="median ms (log)", title=f"all-reduce {ALLREDUCE_BYTES >> 20} MiB, dense")
     ax.legend(fontsize="x-small")
     ax.grid(alpha=0.3, axis="y")
     groups = list(dict.fromkeys((r["per_host"], r["rate_mbit"], r["config"]) for r in records))
@@ -253,7 +267,7 @@ def plot(allreduce: Sequence[dict[str, Any]], records: Sequence[dict[str, Any]],
     for offset, name in ((-0.2, "flat"), (0.2, "two_tier")):
         values = [1e3 * (by_key.get((*g, name), {}).get("median_s") or np.nan) for g in groups]
         bx.bar(x + offset, values, 0.4, label=name)
-    short = {"powersgd-r2": "psgd", cluster.TOPK: "topk"}
+    short = {"powersgd-r2": "psgd", TOPK: "topk"}
     bx.set_xticks(x, [f"{short.get(c, c)}\n{HOSTS}x{p}\n{r:g}" for p, r, c in groups], fontsize="xx-small")
     bx.set(yscale="log", ylabel="median step ms (log)", title="WideMLP training step")
     bx.legend(fontsize="x-small")
@@ -267,7 +281,7 @@ def plot(allreduce: Sequence[dict[str, Any]], records: Sequence[dict[str, Any]],
             cx.plot(per_host, [host_bytes(path, p, HOSTS, dense, payload) / 1e6 for p in per_host], style,
                     color=color, label=path.replace("_", " "))
         for r in records:
-            if r["config"] in ("dense", cluster.TOPK) and r.get("link_bytes_per_step"):
+            if r["config"] in ("dense", TOPK) and r.get("link_bytes_per_step"):
                 color = "C0" if r["topology"] == "flat" else "C1"
                 marker = "o" if r["config"] == "dense" else "^"
                 cx.plot(r["per_host"], r["link_bytes_per_step"] / 1e6, marker, color=color, ms=6, mfc="none")
@@ -282,7 +296,7 @@ def plot(allreduce: Sequence[dict[str, Any]], records: Sequence[dict[str, Any]],
 
 def _topk_pairs(ratio: float) -> int:
     """Index-value pairs one rank's top-k sends for the whole WideMLP (every parameter sends at least one)."""
-    model = WideMLP(width=cluster.MLP_WIDTH, depth=cluster.MLP_DEPTH)
+    model = WideMLP(width=MLP_WIDTH, depth=MLP_DEPTH)
     return sum(max(1, math.ceil(ratio * p.numel())) for p in model.parameters())
 
 
@@ -291,9 +305,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = bench.output_dir(args.out, "cluster")
     meta = bench.environment("cluster_two_tier", hosts=HOSTS, ranks_per_host=list(args.ranks_per_host),
                              rates_mbit=list(args.rates), steps=args.steps, warmup=args.warmup,
-                             iterations=args.iterations, allreduce_bytes=cluster.ALLREDUCE_BYTES,
-                             model=f"WideMLP(width={cluster.MLP_WIDTH}, depth={cluster.MLP_DEPTH})",
-                             batch_size=cluster.BATCH_SIZE, bucket_cap_mb=cluster.BUCKET_CAP_MB,
+                             iterations=args.iterations, allreduce_bytes=ALLREDUCE_BYTES,
+                             model=f"WideMLP(width={MLP_WIDTH}, depth={MLP_DEPTH})",
+                             batch_size=BATCH_SIZE, bucket_cap_mb=BUCKET_CAP_MB,
                              configs=list(args.configs))
     reason = unavailable()
     if reason is not None:
@@ -310,11 +324,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         def job(per_host: int, rate: float, tag: str, *worker_args: str) -> tuple[Optional[dict], Optional[str], float]:
             result = Path(workdir) / f"{per_host}_{rate:g}_{tag}.json"
             log = logs / f"two_tier_{HOSTS}x{per_host}_r{rate:g}_{tag}.log"
-            codes, wall = cluster._launch(HOSTS, rate, [*worker_args, "--out", str(result)], next(ports),
+            codes, wall = launch_job(HOSTS, rate, [*worker_args, "--out", str(result)], next(ports),
                                           args.run_timeout, log, per_host=per_host)
             if codes == [0] * HOSTS and result.exists():
                 return json.loads(result.read_text()), None, wall
-            return None, cluster._failure(codes, log), wall
+            return None, failure_message(codes, log), wall
 
         for rate in args.rates:
             for per_host in args.ranks_per_host:
@@ -326,8 +340,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 rec.update(error=error, wall_s=wall)
                 allreduce.append(rec)
                 bench.progress(f"[two-tier] {where} all-reduce FAILED: {error}" if raw is None else
-                               f"[two-tier] {where} all-reduce: flat {_ms(rec['flat_median_s'])} ms, two_tier "
-                               f"{_ms(rec['two_tier_median_s'])} ms ({rec['speedup']:.2f}x; run {wall:.0f}s)")
+                               f"[two-tier] {where} all-reduce: flat {ms_cell(rec['flat_median_s'])} ms, two_tier "
+                               f"{ms_cell(rec['two_tier_median_s'])} ms ({rec['speedup']:.2f}x; run {wall:.0f}s)")
                 for label in args.configs:
                     for topology in TOPOLOGIES:
                         tag = f"{label.replace('%', 'pct')}_{topology}"
@@ -339,9 +353,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             rec.update(median_s=None, error=error)
                             bench.progress(f"[two-tier] {where} {label} {topology} FAILED: {error}")
                         else:
-                            rec.update(cluster.run_record(raw, args.warmup), error=None)
-                            bench.progress(f"[two-tier] {where} {label:<12} {topology:<8} {_ms(rec['median_s']):>9} "
-                                           f"ms/step, {_mb(rec['link_bytes_per_step'])} MB/step out of host 0 "
+                            rec.update(run_record(raw, args.warmup), error=None)
+                            bench.progress(f"[two-tier] {where} {label:<12} {topology:<8} "
+                                           f"{ms_cell(rec['median_s']):>9} ms/step, "
+                                           f"{mb_cell(rec['link_bytes_per_step'])} MB/step out of host 0 "
                                            f"(run {wall:.0f}s)")
                         records.append(rec)
     total = time.perf_counter() - start

@@ -42,7 +42,7 @@ import os
 import signal
 import sys
 import traceback
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import lightning.pytorch as pl
 import torch.distributed as dist
@@ -261,7 +261,8 @@ class FaultTolerance(Callback):
         text = "".join(traceback.format_exception(type(exception), exception, exception.__traceback__))
         print(f"[lightning_dist] rank {trainer.global_rank} failed at global step {trainer.global_step}:\n{text}",
               file=sys.stderr, flush=True)
-        self._emergency.write(trainer, self.dirpath, f"{type(exception).__name__}: {exception}")
+        self._emergency.write(trainer, self.dirpath, f"{type(exception).__name__}: {exception}",
+                              _strategy_entry(trainer))
         # the process is ending; the flag-only signal handlers stay (Lightning's would run a collective against the
         # dead peer when the launcher sends SIGTERM)
         self._stop_watchdog()
@@ -275,7 +276,7 @@ class FaultTolerance(Callback):
         if trainer is not None:
             self._emergency.wait(self.pause_timeout_s)  # the training thread failed first and is writing its own
             exit_later(max(self.exit_grace_s, 10.0), code)  # the emergency write itself must not hang us
-            self._emergency.write(trainer, self.dirpath, f"watchdog: {fault.message}")
+            self._emergency.write(trainer, self.dirpath, f"watchdog: {fault.message}", _strategy_entry(trainer))
         os._exit(code)
 
     # -- random generators in every checkpoint ------------------------------------------------------------------
@@ -310,6 +311,13 @@ class FaultTolerance(Callback):
         previous = state_dict.get("stopped_by")
         if previous:
             rank_zero_info(f"FaultTolerance: the run being resumed had stopped on {previous}")
+
+
+def _strategy_entry(trainer: pl.Trainer) -> Optional[Callable[[], dict[str, Any]]]:
+    """What the strategy adds to this rank's emergency checkpoint (its compressor state, no collective), or None
+    under a strategy without the seam."""
+    features = features_of(trainer.strategy)
+    return None if features is None else features.local_checkpoint_state
 
 
 def check_settings(**settings: Any) -> list[str]:

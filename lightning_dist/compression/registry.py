@@ -47,6 +47,13 @@ def compressor_options(name: str) -> list[str]:
     return [p for p in params if p not in ("self", "name", "start_step")]
 
 
+def error_feedback_default(name: str) -> bool:
+    """Whether ``build_compressor(name)`` adds error feedback when ``error_feedback`` is None (the table's column)."""
+    if name not in COMPRESSORS:
+        raise ValueError(f"compressor={name!r} is unknown; use one of {sorted(COMPRESSORS)}")
+    return bool(getattr(_REGISTRY[name][0], "wants_error_feedback", False))
+
+
 def build_compressor(name: str = "none", *, error_feedback: Optional[bool] = None, clip_norm: Optional[float] = None,
                      start_step: int = 0, **kwargs: Any) -> Compressor:
     """A compressor by name; raises ``ValueError`` naming the bad value and the accepted ones."""

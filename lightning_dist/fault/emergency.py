@@ -3,7 +3,8 @@ mechanisms around the write: a timer that ends a process its teardown would hang
 
 An emergency checkpoint (``<checkpoint dir>/emergency/emergency-rank{r}-step={N}.ckpt``, written atomically with a
 sidecar by :func:`lightning_dist.fault.checkpoint.save_checkpoint`) holds what Lightning's own checkpoint holds
-(model, optimizer, loops, callbacks' state) plus the strategy's local entry (this rank's compressor state:
+(model, optimizer, loops, callbacks' state) plus what the caller adds (under RingDDPStrategy, FaultTolerance adds the
+strategy's local entry, this rank's compressor state:
 :meth:`~lightning_dist.strategy.RingFeatures.local_checkpoint_state`), dumped by this rank alone: its peers may be
 gone, so nothing in it may wait for them. It is written at most once per process, by whichever thread meets the
 fault first (the training thread on an exception, the watchdog's on a stall); the other waits for that write.
@@ -21,7 +22,6 @@ from typing import Any, Callable, Optional
 import lightning.pytorch as pl
 
 from lightning_dist.fault.checkpoint import checkpoint_dir, save_checkpoint
-from lightning_dist.strategy import features_of
 
 EXIT_EXCEPTION, EXIT_STALL, EXIT_STOP_TIMEOUT = 1, 124, 143  # an exception; no progress; a stop not agreed in time
 
@@ -39,9 +39,12 @@ class EmergencyCheckpoint:
         """In the rank's process, before the fit."""
         self._lock, self._done = threading.Lock(), threading.Event()
 
-    def write(self, trainer: pl.Trainer, dirpath: Optional[str], reason: str) -> Optional[str]:
-        """This rank's own state, no collective: model, optimizer, loops, callbacks, compressor, generators.
-        Returns the path, or None when another thread is writing it (or has) or the write failed (said on stderr)."""
+    def write(self, trainer: pl.Trainer, dirpath: Optional[str], reason: str,
+              extra: Optional[Callable[[], dict[str, Any]]] = None) -> Optional[str]:
+        """This rank's own state, no collective: model, optimizer, loops, callbacks, generators, and the entries
+        ``extra()`` returns (the strategy's, which only the caller, above the strategy, can ask for; it must not
+        wait for a peer either). Returns the path, or None when another thread is writing it (or has) or the write
+        failed (said on stderr)."""
         with self._lock or contextlib.nullcontext():
             if self.writing:
                 return None
@@ -52,9 +55,8 @@ class EmergencyCheckpoint:
         try:
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
             rewind_unfinished_batch(checkpoint)
-            features = features_of(trainer.strategy)
-            if features is not None:
-                checkpoint.update(features.local_checkpoint_state())
+            if extra is not None:
+                checkpoint.update(extra())
             os.makedirs(os.path.dirname(path), exist_ok=True)
             save_checkpoint(checkpoint, path, meta={"kind": "emergency", "rank": rank, "reason": reason,
                                                     "world_size": trainer.world_size})

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lightning_dist.elastic import map_ranks
+from lightning_dist.identities import map_ranks
 
 RNG_KEY = "lightning_dist_rng"  # the checkpoint's entry: {"world_size": N, "ranks": [state or None per rank]}
 

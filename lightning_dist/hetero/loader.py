@@ -14,14 +14,23 @@ checkpoint written mid-epoch resumes at the next batch of the same epoch, with t
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
+from lightning_dist.hetero.plan import BatchPlan
 from lightning_dist.hetero.sampler import HeteroBatchSampler
 
-if TYPE_CHECKING:
-    from lightning_dist.hetero.batching import HeteroBatching
+
+class PlanSource(Protocol):
+    """What the loader needs of the batching settings (:class:`~lightning_dist.hetero.HeteroBatching` is one): the
+    loader is the mechanism below that policy, so it names only these, never the class."""
+
+    global_batch: int  # B, set by make_plan
+    elastic: bool
+    identities: Optional[list[str]]
+
+    def make_plan(self, world_size: int, loader_batch_size: int) -> BatchPlan: ...
 
 
 class HeteroDataLoader(DataLoader):
@@ -53,7 +62,7 @@ class HeteroDataLoader(DataLoader):
         sampler.completed = sampler.consumed = (int(state["epoch"]), int(state["next_batch"]))
 
 
-def hetero_dataloader(dataloader: DataLoader, hetero: HeteroBatching, world_size: int, rank: int) -> HeteroDataLoader:
+def hetero_dataloader(dataloader: DataLoader, hetero: PlanSource, world_size: int, rank: int) -> HeteroDataLoader:
     """The training loader with per-rank batch sizes from ``hetero``'s plan."""
     if dataloader.batch_size is None:
         raise ValueError("heterogeneous batching needs a training DataLoader built with batch_size=... (it was given "

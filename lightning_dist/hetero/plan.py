@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from typing import Optional
 
-from lightning_dist.elastic import map_ranks
+from lightning_dist.identities import map_ranks
 
 
 def split_batch(total: int, weights: Sequence[float], min_size: int = 1, max_sizes: Optional[Sequence[int]] = None
@@ -132,7 +132,7 @@ class BatchPlan:
     def carry_over(self, state: dict, old_identities: Optional[Sequence[str]],
                    new_identities: Optional[Sequence[str]]) -> None:
         """Take over a plan saved at another world size (an elastic restart): each rank that was in the old world
-        (the same identity, :func:`lightning_dist.elastic.node_identity`) keeps its last weight (its measured or
+        (the same identity, :func:`lightning_dist.identities.node_identity`) keeps its last weight (its measured or
         given speed), a newcomer gets the mean of the old weights; without identities, every rank weighs the same."""
         old = [float(w) for w in state["changes"][-1][1]]
         if old_identities is None or new_identities is None or len(old_identities) != len(old):

@@ -2,7 +2,8 @@
 
 from lightning_dist.strategy.exchange import StepExchange
 from lightning_dist.strategy.features import RingFeatures, features_of
-from lightning_dist.strategy.hook import RingHookState, ring_comm_hook
+from lightning_dist.strategy.hook import BucketObserver, RingHookState, ring_comm_hook
 from lightning_dist.strategy.ring_ddp import RingDDPStrategy
 
-__all__ = ["RingDDPStrategy", "RingFeatures", "RingHookState", "StepExchange", "features_of", "ring_comm_hook"]
+__all__ = ["BucketObserver", "RingDDPStrategy", "RingFeatures", "RingHookState", "StepExchange", "features_of",
+           "ring_comm_hook"]

@@ -8,7 +8,7 @@ holds that rank's state only (:func:`compressor_entry` with the others None).
 
 On resume, :func:`restore_compressor` loads this rank's own state when the world size matches, and otherwise
 the shared part only, with a warning saying what restarts at zero. In an elastic run the entry also names every
-rank's node identity (:func:`lightning_dist.elastic.node_identity`), and a rank takes the state of the old rank with
+rank's node identity (:func:`lightning_dist.identities.node_identity`), and a rank takes the state of the old rank with
 its identity at any world size (the elastic callback names what was lost, in one warning for the whole restart).
 """
 
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_dist.compression import Compressor
-from lightning_dist.elastic import map_ranks
+from lightning_dist.identities import map_ranks
 
 CHECKPOINT_KEY = "lightning_dist"  # the checkpoint's entry for every rank's compressor state
 

@@ -12,8 +12,7 @@ point-to-point operations, not a single asynchronous call:
    asynchronously (the backend's native all-reduce): the worker then goes straight on to the next job and
    the bucket's Future completes on the backend's thread. Blocking in the worker until each collective is
    done costs dearly when backward keeps every core busy: each hand-off waits for the scheduler to give
-   the worker a core (measured: 1.2x stock DDP's step on a 4.3 M-parameter MLP, against 1.0x issued
-   asynchronously);
+   the worker a core (the step benchmark's page in the docs has the figures);
 3. DDP waits for every bucket's Future at the end of backward, then copies the results into ``.grad``.
 
 Order: DDP hands buckets over in index order on every rank and one thread runs (or issues) them in that
@@ -24,7 +23,7 @@ for work that never blocks (issuing the backend's asynchronous all-reduce of a b
 light) and for the last bucket, behind which nothing is left to overlap. The worker thread then runs only
 what would block backward: our ring's and tree's point-to-point loops, heavy compressors. Work handed to
 it needlessly costs more than the hand-off: py-spy showed the autograd thread waiting for the GIL (pybind
-releases it inside ``Future.then``) while the worker ran Python (the README's step benchmark has the figures).
+releases it inside ``Future.then``) while the worker ran Python.
 
 The worker's collectives run on a process group of their own (the strategy makes it), never the default
 group, on which DDP and Lightning issue collectives from the main thread: two threads interleaving on one

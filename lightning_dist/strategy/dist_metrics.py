@@ -6,8 +6,10 @@ which travels alongside the last gradient bucket (no collective of this callback
 them to Lightning's loggers from rank zero. The values describe the optimizer step before the logged one.
 The strategy adds this callback to the Trainer by itself (not under ``Trainer(barebones=True)``); add it
 yourself to change ``log_every_n_steps``. With ``log_every_n_steps=0`` (the Trainer's or this callback's)
-nothing is gathered or logged. It is the strategy's own reporting, so it lives beside the strategy
-(``lightning_dist.callbacks`` exports it with the other callbacks).
+nothing is gathered or logged. It is the strategy's own reporting, so it lives beside the strategy (which adds it, and
+may not import from the callbacks above it); ``lightning_dist.callbacks`` exports it with the other callbacks.
+``DistMetricsCallback``, its name before one naming rule for callbacks (no suffix, as Lightning's ``EarlyStopping``),
+still imports, with a ``DeprecationWarning``.
 
 Logged metrics (``r`` is a rank index):
 
@@ -46,10 +48,11 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_dist._deprecation import renamed
 from lightning_dist.strategy.features import features_of
 
 
-class DistMetricsCallback(Callback):
+class DistMetrics(Callback):
     """Logs the strategy's ``step_metrics`` every ``log_every_n_steps`` optimizer steps (default: the Trainer's)."""
 
     def __init__(self, log_every_n_steps: Optional[int] = None) -> None:
@@ -82,3 +85,6 @@ class DistMetricsCallback(Callback):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(features.step_metrics, step=trainer.global_step)
+
+
+__getattr__ = renamed(__name__, {"DistMetricsCallback": DistMetrics})

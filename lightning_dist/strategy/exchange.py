@@ -9,7 +9,7 @@ Features register named slots once at set-up (the same names in the same order o
   without a collective of its own.
 
 The strategy exchanges on every step when any agreed slot is registered, and otherwise only on the steps a
-feature asked for (:meth:`RingFeatures.request_exchange`: DistMetricsCallback's logging steps, MemoryMonitor's
+feature asked for (:meth:`RingFeatures.request_exchange`: DistMetrics's logging steps, MemoryMonitor's
 readings); both depend only on values every rank shares (the registered names, the step count, the
 requested intervals), so all ranks exchange on the same steps.
 

@@ -18,6 +18,9 @@ What a feature may use:
   (every rank's, from the last exchange, identical on every rank), :attr:`RingFeatures.totals` (this rank's
   over the fit), :meth:`RingFeatures.backward_window` (when backward handed over its last bucket and when the
   last reduction finished);
+- **the buckets** (:meth:`RingFeatures.add_bucket_observer`): a :class:`~lightning_dist.strategy.hook.BucketObserver`
+  is told when DDP hands the comm hook each gradient bucket (with its gradient) and when its reduction is done
+  (``lightning-dist-advise`` times the buckets and replays them this way); none registered, the hook pays nothing;
 - **mechanisms a policy drives**: :attr:`RingFeatures.step_guard` (step-or-skip, armed by NaNRecovery),
   :attr:`RingFeatures.loss_scaler` (fp16 loss scaling), :attr:`RingFeatures.compressor` (its state, for
   snapshots) and :meth:`RingFeatures.local_checkpoint_state` (an emergency checkpoint's entry, no collective);
@@ -28,34 +31,35 @@ What a feature may use:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_dist.comm.topology import Topology, state_layout
 from lightning_dist.compression import Compressor
 from lightning_dist.hetero import HeteroBatching
 from lightning_dist.strategy.checkpoint import local_entry
 from lightning_dist.strategy.exchange import StepExchange
-from lightning_dist.strategy.hook import RingHookState
+from lightning_dist.strategy.hook import BucketObserver, RingHookState
 from lightning_dist.strategy.schedule import ExchangeSchedule
 from lightning_dist.strategy.skip import StepGuard
 from lightning_dist.strategy.step_meter import StepMeter
 from lightning_dist.strategy.stepping import loss_scaler_of
-
-if TYPE_CHECKING:
-    from lightning_dist.strategy.ring_ddp import RingDDPStrategy
 
 
 class RingFeatures:
     """What features may read and ask of a :class:`~lightning_dist.strategy.RingDDPStrategy` (its
     :attr:`~lightning_dist.strategy.RingDDPStrategy.features`)."""
 
-    def __init__(self, strategy: RingDDPStrategy, meter: StepMeter, schedule: ExchangeSchedule, guard: StepGuard,
-                 hook_state: RingHookState) -> None:
-        self._strategy = strategy  # for what only the running strategy knows: ranks, the precision plugin
+    # The strategy is typed as Lightning's DDPStrategy, never as RingDDPStrategy: the seam sits below the strategy
+    # that builds it (ring_ddp imports this module, so this one must not import ring_ddp).
+    def __init__(self, strategy: DDPStrategy, meter: StepMeter, schedule: ExchangeSchedule, guard: StepGuard,
+                 hook_state: RingHookState, hetero: Optional[HeteroBatching] = None) -> None:
+        self._strategy = strategy  # for what only the running strategy knows: ranks, the precision plugin, topology
         self._meter, self._schedule, self._guard, self._hook_state = meter, schedule, guard, hook_state
+        self._hetero = hetero
         self.identities: Optional[list[str]] = None  # every rank's node identity, in rank order (elastic runs)
 
     # -- the step counter -------------------------------------------------------------------------------------
@@ -113,6 +117,18 @@ class RingFeatures:
         was handed over to the communication thread (``overlap=False``, or an accumulation pass)."""
         return self._hook_state.backward_window()
 
+    # -- the buckets ------------------------------------------------------------------------------------------
+    def add_bucket_observer(self, observer: BucketObserver) -> None:
+        """Tell ``observer`` about every gradient bucket from now on: when the comm hook is handed it, with its
+        gradient, and when its reduction is done (:class:`~lightning_dist.strategy.hook.BucketObserver`)."""
+        if observer not in self._hook_state.observers:
+            self._hook_state.observers.append(observer)
+
+    def remove_bucket_observer(self, observer: BucketObserver) -> None:
+        """Stop telling ``observer`` about buckets (nothing happens when it was not registered)."""
+        if observer in self._hook_state.observers:
+            self._hook_state.observers.remove(observer)
+
     # -- mechanisms a policy drives ---------------------------------------------------------------------------
     @property
     def step_guard(self) -> StepGuard:
@@ -132,7 +148,7 @@ class RingFeatures:
     @property
     def hetero(self) -> Optional[HeteroBatching]:
         """The strategy's heterogeneous batching (its plan, sampler and hand-overs), None without one."""
-        return self._strategy._hetero
+        return self._hetero
 
     def local_checkpoint_state(self) -> dict[str, Any]:
         """The checkpoint entry :meth:`~lightning_dist.strategy.RingDDPStrategy.save_checkpoint` adds, with this
@@ -151,6 +167,7 @@ class RingFeatures:
 def features_of(strategy: Any) -> Optional[RingFeatures]:
     """The strategy's feature seam, or None when it is not a :class:`~lightning_dist.strategy.RingDDPStrategy`:
     the one place a feature finds out which strategy it runs under."""
-    from lightning_dist.strategy.ring_ddp import RingDDPStrategy
-
-    return strategy.features if isinstance(strategy, RingDDPStrategy) else None
+    # What identifies our strategy is the seam it exposes (a RingFeatures), so this module needs no import of the
+    # strategy that builds it (ring_ddp imports this one).
+    features = getattr(strategy, "features", None)
+    return features if isinstance(features, RingFeatures) else None

@@ -9,7 +9,8 @@ bucket order. The bucket's reduction has four visible stages, each a
    strategy multiplies the gradient flowing out of the loss by the share
    (:meth:`RingHookState.step_share`, :mod:`lightning_dist.strategy.stepping`), so every gradient arrives
    weighted and the hook skips a pass over the bucket (stock DDP fuses the same scaling into its copy into the
-   bucket; a separate pass costs a bandwidth-bound CPU step a few percent). Under manual optimization, or when
+   bucket; a separate pass is a full read and write of the bucket, which a bandwidth-bound step notices). Under
+   manual optimization, or when
    backward did not go through the strategy (DDP used directly), the hook multiplies the bucket here instead.
 2. **compress**: the compressor turns the bucket into a payload (:mod:`lightning_dist.compression`).
 3. **transport**: ``ring``, ``tree``, ``native`` or ``auto`` all-reduce of the payload, by sum, on the
@@ -45,6 +46,11 @@ communication that backward did not hide. Overlapped, that is the time from the 
 last bucket (backward's own computation is then over) until every bucket is reduced; the strategy adds it
 up after each backward pass (:meth:`RingHookState.close_backward`). Blocking, it is the whole time spent in
 the hook. The strategy reads and resets both once per step.
+
+A feature that needs to see the buckets themselves registers a :class:`BucketObserver` through
+:meth:`~lightning_dist.strategy.RingFeatures.add_bucket_observer`: it is told when the hook is handed each bucket
+(before anything changes the gradient) and when the bucket's reduction is done. With no observer the hook pays one
+test of an empty list per bucket.
 """
 
 # no `from __future__ import annotations`: DDP inspects the hook's real annotations (dist.GradBucket)
@@ -65,6 +71,26 @@ from lightning_dist.compression import BucketLayout, Compressor, NoCompressor, T
 from lightning_dist.strategy.comm_worker import CommWorker
 from lightning_dist.strategy.skip import StepGuard
 from lightning_dist.strategy.tiers import TwoTier
+
+
+class BucketObserver:
+    """Sees each gradient bucket the comm hook is handed and learns when its reduction is done: the seam through
+    which a feature watches the per-bucket path (``lightning-dist-advise`` times the buckets' hand-overs and
+    completions, and replays the gradients of one step through every compressor). Register one with
+    :meth:`~lightning_dist.strategy.RingFeatures.add_bucket_observer`; subclass and override what you need.
+
+    Both methods run on the hot path, once per bucket: keep them short. :meth:`bucket_done` runs on whichever
+    thread completes the bucket (the backend's, the communication worker's or the autograd thread), so what it
+    touches must be safe to touch from there (appending to a list is).
+    """
+
+    def bucket_handed(self, index: int, layout: BucketLayout, buffer: torch.Tensor) -> None:
+        """DDP handed bucket ``index`` to the hook (on the autograd thread). ``buffer`` holds this rank's gradient,
+        already weighted by its share under automatic optimization, not yet reduced; the reduction then writes into
+        it, so copy what you want to keep."""
+
+    def bucket_done(self, index: int) -> None:
+        """Bucket ``index``'s reduction is complete (its Future is about to be set)."""
 
 
 @dataclass
@@ -112,6 +138,8 @@ class RingHookState:
     # the tier of process_group's traffic on the flat path: "inter_host" when its ranks span hosts
     flat_tier: str = "intra_host"
     transport: Optional[Transport] = None  # made on first use from process_group, algorithm and stats
+    # features watching the buckets (RingFeatures.add_bucket_observer); empty: the hook skips them at no cost
+    observers: list[BucketObserver] = field(default_factory=list)
     _layouts: dict[tuple[int, int, int], BucketLayout] = field(default_factory=dict)
     _dense_bytes: dict[BucketLayout, int] = field(default_factory=dict)  # the dense ring's bytes per bucket
 
@@ -176,11 +204,28 @@ class RingHookState:
 
 def ring_comm_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Reduce one gradient bucket: weight -> compress -> transport -> decompress, on the worker if any."""
+    buffer = bucket.buffer()
+    layout = _bucket_layout(state, bucket)
+    if not state.observers:
+        return _reduce_bucket(state, bucket, buffer, layout)
+    observers, index = tuple(state.observers), bucket.index()  # a copy: the list may change while this one travels
+    for observer in observers:
+        observer.bucket_handed(index, layout, buffer)
+    return _reduce_bucket(state, bucket, buffer, layout).then(functools.partial(_tell_done, observers, index))
+
+
+def _tell_done(observers: tuple[BucketObserver, ...], index: int, fut: torch.futures.Future) -> torch.Tensor:
+    for observer in observers:
+        observer.bucket_done(index)
+    return fut.value()  # raises the reduction's error into the chained Future, for DDP to rethrow
+
+
+def _reduce_bucket(state: RingHookState, bucket: dist.GradBucket, buffer: torch.Tensor,
+                   layout: BucketLayout) -> torch.futures.Future[torch.Tensor]:
+    """:func:`ring_comm_hook`'s work, once its observers (if any) have seen the bucket."""
     is_last = bucket.is_last()
     if state.on_last_bucket is not None and is_last:
         state.on_last_bucket()
-    buffer = bucket.buffer()
-    layout = _bucket_layout(state, bucket)
     state.stats.record_dense(state._dense_bytes[layout])
     # during the compressor's warm-up (start_step) the bucket travels dense
     codec = _DENSE if state.compressor.warming_up else state.compressor

@@ -13,7 +13,7 @@ delegate; each mechanism lives in a module beside it:
 - :mod:`.schedule` (with :mod:`.exchange`): the one small per-step exchange of measurements and agreed values,
   on the steps features ask for, complete before the optimizer steps;
 - :mod:`.step_meter` and :mod:`.dist_metrics`: each rank's per-step measurements, logged from rank zero by
-  DistMetricsCallback, which the strategy adds to the Trainer when the user has not;
+  DistMetrics, which the strategy adds to the Trainer when the user has not;
 - :mod:`.checkpoint`: every rank's compressor state in checkpoints, and its restore;
 - :mod:`lightning_dist.hetero`: with ``hetero=``, the training loader rebuilt so each rank's share of the
   global batch follows its speed, rebalanced from the exchange;
@@ -26,7 +26,7 @@ Features (callbacks, experiments, benchmarks) use the strategy only through :att
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,7 @@ from lightning_dist.hetero.batching import as_hetero, describe_event
 from lightning_dist.launch import LaunchEnv, attempt_store
 from lightning_dist.strategy import stepping
 from lightning_dist.strategy.checkpoint import compressor_entry, gather_states, restore_compressor
-from lightning_dist.strategy.dist_metrics import DistMetricsCallback
+from lightning_dist.strategy.dist_metrics import DistMetrics
 from lightning_dist.strategy.features import RingFeatures
 from lightning_dist.strategy.hook import RingHookState, ring_comm_hook
 from lightning_dist.strategy.schedule import ExchangeSchedule
@@ -65,6 +65,9 @@ if not callable(getattr(DDPStrategy, "_register_ddp_hooks", None)):  # pragma: n
         "install lightning>=2.6,<2.7 (the range in lightning_dist's pyproject.toml)."
     )
 
+# How ranks are started on one machine (Lightning's launchers; "popen" re-runs the script per rank): the one list,
+# read by the strategy's check, the Hydra schema (lightning_dist.config) and the errors
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
 DEFAULT_TIMEOUT_S = default_pg_timeout.total_seconds()  # torch.distributed's: a hung collective fails then
 WORKER_JOIN_TIMEOUT_S = 10.0  # teardown waits this long for the communication worker to end
 
@@ -117,7 +120,7 @@ class RingDDPStrategy(DDPStrategy):
         model_averaging_period: Optional[int] = None,
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta, None] = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        start_method: str = "popen",
         *,
         algorithm: str = "auto",
         compressor: Union[Compressor, str, None] = None,
@@ -135,13 +138,15 @@ class RingDDPStrategy(DDPStrategy):
                 "Remove them; to change how gradients travel use algorithm=... or compressor=..., or use "
                 "Lightning's DDPStrategy if you need your own hook."
             )
-        check_algorithm(algorithm)
+        algorithm = check_algorithm(getattr(algorithm, "value", algorithm))  # an enum from Hydra's structured config
         topology = getattr(topology, "value", topology)  # Hydra's structured config passes an enum
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology={topology!r}; use one of {', '.join(TOPOLOGIES)} ('auto': two_tier on 2 or "
                              "more hosts of 2 or more ranks each).")
-        if start_method not in ("popen", "spawn", "fork", "forkserver"):
-            raise ValueError(f"start_method={start_method!r}; use 'popen', 'spawn', 'fork' or 'forkserver'.")
+        start_method = getattr(start_method, "value", start_method)  # Hydra's structured config passes an enum
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method={start_method!r}; use one of {', '.join(START_METHODS)} ('popen' re-runs "
+                             "the script per rank, the robust default; 'fork' starts fastest on CPU).")
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap={overlap!r} must be True (reduce on a communication thread) or False.")
         super().__init__(
@@ -161,7 +166,8 @@ class RingDDPStrategy(DDPStrategy):
         self._comm_group: Optional[dist.ProcessGroup] = None  # the gradient buckets' own group
         self._schedule = ExchangeSchedule()  # the per-step exchange, on a gloo group of its own
         self._meter = StepMeter()  # this rank's per-step measurements; its step count is the strategy's
-        self._features = RingFeatures(self, self._meter, self._schedule, self._guard, self._hook_state)
+        self._features = RingFeatures(self, self._meter, self._schedule, self._guard, self._hook_state,
+                                       self._hetero)
 
     @property
     def features(self) -> RingFeatures:
@@ -228,8 +234,8 @@ class RingDDPStrategy(DDPStrategy):
     def setup(self, trainer: Any) -> None:
         # as stock DDP: barebones mode (it also sets log_every_n_steps=0) runs no logging callback
         wanted = not getattr(trainer, "barebones", False)
-        if wanted and not any(isinstance(cb, DistMetricsCallback) for cb in trainer.callbacks):
-            trainer.callbacks.append(DistMetricsCallback())
+        if wanted and not any(isinstance(cb, DistMetrics) for cb in trainer.callbacks):
+            trainer.callbacks.append(DistMetrics())
         super().setup(trainer)
 
     @override

@@ -5,7 +5,7 @@ previous step and the values features registered. It travels
 
 - on every step when a feature registered an agreed slot (a skip or stop decision) or hetero batching
   rebalances from measured speed;
-- otherwise only on the steps some feature asked for (:meth:`ExchangeSchedule.request`: DistMetricsCallback's
+- otherwise only on the steps some feature asked for (:meth:`ExchangeSchedule.request`: DistMetrics's
   logging steps, MemoryMonitor's readings), so a run that logs every 50 steps pays one exchange per 50 steps.
 
 Both depend only on what every rank shares (the registered names, the step count, the intervals), so every rank

@@ -5,7 +5,7 @@ backward (all bucket Futures done) and the end of the step, and reads the hook's
 (bytes and seconds inside the transport, communication backward did not hide). Its ``last_step`` values
 ride, one step late, on the strategy's per-step exchange (:data:`PER_RANK_SLOTS`), and
 :func:`metrics_from` turns every rank's row into the ``dist/*`` metrics that
-:class:`~lightning_dist.callbacks.DistMetricsCallback` logs.
+:class:`~lightning_dist.callbacks.DistMetrics` logs.
 
 ``compute_s`` is the step's forward and backward time minus the communication backward waited for
 (``exposed_s``): with the overlapping hook the transport runs beside backward, so subtracting all of it
