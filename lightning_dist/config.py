@@ -67,7 +67,7 @@ class TrainerConf:
     enable_progress_bar: bool = True
     enable_model_summary: bool = True
     deterministic: bool = False
-    profiler: Optional[str] = None  # "simple", "advanced" or "pytorch" (Chrome trace: see README)
+    profiler: Optional[str] = None  # "simple", "advanced" or "pytorch" (Chrome trace: docs/strategy.md)
 
 
 @dataclass
@@ -323,7 +323,7 @@ def validate(cfg: DictConfig) -> None:
         problems.append(f"trainer.num_nodes={t.num_nodes}: use 1 or more")
     elif t.num_nodes > 1 and not launched:
         problems.append(f"trainer.num_nodes={t.num_nodes} needs a launcher on every node: start the command with "
-                        "torchrun --nnodes ... or srun (see README, 'Beyond one machine')")
+                        "torchrun --nnodes ... or srun (see docs/launching.md)")
     if t.max_epochs < 1 and t.max_steps < 1:
         problems.append(f"trainer.max_epochs={t.max_epochs} and max_steps={t.max_steps}: set one of them >= 1")
     if t.accumulate_grad_batches < 1:

@@ -1,6 +1,6 @@
 """Elastic training's mechanisms: node identities, the sample ledger, and what state survives a change of world.
 
-An elastic run (``torchrun --nnodes MIN:MAX --max-restarts K --rdzv-backend c10d``, README "Elastic training")
+An elastic run (``torchrun --nnodes MIN:MAX --max-restarts K --rdzv-backend c10d``, docs/elastic.md)
 goes on when a host is lost for good or a new one joins: torchrun ends every worker and starts them again at the
 new size, and every worker resumes from the newest consistent state (``resume=auto``). What makes the resumed run
 the same run, and how this package keeps it so:

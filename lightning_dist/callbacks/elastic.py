@@ -1,6 +1,6 @@
 """``ElasticTraining``: a run that goes on when hosts leave or join, with the same global batch and every sample once.
 
-Under ``torchrun --nnodes MIN:MAX --max-restarts K --rdzv-backend c10d`` (README, "Elastic training"), torchrun ends
+Under ``torchrun --nnodes MIN:MAX --max-restarts K --rdzv-backend c10d`` (docs/elastic.md), torchrun ends
 every worker when a host is lost (the survivors get out within :class:`FaultTolerance`'s bound, each writing an
 emergency checkpoint of the step it reached) or when a new host waits to join (every worker gets SIGTERM, and the
 ranks stop together at one step with a checkpoint), and starts them again at the new size; ``resume=auto`` takes the

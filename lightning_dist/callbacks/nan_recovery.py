@@ -75,9 +75,15 @@ class NaNRecovery(Callback):
             accelerator memory).
         drift_check_every: compare the replicas every this many optimizer steps (0: never).
         on_drift: ``"repair"``, ``"stop"`` or ``"warn"`` when replicas differ.
-        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, consecutive_hysteresis,
-        min_scale: the :class:`~lightning_dist.loss_scaler.LossScaler` that replaces the precision plugin's
-            GradScaler under fp16 mixed precision (ignored otherwise).
+        init_scale: the fp16 loss scale to start from. This and the six settings below configure the
+            :class:`~lightning_dist.loss_scaler.LossScaler` that replaces the precision plugin's GradScaler under
+            fp16 mixed precision (ignored otherwise); each is that class's argument of the same name.
+        growth_factor: the scale is multiplied by this after ``growth_interval`` good steps.
+        backoff_factor: the scale is multiplied by this when a step overflows (after ``hysteresis``).
+        growth_interval: consecutive good steps before the scale grows.
+        hysteresis: bad steps tolerated before the scale is cut (1: every bad step cuts it).
+        consecutive_hysteresis: restore the hysteresis after every good step (True) or only when the scale grows.
+        min_scale: the scale never backs off below this floor.
     """
 
     def __init__(self, *, rollback_after: int = 10, snapshot_every: int = 100, max_rollbacks: int = 3,

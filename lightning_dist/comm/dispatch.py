@@ -7,7 +7,7 @@ ranks choosing differently would each wait for messages the other never sends). 
 measurements (``python -m lightning_dist.benchmarks.allreduce`` and ``.step``), never from a timing taken
 at run time on each rank.
 
-Why (measured on 2-core machines over gloo; the README's ``allreduce`` section has the figures):
+Why (measured on 2-core machines over gloo; docs/benchmarks.md, ``allreduce``, has the figures):
 
 - Large messages: gloo's own all-reduce is itself a bandwidth-optimal ring, in C++. From 1 MiB it was as
   fast as or faster than ours at every world size, and in a training step, where backward keeps every core

@@ -35,11 +35,13 @@ class HeteroBatchSampler(Sampler[list[int]]):
 
     Args:
         dataset_size: samples in the dataset.
-        world_size, rank: the data-parallel group and this rank's place in it.
+        world_size: ranks in the data-parallel group.
+        rank: this rank's place in it.
         global_batch: ``B``, samples per step over all ranks.
         plan: the per-rank sizes per batch (shared by every rank's sampler and by the gradient weighting).
-        shuffle, seed, drop_last: as ``DistributedSampler``'s (Lightning's own defaults: shuffle for training,
-            ``seed`` = the run's seed).
+        shuffle: as ``DistributedSampler``'s (Lightning shuffles for training).
+        seed: as ``DistributedSampler``'s (Lightning passes the run's seed).
+        drop_last: as ``DistributedSampler``'s.
         drop_last_batch: drop the epoch's last, smaller global batch (the DataLoader's ``drop_last``).
         elastic: the same global batches at every world size, each sample once per epoch (the module docstring;
             ``drop_last`` does not apply).

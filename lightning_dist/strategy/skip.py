@@ -25,7 +25,7 @@ How the ranks agree without a collective on a good step (in-band, as DDP with to
 
 The cost is the local sum: one read of the gradients (on the communication worker, overlapped with backward
 except for the last bucket). ``torch.isfinite(t).all()`` says the same at many times the cost on a CPU, and so
-does a float64 sum, which is not vectorised there (the README's ``callbacks`` benchmark gives the figures).
+does a float64 sum, which is not vectorised there (docs/benchmarks.md, ``callbacks``, gives the figures).
 
 Only on a bad step (rare) do the ranks talk: one tiny all-gather tells every rank which ranks had a
 non-finite loss or local gradient, so the error and the logs can say who saw it first.
