@@ -5,7 +5,8 @@ small tool that ``torch/testing/_internal/common_distributed.py`` is for PyTorch
 rendezvous through a file (no port to clash), and every child killed when one fails or the deadline passes,
 so a broken collective fails a test in seconds instead of hanging it. And :func:`watch_job`, for tests and
 benchmarks that launch a real job (the training command): every process the job starts, found by a variable
-they all inherit, watched until none is left, all killed at a deadline.
+they all inherit, watched until none is left, all killed at a deadline. And what the tests and benchmarks fit:
+:func:`quiet_trainer` and :class:`ToyClassifier`, plus callbacks that slow a rank, inject a fault or record logs.
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+import lightning.pytorch as pl
 import psutil
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_dist.strategy.features import features_of
 
@@ -140,7 +144,8 @@ def run_ranks(
                 except (ProcessLookupError, PermissionError):
                     pass
         for p in procs:
-            p.join(timeout=5)
+            if p.pid is not None:  # one that never started (its start raised) cannot be joined
+                p.join(timeout=5)
         results.close()
         shutil.rmtree(workdir, ignore_errors=True)
     if errors:
@@ -387,3 +392,70 @@ class InjectFault(Callback):
             time.sleep(self.stall_s)
         if self.kind == "signal":
             os.kill(os.getpid(), self.signum)
+
+
+# -- what the tests and benchmarks fit ------------------------------------------------------------------------------
+def quiet_trainer(**kwargs: Any) -> pl.Trainer:
+    """A CPU Trainer without logger, checkpointing, progress bar, model summary or sanity validation: a test or a
+    benchmark checks or measures training, and its output is its own; ``kwargs`` add to or override these."""
+    settings = {"accelerator": "cpu", "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+                "enable_model_summary": False, "num_sanity_val_steps": 0}
+    return pl.Trainer(**{**settings, **kwargs})
+
+
+class ToyClassifier(pl.LightningModule):
+    """A small MLP classifier with its own fixed data, the model most tests train.
+
+    The data: ``samples`` rows of ``features`` standard normal values drawn from a generator seeded with 0, the
+    label of a row the index of its largest value among the first ``classes`` features. The network:
+    ``Linear`` layers of the widths in ``hidden`` (each followed by ``Tanh`` unless ``activation=False``: a
+    network of Linear and Tanh layers has a backward that is exactly homogeneous under a power-of-two scale),
+    then a ``Linear`` to ``classes``; built after ``torch.manual_seed(seed)`` when ``seed`` is given (the
+    same initial weights in every fit), else from the caller's random state. ``optimizer``: ``"sgd"`` (with
+    ``momentum``) or ``"adam"``. ``distributed_sampler``: the loader brings its own unshuffled
+    ``DistributedSampler`` (Lightning's own always shuffles; pass ``use_distributed_sampler=False``), so that
+    global batch ``k`` holds rows ``k * world_size * batch_size`` on. Subclasses change the data through
+    :meth:`dataset` and the step through ``training_step``.
+    """
+
+    def __init__(self, features: int = 12, hidden: Sequence[int] = (32,), classes: int = 2, samples: int = 128,
+                 batch_size: int = 8, optimizer: str = "sgd", lr: float = 0.1, momentum: float = 0.0,
+                 activation: bool = True, shuffle: bool = False, distributed_sampler: bool = False,
+                 seed: Optional[int] = None) -> None:
+        super().__init__()
+        if optimizer not in ("sgd", "adam"):
+            raise ValueError(f"ToyClassifier optimizer={optimizer!r}: use 'sgd' or 'adam'")
+        if seed is not None:
+            torch.manual_seed(seed)
+        layers: list[nn.Module] = []
+        width = features
+        for size in hidden:
+            layers += [nn.Linear(width, size), nn.Tanh()] if activation else [nn.Linear(width, size)]
+            width = size
+        self.net = nn.Sequential(*layers, nn.Linear(width, classes))
+        self.features, self.classes, self.samples, self.batch_size = features, classes, samples, batch_size
+        self.optimizer, self.lr, self.momentum = optimizer, lr, momentum
+        self.shuffle, self.distributed_sampler = shuffle, distributed_sampler
+
+    def data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inputs and labels, the same on every call and every rank."""
+        x = torch.randn(self.samples, self.features, generator=torch.Generator().manual_seed(0))
+        return x, x[:, : self.classes].argmax(1)
+
+    def dataset(self) -> TensorDataset:
+        """The training set: :meth:`data` as a ``TensorDataset``."""
+        return TensorDataset(*self.data())
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+
+    def train_dataloader(self) -> DataLoader:
+        data = self.dataset()
+        if self.distributed_sampler:
+            return DataLoader(data, batch_size=self.batch_size, sampler=DistributedSampler(data, shuffle=False))
+        return DataLoader(data, batch_size=self.batch_size, shuffle=self.shuffle)

@@ -84,16 +84,21 @@ def test_bad_settings_fail_naming_the_value(overrides, match):
         check(_compose(*overrides))
 
 
+@pytest.mark.slow  # a subprocess of the command
 def test_the_command_refuses_bad_input_before_any_rank(tmp_path):
     proc = subprocess.run(CLI + ["advise.compressors=[nope]", f"hydra.run.dir={tmp_path}"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "advise.compressors: unknown ['nope']" in proc.stderr
     assert "Initializing distributed" not in proc.stdout + proc.stderr
-    with pytest.raises(ConfigCompositionException, match="round"):  # a typo, caught by the schema
+
+
+def test_a_typo_in_the_advise_group_is_caught_by_the_schema():
+    with pytest.raises(ConfigCompositionException, match="round"):
         _compose("advise.round=3")
 
 
 # -- one launched run -------------------------------------------------------------------------------------------
+@pytest.mark.slow  # the command on 2 ranks
 @pytest.mark.timeout(120)
 def test_advise_on_two_local_ranks(tmp_path):
     proc = subprocess.run(CLI + ["trainer.devices=2", "strategy.start_method=fork", "advise.steps=3",

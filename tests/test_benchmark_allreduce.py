@@ -2,10 +2,13 @@
 
 import json
 
+import pytest
+
 from lightning_dist.benchmarks._common import parse_size, size_label
 from lightning_dist.benchmarks.allreduce import MAIN_CASES, main, repeats_for
 
 
+@pytest.mark.slow  # launches groups of ranks
 def test_quick_run_writes_json_table_and_plot(tmp_path):
     argv = ["--quick", "--sizes", "1K", "64K", "--repeats", "3", "--warmup", "1", "--out", str(tmp_path)]
     payload = main(argv)

@@ -3,7 +3,9 @@
 import json
 
 import pytest
+import torch
 
+from lightning_dist.benchmarks import codecs
 from lightning_dist.benchmarks.codecs import QUICK_CODECS, bucket_layout, main
 
 
@@ -24,3 +26,51 @@ def test_quick_run_writes_json_table_and_plot(tmp_path):
     assert topk["mass_kept"] == pytest.approx(1.0)  # the sampled selection is the exact top-k
     assert "passes [IQR]" in (tmp_path / "codecs.txt").read_text()
     assert (tmp_path / "codecs.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_unit_pass_is_timed_in_place_on_the_bucket_each_codec_is_timed_on(monkeypatch):
+    """The unit pass gets the same buffer as every codec, freshly restored from the gradient between the same two
+    clock readings; it never reads the gradient's own copy nor writes a buffer the restoring copy has evicted."""
+    events: list[tuple] = []
+
+    def clock() -> float:
+        events.append(("tick",))
+        return float(len(events))  # every call "takes" one tick
+
+    def spy_pass(bucket: torch.Tensor) -> None:
+        events.append(("pass", bucket.data_ptr(), bucket.clone()))
+        real_pass(bucket)  # in place: the next contender sees the gradient only if the bucket is restored again
+
+    class SpyCompressor:
+        def reduce(self, flat, layout, transport):
+            events.append(("codec", flat.data_ptr(), flat.clone()))
+            return flat
+
+        def commit(self):
+            pass
+
+    real_pass = codecs.unit_pass
+    monkeypatch.setattr(codecs, "unit_pass", spy_pass)
+    monkeypatch.setattr(codecs, "_timer", lambda device: clock)
+    monkeypatch.setitem(codecs.CODECS, "spy", codecs.Codec("spy", SpyCompressor))
+    rounds, seed = 3, 7
+    records = codecs.measure_bucket("4K", ["spy"], rounds, 2, torch.device("cpu"), seed)
+    grad = codecs.gradient(codecs.bucket_layout("4K"), seed, torch.device("cpu"))
+    assert [r["codec"] for r in records] == ["spy"]
+
+    # every contender's call sits alone between two clock readings: first call, then 2 contenders per round
+    calls = [e for e in events if e[0] != "tick"]
+    assert [e[0] for e in events] == [kind for e in calls for kind in ("tick", e[0], "tick")]
+    assert calls[0][0] == "codec"
+    assert sorted(e[0] for e in calls[1:]) == ["codec"] * rounds + ["pass"] * rounds
+    # the pass reads the very buffer the codecs get, holding the restored gradient, never the gradient itself
+    assert {e[1] for e in calls} == {calls[0][1]} and calls[0][1] != grad.data_ptr()
+    for _, _, seen in calls:
+        assert torch.equal(seen, grad)
+
+
+def test_the_unit_pass_is_one_elementwise_pass_in_place():
+    bucket = torch.tensor([-1.5, 0.0, 2.0])
+    storage = bucket.data_ptr()
+    codecs.unit_pass(bucket)
+    assert bucket.data_ptr() == storage and bucket.tolist() == [1.5, 0.0, 2.0]

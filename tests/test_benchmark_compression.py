@@ -104,6 +104,7 @@ def _hooked_ddp(rank, world_size, kind):
     return dict(meter.totals), meter.checked, meter.mismatches, grads, [p.shape for p in model.parameters()]
 
 
+@pytest.mark.slow  # launches 2 ranks
 @pytest.mark.parametrize("kind", ["fp16", "powersgd"])
 def test_counting_hook_counts_what_the_hook_all_reduces(kind):
     def fit_then_collect(rank, n):

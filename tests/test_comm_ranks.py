@@ -24,6 +24,8 @@ from lightning_dist.comm import (
 from lightning_dist.comm._common import scratch
 from lightning_dist.testing import RanksFailed, run_ranks
 
+pytestmark = pytest.mark.slow  # every test launches ranks
+
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64]
 # 0, 1, fewer than N, primes, and one larger than several 1 MiB pipeline segments
 SIZES = [0, 1, 2, 3, 13, 1021, 65537, (1 << 20) + 7]
@@ -63,17 +65,17 @@ def _compare(ours: torch.Tensor, ref: torch.Tensor, exact: bool) -> float:
 def _all_cases(rank, world_size):
     """Every (algorithm, dtype, size, op) case; returns a list of result dicts."""
     out = []
-    for algorithm in ALGORITHMS:
-        for dtype in DTYPES:
-            for numel in SIZES:
-                ops = ["sum", "avg"] if dtype.is_floating_point else ["sum"]
-                for op in ops:
-                    for integer_valued in ([True, False] if dtype.is_floating_point else [True]):
-                        x = _inputs(rank, numel, dtype, integer_valued)
-                        ref = x.clone()
-                        dist.all_reduce(ref)
-                        if op == "avg":
-                            ref = (ref.double() / world_size).to(dtype)
+    for dtype in DTYPES:
+        for numel in SIZES:
+            for integer_valued in ([True, False] if dtype.is_floating_point else [True]):
+                # one input and one reference sum serve every algorithm and op: the inputs depend on neither
+                inputs = _inputs(rank, numel, dtype, integer_valued)
+                total = inputs.clone()
+                dist.all_reduce(total)
+                for algorithm in ALGORITHMS:
+                    for op in (["sum", "avg"] if dtype.is_floating_point else ["sum"]):
+                        x = inputs.clone()
+                        ref = (total.double() / world_size).to(dtype) if op == "avg" else total
                         stats = CommStats()
                         allreduce_(x, algorithm, op=op, stats=stats)
                         exact = integer_valued and op == "sum"

@@ -15,15 +15,15 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dist import RingDDPStrategy
 from lightning_dist.comm import CommStats, ring_bytes_sent
 from lightning_dist.compression import COMPRESSORS, BucketLayout, Transport, build_compressor
 from lightning_dist.compression.emulate import emulate_reduce
 from lightning_dist.examples import DigitsCNN, DigitsDataModule
-from lightning_dist.testing import launched_externally, run_ranks
+from lightning_dist.testing import ToyClassifier, launched_externally, quiet_trainer, run_ranks
+
+pytestmark = pytest.mark.slow  # two launched groups serve every test
 
 LAYOUT = BucketLayout.of([("a.weight", torch.Size([40, 30])), ("a.bias", torch.Size([40])),
                           ("b.weight", torch.Size([7, 40]))])
@@ -114,21 +114,9 @@ def test_a_nan_on_one_rank_comes_out_non_finite_on_every_rank(collectives):
 
 # ---- 2. inside Lightning, 2 ranks --------------------------------------------------------------------------
 
-class Net(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, 48), nn.Tanh(), nn.Linear(48, 48), nn.Tanh(), nn.Linear(48, 4))
-
-    def training_step(self, batch, batch_idx):
-        return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=1e-2)
-
-    def train_dataloader(self):
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(128, 16, generator=gen)
-        return DataLoader(TensorDataset(x, (x[:, :4].argmax(1))), batch_size=8, shuffle=True)
+def _net():
+    return ToyClassifier(features=16, hidden=(48, 48), classes=4, samples=128, batch_size=8, optimizer="adam",
+                         lr=1e-2, shuffle=True)
 
 
 class SameOnEveryRank(Callback):
@@ -145,15 +133,13 @@ class SameOnEveryRank(Callback):
 
 
 def _trainer(strategy, callbacks=(), **kwargs):
-    options = dict(accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
-    options.update(kwargs)
-    return pl.Trainer(strategy=strategy, callbacks=list(callbacks), **options)
+    return quiet_trainer(**{"devices": 2, "max_epochs": 1, "log_every_n_steps": 1, "strategy": strategy,
+                            "callbacks": list(callbacks), **kwargs})
 
 
 def _fit(compressor, ckpt_path=None, callbacks=(), strategy=None, **kwargs):
     pl.seed_everything(0, verbose=False)
-    model = Net()
+    model = _net()
     strategy = strategy or RingDDPStrategy(timeout=30, compressor=compressor)
     trainer = _trainer(strategy, callbacks, **kwargs)
     trainer.fit(model, ckpt_path=ckpt_path, weights_only=True)
@@ -175,8 +161,7 @@ def _fits(rank, world_size, workdir):
         # once coded subnormal chunks as NaN, which no test above could see)
         for name in ("int8", "topk", "powersgd"):
             pl.seed_everything(0, verbose=False)
-            trainer = _trainer(RingDDPStrategy(timeout=30, compressor=build_compressor(name)), max_epochs=2,
-                               num_sanity_val_steps=0)
+            trainer = _trainer(RingDDPStrategy(timeout=30, compressor=build_compressor(name)), max_epochs=2)
             trainer.fit(DigitsCNN(), DigitsDataModule())
             out[f"digits_{name}"] = float(trainer.callback_metrics["val/acc"])
         out["topk_blocking"] = _fit(None, strategy=RingDDPStrategy(timeout=30, overlap=False,

@@ -11,6 +11,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 from lightning_dist.examples import DigitsCNN, DigitsDataModule
+from lightning_dist.testing import quiet_trainer
 
 
 @pytest.fixture(scope="module")
@@ -112,13 +113,11 @@ def test_model_bad_args(kwargs, match):
         DigitsCNN(**kwargs)
 
 
+@pytest.mark.slow  # a Lightning run
 def test_short_fit_logs_metrics_and_checkpoint_loads_weights_only(tmp_path):
     L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=5, limit_val_batches=2,
-        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        num_sanity_val_steps=0, log_every_n_steps=1, default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(devices=1, max_epochs=1, limit_train_batches=5, limit_val_batches=2, log_every_n_steps=1,
+                            default_root_dir=tmp_path)
     model = DigitsCNN()
     trainer.fit(model, DigitsDataModule())
     metrics = trainer.callback_metrics

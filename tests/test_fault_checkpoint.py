@@ -12,7 +12,6 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dist.fault import checkpoint as ckpt_mod
 from lightning_dist.fault.checkpoint import (
@@ -27,6 +26,7 @@ from lightning_dist.fault.checkpoint import (
     save_checkpoint,
     verify,
 )
+from lightning_dist.testing import ToyClassifier, quiet_trainer
 
 # ---- helpers ---------------------------------------------------------------------------------------------------
 
@@ -299,37 +299,25 @@ def test_checkpoint_io_leaves_remote_paths_to_lightning():
         plugin.load_checkpoint(url)
 
 
-class _Tiny(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx):
-        return self.layer(batch[0]).pow(2).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def train_dataloader(self):
-        return DataLoader(TensorDataset(torch.randn(4, 4)), batch_size=2)  # two steps an epoch
+def _tiny() -> ToyClassifier:
+    return ToyClassifier(features=4, hidden=(), samples=4, batch_size=2)  # two steps an epoch
 
 
 def _trainer(tmp_path, max_steps: int) -> L.Trainer:
-    return L.Trainer(
-        plugins=[AtomicCheckpointIO()], max_steps=max_steps, accelerator="cpu", devices=1, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[ModelCheckpoint(dirpath=tmp_path)],
-    )
+    return quiet_trainer(plugins=[AtomicCheckpointIO()], max_steps=max_steps, devices=1, enable_checkpointing=True,
+                         callbacks=[ModelCheckpoint(dirpath=tmp_path)])
 
 
+@pytest.mark.slow  # two Lightning runs
 def test_trainer_writes_verified_checkpoints_and_resumes(tmp_path):
     first = _trainer(tmp_path, max_steps=2)
-    first.fit(_Tiny())
+    first.fit(_tiny())
     path = first.checkpoint_callback.best_model_path
     assert os.path.isfile(f"{path}{META_SUFFIX}")
     assert verify(path)["verified"] and _sidecar(path)["global_step"] == 2
 
     second = _trainer(tmp_path, max_steps=3)
-    second.fit(_Tiny(), ckpt_path=path, weights_only=True)
+    second.fit(_tiny(), ckpt_path=path, weights_only=True)
     assert second.global_step == 3
     assert newest_valid([tmp_path]).global_step == 3
 

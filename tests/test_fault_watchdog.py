@@ -8,6 +8,7 @@ import random
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from lightning_dist.callbacks import FaultTolerance
 from lightning_dist.callbacks.fault_tolerance import check_settings
 from lightning_dist.fault import rng
 from lightning_dist.fault.watchdog import Fault, Watchdog
+from lightning_dist.testing import ToyClassifier, quiet_trainer
 
 
 class Store:
@@ -169,7 +171,7 @@ def test_a_watchdog_fault_lets_the_training_threads_emergency_write_finish(monke
     monkeypatch.setattr(ft.os, "_exit", exits.append)
     monkeypatch.setattr(ft, "exit_later", lambda seconds, code: None)
     callback = FaultTolerance()
-    callback._trainer = object()
+    callback._trainer = SimpleNamespace(strategy=None)  # a stand-in: its emergency write fails, the exit follows
     callback._emergency.arm()
     callback._emergency.writing = True  # the training thread failed first and is writing its emergency checkpoint
     watchdog = threading.Thread(target=callback._on_fault, args=(Fault("store_unreachable", "store gone"),))
@@ -181,13 +183,9 @@ def test_a_watchdog_fault_lets_the_training_threads_emergency_write_finish(monke
     assert exits == [ft.EXIT_STALL]
 
 
+@pytest.mark.slow  # a Lightning run
 def test_the_signal_handlers_from_before_the_fit_are_in_force_after_it(tmp_path):
-    import lightning.pytorch as pl
-    from lightning.pytorch.demos.boring_classes import BoringModel
-
     before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                         callbacks=[FaultTolerance()])
-    trainer.fit(BoringModel())
+    trainer = quiet_trainer(devices=1, max_steps=2, default_root_dir=tmp_path, callbacks=[FaultTolerance()])
+    trainer.fit(ToyClassifier())
     assert {signum: signal.getsignal(signum) for signum in before} == before

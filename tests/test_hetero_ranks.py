@@ -17,23 +17,23 @@ from lightning_dist import RingDDPStrategy
 from lightning_dist.compression import BucketLayout, build_compressor
 from lightning_dist.compression.emulate import emulate_reduce
 from lightning_dist.hetero import HeteroBatching
-from lightning_dist.testing import Slowdown, launched_externally, run_ranks
+from lightning_dist.testing import Slowdown, ToyClassifier, launched_externally, quiet_trainer, run_ranks
+
+pytestmark = pytest.mark.slow  # one launched group of 2 ranks serves every test
 
 N_SAMPLES, BATCH = 100, 8  # 2 ranks: a global batch of 16, 7 steps per epoch (the last holds 4)
 
 
-def _data():
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(N_SAMPLES, 16, generator=gen)
-    return x, x[:, :4].argmax(1)
+class Net(ToyClassifier):
+    """Its samples carry their index; it records which it saw per step, and the first step's reduced gradient."""
 
-
-class Net(pl.LightningModule):
     def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+        super().__init__(features=16, hidden=(32,), classes=4, samples=N_SAMPLES, batch_size=BATCH, shuffle=True)
         self.seen: list[tuple[int, int, list[int]]] = []
         self.first_grads = None
+
+    def dataset(self):
+        return TensorDataset(*self.data(), torch.arange(N_SAMPLES))
 
     def training_step(self, batch, batch_idx):
         x, y, index = batch
@@ -44,21 +44,12 @@ class Net(pl.LightningModule):
         if self.first_grads is None:
             self.first_grads = {n: p.grad.clone() for n, p in self.named_parameters()}
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def train_dataloader(self):
-        x, y = _data()
-        return DataLoader(TensorDataset(x, y, torch.arange(N_SAMPLES)), batch_size=BATCH, shuffle=True)
-
 
 def _fit(strategy, callbacks=(), ckpt_path=None, model=None, **kwargs):
     pl.seed_everything(0, verbose=False)
     model = model or Net()
-    options = dict(accelerator="cpu", devices=2, max_epochs=2, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-    options.update(kwargs)
-    trainer = pl.Trainer(strategy=strategy, callbacks=list(callbacks), **options)
+    trainer = quiet_trainer(**{"devices": 2, "max_epochs": 2, "strategy": strategy, "callbacks": list(callbacks),
+                               **kwargs})
     trainer.fit(model, ckpt_path=ckpt_path, weights_only=True)
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return model, trainer, weights
@@ -105,8 +96,7 @@ class WithValidation(Net):
         self.log("val_loss", nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
 
     def val_dataloader(self):
-        x, y = _data()
-        return DataLoader(TensorDataset(x, y, torch.arange(N_SAMPLES)), batch_size=5)
+        return DataLoader(self.dataset(), batch_size=5)
 
 
 @pytest.fixture(scope="module")
@@ -132,9 +122,9 @@ def test_each_step_uses_stock_ddps_samples_and_trains_the_same_weights(fits, acc
 
 
 def test_a_lossy_compressor_compresses_the_sample_weighted_gradients(fits):
-    x, y = _data()
     pl.seed_everything(0, verbose=False)
     reference = Net()
+    x, y = reference.data()
     weighted = []
     for r in range(2):
         _, _, index = fits[r]["topk_first"][0][0]

@@ -6,7 +6,7 @@
   thresholds fire on both ranks at the same step (ring_ddp's per-rank slots), then the checkpoint written;
 - the same under stock DDP (one all-gather every N steps);
 - ``preflight="error"`` stops both ranks before the first backward;
-- DistMetricsCallback still logs on its own steps when the monitor's interval differs.
+- DistMetrics still logs on its own steps when the monitor's interval differs.
 """
 
 from __future__ import annotations
@@ -21,46 +21,32 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_dist import MemoryMonitor, NaNRecovery, RingDDPStrategy
 from lightning_dist.callbacks import InsufficientMemoryError
 from lightning_dist.memory import readers
-from lightning_dist.testing import RecordingLogger, launched_externally, run_ranks
+from lightning_dist.testing import RecordingLogger, ToyClassifier, launched_externally, quiet_trainer, run_ranks
+
+pytestmark = pytest.mark.slow  # one launched group of 2 ranks serves every test
 
 GiB = 2**30
 
 
-class Small(pl.LightningModule):
-    def __init__(self, width=16, depth=1, optimizer="sgd"):
-        super().__init__()
-        torch.manual_seed(0)
-        layers = [nn.Linear(width, width) for _ in range(depth)]
-        self.net = nn.Sequential(*layers, nn.Linear(width, 4))
-        self.width, self.optimizer = width, optimizer
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        if self.optimizer == "adam":
-            return torch.optim.Adam(self.parameters(), lr=1e-4)
-        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
-
-    def train_dataloader(self):
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(64, self.width, generator=gen)
-        data = TensorDataset(x, x[:, :4].argmax(1))
-        return DataLoader(data, batch_size=4, sampler=DistributedSampler(data, shuffle=False))
+# Linear layers without activation, the same initial weights in every fit, 8 steps of 2 x 4 rows an epoch
+SMALL = dict(features=16, hidden=(16,), classes=4, samples=64, batch_size=4, lr=0.01, momentum=0.9,
+             activation=False, distributed_sampler=True, seed=0)
 
 
-class TwoOptimizers(Small):
+def _small(**kwargs):
+    return ToyClassifier(**{**SMALL, **kwargs})
+
+
+class TwoOptimizers(ToyClassifier):
     """Manual optimization, two optimizer steps per batch: global_step advances by 2, and ring_ddp exchanges on
     each optimizer step."""
 
     def __init__(self):
-        super().__init__()
+        super().__init__(**SMALL)
         self.automatic_optimization = False
 
     def training_step(self, batch, batch_idx):
@@ -88,11 +74,8 @@ class Allocate(Callback):
 
 def _fit(strategy, model, callbacks, **kwargs):
     pl.seed_everything(0, verbose=False)
-    options = dict(accelerator="cpu", devices=2, max_steps=8, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                   use_distributed_sampler=False)
-    options.update(kwargs)
-    trainer = pl.Trainer(strategy=strategy, callbacks=list(callbacks), **options)
+    trainer = quiet_trainer(**{"devices": 2, "max_steps": 8, "use_distributed_sampler": False, "strategy": strategy,
+                               "callbacks": list(callbacks), **kwargs})
     trainer.fit(model)
     return trainer
 
@@ -115,7 +98,7 @@ def _ranks(rank, world_size, tmp):
                                 empty_cache_at=(held + 0.75 * GiB) / GiB / capacity,
                                 stop_at=(held + GiB) / GiB / capacity, log_per_rank=True)
         logger = RecordingLogger()
-        trainer = _fit(RingDDPStrategy(), Small(), [Allocate(1, 3, 1.5), NaNRecovery(), monitor], logger=logger,
+        trainer = _fit(RingDDPStrategy(), _small(), [Allocate(1, 3, 1.5), NaNRecovery(), monitor], logger=logger,
                        log_every_n_steps=3, default_root_dir=os.path.join(tmp, "ring"))
         out["ring"] = dict(events=monitor.events, global_step=trainer.global_step, logged=logger.logged,
                            ckpts=sorted(os.listdir(os.path.join(tmp, "ring", "checkpoints"))),
@@ -124,7 +107,7 @@ def _ranks(rank, world_size, tmp):
         # 2. stock DDP: one all-gather every 2 steps; rank 1 takes 0.5 GiB at step 2
         monitor = MemoryMonitor(every_n_steps=2, warn_at=None)
         logger = RecordingLogger()
-        _fit(DDPStrategy(), Small(), [Allocate(1, 2, 0.5), monitor], logger=logger, log_every_n_steps=1)
+        _fit(DDPStrategy(), _small(), [Allocate(1, 2, 0.5), monitor], logger=logger, log_every_n_steps=1)
         out["ddp"] = dict(logged=logger.logged, readings=monitor.readings, events=monitor.events)
         # manual optimization, two optimizers: every reading arrives (not a later exchange's empty slots)
         for name, strategy in (("manual_ring", RingDDPStrategy()), ("manual_ddp", DDPStrategy())):
@@ -134,7 +117,7 @@ def _ranks(rank, world_size, tmp):
         # 3. pre-flight error on every rank before the first backward
         monitor = MemoryMonitor(preflight="error", capacity_gib=0.01)
         try:
-            _fit(RingDDPStrategy(), Small(), [monitor])
+            _fit(RingDDPStrategy(), _small(), [monitor])
             out["preflight"] = None
         except InsufficientMemoryError as error:
             out["preflight"] = str(error)
@@ -143,7 +126,9 @@ def _ranks(rank, world_size, tmp):
             readers.release_host_memory()
             readers.reset_host_peak()
             before = readers.host_rss()
-            model = Small(width=4096, depth=3, optimizer=optimizer)  # 3 x 4096^2 + ...: 50.4 M parameters
+            # 3 x 4096^2 + ...: 50.4 M parameters
+            model = _small(features=4096, hidden=(4096,) * 3, optimizer=optimizer,
+                           lr=1e-4 if optimizer == "adam" else 0.01)
             # reset_peaks=False: the kernel's peak then spans the whole fit, for this test's own measurement
             monitor = MemoryMonitor(every_n_steps=1, reset_peaks=False)
             _fit(strategy, model, [monitor], max_steps=3)

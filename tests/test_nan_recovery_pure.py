@@ -743,3 +743,9 @@ def test_clip_norm_applies_to_unscaled_gradients():
     small = torch.zeros(LAYOUT.numel)
     small[0], small[LAYOUT.offsets[1]] = 1.0, 1.0
     assert torch.equal(_reduce(scaled, small), small)
+
+
+def test_loss_scaler_is_exported():
+    from lightning_dist import LossScaler as exported
+
+    assert issubclass(exported, torch.amp.GradScaler)

@@ -16,27 +16,30 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import TensorDataset
 
-from lightning_dist import LossScaler, NaNRecovery, RingDDPStrategy
+from lightning_dist import NaNRecovery, RingDDPStrategy
 from lightning_dist.callbacks import NaNRecoveryError
 from lightning_dist.compression import COMPRESSORS, build_compressor
 from lightning_dist.hetero import HeteroBatching
-from lightning_dist.testing import RecordingLogger, launched_externally, run_ranks
+from lightning_dist.testing import RecordingLogger, ToyClassifier, launched_externally, quiet_trainer, run_ranks
+
+pytestmark = pytest.mark.slow  # one launched group of 2 ranks serves every test
 
 N_SAMPLES, BATCH, STEPS = 96, 8, 6  # 2 ranks: 6 optimizer steps per epoch
 SETTINGS = {"topk": {"ratio": 0.1}, "threshold": {"threshold": 1e-3, "max_ratio": 0.2}, "powersgd": {"rank": 2}}
 
 
-class Net(pl.LightningModule):
+class Net(ToyClassifier):
     """Faults by (rank, global step): ``nan_loss`` adds NaN to the loss, ``inf_grad`` puts +Inf into one element
     of the first layer's weight gradient before DDP takes it; ``drop`` removes that global batch from the data
-    (the reference for a skipped step: the same updates, one fewer step)."""
+    (the reference for a skipped step: the same updates, one fewer step). The same initial weights in every fit;
+    Lightning's own sampler always shuffles training data, by a permutation that depends on the length: the
+    loader brings an unshuffled one."""
 
     def __init__(self, nan_loss=(), inf_grad=(), drop=None, value=float("inf")):
-        super().__init__()
-        torch.manual_seed(0)  # the same initial weights in every fit
-        self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+        super().__init__(features=16, hidden=(32,), classes=4, samples=N_SAMPLES, batch_size=BATCH, momentum=0.9,
+                         distributed_sampler=True, seed=0)
         self.nan_loss, self.inf_grad, self.drop, self.value = set(nan_loss), set(inf_grad), drop, value
         self.net[0].weight.register_hook(self._poison)
 
@@ -53,18 +56,12 @@ class Net(pl.LightningModule):
             loss = loss + float("nan")
         return loss
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-
-    def train_dataloader(self):
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(N_SAMPLES, 16, generator=gen)
+    def dataset(self):
+        x, y = self.data()
         if self.drop is not None:  # global batch k holds samples 16k..16k+15 (DistributedSampler, no shuffle)
             keep = [i for i in range(N_SAMPLES) if not 2 * BATCH * self.drop <= i < 2 * BATCH * (self.drop + 1)]
-            x = x[keep]
-        data = TensorDataset(x, x[:, :4].argmax(1))
-        # Lightning's own sampler always shuffles training data, by a permutation that depends on the length
-        return DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data, shuffle=False))
+            x, y = x[keep], y[keep]
+        return TensorDataset(x, y)
 
 
 class Drift(Callback):
@@ -82,11 +79,8 @@ class Drift(Callback):
 
 def _fit(strategy, model, callbacks=(), **kwargs):
     pl.seed_everything(0, verbose=False)
-    options = dict(accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                   use_distributed_sampler=False)
-    options.update(kwargs)
-    trainer = pl.Trainer(strategy=strategy, callbacks=list(callbacks), **options)
+    trainer = quiet_trainer(**{"devices": 2, "max_epochs": 1, "use_distributed_sampler": False, "strategy": strategy,
+                               "callbacks": list(callbacks), **kwargs})
     trainer.fit(model)
     return trainer, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
@@ -288,6 +282,3 @@ def test_other_strategies_get_a_clear_error(faults):
     for r in faults:
         assert "NaNRecovery needs RingDDPStrategy" in r["stock_ddp"] and "DDPStrategy" in r["stock_ddp"]
 
-
-def test_loss_scaler_is_exported():
-    assert issubclass(LossScaler, torch.amp.GradScaler)

@@ -55,17 +55,24 @@ def test_committed_without_outputs_and_with_a_parameters_cell(path):
     assert len(parameters) == 1 and "small_settings()" in parameters[0].source
 
 
-def test_the_kernel_runs_this_environments_python(tmp_path):
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import sys; print(sys.prefix)")])
-    _execute(nb, tmp_path)
-    assert nb.cells[0].outputs[0].text.strip() == sys.prefix
+@pytest.fixture(scope="module")
+def kernel_run(tmp_path_factory):
+    """One kernel serves both kernel tests: its Python, and a process it starts, to be gone once it is shut down."""
+    cells = ["import sys; print(sys.prefix)",
+             "import subprocess; child = subprocess.Popen(['sleep', '600']); print(child.pid)"]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in cells])
+    _execute(nb, tmp_path_factory.mktemp("kernel"))
+    return nb
 
 
-def test_processes_the_kernel_started_end_with_it(tmp_path):
-    source = "import subprocess; child = subprocess.Popen(['sleep', '600']); print(child.pid)"
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
-    _execute(nb, tmp_path)
-    pid = int(nb.cells[0].outputs[0].text)
+@pytest.mark.slow  # starts a kernel
+def test_the_kernel_runs_this_environments_python(kernel_run):
+    assert kernel_run.cells[0].outputs[0].text.strip() == sys.prefix
+
+
+@pytest.mark.slow  # starts a kernel
+def test_processes_the_kernel_started_end_with_it(kernel_run):
+    pid = int(kernel_run.cells[1].outputs[0].text)
     deadline = time.monotonic() + 10
     while not _gone(pid) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -1,8 +1,8 @@
-"""The communication worker and the overlapped hook: order, failures, thread lifetime, exposed time, drop-in.
+"""The overlapped hook on launched ranks: failures, thread lifetime, exposed time, drop-in.
 
-Three tiers: :class:`CommWorker` alone (no process group); DDP with the hook on 2 gloo ranks (no Lightning);
-and Lightning fits run in-process on 2 ranks (``launched_externally``: Lightning sees a launcher's
-variables and reuses the group, as under torchrun), many fits sharing one launched group.
+Two tiers: DDP with the hook on 2 gloo ranks (no Lightning); and Lightning fits run in-process on 2 ranks
+(``launched_externally``: Lightning sees a launcher's variables and reuses the group, as under torchrun), many
+fits sharing one launched group. :class:`CommWorker` alone is tests/test_comm_worker_pure.py.
 """
 
 import glob
@@ -17,124 +17,20 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_dist import DistMetricsCallback, RingDDPStrategy
+from lightning_dist import DistMetrics, RingDDPStrategy
 from lightning_dist.compression import Compressor
 from lightning_dist.profiling import AllThreadsProfiler
 from lightning_dist.strategy import RingHookState, ring_comm_hook
-from lightning_dist.strategy.comm_worker import THREAD_NAME, CommWorker, CommWorkerError
+from lightning_dist.strategy.comm_worker import THREAD_NAME, CommWorker
 from lightning_dist.strategy.exchange import StepExchange
-from lightning_dist.testing import launched_externally, run_ranks
+from lightning_dist.testing import ToyClassifier, launched_externally, quiet_trainer, run_ranks
+
+pytestmark = pytest.mark.slow  # every test launches ranks
 
 
 def _worker_threads():
     return [t.name for t in threading.enumerate() if t.name.startswith(THREAD_NAME)]
-
-
-# ---- CommWorker alone --------------------------------------------------------------------------------------
-
-def test_jobs_run_in_order_on_the_worker_thread():
-    worker = CommWorker("t").start()
-    seen = []
-
-    def job(i):
-        def run():
-            seen.append((i, threading.current_thread().name))
-            return torch.tensor([float(i)])
-        return run
-
-    futures = [worker.submit(job(i)) for i in range(20)]
-    assert [float(f.wait()) for f in futures] == [float(i) for i in range(20)]
-    assert [i for i, _ in seen] == list(range(20))
-    assert {name for _, name in seen} == {f"{THREAD_NAME}-t"}
-    assert worker.stop(5.0) and not worker.alive
-
-
-def test_a_job_that_returns_a_future_is_followed_until_it_completes():
-    worker = CommWorker().start()
-    later: torch.futures.Future = torch.futures.Future()
-    fut = worker.submit(lambda: later.then(lambda f: f.value() * 2))
-    time.sleep(0.05)
-    assert not fut.done()  # the worker went on; the result waits for the asynchronous part
-    later.set_result(torch.ones(2))
-    assert torch.equal(fut.wait(), torch.full((2,), 2.0))
-    assert worker.stop(5.0)
-
-
-def test_a_failing_job_fails_its_future_and_every_later_one_with_the_cause():
-    worker = CommWorker().start()
-    ok = worker.submit(lambda: torch.zeros(1))
-    bad = worker.submit(lambda: (_ for _ in ()).throw(ValueError("compressor exploded")), what="bucket 3")
-    after = worker.submit(lambda: torch.zeros(1), what="bucket 4")
-    ok.wait()
-    with pytest.raises(RuntimeError, match=r"(?s)bucket 3 failed .*ValueError: compressor exploded"):
-        bad.wait()
-    with pytest.raises(RuntimeError, match=r"(?s)bucket 4 was not sent: an earlier job failed.*compressor exploded"):
-        after.wait()
-    assert worker.failed
-    assert worker.stop(5.0)
-    with pytest.raises(RuntimeError, match="not running"):
-        worker.submit(lambda: torch.zeros(1))
-
-
-def test_an_asynchronous_part_that_fails_fails_the_job():
-    worker = CommWorker().start()
-    later: torch.futures.Future = torch.futures.Future()
-
-    def explode(f):
-        raise ConnectionError("peer went away")
-
-    fut = worker.submit(lambda: later.then(explode), what="bucket 0")
-    later.set_result(None)
-    with pytest.raises(RuntimeError, match="(?s)bucket 0 failed.*peer went away"):
-        fut.wait()
-    assert worker.failed and worker.stop(5.0)
-
-
-def test_here_if_idle_runs_on_the_caller_only_when_nothing_is_pending():
-    worker = CommWorker().start()
-    names = []
-
-    def job():
-        names.append(threading.current_thread().name)
-        return torch.zeros(1)
-
-    worker.submit(job, here_if_idle=True).wait()
-    assert names == [threading.current_thread().name]  # idle: ran right here
-    release = threading.Event()
-    blocking = worker.submit(lambda: release.wait(10) and torch.ones(1))
-    queued = worker.submit(job, here_if_idle=True)  # something is pending: queued behind it, order kept
-    assert not queued.done()
-    release.set()
-    blocking.wait(), queued.wait()
-    assert names[-1].startswith(THREAD_NAME)
-    deadline = time.monotonic() + 5  # the worker counts a job done just after completing its Future
-    while worker._pending and time.monotonic() < deadline:
-        time.sleep(0.001)
-    with pytest.raises(CommWorkerError, match="(?s)bucket 7 failed.*boom"):
-        worker.submit(lambda: (_ for _ in ()).throw(OSError("boom")), what="bucket 7", here_if_idle=True)
-    with pytest.raises(RuntimeError, match="(?s)was not sent: an earlier job failed.*boom"):
-        worker.submit(job, here_if_idle=False).wait()
-    assert worker.stop(5.0)
-
-
-def test_stop_gives_up_on_a_job_that_never_returns_and_a_start_failure_reaches_the_jobs():
-    release = threading.Event()
-    worker = CommWorker().start()
-    worker.submit(lambda: release.wait(10) and torch.zeros(1))
-    assert worker.stop(0.2) is False  # blocked, as in a collective whose peer stalled
-    release.set()
-    worker._thread.join(5)
-    assert not worker.alive
-
-    def no_device():
-        raise RuntimeError("no such CUDA device")
-
-    broken = CommWorker(on_start=no_device).start()
-    with pytest.raises(RuntimeError, match="(?s)failed to start.*no such CUDA device"):
-        broken.submit(lambda: torch.zeros(1)).wait()
-    assert broken.stop(5.0)
 
 
 # ---- the hook on DDP, 2 gloo ranks, no Lightning -----------------------------------------------------------
@@ -202,21 +98,11 @@ def test_a_failure_on_one_rank_fails_the_other_within_the_deadline():
 
 # ---- Lightning in-process on 2 ranks -----------------------------------------------------------------------
 
-class TinyModule(pl.LightningModule):
+class TinyModule(ToyClassifier):
+    """Three Linear layers: a bucket cap of 0.01 MB gives several buckets; 64 samples, 4 steps an epoch."""
+
     def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(12, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 2))
-
-    def training_step(self, batch, batch_idx):
-        return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def train_dataloader(self):
-        gen = torch.Generator().manual_seed(0)
-        data = TensorDataset(torch.randn(64, 12, generator=gen), torch.randint(0, 2, (64,), generator=gen))
-        return DataLoader(data, batch_size=8)
+        super().__init__(features=12, hidden=(64, 64), classes=2, samples=64, batch_size=8)
 
 
 class FlagRecorder(Compressor):
@@ -273,10 +159,8 @@ class Observer(Callback):
 
 
 def _trainer(strategy, callbacks=(), **kwargs):
-    options = dict(accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
-    options.update(kwargs)
-    return pl.Trainer(strategy=strategy, callbacks=list(callbacks), **options)
+    return quiet_trainer(**{"devices": 2, "max_epochs": 1, "log_every_n_steps": 1, "strategy": strategy,
+                            "callbacks": list(callbacks), **kwargs})
 
 
 def _in_process_fits(rank, world_size, trace_dir):
@@ -305,7 +189,7 @@ def _in_process_fits(rank, world_size, trace_dir):
         trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=RingDDPStrategy(timeout=30), barebones=True,
                              max_steps=3)
         trainer.fit(TinyModule())
-        out["barebones"] = (trainer.global_step, any(isinstance(c, DistMetricsCallback) for c in trainer.callbacks))
+        out["barebones"] = (trainer.global_step, any(isinstance(c, DistMetrics) for c in trainer.callbacks))
         observer = Observer()
         trainer = _trainer(RingDDPStrategy(timeout=30), [observer], max_steps=3, log_every_n_steps=0)
         trainer.fit(TinyModule())
@@ -415,6 +299,3 @@ def test_a_failing_compressor_fails_the_fit_on_every_rank_and_leaves_no_thread(f
         assert r["failed_fit_s"] < 30
         assert r["threads_after_failed_fit"] == []
 
-
-def test_worker_errors_are_runtime_errors():
-    assert issubclass(CommWorkerError, RuntimeError)

@@ -139,4 +139,4 @@ def test_step_exchange_layout_and_reading():
 
 def test_package_exports():
     assert lightning_dist.RingDDPStrategy is RingDDPStrategy
-    assert hasattr(lightning_dist, "DistMetricsCallback")
+    assert hasattr(lightning_dist, "DistMetrics")

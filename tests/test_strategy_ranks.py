@@ -27,7 +27,9 @@ from lightning_dist import RingDDPStrategy
 from lightning_dist.compression import Compressor
 from lightning_dist.strategy import RingHookState, features_of, ring_comm_hook
 from lightning_dist.strategy.comm_worker import CommWorker
-from lightning_dist.testing import run_ranks
+from lightning_dist.testing import ToyClassifier, quiet_trainer, run_ranks
+
+pytestmark = pytest.mark.slow  # every test launches ranks or a Lightning run
 
 # stock vs ring_ddp after a fit, for runs that take another path than the plain one (accumulation, manual
 # optimization, unused parameters); the plain runs are checked bit for bit
@@ -37,28 +39,12 @@ WEIGHT_TOLERANCE = 1e-6
 STEP_GRADIENT_TOLERANCE = 1e-5
 
 
-def _dataset():
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(128, 12, generator=gen)
-    y = (x[:, :3].sum(1) > 0).long()
-    return TensorDataset(x, y)
+class TinyModule(ToyClassifier):
+    """Linear-Tanh-Linear, 128 samples, 8 steps an epoch on 2 ranks, SGD with momentum."""
 
-
-class TinyModule(pl.LightningModule):
     def __init__(self, unused_branch: bool = False):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 2))
+        super().__init__(features=12, hidden=(32,), classes=2, samples=128, batch_size=8, momentum=0.9)
         self.unused = nn.Linear(12, 2) if unused_branch else None  # never gets a gradient
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-
-    def train_dataloader(self):
-        return DataLoader(_dataset(), batch_size=8)
 
 
 class ManualModule(TinyModule):
@@ -77,15 +63,18 @@ class ManualModule(TinyModule):
             opt.zero_grad()
 
 
-class AttentionModule(TinyModule):
+class AttentionModule(pl.LightningModule):
     """Lightning's demo transformer (embedding, attention, dropout), small: PyTorch's CPU backward of it is not
     exactly homogeneous under a power-of-two scale at these sizes, so weighting the loss gradient by the share
     (ring_ddp) and weighting the summed gradient (stock DDP) differ in the last bits (embedding.weight and the
     attention's in_proj_weight, ~1e-11 absolute)."""
 
     def __init__(self, unused_branch: bool = False):
-        pl.LightningModule.__init__(self)
+        super().__init__()
         self.net = Transformer(vocab_size=500, ninp=200, nhead=2, nhid=200, nlayers=2, dropout=0.2)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
     @staticmethod
     def loss(net, batch):
@@ -182,12 +171,8 @@ def _fit(tmp_path, name, strategy, unused_branch=False, logger=False, extra_call
     pl.seed_everything(0)
     model = module(unused_branch)
     path = str(tmp_path / f"{name}.json")
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=logger, log_every_n_steps=1,
-        accumulate_grad_batches=accumulate,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[ParamChecksum(path), *extra_callbacks],
-    )
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_epochs=2, logger=logger, log_every_n_steps=1,
+                            accumulate_grad_batches=accumulate, callbacks=[ParamChecksum(path), *extra_callbacks])
     trainer.fit(model)
     with open(path) as fh:
         report = json.load(fh)
@@ -383,33 +368,18 @@ import sys
 sys.ps1 = ">>> "  # what Lightning looks at to decide it runs in Jupyter or a REPL
 import torch, lightning.pytorch as pl
 import lightning_dist
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
-class M(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.l = nn.Linear(4, 2)
-    def training_step(self, b, i):
-        return nn.functional.cross_entropy(self.l(b[0]), b[1])
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        return DataLoader(TensorDataset(torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g)),
-                          batch_size=4)
+from lightning_dist.testing import ToyClassifier, quiet_trainer
 
 try:
     pl.Trainer(strategy="ring_ddp", accelerator="cpu", devices=2, logger=False)
     print("popen accepted")
 except Exception as err:
     print("popen refused:", type(err).__name__)
-model = M()
-before = model.l.weight.detach().clone()
-trainer = pl.Trainer(strategy="ring_ddp_notebook", accelerator="cpu", devices=2, max_steps=3, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+model = ToyClassifier(features=4, hidden=(), classes=2, samples=32, batch_size=4)
+before = model.net[0].weight.detach().clone()
+trainer = quiet_trainer(strategy="ring_ddp_notebook", devices=2, max_steps=3)
 trainer.fit(model)
-print("trained:", not torch.equal(before, model.l.weight))
+print("trained:", not torch.equal(before, model.net[0].weight))
 """
 
 

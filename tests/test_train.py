@@ -94,6 +94,7 @@ def test_limit_batches_keep_their_int_or_float_meaning():
     assert cfg.trainer.limit_val_batches == 0.5
 
 
+@pytest.mark.slow  # a subprocess of the command
 def test_cli_rejects_a_typo_before_starting_any_rank(tmp_path):
     proc = subprocess.run(CLI + ["trainer.max_epoch=3", f"hydra.run.dir={tmp_path}"],
                           capture_output=True, text=True, timeout=120)
@@ -119,6 +120,7 @@ def short_run(tmp_path_factory):
     return out, first, second
 
 
+@pytest.mark.slow  # the command on 2 ranks, and a resume
 def test_end_to_end_run_writes_summary_and_metrics(short_run):
     out, first, _ = short_run
     summary = json.loads((out / "first" / "summary.json").read_text())
@@ -133,6 +135,7 @@ def test_end_to_end_run_writes_summary_and_metrics(short_run):
     assert "lightning_dist.perf applied" in log and "TORCH_DISTRIBUTED_DEBUG" in log  # the pre-flight check
 
 
+@pytest.mark.slow  # the command on 2 ranks, and a resume
 def test_checkpoint_holds_plain_types_and_resume_continues(short_run):
     out, _, second = short_run
     ckpt = torch.load(out / "first" / "checkpoints" / "last.ckpt", weights_only=True)  # no DictConfig inside
@@ -141,6 +144,7 @@ def test_checkpoint_holds_plain_types_and_resume_continues(short_run):
     assert summary["global_step"] == 12 and summary["epochs"] == 2  # resumed after epoch 1 at step 6
 
 
+@pytest.mark.slow  # a wheel build
 def test_configs_ship_inside_the_wheel(tmp_path):
     wheel_dir, site = tmp_path / "wheel", tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
@@ -164,6 +168,7 @@ def test_configs_ship_inside_the_wheel(tmp_path):
     assert algorithm == "ring" and "dist_metrics" in callbacks
 
 
+@pytest.mark.slow  # the command's default job, 10 epochs on 2 ranks
 def test_the_default_job_reaches_97_percent(tmp_path):
     # the README's main job, unchanged but for the output directory and a quiet progress bar
     proc = subprocess.run(CLI + [f"hydra.run.dir={tmp_path}", "trainer.enable_progress_bar=false"],
@@ -174,6 +179,7 @@ def test_the_default_job_reaches_97_percent(tmp_path):
     assert summary["epochs"] == 10 and summary["world_size"] == 2
 
 
+@pytest.mark.slow  # two runs of the command
 def test_multirun_runs_each_job(tmp_path):
     proc = subprocess.run(CLI + ["-m", "strategy.algorithm=ring,native", "trainer.max_epochs=1",
                                  "trainer.limit_train_batches=3", "trainer.limit_val_batches=1",
@@ -184,6 +190,7 @@ def test_multirun_runs_each_job(tmp_path):
     assert algorithms == ["ring", "native"]
 
 
+@pytest.mark.slow  # the command on 2 ranks
 @pytest.mark.parametrize("start_method", ["popen", "spawn"])
 def test_other_launchers_run_the_command(tmp_path, start_method):
     # popen re-runs the command per rank (Lightning passes Hydra the run directory); spawn pickles the job
@@ -226,6 +233,7 @@ def test_the_compression_group_builds_the_strategys_compressor(tmp_path):
         build(_compose("strategy=ddp", "compression=int8"), str(tmp_path), 0.0)
 
 
+@pytest.mark.slow  # a subprocess of the command
 def test_cli_rejects_a_bad_compressor_argument_before_starting_any_rank(tmp_path):
     proc = subprocess.run(CLI + ["compression=topk", "compression.ratio=0", f"hydra.run.dir={tmp_path}"],
                           capture_output=True, text=True, timeout=120)

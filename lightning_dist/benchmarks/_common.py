@@ -35,6 +35,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_dist.strategy import features_of
+from lightning_dist.testing import quiet_trainer
 
 RESULTS_ROOT = Path("bench_results")
 WORLD_SIZE = 2  # CPU ranks of the benchmarks that train in processes of this machine (not cluster's hosts)
@@ -152,14 +153,6 @@ class StepRecorder(Callback):
                 "first": self.first, "last": self.probe(trainer) if self.probe is not None else {}}
 
 
-def quiet_trainer(**kwargs: Any) -> L.Trainer:
-    """A CPU Trainer without logger, checkpointing, progress bar, model summary or sanity validation: the
-    benchmark measures training, and its output is its own; ``kwargs`` add to or override these."""
-    settings = {"accelerator": "cpu", "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
-                "enable_model_summary": False, "num_sanity_val_steps": 0}
-    return L.Trainer(**{**settings, **kwargs})
-
-
 def timed_fit(workload: Any, strategy: Any, steps: int, warmup: int, seed: int, callbacks: Sequence[Callback] = (),
               probe: Optional[Callable[[L.Trainer], dict]] = None
               ) -> tuple[dict[str, Any], dict[str, Any], L.LightningModule]:
@@ -191,9 +184,10 @@ def parser(name: str, doc: str, quick: str, seed: Optional[str] = None) -> argpa
     ``--seed`` (default 0)."""
     cli = argparse.ArgumentParser(prog=f"python -m lightning_dist.benchmarks.{name}", description=doc.split("\n\n")[0])
     cli.add_argument("--out", default=None, help=f"output directory (default bench_results/{name}/)")
-    cli.add_argument("--quick", action="store_true", help=f"smoke run: {quick}")
+    # argparse %-formats help strings: a literal % (a compressor label such as "topk1%") is escaped here, once
+    cli.add_argument("--quick", action="store_true", help=f"smoke run: {quick}".replace("%", "%%"))
     if seed is not None:
-        cli.add_argument("--seed", type=int, default=0, help=f"{seed} (default 0)")
+        cli.add_argument("--seed", type=int, default=0, help=f"{seed} (default 0)".replace("%", "%%"))
     return cli
 
 
@@ -215,7 +209,8 @@ def environment(benchmark: str, **fields: Any) -> dict[str, Any]:
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "host": platform.node(),
-        "platform": platform.platform(),
+        # platform.platform() would run `uname -p` in a subprocess; these three read os.uname()
+        "platform": f"{platform.system()}-{platform.release()}-{platform.machine()}",
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu_count": os.cpu_count(),

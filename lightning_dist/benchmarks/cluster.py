@@ -82,6 +82,7 @@ from lightning_dist.compression import build_compressor
 from lightning_dist.examples import SyntheticDataModule, WideMLP
 from lightning_dist.simcluster import link_bytes_sent, unavailable
 from lightning_dist.strategy import RingDDPStrategy
+from lightning_dist.testing import quiet_trainer
 
 DEFAULT_HOSTS = (2, 3)
 DEFAULT_STEPS, DEFAULT_WARMUP = 30, 5
@@ -108,7 +109,7 @@ def _train_worker(args: argparse.Namespace) -> None:
                                bucket_cap_mb=BUCKET_CAP_MB, timeout=args.collective_timeout, topology=args.topology)
     # rank 0 writes its stamps, the model's size and what had left its host by its second step and at the end
     recorder = bench.StepRecorder(args.out, probe=lambda trainer: {"params": params, "link_sent": link_bytes_sent()})
-    trainer = bench.quiet_trainer(devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), num_nodes=args.nodes,
+    trainer = quiet_trainer(devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), num_nodes=args.nodes,
                                   strategy=strategy, max_steps=args.steps, limit_val_batches=0, callbacks=[recorder])
     trainer.fit(model, SyntheticDataModule(batch_size=BATCH_SIZE))
 
@@ -128,7 +129,7 @@ def _advise_worker(args: argparse.Namespace) -> None:
                           rounds=args.advise_rounds, timeout_s=args.collective_timeout)
     strategy = RingDDPStrategy(algorithm="auto", bucket_cap_mb=BUCKET_CAP_MB, timeout=args.collective_timeout)
     callback = Advisor(advise_candidates(args.configs), settings, args.out)
-    trainer = bench.quiet_trainer(devices=1, num_nodes=args.nodes, strategy=strategy, limit_val_batches=0,
+    trainer = quiet_trainer(devices=1, num_nodes=args.nodes, strategy=strategy, limit_val_batches=0,
                                   max_steps=ADVISE_WARMUP + args.advise_steps, callbacks=[callback])
     trainer.fit(WideMLP(width=MLP_WIDTH, depth=MLP_DEPTH), SyntheticDataModule(batch_size=BATCH_SIZE))
 
@@ -276,7 +277,7 @@ def plot(records: Sequence[dict[str, Any]], busbw: Sequence[dict[str, Any]]) -> 
 
 
 def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    cli = bench.parser("cluster", __doc__, f"2 hosts, 100 Mbit/s, dense and topk1%%, {QUICK_STEPS} steps, "
+    cli = bench.parser("cluster", __doc__, f"2 hosts, 100 Mbit/s, dense and topk1%, {QUICK_STEPS} steps, "
                                            f"{QUICK_ITERATIONS} iterations")
     cli.add_argument("--hosts", type=int, nargs="+", default=None, help="host counts (default 2 3)")
     cli.add_argument("--rates", type=float, nargs="+", default=None, help="link rates, Mbit/s (default 100 1000)")

@@ -56,7 +56,7 @@ from lightning_dist.comm import ring_bytes_sent
 from lightning_dist.compression import build_compressor
 from lightning_dist.examples import WideMLP
 from lightning_dist.strategy import features_of
-from lightning_dist.testing import RanksFailed, launched_externally, run_ranks
+from lightning_dist.testing import RanksFailed, launched_externally, quiet_trainer, run_ranks
 
 # What this benchmark measured on digits (the docs' table of it: 2 ranks, 22 k-parameter CNN, Adam, 8 epochs, mean of
 # 3 seeds), as validation accuracy against dense, in points: (compressor, the settings it was measured at, points,
@@ -285,7 +285,7 @@ def _fit(rank: int, world_size: int, job_name: str, label: str, seed: int, quick
         else:
             limits = {"max_steps": QUICK_MLP_STEPS if quick else (steps or job.steps)}
         recorder = bench.StepRecorder()
-        trainer = bench.quiet_trainer(devices=world_size, strategy=strategy, callbacks=[recorder], **limits)
+        trainer = quiet_trainer(devices=world_size, strategy=strategy, callbacks=[recorder], **limits)
         started = time.perf_counter()
         trainer.fit(model, data)
         fit_s = time.perf_counter() - started

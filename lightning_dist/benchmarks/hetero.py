@@ -31,7 +31,7 @@ from lightning_dist.benchmarks import _common as bench
 from lightning_dist.benchmarks.workloads import make_strategy
 from lightning_dist.examples import DigitsCNN, DigitsDataModule
 from lightning_dist.hetero import HeteroBatching
-from lightning_dist.testing import RanksFailed, Slowdown, launched_externally, run_ranks
+from lightning_dist.testing import RanksFailed, Slowdown, launched_externally, quiet_trainer, run_ranks
 
 SCENARIOS = {"2 ranks 1/0.5": (1.0, 0.5), "3 ranks 1/1/0.33": (1.0, 1.0, 0.33)}
 GATED = "2 ranks 1/0.5"
@@ -49,7 +49,7 @@ def _run(rank: int, world_size: int, speeds: Sequence[float], mode: str, epochs:
         L.seed_everything(seed, verbose=False)
         model, data = DigitsCNN(channels=128, hidden=256), DigitsDataModule(batch_size=BATCH, seed=seed)
         strategy = make_strategy("auto", start_method="popen", hetero=hetero)
-        trainer = bench.quiet_trainer(devices=world_size, strategy=strategy, max_epochs=epochs,
+        trainer = quiet_trainer(devices=world_size, strategy=strategy, max_epochs=epochs,
                                       check_val_every_n_epoch=epochs, log_every_n_steps=1, callbacks=[recorder, slow])
         trainer.fit(model, datamodule=data)  # validates once, after the last epoch
         accuracy = float(trainer.callback_metrics["val/acc"])

@@ -33,7 +33,7 @@ from lightning_dist.callbacks.memory_monitor import MemoryMonitor
 from lightning_dist.compression import build_compressor
 from lightning_dist.memory import readers
 from lightning_dist.strategy import RingDDPStrategy
-from lightning_dist.testing import launched_externally, run_ranks
+from lightning_dist.testing import launched_externally, quiet_trainer, run_ranks
 
 MiB = 2**20
 TARGET_ERROR = 0.30  # the estimate within 30% of the measured RSS increase ...
@@ -102,7 +102,7 @@ def _estimate_ranks(rank: int, world_size: int, names: Sequence[str], steps: int
             started = time.perf_counter()
             model = config.model()
             tracker, monitor = PeakTracker(), MemoryMonitor(every_n_steps=1)
-            trainer = bench.quiet_trainer(devices=world_size, strategy=config.strategy(), max_steps=steps,
+            trainer = quiet_trainer(devices=world_size, strategy=config.strategy(), max_steps=steps,
                                           use_distributed_sampler=False, callbacks=[tracker, monitor])
             trainer.fit(model)
             peak = max(tracker.peak, readers.host_rss_peak())

@@ -37,8 +37,8 @@ from lightning_dist.comm._common import (
 from lightning_dist.comm.stats import CommStats
 
 # Segment size for the pipeline. Smaller segments overlap more, but each costs main-thread CPU plus a hand-off
-# from gloo's I/O thread (a scheduler slice when cores are busy). The allreduce benchmark's segment sweep
-# (`--segment-sweep`, README) chose 4 MiB.
+# from gloo's I/O thread (a scheduler slice when cores are busy). The value is the allreduce benchmark's segment
+# sweep's choice (`python -m lightning_dist.benchmarks.allreduce --segment-sweep`; results in the docs' benchmarks).
 DEFAULT_SEGMENT_BYTES = 4 << 20
 
 
@@ -109,9 +109,9 @@ def _pipelined_ring(flat: torch.Tensor, view: GroupView, segment: int) -> tuple[
 
     # The receives of steps 0 and 1 are posted before anything is sent. A gloo send waits for the receiver's
     # "ready" notice, and that notice travels in-band behind whatever data the receiver has already queued on
-    # the same connection: at N = 2 (left == right, one TCP connection) a receive posted after our own 8 MiB
-    # send lets the peer start sending only once those 8 MiB are on the wire, and the two directions take
-    # turns instead of running at once (1.5x the time on a 100 Mbit/s link; the cluster benchmark).
+    # the same connection: at N = 2 (left == right, one TCP connection) a receive posted after our own large
+    # send lets the peer start sending only once all of it is on the wire, and the two directions take turns
+    # instead of running at once (what that costs on a slow link: the cluster benchmark, in the docs).
     pending, upcoming = post_receives(0), post_receives(1)  # steps >= 2: this runs on 2 ranks or more
     sends: list[dist.Work] = []
     sent = received = 0

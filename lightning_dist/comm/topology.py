@@ -1,4 +1,4 @@
-"""Which ranks share a host, and the groups a two-tier reduction runs in (issue 24; pure logic, no process group).
+"""Which ranks share a host, and the groups a two-tier reduction runs in (pure logic, no process group).
 
 A cluster is two-tier when several ranks share a host (fast local links) and hosts are joined by a slower network.
 The hosts are the launcher's nodes: every rank knows its own node rank (torchrun's ``GROUP_RANK``, SLURM's
