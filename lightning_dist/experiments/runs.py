@@ -46,7 +46,7 @@ from lightning_dist.experiments.records import (
 )
 from lightning_dist.perf import PerfConfig
 from lightning_dist.strategy import RingDDPStrategy
-from lightning_dist.testing import Slowdown
+from lightning_dist.testing import Slowdown, quiet_trainer
 from lightning_dist.train import ApplyPerfCallback, RunSummaryCallback, run
 
 SMALL_ENV = "LIGHTNING_DIST_NB_SMALL"  # "1": the notebooks' small settings (what the test suite runs)
@@ -203,11 +203,10 @@ def fit_digits(
     config = {"name": name, "devices": devices, "epochs": epochs, "batch_size": batch_size,
               "limit_train_batches": limit_train_batches, "seed": seed, "model": model or {},
               "slowdown": slowdown or {}, "strategy": {k: repr(v) for k, v in strategy_kwargs.items()}}
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_epochs=epochs,
-        limit_train_batches=limit_train_batches, log_every_n_steps=log_every_n_steps, logger=logger,
-        callbacks=[*extra, summary_callback(save_dir, config)], enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=save_dir,
+    trainer = quiet_trainer(
+        devices=devices, strategy=strategy, max_epochs=epochs, limit_train_batches=limit_train_batches,
+        log_every_n_steps=log_every_n_steps, logger=logger, callbacks=[*extra, summary_callback(save_dir, config)],
+        default_root_dir=save_dir,
     )
     started = time.perf_counter()
     trainer.fit(DigitsCNN(**(model or {})), DigitsDataModule(batch_size=batch_size, seed=seed))
