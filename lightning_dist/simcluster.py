@@ -20,6 +20,7 @@ raised. Only the namespaces' own private addresses are used: no traffic leaves t
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -28,7 +29,7 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-_COUNTER = [0]
+_COUNTER = itertools.count(1)  # next() is atomic: clusters made on several threads at once get distinct names
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -78,15 +79,15 @@ class SimCluster:
     def __init__(self, hosts: int, rate_mbit: float = 1000.0, delay_ms: float = 0.25, queue_ms: float = 100.0) -> None:
         if hosts < 1:
             raise ValueError(f"hosts={hosts} must be >= 1")
-        _COUNTER[0] += 1
-        tag = f"{os.getpid() % 100000:05d}{_COUNTER[0] % 100:02d}"  # fixed widths: two tags never read alike
+        count = next(_COUNTER)
+        tag = f"{os.getpid() % 100000:05d}{count % 100:02d}"  # fixed widths: two tags never read alike
         # queue_ms: how long a packet may wait in tbf's queue before it is dropped (its "latency"). The ring and
         # native all-reduce reach the line rate with 100 ms and with 500 ms alike (2 hosts, 100 Mbit/s)
         self.hosts, self.rate_mbit, self.delay_ms, self.queue_ms = hosts, rate_mbit, delay_ms, queue_ms
         self.bridge = f"ldb{tag}"[:15]
         self.namespaces = [f"ld{tag}h{i}" for i in range(hosts)]
         self.links = [f"ld{tag}v{i}"[:15] for i in range(hosts)]
-        self.subnet = 10 + (os.getpid() + _COUNTER[0]) % 200
+        self.subnet = 10 + (os.getpid() + count) % 200
         self.addresses = [f"10.77.{self.subnet}.{i + 1}" for i in range(hosts)]
         self._procs: list[subprocess.Popen] = []
         # what this cluster made, and so may remove: a name that clashed with another cluster's is never its own
@@ -237,3 +238,4 @@ class SimCluster:
             except subprocess.TimeoutExpired:
                 codes.append(None)
         return codes
+

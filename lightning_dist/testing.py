@@ -26,6 +26,7 @@ import threading
 import time
 import traceback
 import uuid
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -44,6 +45,7 @@ from lightning_dist.strategy.features import features_of
 _KEPT_GROUPS: list = []  # see _child: process groups a rank holds until it exits
 _GRACE_S = 3.0  # after a rank fails, how long the others get to report before they are killed
 JOB_VAR = "LIGHTNING_DIST_TEST_JOB"  # set for each launched job: its processes are found by it
+SIDE_BY_SIDE_VAR = "LIGHTNING_DIST_SIDE_BY_SIDE"  # every process started under side_by_side inherits it
 
 
 class RanksFailed(RuntimeError):
@@ -193,25 +195,67 @@ def launched_externally(rank: int, world_size: int, hosts: int = 1) -> Iterator[
 
 
 # -- a launched job and every process it starts ------------------------------------------------------------------
-def job_processes(job: str) -> dict[int, psutil.Process]:
-    """The live (not zombie) processes of the job started with ``JOB_VAR=job``: every process the job starts
-    inherits the variable (torchrun starts its workers in sessions of their own, so neither the job's process
-    group nor its session finds them all)."""
+def job_processes(job: str, var: str = JOB_VAR) -> dict[int, psutil.Process]:
+    """The live (not zombie) processes of the job started with ``var=job`` (``JOB_VAR`` unless said): every
+    process the job starts inherits the variable (torchrun starts its workers in sessions of their own, so neither
+    the job's process group nor its session finds them all)."""
     found = {}
     for proc in psutil.process_iter():
         try:
-            if proc.environ().get(JOB_VAR) == job and proc.status() != psutil.STATUS_ZOMBIE:
+            if proc.environ().get(var) == job and proc.status() != psutil.STATUS_ZOMBIE:
                 found[proc.pid] = proc
         except psutil.Error:
             continue
     return found
 
 
-def kill_job(job: str) -> None:
-    """SIGKILL every live process of the job."""
-    for pid in job_processes(job):
+def kill_job(job: str, var: str = JOB_VAR) -> None:
+    """SIGKILL every live process of the job (found by ``var``, as :func:`job_processes`)."""
+    for pid in job_processes(job, var):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
+
+
+def side_by_side(*calls: Callable[[], Any], lanes: int = 2, settle_s: float = 120.0) -> list[Any]:
+    """Run ``calls`` (each launches jobs and waits for them) on ``lanes`` threads, taken in the order given; their
+    results in that order. For tests: a launched job spends much of its time in one process's imports or in waiting
+    (a watchdog's timeout, a rendezvous, a shaped link), so a second job beside it uses the core the first leaves
+    idle; put the longest calls first.
+
+    Every process that any call starts inherits :data:`SIDE_BY_SIDE_VAR` (it is set in this process's environment
+    until every call has returned; a call that passes its children an environment must start from
+    ``os.environ``, as :class:`~lightning_dist.simcluster.SimCluster` and :func:`watch_job` do). When a call raises, or
+    the caller is interrupted (pytest-timeout, Ctrl-C), the calls not started are dropped and every such process is
+    killed, again and again until every running call has returned (what a call starts after the first kill dies
+    too; each call's own clean-up, such as leaving a :class:`SimCluster`, runs as it returns, within
+    ``settle_s``); then the first exception is raised."""
+    token = uuid.uuid4().hex
+    before = os.environ.get(SIDE_BY_SIDE_VAR)
+    os.environ[SIDE_BY_SIDE_VAR] = token
+    pool = ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="side_by_side")
+    try:
+        futures = [pool.submit(call) for call in calls]
+        try:
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for future in done:
+                future.result()  # the first failure, as soon as there is one
+            return [future.result() for future in futures]
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            deadline = time.monotonic() + settle_s
+            while time.monotonic() < deadline:
+                kill_job(token, SIDE_BY_SIDE_VAR)
+                if all(future.done() for future in futures):
+                    break
+                time.sleep(0.2)
+            raise
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        if before is None:
+            os.environ.pop(SIDE_BY_SIDE_VAR, None)
+        else:
+            os.environ[SIDE_BY_SIDE_VAR] = before
 
 
 @dataclass

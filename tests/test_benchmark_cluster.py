@@ -115,8 +115,11 @@ def test_quick_run_on_a_simulated_cluster(tmp_path):
     reason = simcluster.unavailable()
     if reason is not None:
         pytest.skip(reason)
-    # a run's own deadline well inside pytest's: a hung run is a FAILED record with its log's tail, not a timeout
-    payload = cluster.main(["--quick", "--run-timeout", "150", "--out", str(tmp_path)])
+    # a run's own deadline well inside pytest's: a hung run is a FAILED record with its log's tail, not a timeout.
+    # Fewer steps and rounds than --quick's own: 3 timed steps of each configuration after 2 of warm-up (a dense step
+    # is ~1.7 s on the 100 Mbit/s link), one timed all-reduce per algorithm, advise on 2 dense steps and 1 round
+    payload = cluster.main(["--quick", "--steps", "5", "--warmup", "2", "--iterations", "1", "--advise-steps", "2",
+                            "--advise-rounds", "1", "--run-timeout", "150", "--out", str(tmp_path)])
     for name in ("cluster.json", "cluster.txt", "cluster.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert json.loads((tmp_path / "cluster.json").read_text())["records"] == payload["records"]

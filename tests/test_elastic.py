@@ -1,9 +1,13 @@
-"""Elastic training on the simulated cluster: 3 hosts under ``torchrun --nnodes 2:3`` with a c10d rendezvous on host
-0 (which no fault touches: it holds the rendezvous). A host killed and later back, a host's link cut: the survivors
+"""Elastic training on the simulated cluster: 3 hosts under ``torchrun --nnodes 2:3`` with a c10d rendezvous on host 0
+(which no fault touches: it holds the rendezvous). A host killed and later back, a host's link cut: the survivors
 go on, every global batch is the uninterrupted run's, each sample is applied once per epoch, the accuracy and the
 loss curve are the uninterrupted run's, no worker is left behind, and recovery is within its bound
 (:func:`lightning_dist.benchmarks.elastic.judge`). Under PowerSGD (per-rank and shared state), a restart without a
-host trains on and says once what was lost. Skipped, with the reason, where namespaces cannot be made."""
+host trains on and says once what was lost. Skipped, with the reason, where namespaces cannot be made.
+
+The four jobs (the uninterrupted reference, on one host, and three with faults) run two at a time
+(:func:`side_by_side`): a job spends much of its time starting processes on one core, or waiting for a rendezvous
+or a watchdog."""
 
 from __future__ import annotations
 
@@ -11,38 +15,60 @@ import pytest
 
 from lightning_dist.benchmarks.elastic import Trial, judge, run_trial
 from lightning_dist.simcluster import unavailable
+from lightning_dist.testing import side_by_side
 
 REASON = unavailable()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
-DEADLINE_S = 200  # a job that hangs is ended, and judged, well before pytest-timeout's 300 s
+# the fixture runs every job: two lanes of two jobs, each ended at its own deadline, and their clean-up
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.timeout(600)]
+DEADLINE_S = 240  # a job that hangs is ended, and judged: two in a lane end well before the module's timeout
+# 2 epochs of 15 global batches: the kill and the return land in the first, the cut too, so that the survivors of
+# each cross an epoch's start at the new size (the benchmark runs 3)
+EPOCHS = 2
+# taken in this order by the two lanes: the reference (short) first beside the kill, so that the cut strikes after it
+TRIALS = {
+    "kill_and_back": Trial("kill", host=2, position=5, rejoin_at=7, epochs=EPOCHS),
+    # on one host: its global batches, their samples and its losses are the 3-host run's (the global batch is fixed,
+    # only its split follows the world), so the trials at 3 and 2 hosts are judged against another world size too
+    "reference": Trial(epochs=EPOCHS, hosts=1),
+    "cut": Trial("cut", host=1, position=12, epochs=EPOCHS),
+    # PowerSGD holds both kinds of state (per-rank residuals, shared factors); every stateful compressor's state
+    # mapping by identity is tests/test_elastic_pure.py's, without a cluster
+    "powersgd": Trial("kill", host=1, position=5, compression="powersgd", epochs=1),
+}
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    record = run_trial(Trial(), tmp_path_factory.mktemp("reference"), DEADLINE_S)
+def runs(tmp_path_factory):
+    """name -> (record, run directory) of every job in :data:`TRIALS`."""
+    dirs = {name: tmp_path_factory.mktemp(name) for name in TRIALS}
+    records = side_by_side(*(lambda name=name: run_trial(TRIALS[name], dirs[name], DEADLINE_S) for name in TRIALS))
+    return {name: (record, dirs[name]) for name, record in zip(TRIALS, records)}
+
+
+@pytest.fixture(scope="module")
+def reference(runs):
+    record, _ = runs["reference"]
     assert judge(record, None) == [], record
     return record
 
 
-def test_a_host_killed_then_back_costs_no_sample(reference, tmp_path):
-    record = run_trial(Trial("kill", host=2, position=5, rejoin_at=7), tmp_path, DEADLINE_S)
+def test_a_host_killed_then_back_costs_no_sample(runs, reference):
+    record, out = runs["kill_and_back"]
     assert judge(record, reference) == []
     assert [a["world_size"] for a in record["attempts"]] == [3, 2, 3]
     rejoined = [a for a in record["attempts"] if a["first_done"] > record["rejoined"]]
     assert rejoined and rejoined[0]["first_done"] - record["rejoined"] < 60  # a join costs no more than a restart
-    assert record["resumed_from"][-1].startswith(str(tmp_path / "checkpoints" / "preempted-step="))  # the agreed stop
+    assert record["resumed_from"][-1].startswith(str(out / "checkpoints" / "preempted-step="))  # the agreed stop
 
 
-def test_a_host_cut_off_costs_no_sample(reference, tmp_path):
-    record = run_trial(Trial("cut", host=1, position=25), tmp_path, DEADLINE_S)
+def test_a_host_cut_off_costs_no_sample(runs, reference):
+    record, _ = runs["cut"]
     assert judge(record, reference) == []
     assert [a["world_size"] for a in record["attempts"]] == [3, 2]
 
 
-def test_a_stateful_compressor_trains_on_and_warns_once(tmp_path):
-    # PowerSGD holds both kinds of state (per-rank residuals, shared factors); every stateful compressor's state
-    # mapping by identity is tests/test_elastic_pure.py's, without a cluster
-    record = run_trial(Trial("kill", host=1, position=5, compression="powersgd", epochs=1), tmp_path, DEADLINE_S)
+def test_a_stateful_compressor_trains_on_and_warns_once(runs):
+    record, _ = runs["powersgd"]
     assert judge(record, None) == []
     assert record["warnings"] == 1  # one warning, on rank 0, naming what the lost host held
     losses = [step.loss for step in record["ledger"].values()]

@@ -10,6 +10,11 @@ What each launcher does with each fault on rank 1 at step 5 (the README's table;
 - stalls: the watchdog ends both ranks after ``timeout_s``, each with an emergency checkpoint, exit 124 (under
   popen rank 1 may first see its launcher, rank 0, gone);
 - SIGTERM on every rank: every rank agrees at the next step, saves ``preempted-step=N.ckpt``, exits 0.
+
+The fork launcher's row runs on 3 ranks (every rank saves, not just two); the faults benchmark's quick run
+(``lightning_dist.benchmarks.faults``: a raise, a SIGKILL of rank 0 and a stall on 2 fork ranks, each resumed) is
+tested here too, because its jobs and this module's run two at a time (:func:`side_by_side`): most of a job's time
+is one process's start-up or a wait, which leaves the second core idle.
 """
 
 from __future__ import annotations
@@ -32,11 +37,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dist import FaultTolerance, RingDDPStrategy
+from lightning_dist.benchmarks import faults
 from lightning_dist.fault.checkpoint import find_checkpoints, verify
 from lightning_dist.hetero import HeteroBatching
-from lightning_dist.testing import JOB_VAR, job_processes, kill_job, launched_externally, run_ranks
+from lightning_dist.testing import JOB_VAR, job_processes, kill_job, launched_externally, run_ranks, side_by_side
 
-pytestmark = pytest.mark.slow
+# the fixture runs every faulty job, two at a time, each under its own deadline, in the setup of the first test
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 CLI = [sys.executable, "-m", "lightning_dist.train"]
 FT = ["callbacks=[checkpoint,fault_tolerance]", "callbacks.fault_tolerance.timeout_s=8",
       "callbacks.fault_tolerance.poll_s=1", "trainer.enable_progress_bar=false"]
@@ -98,60 +105,67 @@ def _summary(run: Run) -> dict:
     return json.loads((run.out / "summary.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every faulty job once (about two minutes on 2 cores); the tests below read them."""
-    tmp = tmp_path_factory.mktemp("faults")
-    got = {}
-    got["raise"] = _launch(tmp / "raise", *_inject("raise"))
-    got["raise3"] = _launch(tmp / "raise3", "trainer.devices=3", *_inject("raise"))
-    got["kill"] = _launch(tmp / "kill", *_inject("kill"))
-    got["stall"] = _launch(tmp / "stall", *_inject("stall"))
-    got["sigterm"] = _launch(tmp / "sigterm", *_inject("signal", rank=0, name="sig0"),
-                             *_inject("signal", rank=1, name="sig1"), start_method="popen")
-    for start_method in ("popen", "spawn"):
-        got[f"raise_{start_method}"] = _launch(tmp / f"raise_{start_method}", *_inject("raise"),
-                                               start_method=start_method)
-    # resume=auto after the fork job's fault, with the newest emergency checkpoint corrupted on disk
-    shutil.copytree(tmp / "raise", tmp / "resumed")
+def _corrupt_copy_resumed(tmp: Path, source: str) -> Run:
+    """resume=auto after ``source``'s fault, with the newest emergency checkpoint corrupted on disk."""
+    shutil.copytree(tmp / source, tmp / "resumed")
     victim = tmp / "resumed" / "checkpoints" / "emergency" / "emergency-rank0-step=5.ckpt"
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
-    got["resumed"] = _launch(tmp / "resumed", "resume=auto")
+    return _launch(tmp / "resumed", "resume=auto")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every faulty job once, two at a time (90 s to 3 min on 2 shared cores); the tests below read them."""
+    tmp = tmp_path_factory.mktemp("faults")
     # torchrun: one failure at the first step of epoch 2 (just after the epoch-end checkpoint), one restart,
     # resume=auto; against the same job uninterrupted
-    once = tmp / "once"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 "--max-restarts", "1", "-m", "lightning_dist.train", "strategy.start_method=popen", "resume=auto",
                 "trainer.max_epochs=2", *FT]
-    got["torchrun"] = _launch(tmp / "torchrun", cmd=torchrun + _inject("raise", step=23, once_file=str(once))
-                              + [f"hydra.run.dir={tmp / 'torchrun'}"], deadline=240)
-    got["torchrun_ref"] = _launch(tmp / "torchrun_ref", cmd=torchrun + [f"hydra.run.dir={tmp / 'torchrun_ref'}"],
-                                  deadline=240)
+    once = tmp / "once"
+
+    def popen_then_resumed():
+        raised = _launch(tmp / "raise_popen", *_inject("raise"), start_method="popen")
+        return {"raise_popen": raised, "resumed": _corrupt_copy_resumed(tmp, "raise_popen")}
+
+    jobs = {  # the longest first, so that the two lanes end together
+        # the benchmark's own deadline per job (120 s) is well inside pytest-timeout's
+        "bench": lambda: faults.main(["--quick", "--timeout", "6", "--out", str(tmp / "bench")]),
+        "torchrun": lambda: _launch(tmp / "torchrun", cmd=torchrun + _inject("raise", step=23, once_file=str(once))
+                                    + [f"hydra.run.dir={tmp / 'torchrun'}"], deadline=240),
+        "torchrun_ref": lambda: _launch(tmp / "torchrun_ref", cmd=torchrun + [f"hydra.run.dir={tmp / 'torchrun_ref'}"],
+                                        deadline=240),
+        "sigterm": lambda: _launch(tmp / "sigterm", *_inject("signal", rank=0, name="sig0"),
+                                   *_inject("signal", rank=1, name="sig1"), start_method="popen"),
+        "popen": popen_then_resumed,
+        "raise_spawn": lambda: _launch(tmp / "raise_spawn", *_inject("raise"), start_method="spawn"),
+        "stall": lambda: _launch(tmp / "stall", *_inject("stall")),
+        "kill": lambda: _launch(tmp / "kill", *_inject("kill")),
+        "raise3": lambda: _launch(tmp / "raise3", "trainer.devices=3", *_inject("raise")),
+    }
+    got = dict(zip(jobs, side_by_side(*jobs.values())))
+    got.update(got.pop("popen"))
+    got["bench"] = (got["bench"], tmp / "bench")
     return got
 
 
 def test_no_process_is_left_behind(runs):
     for name, run in runs.items():
-        assert run.leftover == [], (name, run.leftover)
+        if name != "bench":  # the benchmark watches its jobs until none of their processes is left
+            assert run.leftover == [], (name, run.leftover)
 
 
-@pytest.mark.parametrize("name", ["raise", "raise_popen", "raise_spawn"])
-def test_an_exception_saves_every_ranks_own_state_and_exits_non_zero(runs, name):
-    run = runs[name]
+@pytest.mark.parametrize("name, ranks", [("raise3", 3), ("raise_popen", 2), ("raise_spawn", 2)])
+def test_an_exception_saves_every_ranks_own_state_and_exits_non_zero(runs, name, ranks):
+    run = runs[name]  # raise3: the fork launcher's row, on 3 ranks (every rank saves, not just two)
     assert run.rc != 0 and "injected fault on rank 1 at global step 5" in run.log
-    assert run.checkpoints("emergency") == ["emergency-rank0-step=5.ckpt", "emergency-rank1-step=5.ckpt"]
+    assert run.checkpoints("emergency") == [f"emergency-rank{r}-step=5.ckpt" for r in range(ranks)]
     for path in run.out.rglob("emergency-*.ckpt"):
         meta = verify(path)
         assert meta["verified"] and meta["kind"] == "emergency" and meta["global_step"] == 5
     assert run.seconds < 60
-
-
-def test_three_ranks(runs):
-    run = runs["raise3"]
-    assert run.rc != 0
-    assert run.checkpoints("emergency") == [f"emergency-rank{r}-step=5.ckpt" for r in range(3)]
 
 
 def test_a_killed_rank(runs):
@@ -196,6 +210,26 @@ def test_torchrun_restarts_resumes_and_matches_the_uninterrupted_run(runs):
     got, want = _summary(run), _summary(ref)
     assert got["global_step"] == want["global_step"] == 46
     assert got["metrics"] == want["metrics"]  # bit-identical: the same loss and accuracy to the last digit
+
+
+# -- python -m lightning_dist.benchmarks.faults --quick (its pure judging and summaries: test_benchmark_faults.py) --
+def test_the_faults_benchmarks_quick_run_writes_json_table_and_plot(runs):
+    payload, out = runs["bench"]
+    saved = json.loads((out / "faults.json").read_text())
+    records = saved["records"]
+    assert [(r["kind"], r["victim"], r["step"]) for r in records] == list(faults.QUICK_TRIALS)
+    for r in records:
+        assert r["ok"], (r["kind"], r["problems"], r.get("log_tail", "")[-2000:])
+        assert r["rc"] not in (0, None) and not r["timed_out"] and len(r["rank_pids"]) == 2
+        assert all(0 <= g <= r["bound_s"] for g in r["rank_gone_s"]) and r["all_gone_s"] <= r["bound_s"]
+        assert r["resume"]["global_step"] == faults.EPOCH_STEPS and r["resume"]["resumed_step"] == r["step"]
+        assert r["found_ranks"] == r["expected_ranks"]
+    stall = records[2]
+    assert stall["watchdog_fired"] and stall["rank_gone_s"][0] >= 6  # the watchdog's timeout, not a crash
+    assert payload["target"]["met"] and payload["target"]["k"] == 3
+    text = (out / "faults.txt").read_text()
+    assert "Target: 3 of 3 trials" in text and "MET (3 of 3)" in text and "stall" in text
+    assert (out / "faults.png").read_bytes().startswith(b"\x89PNG")
 
 
 # -- a regular checkpoint resumes bit-identically: generators per rank, compressor, heterogeneous sampler ---------

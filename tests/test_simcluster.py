@@ -1,7 +1,9 @@
 """The simulated cluster (network namespaces, shaped links) and faults across real network hops: a link taken
 down mid-training without a reset, a host's processes killed. Every rank is gone within FaultTolerance's bound,
-the checkpoints verify, and ``resume=auto`` finishes the run. Skipped, with the reason, where namespaces cannot
-be made (no root, no iproute2)."""
+the checkpoints verify, and ``resume=auto`` finishes the run; and two hosts of two ranks train two_tier to flat's
+accuracy. Those four jobs run two at a time (:func:`side_by_side`): a job spends much of its time starting processes
+on one core, or waiting for a watchdog. Skipped, with the reason, where namespaces cannot be made (no root, no
+iproute2)."""
 
 from __future__ import annotations
 
@@ -18,9 +20,11 @@ import pytest
 
 from lightning_dist.fault.checkpoint import verify
 from lightning_dist.simcluster import SimCluster, unavailable
+from lightning_dist.testing import side_by_side
 
 REASON = unavailable()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+# the fixture runs four jobs, two lanes of two, each under its own deadlines
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.timeout(600)]
 TIMEOUT_S = 10
 # the watchdog's own bound: the timeout, a few polls, the emergency write, the exit
 BOUND_S = TIMEOUT_S + 15
@@ -106,9 +110,36 @@ def _fault_then_resume(tmp_path, fault):
     return codes, gone_s, workers, metas, resumed, json.loads(Path(f"{out}/summary.json").read_text()), logs
 
 
+def _train(out, topology):
+    """2 hosts of 2 ranks under torchrun, top-k 5%, 6 epochs: the run's summary."""
+    args = ["-m", "lightning_dist.train", "trainer.devices=2", "trainer.num_nodes=2", "trainer.max_epochs=6",
+            "trainer.enable_progress_bar=false", "callbacks=[]", "compression=topk", "compression.ratio=0.05",
+            f"strategy.topology={topology}", f"hydra.run.dir={out}"]
+    with SimCluster(2, rate_mbit=1000) as cluster:
+        procs = []
+        for i in range(2):
+            with open(f"{out}.host{i}.log", "w") as log:
+                procs.append(cluster.popen(i, cluster.torchrun(i, args, nproc=2), env=cluster.env(), stdout=log,
+                                           stderr=subprocess.STDOUT))
+        codes = cluster.wait(procs, 150)
+    assert codes == [0, 0], Path(f"{out}.host0.log").read_text()[-3000:]
+    return json.loads(Path(f"{out}/summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Both faults with their resumed runs, and both topologies' training runs, two at a time; the two lanes take
+    them in this order, so that each fault's timed end overlaps a training run rather than the other fault."""
+    tmp = tmp_path_factory.mktemp("simcluster")
+    jobs = {"cut": lambda: _fault_then_resume(tmp, "cut"), "flat": lambda: _train(str(tmp / "flat"), "flat"),
+            "kill": lambda: _fault_then_resume(tmp, "kill"),
+            "two_tier": lambda: _train(str(tmp / "two_tier"), "two_tier")}
+    return dict(zip(jobs, side_by_side(*jobs.values())))
+
+
 @pytest.mark.parametrize("fault", ["cut", "kill"])
-def test_a_host_fault_ends_every_rank_within_the_bound_and_the_run_resumes(tmp_path, fault):
-    codes, gone_s, workers, metas, resumed, summary, logs = _fault_then_resume(tmp_path, fault)
+def test_a_host_fault_ends_every_rank_within_the_bound_and_the_run_resumes(runs, fault):
+    codes, gone_s, workers, metas, resumed, summary, logs = runs[fault]
     assert None not in codes and all(code != 0 for code in codes), codes
     assert gone_s < BOUND_S, gone_s
     assert workers.strip() == ""  # no rank left behind anywhere
@@ -122,25 +153,10 @@ def test_a_host_fault_ends_every_rank_within_the_bound_and_the_run_resumes(tmp_p
     assert summary["global_step"] == 46  # both epochs done
 
 
-def test_two_hosts_of_two_ranks_train_two_tier_to_flats_accuracy(tmp_path):
+def test_two_hosts_of_two_ranks_train_two_tier_to_flats_accuracy(runs):
     """Issue 24: torchrun --nproc-per-node 2 on each of 2 hosts; top-k between hosts only (two_tier) against top-k
     over all 4 ranks (flat): the same accuracy, and two_tier sends far less across the hosts."""
-    summaries = {}
-    for topology in ("flat", "two_tier"):
-        out = str(tmp_path / topology)
-        args = ["-m", "lightning_dist.train", "trainer.devices=2", "trainer.num_nodes=2", "trainer.max_epochs=6",
-                "trainer.enable_progress_bar=false", "callbacks=[]", "compression=topk", "compression.ratio=0.05",
-                f"strategy.topology={topology}", f"hydra.run.dir={out}"]
-        with SimCluster(2, rate_mbit=1000) as cluster:
-            procs = []
-            for i in range(2):
-                with open(f"{out}.host{i}.log", "w") as log:
-                    procs.append(cluster.popen(i, cluster.torchrun(i, args, nproc=2), env=cluster.env(), stdout=log,
-                                               stderr=subprocess.STDOUT))
-            codes = cluster.wait(procs, 150)
-        assert codes == [0, 0], Path(f"{out}.host0.log").read_text()[-3000:]
-        summaries[topology] = json.loads(Path(f"{out}/summary.json").read_text())
-    flat, tiered = summaries["flat"], summaries["two_tier"]
+    flat, tiered = runs["flat"], runs["two_tier"]
     assert flat["topology"]["kind"] == "flat" and tiered["topology"] == {"kind": "two_tier", "hosts": [[0, 1], [2, 3]]}
     accuracy = tiered["metrics"]["val/acc"]
     assert accuracy >= 0.9 and abs(accuracy - flat["metrics"]["val/acc"]) < 0.02, (accuracy, flat["metrics"])

@@ -23,6 +23,7 @@ from lightning_dist.hetero import HeteroBatching
 from lightning_dist.strategy import features_of
 from lightning_dist.testing import RecordingLogger, launched_externally, run_ranks
 
+pytestmark = pytest.mark.slow  # one launched group of 4 ranks holds every fit
 WORLD, HOSTS = 4, 2
 PER_HOST = WORLD // HOSTS
 N_SAMPLES, BATCH = 96, 8  # 3 optimizer steps per epoch at 4 ranks

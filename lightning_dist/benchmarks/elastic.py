@@ -72,7 +72,9 @@ QUICK = (("kill", 2, 8), ("cut", 1, 20), ("join", 2, 10))
 @dataclass(frozen=True)
 class Trial:
     """One job: ``kind`` ("none" for the reference) strikes ``host`` when rank 0 reaches global batch ``position``;
-    ``rejoin_at``: after a kill, the host comes back when the survivors reach that batch (a kill, then a join)."""
+    ``rejoin_at``: after a kill, the host comes back when the survivors reach that batch (a kill, then a join).
+    ``hosts``: how many the job starts on; a reference without a fault may take fewer (its global batches, their
+    samples and its loss curve do not depend on the world size: that is what the trials are judged by)."""
 
     kind: str = "none"
     host: int = 2
@@ -81,6 +83,7 @@ class Trial:
     epochs: int = EPOCHS
     rejoin_at: Optional[int] = None
     strategy: str = "ring_ddp"
+    hosts: int = HOSTS
 
 
 def job_args(out: Path, trial: Trial) -> list[str]:
@@ -126,13 +129,16 @@ def run_trial(trial: Trial, out: Path, deadline_s: float = DEADLINE_S) -> dict[s
     ledger = out / "checkpoints" / "ledger"
     args = job_args(out, trial)
     record: dict[str, Any] = {"trial": asdict(trial), "problems": []}
+    if trial.hosts < HOSTS and trial.kind != "none":
+        raise ValueError(f"Trial(kind={trial.kind!r}, hosts={trial.hosts}): a fault needs all {HOSTS} hosts")
+    low = min(2, trial.hosts)  # --nnodes low:HOSTS, as every trial has (one host alone: 1)
     started = time.monotonic()
-    with SimCluster(HOSTS, rate_mbit=1000) as cluster:
+    with SimCluster(trial.hosts, rate_mbit=1000) as cluster:
         procs: dict[int, Any] = {}
 
         def start(host: int) -> None:
             with open(out / f"host{host}.log", "a") as log:
-                procs[host] = cluster.popen(host, cluster.torchrun(host, args, port=PORT, nnodes=f"2:{HOSTS}",
+                procs[host] = cluster.popen(host, cluster.torchrun(host, args, port=PORT, nnodes=f"{low}:{HOSTS}",
                                                                    max_restarts=3, rdzv=RDZV),
                                             env=cluster.env(host), stdout=log, stderr=subprocess.STDOUT)
 
@@ -149,7 +155,7 @@ def run_trial(trial: Trial, out: Path, deadline_s: float = DEADLINE_S) -> dict[s
                 time.sleep(0.1)
             return False
 
-        for host in range(HOSTS):
+        for host in range(trial.hosts):
             if not (trial.kind == "join" and host == trial.host):
                 start(host)
         struck = None
@@ -170,14 +176,14 @@ def run_trial(trial: Trial, out: Path, deadline_s: float = DEADLINE_S) -> dict[s
                     start(trial.host)
                 else:
                     record["problems"].append(f"the survivors never reached global batch {trial.rejoin_at}")
-        survivors = [h for h in range(HOSTS) if trial.kind in ("none", "join") or h != trial.host]
+        survivors = [h for h in range(trial.hosts) if trial.kind in ("none", "join") or h != trial.host]
         codes = cluster.wait([procs[h] for h in survivors], max(1.0, deadline_s - (time.monotonic() - started)))
         record["workers_left"] = _workers_left(cluster, out)
     record.update(codes=codes, struck=struck, wall_s=time.monotonic() - started)
     summary = out / "summary.json"
     record["summary"] = json.loads(summary.read_text()) if summary.exists() else None
     record["ledger"] = read_ledger(str(ledger)) if ledger.is_dir() else {}
-    logs = "".join((out / f"host{h}.log").read_text(errors="replace") for h in range(HOSTS)
+    logs = "".join((out / f"host{h}.log").read_text(errors="replace") for h in range(trial.hosts)
                    if (out / f"host{h}.log").exists())
     record["warnings"] = logs.count("ElasticTraining: elastic restart")
     record["resumed_from"] = [line.split("resuming from ", 1)[1][:200] for line in logs.splitlines()
