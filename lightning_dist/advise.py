@@ -152,7 +152,7 @@ def table(report: dict[str, Any]) -> str:
     lines = [f"measured dense step {1e3 * m['step_s']:.1f} ms (compute {1e3 * m['compute_s']:.1f} ms, exposed "
              f"comm {1e3 * m['exposed_s']:.1f} ms), {len(m['ready_s'])} bucket(s), {report['world_size']} ranks",
              f"{'compressor':<12}{'MB/step':>10}{'coding ms':>11}{'wire ms':>9}{'step ms':>9}{'speed-up':>10}"
-             "  digits val acc vs dense (README)"]
+             "  digits val acc vs dense (docs)"]
     for name, r in report["compressors"].items():
         cost = r["accuracy_cost_pt"]
         acc = "-" if cost is None else f"{cost:+.2f} pt ({r['accuracy_measured_at']})"
@@ -420,7 +420,9 @@ def main() -> Any:
 
 
 # the names before one naming rule for callbacks, and the strategy subclass the bucket observer replaced
-__getattr__ = renamed(__name__, {"AdviseCallback": Advisor, "RecordingRingDDPStrategy": RingDDPStrategy})
+__getattr__ = renamed(__name__, {"AdviseCallback": Advisor, "RecordingRingDDPStrategy": RingDDPStrategy}, hints={
+    "RecordingRingDDPStrategy": "lightning_dist.RingDDPStrategy: Advisor records the buckets itself, through "
+                                "RingFeatures.add_bucket_observer (a .recorded attribute is no more)"})
 
 
 if __name__ == "__main__":

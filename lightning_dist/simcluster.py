@@ -9,7 +9,7 @@ its own session; :meth:`SimCluster.torchrun` builds the multi-node ``torchrun`` 
 rendezvous on host 0's address; ``GLOO_SOCKET_IFNAME=eth0``, since a host's name resolves to 127.0.0.1).
 :meth:`SimCluster.cut` takes a host's link down without a reset being sent, as a pulled cable would;
 :meth:`SimCluster.kill` kills everything running in a host, as when the machine dies. ``torchrun(...,
-nnodes="MIN:MAX")`` builds an elastic job's command instead (c10d rendezvous on host 0, README "Elastic training").
+nnodes="MIN:MAX")`` builds an elastic job's command instead (c10d rendezvous on host 0; docs/elastic.md).
 Several ranks in one host talk over its loopback, unshaped (a host's fast local links); inside a host,
 :func:`link_bytes_sent` reads what left it through ``eth0``, so a benchmark can weigh what crossed the slow network.
 
@@ -32,12 +32,19 @@ from typing import Any, Optional, Sequence
 _COUNTER = itertools.count(1)  # next() is atomic: clusters made on several threads at once get distinct names
 
 
+# ip and tc run with PATH alone: they need nothing else, and a variable a test tags its jobs' processes with (to kill
+# them all on a failure: lightning_dist.testing) must not reach the commands that take a cluster apart
+def _admin_env() -> dict[str, str]:
+    return {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")}
+
+
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30, env=_admin_env())
 
 
 def _pids_inside(namespace: str) -> list[int]:
-    listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=False).stdout
+    listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=False,
+                            env=_admin_env()).stdout
     return [int(pid) for pid in listed.split() if pid.isdigit()]
 
 
@@ -155,7 +162,7 @@ class SimCluster:
         for args in (["-n", self.namespaces[host]], []):  # both directions: the host's egress and the bridge's
             dev = "eth0" if args else self.links[host]
             last = subprocess.run(["tc", *args, "qdisc", "replace", "dev", dev, "root", *spec],
-                                  capture_output=True, text=True, check=False, timeout=30)
+                                  capture_output=True, text=True, check=False, timeout=30, env=_admin_env())
             if last.returncode != 0:
                 return last
         assert last is not None
@@ -238,4 +245,3 @@ class SimCluster:
             except subprocess.TimeoutExpired:
                 codes.append(None)
         return codes
-

@@ -17,9 +17,11 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -194,6 +196,35 @@ def launched_externally(rank: int, world_size: int, hosts: int = 1) -> Iterator[
                 os.environ[name] = value
 
 
+# -- a port for a launched job ------------------------------------------------------------------------------------
+_PORTS_GIVEN: set[int] = set()
+_PORTS_LOCK = threading.Lock()
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, below the kernel's ephemeral range and never given out before by this
+    process: a launched single-machine job's ``MASTER_PORT`` when several jobs start at once. Each job finding its
+    own (Lightning binds port 0, closes it, and binds it again later) lets two jobs started together pick the same
+    port, and the second fails with EADDRINUSE or, worse, joins the first one's store; a port outside the ephemeral
+    range is one no port-0 bind anywhere can take in the meantime."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+        ephemeral_low = int(fh.read().split()[0])
+    low = max(1024, ephemeral_low - 12000)
+    with _PORTS_LOCK:
+        for _ in range(1000):
+            port = random.randrange(low, ephemeral_low)
+            if port in _PORTS_GIVEN:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                try:
+                    probe.bind(("", port))
+                except OSError:
+                    continue
+            _PORTS_GIVEN.add(port)
+            return port
+    raise RuntimeError(f"no free port in [{low}, {ephemeral_low}) after 1000 tries")
+
+
 # -- a launched job and every process it starts ------------------------------------------------------------------
 def job_processes(job: str, var: str = JOB_VAR) -> dict[int, psutil.Process]:
     """The live (not zombie) processes of the job started with ``var=job`` (``JOB_VAR`` unless said): every
@@ -302,15 +333,17 @@ def _read_lines(stream: Any, lines: list[tuple[float, str]]) -> None:
     stream.close()
 
 
-def watch_job(args: Sequence[str], deadline_s: float, scan_s: float = 0.05) -> JobRun:
-    """Run ``args`` as a job of its own (a new session, a fresh ``JOB_VAR``), stdout and stderr merged and stamped
-    line by line, and look at every process of the job every ``scan_s`` seconds until none is left (a process is
-    gone when it no longer exists or is a zombie); SIGKILL them all after ``deadline_s`` seconds."""
+def watch_job(args: Sequence[str], deadline_s: float, scan_s: float = 0.05,
+              env: Optional[dict[str, str]] = None) -> JobRun:
+    """Run ``args`` as a job of its own (a new session, a fresh ``JOB_VAR``, ``env`` added to this process's
+    environment), stdout and stderr merged and stamped line by line, and look at every process of the job every
+    ``scan_s`` seconds until none is left (a process is gone when it no longer exists or is a zombie); SIGKILL them
+    all after ``deadline_s`` seconds."""
     job = uuid.uuid4().hex
     started = time.monotonic()
     proc = subprocess.Popen(list(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             encoding="utf-8", errors="replace", start_new_session=True, bufsize=1,
-                            env={**os.environ, JOB_VAR: job})
+                            env={**os.environ, **(env or {}), JOB_VAR: job})
     lines: list[tuple[float, str]] = []
     reader = threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True)
     reader.start()

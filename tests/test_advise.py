@@ -50,7 +50,7 @@ def test_predictions_take_dense_as_the_base_and_quote_the_readme():
     assert out["none"]["speedup_vs_dense"] == 1.0
     assert out["topk"]["speedup_vs_dense"] == pytest.approx(1.5 / 1.06)
     assert out["topk"]["bytes_per_step"] == 24
-    assert out["topk"]["accuracy_cost_pt"] == -5.0  # README: topk 1% with error feedback (the default)
+    assert out["topk"]["accuracy_cost_pt"] == -5.0  # the benchmark's table: topk 1% with EF (the default)
     assert out["none"]["accuracy_cost_pt"] == 0.0
 
 

@@ -215,7 +215,7 @@ def test_every_compressor_trains_with_the_same_parameters_on_every_rank(fits, na
 def test_every_lossy_compressor_trains_the_digits_cnn(fits):
     accuracy = {name: fits[0][0][f"digits_{name}"] for name in ("int8", "topk", "powersgd")}
     # 2 epochs, 2 ranks (measured: int8 95%, PowerSGD 87%, top-k 75%; top-k 1% with error feedback learns more
-    # slowly, README). The floors leave room for run-to-run float differences; a diverged run reads 10%
+    # slowly, docs/compression.md). The floors leave room for run-to-run float differences; a diverged run reads 10%
     assert accuracy["int8"] > 0.6 and accuracy["powersgd"] > 0.5 and accuracy["topk"] > 0.3, accuracy
 
 

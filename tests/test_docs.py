@@ -70,6 +70,18 @@ def test_every_page_is_in_the_nav():
 
 
 # 5-14 s on 2 shared cores (the API reference reads the whole package): the slow tier, which CI runs
+def test_the_compression_pages_accuracy_table_is_the_one_advise_reads():
+    """docs/compression.md shows ACCURACY_COST (lightning-dist-advise's one copy, from the compression benchmark)
+    row for row: the page cannot drift from what the command prints."""
+    from lightning_dist.benchmarks.compression import ACCURACY_COST
+
+    text = (DOCS / "compression.md").read_text()
+    table = text[text.index("| compressor | settings | points vs dense | val acc |"):].split("\n\n")[0]
+    rows = [[cell.strip().strip("`") for cell in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    assert [(name, float(points), acc) for name, _, points, acc in rows] == [
+        (name, cost, note.split(": ")[-1].split()[-1]) for name, _, cost, note in ACCURACY_COST]
+
+
 @pytest.mark.slow
 def test_site_builds_in_strict_mode(tmp_path):
     if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("mkdocstrings_handlers") is None:

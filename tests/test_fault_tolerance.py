@@ -1,7 +1,7 @@
 """FaultTolerance with real faults in real launched jobs (the training command, 2 and 3 CPU ranks), each under a
 hard deadline, each checked for leftover processes; and a bit-identical resume from a regular checkpoint.
 
-What each launcher does with each fault on rank 1 at step 5 (the README's table; each row asserted here):
+What each launcher does with each fault on rank 1 at step 5 (docs/fault-tolerance.md's table; each row asserted here):
 
 - raises: under fork, spawn, popen (Lightning's default) and torchrun alike, rank 1 and rank 0 (whose next
   collective fails within seconds) each write an emergency checkpoint and exit 1; torchrun's
@@ -34,13 +34,22 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dist import FaultTolerance, RingDDPStrategy
 from lightning_dist.benchmarks import faults
 from lightning_dist.fault.checkpoint import find_checkpoints, verify
 from lightning_dist.hetero import HeteroBatching
-from lightning_dist.testing import JOB_VAR, job_processes, kill_job, launched_externally, run_ranks, side_by_side
+from lightning_dist.testing import (
+    JOB_VAR,
+    ToyClassifier,
+    free_port,
+    job_processes,
+    kill_job,
+    launched_externally,
+    quiet_trainer,
+    run_ranks,
+    side_by_side,
+)
 
 # the fixture runs every faulty job, two at a time, each under its own deadline, in the setup of the first test
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -84,7 +93,7 @@ def _launch(out: Path, *overrides: str, start_method="fork", deadline=150, cmd=N
     job = uuid.uuid4().hex
     started = time.monotonic()
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, JOB_VAR: job})
+                            env={**os.environ, JOB_VAR: job, "MASTER_PORT": str(free_port())})
     try:
         log, _ = proc.communicate(timeout=deadline)
     except subprocess.TimeoutExpired:
@@ -233,32 +242,22 @@ def test_the_faults_benchmarks_quick_run_writes_json_table_and_plot(runs):
 
 
 # -- a regular checkpoint resumes bit-identically: generators per rank, compressor, heterogeneous sampler ---------
-class Dropout(pl.LightningModule):
+class Dropout(ToyClassifier):
+    """ToyClassifier's data (16 features, 4 classes) through a network with dropout: a resume is bit-identical only
+    when every rank's generators come back with the checkpoint."""
+
     def __init__(self):
-        super().__init__()
+        super().__init__(features=16, classes=4, momentum=0.9)
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 4))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-
-    def train_dataloader(self):
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(128, 16, generator=gen)
-        return DataLoader(TensorDataset(x, x[:, :4].argmax(1)), batch_size=8)
 
 
 def _fit(tmp, epochs, ckpt_path=None):
     pl.seed_everything(0, verbose=False)
     strategy = RingDDPStrategy(compressor="int8", hetero=HeteroBatching(batch_sizes=[12, 4]))
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp, save_top_k=-1, every_n_epochs=1)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,
-                         callbacks=[FaultTolerance(timeout_s=30, poll_s=1), checkpoint], enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0)
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_epochs=epochs, enable_checkpointing=True,
+                            callbacks=[FaultTolerance(timeout_s=30, poll_s=1), checkpoint])
     model = Dropout()
     trainer.fit(model, ckpt_path=ckpt_path, weights_only=True)
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])

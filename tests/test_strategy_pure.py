@@ -140,3 +140,19 @@ def test_step_exchange_layout_and_reading():
 def test_package_exports():
     assert lightning_dist.RingDDPStrategy is RingDDPStrategy
     assert hasattr(lightning_dist, "DistMetrics")
+
+
+def test_features_of_finds_the_seam_and_bucket_observers_register_once():
+    from lightning_dist.strategy import BucketObserver, features_of
+
+    strategy = RingDDPStrategy()
+    features = features_of(strategy)
+    assert features is strategy.features
+    assert features_of(DDPStrategy()) is None and features_of(object()) is None
+    observer, observers = BucketObserver(), strategy.features._hook_state.observers
+    features.add_bucket_observer(observer)
+    features.add_bucket_observer(observer)
+    assert observers == [observer]
+    features.remove_bucket_observer(observer)
+    features.remove_bucket_observer(observer)  # not registered any more: nothing happens
+    assert observers == []

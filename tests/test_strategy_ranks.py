@@ -226,7 +226,7 @@ def test_bit_identical_to_stock_ddp_on_a_homogeneous_model(runs, algorithm):
 
 
 def test_equal_to_stock_ddp_within_rounding_per_step_with_an_embedding_and_attention(runs):
-    # what the README promises where backward kernels are not homogeneous: each step's reduced gradient equals
+    # what docs/strategy.md promises where backward kernels are not homogeneous: each step's reduced gradient equals
     # stock DDP's from the same weights within float rounding (over a fit the two runs then drift apart as any
     # two float runs do), and the ranks stay bit-identical
     _, report = runs["attention"]

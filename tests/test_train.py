@@ -170,7 +170,7 @@ def test_configs_ship_inside_the_wheel(tmp_path):
 
 @pytest.mark.slow  # the command's default job, 10 epochs on 2 ranks
 def test_the_default_job_reaches_97_percent(tmp_path):
-    # the README's main job, unchanged but for the output directory and a quiet progress bar
+    # the README's main job (its first command), unchanged but for the output directory and a quiet progress bar
     proc = subprocess.run(CLI + [f"hydra.run.dir={tmp_path}", "trainer.enable_progress_bar=false"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -12,8 +12,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_dist import RingDDPStrategy
 from lightning_dist.callbacks import NaNRecovery
@@ -21,7 +19,7 @@ from lightning_dist.comm import ring_bytes_sent
 from lightning_dist.compression import BucketLayout, build_compressor
 from lightning_dist.hetero import HeteroBatching
 from lightning_dist.strategy import features_of
-from lightning_dist.testing import RecordingLogger, launched_externally, run_ranks
+from lightning_dist.testing import RecordingLogger, ToyClassifier, launched_externally, quiet_trainer, run_ranks
 
 pytestmark = pytest.mark.slow  # one launched group of 4 ranks holds every fit
 WORLD, HOSTS = 4, 2
@@ -33,14 +31,13 @@ COMPRESSORS = ("none", "fp16", "bf16", "int8", "topk", "threshold", "powersgd")
 DENSE_TOLERANCE = 1e-5  # two_tier against flat, uncompressed: float rounding of another summation order
 
 
-class Net(pl.LightningModule):
-    """709 parameters in one bucket; ``inf_grad``: (rank, step) pairs whose gradient gets +Inf at
+class Net(ToyClassifier):
+    """709 parameters in one bucket (16 -> 32 -> 5); ``inf_grad``: (rank, step) pairs whose gradient gets +Inf at
     ``net.0.weight[30, 5]`` (in host part 1, far from the sentinel in element 0)."""
 
     def __init__(self, inf_grad=()):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 5))
+        super().__init__(features=16, hidden=(32,), classes=5, samples=N_SAMPLES, batch_size=BATCH, momentum=0.9,
+                         distributed_sampler=True, seed=0)
         self.inf_grad = set(inf_grad)
         self.net[0].weight.register_hook(self._poison)
 
@@ -49,19 +46,6 @@ class Net(pl.LightningModule):
             grad = grad.clone()
             grad[30, 5] = float("inf")
         return grad
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-
-    def train_dataloader(self):
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(N_SAMPLES, 16, generator=gen)
-        data = TensorDataset(x, x[:, :5].argmax(1))
-        return DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data, shuffle=False))
 
 
 class Record(Callback):
@@ -82,10 +66,8 @@ class Record(Callback):
 def _fit(strategy, model=None, callbacks=(), epochs=EPOCHS, ckpt_path=None, **kwargs):
     pl.seed_everything(0, verbose=False)
     record = Record()
-    options = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                   num_sanity_val_steps=0, use_distributed_sampler=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=PER_HOST, num_nodes=HOSTS, strategy=strategy, max_epochs=epochs,
-                         callbacks=[record, *callbacks], **{**options, **kwargs})
+    trainer = quiet_trainer(**{"devices": PER_HOST, "num_nodes": HOSTS, "strategy": strategy, "max_epochs": epochs,
+                               "callbacks": [record, *callbacks], "use_distributed_sampler": False, **kwargs})
     trainer.fit(model or Net(), ckpt_path=ckpt_path)
     return trainer, record
 

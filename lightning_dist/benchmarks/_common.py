@@ -1,5 +1,6 @@
-"""The benchmark pipeline every benchmark here shares: one step recorder, one quiet Trainer, one timed fit, one
-summary statistic, one paired ratio, one verdict line, and the output files.
+"""The benchmark pipeline every benchmark here shares: one step recorder, one timed fit (on
+:func:`lightning_dist.testing.quiet_trainer`), one summary statistic, one paired ratio, one verdict line, and the
+output files.
 
 Conventions: contenders run interleaved (round-robin over rounds or seeds), so that drift and other processes'
 bursts hit every contender alike, and one is compared with another by the *paired* ratio: per round the one's

@@ -110,7 +110,7 @@ def _train_worker(args: argparse.Namespace) -> None:
     # rank 0 writes its stamps, the model's size and what had left its host by its second step and at the end
     recorder = bench.StepRecorder(args.out, probe=lambda trainer: {"params": params, "link_sent": link_bytes_sent()})
     trainer = quiet_trainer(devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), num_nodes=args.nodes,
-                                  strategy=strategy, max_steps=args.steps, limit_val_batches=0, callbacks=[recorder])
+                            strategy=strategy, max_steps=args.steps, limit_val_batches=0, callbacks=[recorder])
     trainer.fit(model, SyntheticDataModule(batch_size=BATCH_SIZE))
 
 
@@ -130,7 +130,7 @@ def _advise_worker(args: argparse.Namespace) -> None:
     strategy = RingDDPStrategy(algorithm="auto", bucket_cap_mb=BUCKET_CAP_MB, timeout=args.collective_timeout)
     callback = Advisor(advise_candidates(args.configs), settings, args.out)
     trainer = quiet_trainer(devices=1, num_nodes=args.nodes, strategy=strategy, limit_val_batches=0,
-                                  max_steps=ADVISE_WARMUP + args.advise_steps, callbacks=[callback])
+                            max_steps=ADVISE_WARMUP + args.advise_steps, callbacks=[callback])
     trainer.fit(WideMLP(width=MLP_WIDTH, depth=MLP_DEPTH), SyntheticDataModule(batch_size=BATCH_SIZE))
 
 

@@ -43,7 +43,7 @@ from typing import Any, Optional, Sequence
 
 from lightning_dist.benchmarks import _common as bench
 from lightning_dist.fault.checkpoint import META_SUFFIX, CheckpointError, verify
-from lightning_dist.testing import JobRun, ProcSeen, watch_job
+from lightning_dist.testing import JobRun, ProcSeen, free_port, watch_job
 
 KINDS = ("raise", "kill", "stall")
 STEPS = (3, 18)  # the fault's global step is drawn from this range, both ends included
@@ -303,7 +303,9 @@ def report(records: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]],
 def run_trial(fault: tuple[str, int, int], run_dir: Path, timeout_s: float, poll_s: float,
               deadline_s: float) -> dict[str, Any]:
     kind, victim, step = fault
-    job = watch_job(job_command(run_dir, timeout_s, poll_s, fault), deadline_s, SCAN_S)
+    # each job a port of its own: another job may be starting beside this one (the tests run two at a time)
+    job = watch_job(job_command(run_dir, timeout_s, poll_s, fault), deadline_s, SCAN_S,
+                    env={"MASTER_PORT": str(free_port())})
     fault_at, _ = job.line_time(FAULT_LINE)
     ranks = rank_pids(job.procs, job.launcher)
     victim_gone = job.procs[ranks[victim]].gone_at if victim < len(ranks) else None
@@ -326,7 +328,8 @@ def run_trial(fault: tuple[str, int, int], run_dir: Path, timeout_s: float, poll
         "verdicts": watchdog_verdicts(job.log),
         "checkpoints": inspect_checkpoints(run_dir / "checkpoints"),
     }
-    resumed = watch_job(job_command(run_dir, timeout_s, poll_s, resume=True), deadline_s, SCAN_S)
+    resumed = watch_job(job_command(run_dir, timeout_s, poll_s, resume=True), deadline_s, SCAN_S,
+                        env={"MASTER_PORT": str(free_port())})
     record["resume"] = read_resume(resumed, run_dir)
     record.update(judge_trial(record))
     if not record["ok"]:

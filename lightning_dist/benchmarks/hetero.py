@@ -50,7 +50,7 @@ def _run(rank: int, world_size: int, speeds: Sequence[float], mode: str, epochs:
         model, data = DigitsCNN(channels=128, hidden=256), DigitsDataModule(batch_size=BATCH, seed=seed)
         strategy = make_strategy("auto", start_method="popen", hetero=hetero)
         trainer = quiet_trainer(devices=world_size, strategy=strategy, max_epochs=epochs,
-                                      check_val_every_n_epoch=epochs, log_every_n_steps=1, callbacks=[recorder, slow])
+                                check_val_every_n_epoch=epochs, log_every_n_steps=1, callbacks=[recorder, slow])
         trainer.fit(model, datamodule=data)  # validates once, after the last epoch
         accuracy = float(trainer.callback_metrics["val/acc"])
     events = [] if hetero is None else [{k: e[k] for k in ("step", "from_step", "spread", "old", "new")}

@@ -103,7 +103,7 @@ def _estimate_ranks(rank: int, world_size: int, names: Sequence[str], steps: int
             model = config.model()
             tracker, monitor = PeakTracker(), MemoryMonitor(every_n_steps=1)
             trainer = quiet_trainer(devices=world_size, strategy=config.strategy(), max_steps=steps,
-                                          use_distributed_sampler=False, callbacks=[tracker, monitor])
+                                    use_distributed_sampler=False, callbacks=[tracker, monitor])
             trainer.fit(model)
             peak = max(tracker.peak, readers.host_rss_peak())
             estimate = monitor.estimate

@@ -19,8 +19,9 @@ Two ways to reduce, one interface:
 Error feedback reaches a codec through one seam: ``reduce(..., feedback=Feedback(owed, keep))``. The codec
 reduces ``flat + owed`` (what this rank still owes from earlier steps) and writes into ``keep`` what it did not
 send (``flat + owed - sent``), each from its own intermediate values: a sparse codec subtracts at the indices it
-sent, int8 from its codes, PowerSGD with rank-r updates. So error feedback costs a codec one or two passes over
-the bucket, not a decode of its own payload and three more. The base class gives every codec a generic form.
+sent, int8 from its codes, PowerSGD with rank-r updates. So error feedback costs a codec a few passes over the
+bucket, not a decode of its own payload and three more (docs/compression.md has the figures). The base class
+gives every codec a generic form.
 
 State (error-feedback residuals, PowerSGD factors, random generators) is **per parameter, keyed by
 name** (DDP rebuilds and renumbers its buckets after the first step and in every new process), and

@@ -19,8 +19,8 @@ ring would have to be re-quantized at every hop, and an all-gather of every rank
 Both roundings are unbiased, so the result is an unbiased estimate of the dense sum. A chunk holding a NaN
 or Inf gets a non-finite scale, and decodes as non-finite on every rank.
 
-The noise does not come from a fresh 32-bit draw per element (``torch.rand`` of a 4 M bucket costs ~20 passes
-over it on the CPU's Mersenne twister): each rank holds a table of ``P`` (32768) stratified points
+The noise does not come from a fresh 32-bit draw per element (``torch.rand`` of a bucket costs many
+passes over it on the CPU's Mersenne twister): each rank holds a table of ``P`` (32768) stratified points
 ``(j + 1/2) / P`` in an order shuffled from ``(seed, rank)``, and each rounding reads it from an offset drawn
 from the rank's staged generator, element ``i`` taking point ``(offset + i) mod P``. Over the offset every
 element's ``u`` is uniform over the ``P`` points, so the rounding is unbiased to ``1 / (2P)`` of a step; the

@@ -154,7 +154,7 @@ class PowerSGDCompressor(Compressor):
 
 def _outer(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor, subtract: bool = False) -> torch.Tensor:
     """``out = p q^T`` (or ``out -= p q^T``) for thin ``p`` (n x r) and ``q`` (m x r): a rank-1 update per column
-    for small r, each one pass over ``out`` (one thread's ``mm`` into a 1024 x 1024 output costs ~4 passes)."""
+    for small r, each one pass over ``out`` (one thread's ``mm`` into a 1024 x 1024 output costs several)."""
     r = p.shape[1]
     if r > 4:
         return out.addmm_(p, q.t(), alpha=-1.0) if subtract else torch.mm(p, q.t(), out=out)

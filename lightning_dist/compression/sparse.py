@@ -19,7 +19,8 @@ below the wanted count; the bucket is seen as ``R`` strided rows and only the co
 and an exact ``torch.topk`` runs over the candidates only. Whenever there are at least ``k`` candidates they
 hold the exact top ``k``, so the selection *is* the exact top-k (up to ties); with fewer, ``t`` is lowered and,
 failing that, ``torch.topk`` of the layer decides. Comparisons are written ``not (|x| < t)``, so a NaN is always
-a candidate. Together that costs ~4 passes over the bucket where ``torch.topk`` of every layer costs ~25.
+a candidate. Together that costs a few passes over the bucket, several times fewer than ``torch.topk`` of every
+layer (docs/benchmarks.md, ``codecs``, has the figures).
 """
 
 from __future__ import annotations

@@ -12,12 +12,12 @@ What the guide sketched (``grad[abs(grad) < threshold] = 0``), done properly:
   error feedback the residual keeps growing until something crosses;
 - NaN and Inf entries are always selected (``NaN >= t`` is false, so a plain mask would drop them).
 
-At the usual settings the cap is what binds (at a gradient spread of 1e-2, 92% of the entries cross 1e-3), and
-the first version spent ~90 passes over the bucket on it: a ``torch.topk`` of the whole bucket for the cap, the
-``abs`` temporary, a 92%-full mask and its ``nonzero``. Now the threshold is raised, where the cap binds, to one
-read off a sample (aimed at 90% of the cap), and the entries that reach it are found as top-k finds its
-candidates (:func:`~lightning_dist.compression.sparse.candidates`); only a selection still over the cap is
-trimmed to its largest entries.
+At the usual settings the cap is what binds (at a gradient spread of 1e-2, most entries cross 1e-3), and the
+first version spent most of its time on it (docs/benchmarks.md, ``codecs``): a ``torch.topk`` of the whole
+bucket for the cap, the ``abs`` temporary, a mostly-full mask and its ``nonzero``. Now the threshold is raised,
+where the cap binds, to one read off a sample (aimed at 90% of the cap), and the entries that reach it are found
+as top-k finds its candidates (:func:`~lightning_dist.compression.sparse.candidates`); only a selection still over
+the cap is trimmed to its largest entries.
 """
 
 from __future__ import annotations

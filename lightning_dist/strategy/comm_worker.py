@@ -12,7 +12,7 @@ point-to-point operations, not a single asynchronous call:
    asynchronously (the backend's native all-reduce): the worker then goes straight on to the next job and
    the bucket's Future completes on the backend's thread. Blocking in the worker until each collective is
    done costs dearly when backward keeps every core busy: each hand-off waits for the scheduler to give
-   the worker a core (the step benchmark's page in the docs has the figures);
+   the worker a core (docs/strategy.md has the figures);
 3. DDP waits for every bucket's Future at the end of backward, then copies the results into ``.grad``.
 
 Order: DDP hands buckets over in index order on every rank and one thread runs (or issues) them in that
