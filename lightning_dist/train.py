@@ -82,8 +82,10 @@ class RunSummaryCallback(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.is_global_zero:
             return
-        if trainer.global_step == self._first_step and os.path.exists(self.path):
-            # resumed from a finished run (an elastic restart as the job ended): nothing trained, nothing to add
+        trained = self._first_step is not None and trainer.global_step > self._first_step
+        if not trained and os.path.exists(self.path):
+            # resumed from a finished run (an elastic restart as the job ended): nothing trained, nothing to add. A
+            # checkpoint from the end of the last epoch never starts training at all (no on_train_start)
             print(f"[lightning_dist] no step trained in this fit: {self.path} is kept as the run left it", flush=True)
             return
         strategy, features = trainer.strategy, features_of(trainer.strategy)

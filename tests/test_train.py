@@ -338,3 +338,22 @@ def test_build_adds_a_python_callers_callbacks_before_the_run_summary(tmp_path):
     callbacks = build(_compose(), str(tmp_path), 0.0, extra_callbacks=[extra])[0].callbacks
     summary = next(i for i, cb in enumerate(callbacks) if isinstance(cb, RunSummaryCallback))
     assert extra in callbacks and callbacks.index(extra) < summary
+
+
+@pytest.mark.parametrize("started", [False, True], ids=["never_started", "started_at_the_end"])
+def test_a_resumed_finished_run_keeps_its_summary(tmp_path, started):
+    """An elastic restart as the job ends resumes a finished run: no step trains, and summary.json stays the one the
+    run left (whether the fit loop started training, from a mid-epoch checkpoint, or skipped it, from the last
+    epoch's end)."""
+    from types import SimpleNamespace
+
+    from lightning_dist.train import RunSummaryCallback
+
+    path = tmp_path / "summary.json"
+    path.write_text('{"metrics": {"val/acc": 0.97}}')
+    trainer = SimpleNamespace(is_global_zero=True, global_step=30)
+    callback = RunSummaryCallback(str(path), {}, started=0.0)
+    if started:
+        callback.on_train_start(trainer, None)
+    callback.on_fit_end(trainer, None)
+    assert json.loads(path.read_text()) == {"metrics": {"val/acc": 0.97}}
