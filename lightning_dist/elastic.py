@@ -34,10 +34,6 @@ from typing import Any, Optional
 
 import torch
 
-# node identities and the rank mapping live below every layer that keeps per-rank state; re-exported here, beside
-# the rest of elastic training's mechanisms
-from lightning_dist.identities import NODE_ENV, map_ranks, node_identity  # noqa: F401
-
 LEDGER_DIR = "ledger"
 
 

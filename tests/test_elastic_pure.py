@@ -15,8 +15,6 @@ from lightning_dist.elastic import (
     LedgerWriter,
     complete_from_siblings,
     lost_state_message,
-    map_ranks,
-    node_identity,
     read_ledger,
     state_norm,
 )
@@ -24,6 +22,7 @@ from lightning_dist.fault import rng
 from lightning_dist.fault.checkpoint import CheckpointInfo, save_checkpoint
 from lightning_dist.hetero import BatchPlan, HeteroBatching, HeteroBatchSampler
 from lightning_dist.hetero.loader import HeteroDataLoader
+from lightning_dist.identities import map_ranks, node_identity
 from lightning_dist.launch import LaunchEnv
 from lightning_dist.strategy.checkpoint import compressor_entry, restore_compressor
 

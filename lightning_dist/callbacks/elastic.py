@@ -38,10 +38,10 @@ from lightning_dist.elastic import (
     attempt_token,
     ledger_dir,
     lost_state_message,
-    node_identity,
     per_rank_entry,
 )
 from lightning_dist.fault.checkpoint import checkpoint_dir
+from lightning_dist.identities import node_identity
 from lightning_dist.launch import LaunchEnv
 from lightning_dist.strategy import features_of
 
