@@ -44,7 +44,7 @@ from typing_extensions import override
 
 from lightning_dist.comm import check_algorithm, release_scratch
 from lightning_dist.comm.topology import TOPOLOGIES, Topology, resolve_topology, state_layout
-from lightning_dist.compression import Compressor, as_compressor
+from lightning_dist.compression import Compressor, NoCompressor, as_compressor
 from lightning_dist.elastic import complete_from_siblings
 from lightning_dist.hetero import HeteroBatching
 from lightning_dist.hetero.batching import as_hetero, describe_event
@@ -58,6 +58,7 @@ from lightning_dist.strategy.schedule import ExchangeSchedule
 from lightning_dist.strategy.skip import StepGuard
 from lightning_dist.strategy.step_meter import StepMeter
 from lightning_dist.strategy.tiers import TwoTier
+from lightning_dist.sync import DiLoCo, as_sync
 
 if not callable(getattr(DDPStrategy, "_register_ddp_hooks", None)):  # pragma: no cover - guarded by a test too
     raise ImportError(
@@ -100,6 +101,10 @@ class RingDDPStrategy(DDPStrategy):
             two_tier on at least 2 hosts of at least 2 ranks each, the same count on every host; flat
             otherwise). Hosts are the launcher's nodes (Lightning's node rank: torchrun's ``GROUP_RANK``,
             SLURM's ``SLURM_NODEID``, ``NODE_RANK``).
+        sync: how often the workers synchronise: None or ``"every_step"`` (default: the gradient all-reduce of every
+            step), or a :class:`~lightning_dist.sync.DiLoCo` (``"diloco"``, or a dict of its arguments): each worker
+            (a host under two_tier, a rank under flat) trains alone for ``every`` steps, then the workers average
+            their progress through an outer Nesterov step (:mod:`lightning_dist.sync.diloco`).
         **kwargs: every other keyword of :class:`~torch.nn.parallel.DistributedDataParallel` that
             DDPStrategy passes through (``find_unused_parameters``, ``static_graph``, ``bucket_cap_mb``, ...).
 
@@ -127,6 +132,7 @@ class RingDDPStrategy(DDPStrategy):
         overlap: bool = True,
         hetero: Union[HeteroBatching, dict, None] = None,
         topology: str = "auto",
+        sync: Union[DiLoCo, dict, str, None] = None,
         **kwargs: Any,
     ) -> None:
         given = {"ddp_comm_state": ddp_comm_state, "ddp_comm_hook": ddp_comm_hook,
@@ -147,6 +153,13 @@ class RingDDPStrategy(DDPStrategy):
         if start_method not in START_METHODS:
             raise ValueError(f"start_method={start_method!r}; use one of {', '.join(START_METHODS)} ('popen' re-runs "
                              "the script per rank, the robust default; 'fork' starts fastest on CPU).")
+        self._sync = as_sync(sync)
+        compressor = as_compressor(compressor)
+        if self._sync is not None and not isinstance(compressor, NoCompressor):
+            raise ValueError(f"compressor={compressor.describe()} compresses the per-step gradient, which "
+                             "sync=DiLoCo does not send between workers; compress the pseudo-gradient instead: "
+                             f"sync=DiLoCo(every={self._sync.every}, compressor={compressor.name!r}) (on the command "
+                             f"line sync.compressor={compressor.name}), and drop compressor=")
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap={overlap!r} must be True (reduce on a communication thread) or False.")
         super().__init__(
@@ -162,7 +175,7 @@ class RingDDPStrategy(DDPStrategy):
         self.topology: Optional[Topology] = None  # what topology resolved to at set-up (every rank alike)
         self._tier_groups: list[dist.ProcessGroup] = []  # two_tier: its host's two groups, its part's
         self._guard = StepGuard()  # step-or-skip, armed by NaNRecovery
-        self._hook_state = RingHookState(algorithm=algorithm, compressor=as_compressor(compressor), guard=self._guard)
+        self._hook_state = RingHookState(algorithm=algorithm, compressor=compressor, guard=self._guard)
         self._comm_group: Optional[dist.ProcessGroup] = None  # the gradient buckets' own group
         self._schedule = ExchangeSchedule()  # the per-step exchange, on a gloo group of its own
         self._meter = StepMeter()  # this rank's per-step measurements; its step count is the strategy's
