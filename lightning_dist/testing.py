@@ -489,10 +489,10 @@ class ToyClassifier(pl.LightningModule):
     network of Linear and Tanh layers has a backward that is exactly homogeneous under a power-of-two scale),
     then a ``Linear`` to ``classes``; built after ``torch.manual_seed(seed)`` when ``seed`` is given (the
     same initial weights in every fit), else from the caller's random state. ``optimizer``: ``"sgd"`` (with
-    ``momentum``) or ``"adam"``. ``distributed_sampler``: the loader brings its own unshuffled
-    ``DistributedSampler`` (Lightning's own always shuffles; pass ``use_distributed_sampler=False``), so that
-    global batch ``k`` holds rows ``k * world_size * batch_size`` on. Subclasses change the data through
-    :meth:`dataset` and the step through ``training_step``.
+    ``momentum``), ``"adam"`` or ``"adamw"`` (torch's default weight decay, 0.01). ``distributed_sampler``: the
+    loader brings its own unshuffled ``DistributedSampler`` (Lightning's own always shuffles; pass
+    ``use_distributed_sampler=False``), so that global batch ``k`` holds rows ``k * world_size * batch_size`` on.
+    Subclasses change the data through :meth:`dataset` and the step through ``training_step``.
     """
 
     def __init__(self, features: int = 12, hidden: Sequence[int] = (32,), classes: int = 2, samples: int = 128,
@@ -500,8 +500,8 @@ class ToyClassifier(pl.LightningModule):
                  activation: bool = True, shuffle: bool = False, distributed_sampler: bool = False,
                  seed: Optional[int] = None) -> None:
         super().__init__()
-        if optimizer not in ("sgd", "adam"):
-            raise ValueError(f"ToyClassifier optimizer={optimizer!r}: use 'sgd' or 'adam'")
+        if optimizer not in ("sgd", "adam", "adamw"):
+            raise ValueError(f"ToyClassifier optimizer={optimizer!r}: use 'sgd', 'adam' or 'adamw'")
         if seed is not None:
             torch.manual_seed(seed)
         layers: list[nn.Module] = []
@@ -529,6 +529,8 @@ class ToyClassifier(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer == "adam":
             return torch.optim.Adam(self.parameters(), lr=self.lr)
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=self.lr)
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
     def train_dataloader(self) -> DataLoader:

@@ -11,7 +11,7 @@ import torch
 from lightning_dist import RingDDPStrategy
 from lightning_dist.comm.topology import resolve_topology, state_layout
 from lightning_dist.compression import BucketLayout
-from lightning_dist.strategy.tiers import _Plan
+from lightning_dist.compression.parts import PartPlan
 
 LAYOUT = BucketLayout.of([("fc2.bias", (5,)), ("fc2.weight", (5, 32)), ("scale", ()), ("fc1.weight", (32, 3, 3)),
                           ("emb", (2, 100))])
@@ -79,7 +79,7 @@ def test_split_does_not_depend_on_the_buckets_order():
 @pytest.mark.parametrize("parts", [2, 3, 4])
 def test_a_plan_rearranges_the_bucket_part_by_part_and_back(parts):
     bucket = torch.arange(LAYOUT.numel, dtype=torch.float32)
-    plans = [_Plan.of(LAYOUT, parts, i) for i in range(parts)]
+    plans = [PartPlan.of(LAYOUT, parts, i) for i in range(parts)]
     plan = plans[0]
     zeros = torch.zeros(plan.pad)
     arranged = torch.cat([bucket[a:b] if a >= 0 else zeros[:b] for a, b in plan.gather])

@@ -255,18 +255,22 @@ class HeteroBatching:
     def attached(self) -> bool:
         return self.sampler is not None
 
-    def start_batch(self, epoch: int, batch_idx: int, rank: int) -> float:
+    def start_batch(self, epoch: int, batch_idx: int, rank: int, among: Optional[Sequence[int]] = None) -> float:
         """Batch ``batch_idx`` of ``epoch`` starts on this rank: mark it consumed (rebalancing never changes a
         batch the loop has reached) and return this rank's :meth:`share` of it."""
         self.sampler.consumed = (epoch, batch_idx + 1)
-        return self.share(epoch, batch_idx, rank)
+        return self.share(epoch, batch_idx, rank, among)
+
+    def sizes_of(self, epoch: int, batch_idx: int) -> list[int]:
+        """Every rank's size of batch ``batch_idx`` of ``epoch``, from the plan every rank holds."""
+        return list(self.sampler.sizes(epoch, batch_idx))
 
     def finish_step(self) -> None:
         """An optimizer step ended (taken or skipped): every batch started so far is done with; a checkpoint written
         from now on resumes after them (:meth:`~lightning_dist.hetero.loader.HeteroDataLoader.state_dict`)."""
         self.sampler.completed = self.sampler.consumed
 
-    def share(self, epoch: int, batch_idx: int, rank: int) -> float:
+    def share(self, epoch: int, batch_idx: int, rank: int, among: Optional[Sequence[int]] = None) -> float:
         """What rank ``rank``'s loss gradient for batch ``batch_idx`` of ``epoch`` is multiplied by: its share of
         the global batch, from the plan (every rank knows every rank's size for every batch before any gradient
         travels), so the sum over ranks is the mean over every sample of the global batch.
@@ -275,9 +279,12 @@ class HeteroBatching:
         with every global batch of a window holding ``B`` samples that makes the step the mean over all of the
         window's samples. (The epoch's last window may hold a smaller batch, or fewer batches; then Lightning,
         and stock DDP with it, weighs each micro-batch's mean alike: so does this, to train the same weights.)
+
+        ``among``: the ranks whose gradients this rank's is averaged with (syncing every H steps, the ranks of its
+        worker: :mod:`lightning_dist.sync`); None: every rank.
         """
         sizes = self.sampler.sizes(epoch, batch_idx)
-        return sizes[rank] / sum(sizes)
+        return sizes[rank] / sum(sizes[r] for r in (range(len(sizes)) if among is None else among))
 
 
 def describe_event(event: dict[str, Any]) -> list[str]:

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_dist.compression import Compressor
 from lightning_dist.identities import map_ranks
+from lightning_dist.sync.diloco import DiLoCoSync
 
 CHECKPOINT_KEY = "lightning_dist"  # the checkpoint's entry for every rank's compressor state
 
@@ -100,3 +101,54 @@ def restore_compressor(compressor: Compressor, checkpoint: dict[str, Any], rank:
                        "per-rank compressor state (error-feedback residuals, random generators) starts afresh; "
                        "shared state (step count, PowerSGD factors) is restored.")
         compressor.load_state_dict(first, shared_only=True)
+
+
+def worker_state(strategy: Any) -> dict[str, Any]:
+    """A rank's (so its DiLoCo worker's) parameters, buffers and inner optimizer states, as Lightning saves rank
+    zero's."""
+    return {"module": strategy.lightning_module.state_dict(),
+            "optimizers": [strategy.optimizer_state(optimizer) for optimizer in strategy.optimizers]}
+
+
+def sync_entry(diloco: DiLoCoSync, worker_state: Optional[dict[str, Any]], rank: int, world_size: int,
+               group: Optional[dist.ProcessGroup], local: bool = False) -> dict[str, Any]:
+    """DiLoCo's part of the checkpoint (under ``"lightning_dist"``, key ``"sync"``): what every rank holds alike
+    (``theta_global``, the outer momentum, the averaged buffers), and per rank its compressor state and, from a
+    worker's first rank, the worker's own parameters and inner optimizer state (``worker_state``): mid-cycle, the
+    workers differ, and Lightning saves rank zero's alone. A collective on ``group`` (every rank's part goes to rank
+    zero), unless ``local`` (an emergency checkpoint: this rank's part only)."""
+    mine = {"compressor": diloco.compressor.state_dict(),
+            "worker": worker_state if rank == diloco.workers.mine[0] else None}
+    ranks: list[Any] = [None] * world_size
+    if local or world_size == 1 or not dist.is_initialized():
+        ranks[rank] = mine
+    else:
+        dist.gather_object(mine, ranks if rank == 0 else None, dst=0, group=group)
+    return {"state": diloco.state_dict(), "world_size": world_size, "ranks": ranks}
+
+
+def restore_sync(diloco: DiLoCoSync, module: Any, entry: dict[str, Any], rank: int,
+                 world_size: int) -> Optional[list[Any]]:
+    """This rank's DiLoCo state from :func:`sync_entry`'s output, once the sync is bound: ``theta_global`` and the
+    outer momentum, this rank's compressor state and its worker's own parameters; returns the worker's inner
+    optimizer states for Lightning to load (None: they are not in the checkpoint, and the worker restarts from
+    ``theta_global``, losing its progress since the last sync, with a warning)."""
+    diloco.load_state_dict(entry["state"])
+    ranks = entry["ranks"]
+    same = entry["world_size"] == world_size and entry["state"]["workers"] == diloco.workers.count
+    if same and ranks[rank] is not None:
+        diloco.compressor.load_state_dict(ranks[rank]["compressor"])
+    else:
+        first = next((r for r in ranks if r is not None), None)
+        if first is not None:
+            diloco.compressor.load_state_dict(first["compressor"], shared_only=True)
+    leader = diloco.workers.mine[0]
+    worker = ranks[leader]["worker"] if same and ranks[leader] is not None else None
+    if worker is None:
+        warnings.warn(f"rank {rank}: the checkpoint holds no parameters of this rank's DiLoCo worker (written by "
+                      f"{entry['world_size']} ranks, or an emergency checkpoint of another rank): it restarts from "
+                      "theta_global, and its inner progress since the last sync is lost", stacklevel=3)
+        diloco.restart_from_global()
+        return None
+    module.load_state_dict(worker["module"])
+    return worker["optimizers"]

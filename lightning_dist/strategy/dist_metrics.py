@@ -63,6 +63,7 @@ class DistMetrics(Callback):
         self._every = log_every_n_steps
         self._interval = 0  # the interval in force this fit (the Trainer's when ours is None)
         self._logged = -1
+        self._syncs_logged = 0  # DiLoCo: syncs whose sync/* metrics were logged
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -70,12 +71,15 @@ class DistMetrics(Callback):
         features = features_of(trainer.strategy)
         if features is not None:  # ask the strategy to exchange on the steps we log
             features.request_exchange(self._interval, "metrics")
+            self._syncs_logged = 0 if features.sync is None else features.sync.outer_steps + features.sync.skipped
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         features = features_of(trainer.strategy)
         if features is None:
             return
+        if self._interval > 0:
+            self._log_sync(trainer, features)
         fresh = features.exchange_step
         if fresh == self._logged or not features.step_metrics:
             return  # nothing new since the last log
@@ -85,6 +89,18 @@ class DistMetrics(Callback):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(features.step_metrics, step=trainer.global_step)
+
+
+    def _log_sync(self, trainer: pl.Trainer, features: Any) -> None:
+        """DiLoCo's ``sync/*`` metrics after every sync (rare: every H steps), whatever the interval."""
+        sync = features.sync
+        done = 0 if sync is None else sync.outer_steps + sync.skipped
+        if done == self._syncs_logged or sync is None or not sync.metrics:
+            return
+        self._syncs_logged = done
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(dict(sync.metrics), step=trainer.global_step)
 
 
 __getattr__ = renamed(__name__, {"DistMetricsCallback": DistMetrics})

@@ -40,13 +40,14 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning_dist.comm.topology import Topology, state_layout
 from lightning_dist.compression import Compressor
 from lightning_dist.hetero import HeteroBatching
-from lightning_dist.strategy.checkpoint import local_entry
+from lightning_dist.strategy.checkpoint import CHECKPOINT_KEY, local_entry, sync_entry, worker_state
 from lightning_dist.strategy.exchange import StepExchange
 from lightning_dist.strategy.hook import BucketObserver, RingHookState
 from lightning_dist.strategy.schedule import ExchangeSchedule
 from lightning_dist.strategy.skip import StepGuard
 from lightning_dist.strategy.step_meter import StepMeter
 from lightning_dist.strategy.stepping import loss_scaler_of
+from lightning_dist.sync.diloco import DiLoCoSync
 
 
 class RingFeatures:
@@ -61,6 +62,7 @@ class RingFeatures:
         self._meter, self._schedule, self._guard, self._hook_state = meter, schedule, guard, hook_state
         self._hetero = hetero
         self.identities: Optional[list[str]] = None  # every rank's node identity, in rank order (elastic runs)
+        self.sync: Optional[DiLoCoSync] = None  # sync=DiLoCo: the outer loop, bound at set-up (its metrics, state)
 
     # -- the step counter -------------------------------------------------------------------------------------
     @property
@@ -154,8 +156,13 @@ class RingFeatures:
         """The checkpoint entry :meth:`~lightning_dist.strategy.RingDDPStrategy.save_checkpoint` adds, with this
         rank's compressor state only and no collective (an emergency checkpoint, written while peers may be
         gone)."""
-        return local_entry(self._hook_state.compressor, self._strategy.global_rank, self._strategy.world_size,
-                           self.identities, state_layout(self.topology))
+        strategy = self._strategy
+        entry = local_entry(self._hook_state.compressor, strategy.global_rank, strategy.world_size, self.identities,
+                            state_layout(self.topology))
+        if self.sync is not None:
+            entry[CHECKPOINT_KEY]["sync"] = sync_entry(self.sync, worker_state(strategy), strategy.global_rank,
+                                                       strategy.world_size, None, local=True)
+        return entry
 
     @property
     def topology(self) -> Optional[Topology]:

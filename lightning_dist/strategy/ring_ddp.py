@@ -50,15 +50,24 @@ from lightning_dist.hetero import HeteroBatching
 from lightning_dist.hetero.batching import as_hetero, describe_event
 from lightning_dist.launch import LaunchEnv, attempt_store
 from lightning_dist.strategy import stepping
-from lightning_dist.strategy.checkpoint import compressor_entry, gather_states, restore_compressor
+from lightning_dist.strategy.checkpoint import (
+    CHECKPOINT_KEY,
+    compressor_entry,
+    gather_states,
+    restore_compressor,
+    restore_sync,
+    sync_entry,
+    worker_state,
+)
 from lightning_dist.strategy.dist_metrics import DistMetrics
 from lightning_dist.strategy.features import RingFeatures
 from lightning_dist.strategy.hook import RingHookState, ring_comm_hook
 from lightning_dist.strategy.schedule import ExchangeSchedule
-from lightning_dist.strategy.skip import StepGuard
+from lightning_dist.strategy.skip import StepGuard, StepVerdict
 from lightning_dist.strategy.step_meter import StepMeter
 from lightning_dist.strategy.tiers import TwoTier
 from lightning_dist.sync import DiLoCo, as_sync
+from lightning_dist.sync.diloco import DiLoCoSync
 
 if not callable(getattr(DDPStrategy, "_register_ddp_hooks", None)):  # pragma: no cover - guarded by a test too
     raise ImportError(
@@ -179,6 +188,9 @@ class RingDDPStrategy(DDPStrategy):
         self._comm_group: Optional[dist.ProcessGroup] = None  # the gradient buckets' own group
         self._schedule = ExchangeSchedule()  # the per-step exchange, on a gloo group of its own
         self._meter = StepMeter()  # this rank's per-step measurements; its step count is the strategy's
+        self._diloco: Optional[DiLoCoSync] = None  # sync=DiLoCo: the outer loop, made at set-up
+        self._sync_restore: Optional[dict[str, Any]] = None  # a checkpoint's DiLoCo entry, applied at set-up
+        self._worker_optimizers: Optional[list[Any]] = None  # this worker's inner optimizer states from it
         self._features = RingFeatures(self, self._meter, self._schedule, self._guard, self._hook_state,
                                        self._hetero)
 
@@ -232,8 +244,11 @@ class RingDDPStrategy(DDPStrategy):
         if self._hetero is not None and self.parallel_devices:  # list lengths, in the launching process
             self._hetero.check_world(self.num_nodes * len(self.parallel_devices))
         if self._topology_request == "two_tier" and self.num_nodes < 2:
-            raise ValueError(f"topology='two_tier' needs at least 2 nodes, and Trainer(num_nodes={self.num_nodes}): "
-                             "run on 2 or more hosts (num_nodes=2, ...), or use topology='auto' or 'flat'.")
+            one_worker = " (with sync=DiLoCo a worker is a host: one host is one worker, with nothing to sync)" \
+                if self._sync is not None else ""
+            raise ValueError(f"topology='two_tier' needs at least 2 nodes, and Trainer(num_nodes={self.num_nodes})"
+                             f"{one_worker}: run on 2 or more hosts (num_nodes=2, ...), or use topology='auto' or "
+                             "'flat'.")
         if self._start_method != "popen" and self.cluster_environment.creates_processes_externally:
             rank_zero_info(
                 f"RingDDPStrategy: {type(self.cluster_environment).__name__} created the processes; "
@@ -260,8 +275,10 @@ class RingDDPStrategy(DDPStrategy):
         # in the same order, driven by the worker thread, never interleaving with what DDP and Lightning run on
         # the default group from the main thread. With a two-tier topology, this rank's host's groups and its
         # part's across hosts replace it.
-        tiers = None
-        if self.topology is not None and self.topology.kind == "two_tier":
+        tiers, world, spans_hosts = None, self.world_size, self.topology is not None and len(self.topology.hosts) > 1
+        if self._sync is not None:  # DiLoCo: the hook reduces inside a worker only; the outer loop syncs the workers
+            world, spans_hosts = self._bind_sync()
+        elif self.topology is not None and self.topology.kind == "two_tier":
             tiers = TwoTier.create(self.topology, self.global_rank, self._algorithm, self._hook_state.stats,
                                    self._timeout)
             self._tier_groups = tiers.groups
@@ -269,11 +286,38 @@ class RingDDPStrategy(DDPStrategy):
             self._comm_group = dist.new_group(timeout=self._timeout)
         self._schedule.every_step = bool(self._hetero is not None and self._hetero.rebalance)
         state = self._hook_state
-        state.bind(self.model.module, self._comm_group, self.world_size, on_last_bucket=self._start_exchange_early,
-                   tiers=tiers, spans_hosts=self.topology is not None and len(self.topology.hosts) > 1)
+        state.bind(self.model.module, self._comm_group, world, on_last_bucket=self._start_exchange_early,
+                   tiers=tiers, spans_hosts=spans_hosts)
         if self._overlap:
             state.start_worker(f"rank{self.global_rank}", self.root_device)
         self.model.register_comm_hook(state, ring_comm_hook)
+
+    def _bind_sync(self) -> tuple[int, bool]:
+        """DiLoCo's outer loop on groups of its own; DDP's synchronisation kept inside a worker: off for a worker of
+        one rank (no byte leaves it between syncs), on the host's group for a host (dense, over its own links). DDP's
+        buffer broadcast (from rank 0, across workers) is off: buffers are averaged at the sync instead, and a host's
+        first rank broadcasts them inside the host before each forward. Returns the hook's world (the worker's
+        ranks) and whether its traffic crosses hosts (never)."""
+        assert isinstance(self.model, DistributedDataParallel) and self._sync is not None
+        diloco = self._diloco = DiLoCoSync.create(self._sync, self.topology, self.global_rank, self.world_size,
+                                                  self._algorithm, self._timeout)
+        workers = diloco.workers
+        self.model.broadcast_buffers = False
+        if workers.local_size == 1:
+            self.model.require_backward_grad_sync = False  # what DDP's no_sync() sets, for the whole fit
+        else:
+            self._comm_group = dist.new_subgroups_by_enumeration([list(r) for r in workers.ranks],
+                                                                 timeout=self._timeout)[0]
+        diloco.bind(self.model.module)
+        self._features.sync = diloco
+        if self._sync_restore is not None:
+            self._worker_optimizers = restore_sync(diloco, self.model.module, self._sync_restore, self.global_rank,
+                                                   self.world_size)
+            self._sync_restore = None
+        self._tier_groups = diloco.groups
+        rank_zero_info(f"RingDDPStrategy: {self._sync.describe()} over {workers.count} workers "
+                       f"({'hosts' if workers.local_size > 1 else 'ranks'}: {[list(r) for r in workers.ranks]})")
+        return workers.local_size, False
 
     def _resolve_topology(self) -> Topology:
         """Every rank's node rank, gathered, and the topology they imply (the same decision on every rank)."""
@@ -310,10 +354,16 @@ class RingDDPStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
         self._meter.batch_started(batch)
+        diloco = self._diloco
         if self._hetero is not None and self._hetero.attached:  # the share, from the plan every rank holds
             batch_idx = args[1] if len(args) > 1 else kwargs["batch_idx"]
-            self._hook_state.share = self._hetero.start_batch(self.lightning_module.trainer.current_epoch,
-                                                              batch_idx, self.global_rank)
+            epoch = self.lightning_module.trainer.current_epoch
+            among = diloco.workers.mine if diloco is not None else None  # DiLoCo: averaged inside the worker only
+            self._hook_state.share = self._hetero.start_batch(epoch, batch_idx, self.global_rank, among)
+            if diloco is not None:  # each worker's samples weigh its pseudo-gradient
+                diloco.count_samples(self._hetero.sizes_of(epoch, batch_idx))
+        if diloco is not None:
+            diloco.broadcast_buffers()
         return super().training_step(*args, **kwargs)
 
     @override
@@ -347,20 +397,26 @@ class RingDDPStrategy(DDPStrategy):
         if not self._guard.armed:
             output = super().optimizer_step(optimizer, closure_then_exchange, model, **kwargs)
             if exchanged:
+                self._sync_if_due()
                 self._finish_step(skipped=False)
             return output
-        # The step-or-skip point: backward first, then every rank decides alike whether the optimizer steps.
+        # The step-or-skip point: backward first, then every rank decides alike whether the optimizer steps (under
+        # DiLoCo every rank of a worker: the workers step alone between syncs).
         result = closure_then_exchange()
         scaler = self._features.loss_scaler
-        verdict = stepping.decide_step(self._guard, optimizer, scaler, self._schedule.group, self.global_rank,
-                                       self.world_size, step=self.lightning_module.trainer.global_step)
+        group, rank, size = self._schedule.group, self.global_rank, self.world_size
+        if self._diloco is not None:
+            group, rank, size = self._diloco.worker_verdict_group(self._guard, self.model.module)
+        verdict = stepping.decide_step(self._guard, optimizer, scaler, group, rank, size,
+                                       step=self.lightning_module.trainer.global_step)
         if verdict.skipped:
             stepping.skip_step(optimizer, scaler)
-            self._finish_step(skipped=True)
-            return result
-        output = super().optimizer_step(optimizer, stepping.replay(result, closure_then_exchange), model, **kwargs)
-        self._finish_step(skipped=False)
-        return output
+        else:
+            result = super().optimizer_step(optimizer, stepping.replay(result, closure_then_exchange), model,
+                                            **kwargs)
+        self._sync_if_due()
+        self._finish_step(skipped=verdict.skipped)
+        return result
 
     def _start_exchange_early(self) -> None:
         """From the last bucket's hook: the exchange travels beside that bucket when nothing in it can change."""
@@ -384,6 +440,24 @@ class RingDDPStrategy(DDPStrategy):
             rank_zero_info(f"RingDDPStrategy: {line}")
         if self._meter.step_metrics:  # empty on the first step: no previous step to describe
             self._meter.step_metrics["hetero/rebalances"] = float(len(hetero.events))
+
+    def _sync_if_due(self) -> None:
+        """DiLoCo: after every H-th optimizer step (taken or skipped: Lightning counts both), the outer step on every
+        rank; a non-finite pseudo-gradient skips it everywhere, and NaNRecovery hears of it as of a skipped step."""
+        diloco = self._diloco
+        step = self.lightning_module.trainer.global_step + 1  # Lightning counts this step once it returns
+        if diloco is None or not diloco.due(step):
+            return
+        tier = "inter_host" if self.topology is not None and len(self.topology.hosts) > 1 else "intra_host"
+        result = diloco.sync(step, self._hook_state.stats, tier, flags_group=self._schedule.group)
+        if result.skipped:
+            workers = result.bad_workers or "none of them alone (the sum overflowed)"
+            rank_zero_warn(f"RingDDPStrategy: DiLoCo skipped the outer step after global step {step}: a non-finite "
+                           f"pseudo-gradient (workers {workers}); every worker restarts from theta_global")
+            if self._guard.armed:
+                self._guard.record(StepVerdict(step=step, skipped=True, reason=(
+                    f"non-finite pseudo-gradient on worker(s) {result.bad_workers} at the DiLoCo sync: the outer "
+                    "step skipped on every worker")))
 
     def _finish_step(self, skipped: bool) -> None:
         """The compressor's staged state kept (the optimizer stepped) or dropped (every rank skipped); this step's
@@ -415,7 +489,7 @@ class RingDDPStrategy(DDPStrategy):
                 except (RuntimeError, ValueError) as err:  # already gone with the default group after a fault
                     rank_zero_debug(f"RingDDPStrategy.teardown: {type(err).__name__}: {err}")
         self._comm_group = self._schedule.group = None
-        self._tier_groups = []
+        self._tier_groups = []  # (a DiLoCo sync stays readable, its metrics and counts, until the next set-up)
         self._hook_state.unbind()
         release_scratch()
         super().teardown()
@@ -427,9 +501,15 @@ class RingDDPStrategy(DDPStrategy):
         # state (residuals, random generator) is its own, so all of them travel to rank zero first.
         compressor = self._hook_state.compressor
         states = gather_states(compressor, self.world_size, self._schedule.group)
+        sync = None
+        if self._diloco is not None:  # every worker's own state: mid-cycle, the workers differ
+            sync = sync_entry(self._diloco, worker_state(self), self.global_rank, self.world_size,
+                              self._schedule.group)
         if self.is_global_zero:
             entry = compressor_entry(compressor, self.world_size, states, self._features.identities,
                                      state_layout(self.topology))
+            if sync is not None:
+                entry[CHECKPOINT_KEY]["sync"] = sync
             checkpoint = {**checkpoint, **entry}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -445,6 +525,18 @@ class RingDDPStrategy(DDPStrategy):
         super().load_model_state_dict(checkpoint, strict=strict)
         restore_compressor(self._hook_state.compressor, checkpoint, self.global_rank, self.world_size,
                            self._features.identities, state_layout(self.topology))
+        # DiLoCo's state applies once the sync is bound: after DDP's wrap, which copies rank zero's parameters
+        self._sync_restore = (checkpoint.get(CHECKPOINT_KEY) or {}).get("sync") if self._sync is not None else None
+        if self._sync is not None and self._sync_restore is None:
+            rank_zero_warn("The checkpoint holds no DiLoCo state (written without sync=DiLoCo): theta_global starts "
+                           "as the restored parameters, with no outer momentum.")
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if self._worker_optimizers is not None:  # DiLoCo: this worker's own inner optimizer state
+            checkpoint = {**checkpoint, "optimizer_states": self._worker_optimizers}
+            self._worker_optimizers = None
+        super().load_optimizer_state_dict(checkpoint)
 
 
     @classmethod

@@ -54,10 +54,13 @@ class StepVerdict:
     bad_loss_ranks: list[int] = field(default_factory=list)  # ranks whose loss was non-finite
     bad_grad_ranks: list[int] = field(default_factory=list)  # ranks whose local gradient was non-finite
     scale: float = 1.0  # the loss scale the step's gradients carried (1.0 without fp16 scaling)
+    reason: str = ""  # what was skipped when it was not the optimizer step (DiLoCo's outer step)
 
     def describe(self) -> str:
         if not self.skipped:
             return f"global step {self.step}: finite"
+        if self.reason:
+            return f"global step {self.step}: {self.reason}"
         parts = []
         if self.bad_loss_ranks:
             parts.append(f"non-finite loss on rank(s) {self.bad_loss_ranks}")
@@ -159,6 +162,11 @@ class StepGuard:
         self.reset_step()
         self.seconds += time.thread_time() - started
         return verdict
+
+    def record(self, verdict: StepVerdict) -> None:
+        """A verdict reached outside :meth:`decide`, on every rank alike (DiLoCo's skipped outer step), for the policy
+        to read with the others."""
+        self._verdicts.append(verdict)
 
     def pop_verdicts(self) -> list[StepVerdict]:
         """The verdicts since the last call (one per optimizer step), oldest first."""

@@ -47,6 +47,7 @@ from lightning_dist.comm._common import all_gather_single, reduce_scatter_single
 from lightning_dist.comm.stats import CallRecord, TierStats
 from lightning_dist.comm.topology import Topology
 from lightning_dist.compression import BucketLayout, Compressor, Transport
+from lightning_dist.compression.parts import PartPlan
 from lightning_dist.compression.state import Scratch
 
 
@@ -74,7 +75,7 @@ class TwoTier:
         self.intra_stats = stats.tier("intra_host")
         self.transport = Transport(algorithm, inter_group, stats.tier("inter_host"))
         self.intra_seconds = 0.0  # wall time waiting for the collectives inside the host (on the worker)
-        self._plans: dict[BucketLayout, _Plan] = {}
+        self._plans: dict[BucketLayout, PartPlan] = {}
         self._scratch = Scratch()
 
     @classmethod
@@ -96,11 +97,11 @@ class TwoTier:
         """Wall time inside every collective of both tiers (the hook tells coding time apart with it)."""
         return self.intra_seconds + self.transport.seconds
 
-    def plan(self, layout: BucketLayout) -> _Plan:
+    def plan(self, layout: BucketLayout) -> PartPlan:
         """How a bucket with ``layout`` is cut into the host's ``L`` parts (made once per layout)."""
         found = self._plans.get(layout)
         if found is None:
-            found = self._plans[layout] = _Plan.of(layout, self.local_size, self.local_index)
+            found = self._plans[layout] = PartPlan.of(layout, self.local_size, self.local_index)
         return found
 
     def reduce(self, buffer: torch.Tensor, layout: BucketLayout, codec: Compressor) -> torch.Tensor:
@@ -158,41 +159,7 @@ class InFlight:
     """One bucket between :meth:`TwoTier.begin` and :meth:`TwoTier.finish`."""
 
     buffer: torch.Tensor
-    plan: _Plan
+    plan: PartPlan
     parts: torch.Tensor
     mine: torch.Tensor
     work: dist.Work
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """One bucket layout cut into a host's parts (:meth:`~lightning_dist.compression.BucketLayout.split`).
-
-    ``gather``: the bucket's ranges that, concatenated, make the parts end to end, each padded to ``width``
-    (``(-1, n)``: ``n`` zeros); ``scatter``: the ranges of those parts that, concatenated, give the bucket back.
-    """
-
-    layout: BucketLayout  # this rank's part
-    length: int  # its elements (the rest of its ``width`` is padding)
-    width: int  # the longest part: every part is padded to it for the reduce-scatter
-    pad: int  # the most padding any part needs
-    gather: tuple[tuple[int, int], ...]
-    scatter: tuple[tuple[int, int], ...]
-
-    @classmethod
-    def of(cls, layout: BucketLayout, parts: int, index: int) -> _Plan:
-        split = layout.split(parts)
-        lengths = [part.numel for part, _ in split]
-        width = max(lengths)
-        gather: list[tuple[int, int]] = []
-        where: dict[tuple[int, int], tuple[int, int]] = {}  # a piece's range in the bucket -> its range in the parts
-        for i, (_, spans) in enumerate(split):
-            offset = i * width
-            for a, b in spans:
-                gather.append((a, b))
-                where[(a, b)] = (offset, offset + b - a)
-                offset += b - a
-            if lengths[i] < width:
-                gather.append((-1, width - lengths[i]))
-        scatter = tuple(where[span] for span in sorted(where))  # bucket order
-        return cls(split[index][0], lengths[index], width, width - min(lengths), tuple(gather), scatter)

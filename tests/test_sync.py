@@ -1,0 +1,367 @@
+"""DiLoCo (issue 31) on launched fork ranks, against a one-process replay of its contract.
+
+The replay (:func:`replay`) is the contract written out on one process: N workers, each a copy of the model with its
+own inner optimizer, each stepping on its own gradient (a worker of several ranks: the mean of its ranks' mean-loss
+gradients); after every H-th step the workers' mean pseudo-gradient ``theta_global - theta_worker`` is the gradient
+of ``torch.optim.SGD([theta_global], lr, momentum, nesterov=True)``, and every worker restarts from the new
+``theta_global``. The launched runs must match it within float rounding, ranks of one worker bit-identical after
+every step, every rank bit-identical after every sync.
+
+Three launched groups (2 and 3 flat ranks, 4 ranks posing as 2 hosts of 2) hold every fit; the assertions share them.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_dist import RingDDPStrategy
+from lightning_dist.callbacks import NaNRecovery
+from lightning_dist.compression import COMPRESSORS
+from lightning_dist.hetero import HeteroBatching
+from lightning_dist.sync import DiLoCo
+from lightning_dist.testing import RecordingLogger, ToyClassifier, launched_externally, quiet_trainer, run_ranks
+
+N_SAMPLES, BATCH = 96, 8
+EVERY = 4
+EPOCHS = 2
+TOLERANCE = 2e-5  # relative to the parameters' largest value: float rounding of other summation orders
+SETTINGS = {"topk": {"ratio": 0.05}, "threshold": {"threshold": 1e-3, "max_ratio": 0.2}, "powersgd": {"rank": 2}}
+
+
+class Net(ToyClassifier):
+    """16 -> 32 -> 5 on 96 samples, SGD with momentum or AdamW; the batches it trained on kept in ``seen``."""
+
+    def __init__(self, optimizer="sgd", **kwargs):
+        super().__init__(features=16, hidden=(32,), classes=5, samples=N_SAMPLES, batch_size=BATCH, momentum=0.9,
+                         optimizer=optimizer, lr=0.1 if optimizer == "sgd" else 0.01, distributed_sampler=True,
+                         seed=0, **kwargs)
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append((batch[0].clone(), batch[1].clone()))
+        return super().training_step(batch, batch_idx)
+
+
+class NanLoss(Net):
+    """Rank 1's loss is NaN at global step 5 (its inner step must be skipped, by its worker alone)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if (self.global_rank, self.trainer.global_step) == (1, 5) else loss
+
+
+class Poison(Callback):
+    """After global step 5, rank 1's first weight turns +Inf (a fault no gradient check sees): its worker's
+    progress, and so its pseudo-gradient at the sync after step 8, are not finite."""
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        if trainer.global_rank == 1 and trainer.global_step == 5:
+            with torch.no_grad():
+                pl_module.net[0].weight[0, 0] = float("inf")
+
+
+class Record(Callback):
+    """This rank's parameters after every optimizer step."""
+
+    def __init__(self):
+        self.params = []
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        self.params.append(_flat(pl_module))
+
+
+def _flat(module):
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone()
+
+
+def _strategy(sync, **kwargs):
+    return RingDDPStrategy(sync=sync, timeout=60, start_method="fork", **kwargs)
+
+
+def _fit(strategy, world, hosts=1, model=None, callbacks=(), epochs=EPOCHS, ckpt_path=None, **kwargs):
+    pl.seed_everything(0, verbose=False)
+    record = Record()
+    trainer = quiet_trainer(devices=world // hosts, num_nodes=hosts, strategy=strategy, max_epochs=epochs,
+                            callbacks=[record, *callbacks], use_distributed_sampler=False, **kwargs)
+    trainer.fit(model or Net(), ckpt_path=ckpt_path)
+    return trainer, record
+
+
+# -- the one-process replay -----------------------------------------------------------------------------------------
+def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=0.7, outer_momentum=0.9, epochs=EPOCHS,
+           batches=None):
+    """Parameters after every step of each worker, by the contract alone: ``world`` ranks in ``hosts`` workers of
+    ``world // hosts`` ranks (``hosts=1``: a worker per rank). Rank ``r`` reads rows ``r, r + world, ...`` (an
+    unshuffled DistributedSampler), ``BATCH`` per step; ``batches`` (per rank, the ``(x, y)`` of every step: uneven
+    under heterogeneous batching) instead: ranks inside a worker weighted by samples, workers by the samples since
+    the last sync."""
+    per = world // hosts if hosts > 1 else 1
+    workers = [list(range(w * per, (w + 1) * per)) for w in range(world // per)]
+    x, y = Net().data()
+    start = Net(optimizer)
+    models = [copy.deepcopy(start) for _ in workers]
+    inner = [m.configure_optimizers() for m in models]
+    theta = [p.detach().clone() for p in start.parameters()]
+    outer = torch.optim.SGD(theta, lr=outer_lr, momentum=outer_momentum, nesterov=True)
+    steps_per_epoch = N_SAMPLES // (world * BATCH) if batches is None else len(batches[0]) // epochs
+    history = [[] for _ in workers]
+    samples = [0] * len(workers)
+    step = 0
+    for _ in range(epochs):
+        for k in range(steps_per_epoch):
+            for w, ranks in enumerate(workers):
+                model = models[w]
+                inner[w].zero_grad()
+                if batches is None:
+                    data = [(x[rows], y[rows]) for rows in
+                            ([(k * BATCH + j) * world + r for j in range(BATCH)] for r in ranks)]
+                else:
+                    data = [batches[r][step] for r in ranks]
+                total = sum(len(by) for _, by in data)
+                samples[w] += total
+                loss = sum(len(by) / total * torch.nn.functional.cross_entropy(model.net(bx), by) for bx, by in data)
+                loss.backward()
+                inner[w].step()
+            step += 1
+            if step % every == 0:
+                mix = [1 / len(workers)] * len(workers) if batches is None else [s / sum(samples) for s in samples]
+                with torch.no_grad():
+                    for i, g in enumerate(theta):
+                        g.grad = sum(m * (g - list(models[w].parameters())[i]) for w, m in enumerate(mix))
+                    outer.step()
+                    for model in models:
+                        for p, g in zip(model.parameters(), theta):
+                            p.copy_(g)
+                samples = [0] * len(workers)
+            for w in range(len(workers)):
+                history[w].append(_flat(models[w]))
+    return history, workers
+
+
+def _close(a, b):
+    return (a - b).abs().max().item() <= TOLERANCE * max(1.0, b.abs().max().item())
+
+
+# -- the launched groups --------------------------------------------------------------------------------------------
+def _run_flat(rank, world, ckpt_dir):
+    out = {}
+    with launched_externally(rank, world), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for optimizer in ("sgd", "adamw"):
+            _, record = _fit(_strategy(DiLoCo(every=EVERY)), world, model=Net(optimizer))
+            out[("replay", optimizer)] = record.params
+        if world == 3:
+            return out
+        # every compressor on the pseudo-gradient: ranks identical after each sync, residuals carried
+        for name in COMPRESSORS:
+            compressor = {"name": name, **SETTINGS.get(name, {})}
+            trainer, record = _fit(_strategy(DiLoCo(every=EVERY, compressor=compressor)), world)
+            sync = trainer.strategy.features.sync
+            residuals = sum(float(v.abs().sum()) for v in _tensors(sync.compressor.state_dict()))
+            out[("compressor", name)] = (record.params, residuals, sync.outer_steps, dict(sync.metrics))
+        # sync=every_step and sync=None: today's default, bit for bit
+        for sync in (None, "every_step"):
+            _, record = _fit(_strategy(sync), world)
+            out[("every_step", sync)] = record.params
+        _, record = _fit(RingDDPStrategy(timeout=60, start_method="fork"), world)
+        out["default"] = record.params
+        # the skip: rank 1's worker turns non-finite after step 5; the sync after step 8 skips on every rank, with
+        # NaNRecovery armed (which hears of it) and without
+        nan = NaNRecovery()
+        _, record = _fit(_strategy(DiLoCo(every=EVERY)), world, callbacks=[Poison(), nan])
+        out["skip"] = (record.params, nan.skipped)
+        _, record = _fit(_strategy(DiLoCo(every=EVERY)), world, callbacks=[Poison()])
+        out["skip_unarmed"] = (record.params, None)
+        nan = NaNRecovery()
+        _, record = _fit(_strategy(DiLoCo(every=EVERY)), world, model=NanLoss(), callbacks=[nan])
+        out["inner_skip"] = (record.params, nan.skipped)
+        # resume mid-cycle (the first epoch's 6 steps end between the syncs after steps 4 and 8), int8 residuals
+        diloco = {"every": EVERY, "compressor": "int8"}
+        _, record = _fit(_strategy(diloco), world)
+        out["uninterrupted"] = record.params
+        trainer, _ = _fit(_strategy(diloco), world, epochs=1)
+        path = f"{ckpt_dir}/mid_cycle.ckpt"
+        trainer.save_checkpoint(path)
+        _, record = _fit(_strategy(diloco), world, ckpt_path=path)
+        out["resumed"] = record.params
+        out["checkpoint"] = torch.load(path, weights_only=True)["lightning_dist"]["sync"]["state"]["settings"] \
+            if rank == 0 else None
+        # metrics logged after every sync
+        logger = RecordingLogger()
+        _fit(_strategy(DiLoCo(every=EVERY)), world, epochs=1, logger=logger, log_every_n_steps=1)
+        out["logged"] = logger.logged if rank == 0 else None
+    return out
+
+
+def _run_hosts(rank, world, ckpt_dir):
+    out = {}
+    with launched_externally(rank, world, hosts=2), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for optimizer in ("sgd", "adamw"):
+            _, record = _fit(_strategy(DiLoCo(every=EVERY), topology="two_tier"), world, hosts=2,
+                             model=Net(optimizer))
+            out[("replay", optimizer)] = record.params
+        for name in ("int8", "topk", "powersgd"):
+            compressor = {"name": name, **SETTINGS.get(name, {})}
+            trainer, record = _fit(_strategy(DiLoCo(every=EVERY, compressor=compressor), topology="two_tier"), world,
+                                   hosts=2)
+            out[("compressor", name)] = (record.params, trainer.strategy.features.sync.outer_steps)
+        strategy = _strategy(DiLoCo(every=EVERY), topology="two_tier", hetero=HeteroBatching(batch_sizes=[14, 6, 4, 8]))
+        model = Net()
+        _, record = _fit(strategy, world, hosts=2, epochs=EPOCHS, model=model)
+        out["hetero"] = (record.params, model.seen)
+    return out
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from _tensors(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _tensors(value)
+
+
+@pytest.fixture(scope="module")
+def flat2(tmp_path_factory):
+    return run_ranks(_run_flat, 2, str(tmp_path_factory.mktemp("sync2")), deadline_s=240)
+
+
+@pytest.fixture(scope="module")
+def flat3(tmp_path_factory):
+    return run_ranks(_run_flat, 3, str(tmp_path_factory.mktemp("sync3")), deadline_s=180)
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    return run_ranks(_run_hosts, 4, str(tmp_path_factory.mktemp("sync4")), deadline_s=240)
+
+
+def _check_replay(runs, world, hosts_, optimizer):
+    expected, workers = replay(world, hosts_, optimizer)
+    got = [runs[rank][("replay", optimizer)] for rank in range(world)]
+    for w, ranks in enumerate(workers):
+        for rank in ranks:
+            assert len(got[rank]) == len(expected[w])
+            for step, (a, b) in enumerate(zip(got[rank], expected[w]), start=1):
+                assert _close(a, b), f"rank {rank} (worker {w}) step {step}: {(a - b).abs().max():.3g} from the replay"
+    # ranks of one worker bit-identical after every step; every rank after every sync
+    for step in range(len(expected[0])):
+        for ranks in workers:
+            assert all(torch.equal(got[rank][step], got[ranks[0]][step]) for rank in ranks)
+        if (step + 1) % EVERY == 0:
+            assert all(torch.equal(got[rank][step], got[0][step]) for rank in range(world)), f"step {step + 1}"
+
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("optimizer", ("sgd", "adamw"))
+def test_two_flat_ranks_replay_diloco(flat2, optimizer):
+    _check_replay(flat2, 2, 1, optimizer)
+
+
+@pytest.mark.parametrize("optimizer", ("sgd", "adamw"))
+def test_three_flat_ranks_replay_diloco(flat3, optimizer):
+    _check_replay(flat3, 3, 1, optimizer)
+
+
+@pytest.mark.parametrize("optimizer", ("sgd", "adamw"))
+def test_two_hosts_of_two_replay_diloco(hosts, optimizer):
+    _check_replay(hosts, 4, 2, optimizer)
+
+
+def test_hetero_batches_weigh_ranks_and_workers_by_samples(hosts):
+    seen = [hosts[rank]["hetero"][1] for rank in range(4)]
+    assert [len(bx) for bx, _ in seen[0][:2]] == [14, 14] and [len(bx) for bx, _ in seen[2][:2]] == [4, 4]
+    expected, workers = replay(4, 2, batches=seen)
+    for w, ranks in enumerate(workers):
+        for rank in ranks:
+            got = hosts[rank]["hetero"][0]
+            assert len(got) == len(expected[w])
+            for step, (a, b) in enumerate(zip(got, expected[w]), start=1):
+                assert _close(a, b), f"rank {rank} step {step}: {(a - b).abs().max():.3g} from the replay"
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_every_compressor_carries_the_pseudo_gradient(flat2, name):
+    params, residuals, outer_steps, metrics = flat2[0][("compressor", name)]
+    assert outer_steps == len(params) // EVERY == 3
+    for step in range(EVERY - 1, len(params), EVERY):
+        assert torch.equal(params[step], flat2[1][("compressor", name)][0][step])
+    assert all(torch.isfinite(p).all() for p in params)
+    start, dense = _flat(Net()), flat2[0][("compressor", "none")][0][-1]
+    # the same descent as the dense sync (top-k at 5% moves 3 syncs x 5% of the entries: the lowest, ~0.78)
+    assert torch.nn.functional.cosine_similarity(params[-1] - start, dense - start, dim=0) > 0.7
+    if name in ("int8", "topk", "threshold", "powersgd"):
+        assert residuals > 0, f"{name}: no error-feedback residual carried between syncs"
+    assert metrics["sync/outer_steps"] == 3 and metrics["sync/bytes_per_sync"] > 0
+    dense_bytes = flat2[0][("compressor", "none")][3]["sync/bytes_per_sync"]
+    smaller = {"int8": 2.5, "topk": 3, "powersgd": 3}  # int8: 1 byte + a float scale per 512 of 709 elements
+    if name in smaller:
+        assert metrics["sync/bytes_per_sync"] < dense_bytes / smaller[name]
+
+
+@pytest.mark.parametrize("name", ("int8", "topk", "powersgd"))
+def test_two_tier_compressed_pseudo_gradient_identical_on_every_rank_after_a_sync(hosts, name):
+    params, outer_steps = hosts[0][("compressor", name)]
+    assert outer_steps == len(params) // EVERY == 1
+    for rank in range(1, 4):
+        for step in range(EVERY - 1, len(params), EVERY):
+            assert torch.equal(hosts[rank][("compressor", name)][0][step], params[step])
+
+
+@pytest.mark.parametrize("sync", (None, "every_step"))
+def test_every_step_is_todays_default_bit_for_bit(flat2, sync):
+    for rank in range(2):
+        default = flat2[rank]["default"]
+        assert len(default) == len(flat2[rank][("every_step", sync)])
+        assert all(torch.equal(a, b) for a, b in zip(default, flat2[rank][("every_step", sync)]))
+
+
+@pytest.mark.parametrize("run", ("skip", "skip_unarmed"))
+def test_a_non_finite_pseudo_gradient_skips_the_outer_step_on_every_rank(flat2, run):
+    params = [flat2[rank][run][0] for rank in range(2)]
+    # the sync after step 8 is skipped: every rank restarts from theta_global of the sync after step 4
+    assert torch.equal(params[0][7], params[1][7]) and torch.equal(params[0][7], params[0][3])
+    assert all(torch.isfinite(p).all() for rank in range(2) for p in params[rank][7:])
+    assert not torch.isfinite(params[1][6]).all() and torch.isfinite(params[0][6]).all()
+
+
+def test_nan_recovery_hears_of_the_skipped_outer_step(flat2):
+    # the poisoned weight saturates a tanh: rank 1's losses and gradients stay finite, only the sync sees it
+    assert [flat2[rank]["skip"][1] for rank in range(2)] == [1, 1]
+
+
+def test_a_non_finite_loss_skips_the_inner_step_of_its_worker_alone(flat2):
+    params = [flat2[rank]["inner_skip"][0] for rank in range(2)]
+    assert [flat2[rank]["inner_skip"][1] for rank in range(2)] == [0, 1]
+    assert torch.equal(params[1][5], params[1][4]) and not torch.equal(params[0][5], params[0][4])
+    assert torch.equal(params[0][7], params[1][7]) and not torch.equal(params[0][7], params[0][3])  # synced
+    assert all(torch.isfinite(p).all() for rank in range(2) for p in params[rank])
+
+
+def test_resume_mid_cycle_ends_bit_identical(flat2):
+    for rank in range(2):
+        resumed, whole = flat2[rank]["resumed"], flat2[rank]["uninterrupted"]
+        assert len(resumed) == len(whole) // 2
+        assert all(torch.equal(a, b) for a, b in zip(resumed, whole[len(whole) // 2:])), f"rank {rank}"
+    assert flat2[0]["checkpoint"].startswith("DiLoCo(every=4")
+
+
+def test_sync_metrics_logged_after_every_sync(flat2):
+    logged = [(step, metrics) for step, metrics in flat2[0]["logged"] if "sync/outer_steps" in metrics]
+    assert [step for step, _ in logged] == [4]
+    metrics = logged[0][1]
+    assert metrics["sync/outer_steps"] == 1 and metrics["sync/bytes_per_sync"] > 0
+    assert math.isfinite(metrics["sync/pseudo_grad_norm"]) and metrics["sync/pseudo_grad_norm"] > 0
+    assert metrics["sync/seconds"] > 0
