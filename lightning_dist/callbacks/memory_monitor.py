@@ -196,7 +196,9 @@ class MemoryMonitor(Callback):
                              compressor=features.compressor if features is not None else None,
                              world_size=trainer.world_size, transport_buffers=features is not None,
                              two_tier_ranks_per_host=topology.ranks_per_host
-                             if topology is not None and topology.kind == "two_tier" else 0)
+                             if topology is not None and topology.kind == "two_tier" else 0,
+                             sync_bytes=features.sync.memory_bytes()
+                             if features is not None and features.sync is not None else 0)
         est = estimate_memory(pl_module, trainer.optimizers, comm, activation_bytes=activations,
                               largest_activation=largest)
         for callback in trainer.callbacks:  # callbacks that hold copies (NaNRecovery's snapshot) say how much

@@ -235,15 +235,19 @@ class CommSetup:
     # ring_ddp's two-tier reduction: the ranks per host (0: flat). Each bucket's parts are kept rearranged, and the
     # compressor holds state for this rank's part of every bucket only
     two_tier_ranks_per_host: int = 0
+    # syncing every H steps (lightning_dist.sync.DiLoCoSync.memory_bytes): theta_global and the outer momentum (two
+    # parameter copies), the exchange's flat buckets, the pseudo-gradient compressor's state; 0 without DiLoCo
+    sync_bytes: int = 0
 
 
 def comm_setup_of(model: torch.nn.Module, compressor: Any = None, world_size: int = 1,
-                  transport_buffers: bool = False, two_tier_ranks_per_host: int = 0) -> CommSetup:
+                  transport_buffers: bool = False, two_tier_ranks_per_host: int = 0,
+                  sync_bytes: int = 0) -> CommSetup:
     """Read DDP's bucket settings off the wrapped model (any other wrapper: no buckets)."""
     from torch.nn.parallel import DistributedDataParallel
 
     setup = CommSetup(compressor=compressor, world_size=world_size, transport_buffers=transport_buffers,
-                      two_tier_ranks_per_host=two_tier_ranks_per_host)
+                      two_tier_ranks_per_host=two_tier_ranks_per_host, sync_bytes=sync_bytes)
     if isinstance(model, DistributedDataParallel):
         setup.buckets_are_views, setup.has_buckets = bool(model.gradient_as_bucket_view), True
         setup.bucket_cap_bytes = int(model.bucket_bytes_cap)
@@ -278,6 +282,10 @@ def estimate_memory(module: torch.nn.Module, optimizers: Iterable[torch.optim.Op
     est.parts["optimizer_state"], est.notes["optimizer_state"] = state, "; ".join(how_state)
     est.parts["optimizer_step"], est.notes["optimizer_step"] = transient, "; ".join(how_transient)
     _comm_parts(est, params, comm, grads)
+    if comm.sync_bytes:
+        est.parts["sync_state"] = int(comm.sync_bytes)
+        est.notes["sync_state"] = ("DiLoCo: theta_global and the outer momentum (two parameter copies), the "
+                                   "pseudo-gradient's buckets and its compressor's state")
     if activation_bytes is None:
         est.notes["activations"] = "not measured yet (the first forward pass measures them)"
     else:

@@ -223,7 +223,8 @@ class DiLoCoSync:
         started = time.perf_counter()
         recorder = stats.tier(tier) if stats is not None else None
         sent_before = stats.bytes_sent if stats is not None else 0
-        transport = Transport(self.algorithm, self.cross_group, recorder)
+        # one worker (one rank, or one host of a two_tier topology refused earlier): its sum is itself
+        transport = Transport(self.algorithm, self.cross_group, recorder) if self.workers.count > 1 else None
         codec = NoCompressor() if self.compressor.warming_up else self.compressor
         weight = self.weight()
         locally_finite = True
@@ -261,7 +262,7 @@ class DiLoCoSync:
                         "sync/pseudo_grad_norm": norm}
         return result
 
-    def _reduce(self, bucket: _Bucket, codec: Compressor, transport: Transport, weight: float) -> bool:
+    def _reduce(self, bucket: _Bucket, codec: Compressor, transport: Optional[Transport], weight: float) -> bool:
         """The bucket's weighted pseudo-gradient summed over the workers into ``bucket.flat`` (the same bits on
         every rank); whether this rank's own contribution was finite."""
         flat = bucket.flat
@@ -272,7 +273,8 @@ class DiLoCoSync:
         plan = bucket.plan
         if plan is None:
             finite = _sentinel(flat)
-            codec.reduce(flat, bucket.layout, transport)
+            if transport is not None:
+                codec.reduce(flat, bucket.layout, transport)
             return finite
         # two_tier: this rank's part across hosts, then every part back from the host's ranks
         parts = torch.zeros(plan.width * self.workers.local_size, dtype=flat.dtype, device=flat.device)
@@ -286,13 +288,13 @@ class DiLoCoSync:
         torch.cat([parts[a:b] for a, b in plan.scatter], out=flat)
         return finite
 
-    def _average_buffers(self, transport: Transport) -> None:
+    def _average_buffers(self, transport: Optional[Transport]) -> None:
         """Every buffer becomes the mean over the workers (a host's ranks hold the same buffers: each part's group
         averages them alike)."""
         count = self.workers.count
         for (_, buf), keep in zip(self._buffers, self._global_buffers):
             total = buf.detach().clone()
-            if count > 1 and total.is_floating_point():
+            if transport is not None and total.is_floating_point():
                 transport.allreduce_(total.view(-1))
                 total.div_(count)
             elif count > 1:
