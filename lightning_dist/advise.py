@@ -34,6 +34,19 @@ competes with backward for the cores (on a loaded CPU the prediction is optimist
 compression benchmark's digits measurement (:data:`lightning_dist.benchmarks.compression.ACCURACY_COST`), not this
 model's. Rank zero prints the table and writes ``advise.json`` into the run's output directory.
 
+Below the compressors, DiLoCo's rows (:func:`sync_predictions`; syncing every H steps, :mod:`lightning_dist.sync`):
+between syncs a worker exchanges nothing with the others, so a step is the compute-only step; every H-th step also
+moves the whole model's pseudo-gradient between the workers, which costs what one step's gradient costs through the
+same compressor (the buckets hold every trained parameter), now once per H steps. Per step: the compute-only step plus
+the sync's coding and wire over H, and the sync's bytes over H, dense and with each pseudo-gradient codec
+(:data:`SYNC_CODECS`, and ``sync.compressor`` when configured). H is ``sync.every`` under ``sync=diloco``, else
+DiLoCo's default (the row's label says which). A worker is a rank under ``flat``; under ``two_tier`` it is a host:
+each rank's part of the buckets (:meth:`BucketLayout.split`) goes through the codec across hosts, as DiLoCo sends
+it, and the bytes are the host's (its ranks' parts together). DiLoCo changes the optimisation itself, so its rows
+quote no accuracy cost: its quality is what the ``sync`` benchmark measures (docs/sync.md). Left out: the outer
+step (a few elementwise passes over the parameters), and under ``two_tier`` the host's own all-reduce on the fast
+links every step and its all-gather after a sync.
+
 :class:`Advisor` is the callback that measures (``AdviseCallback``, its name before one naming rule for callbacks,
 still imports for one release, with a ``DeprecationWarning``).
 """
@@ -68,6 +81,7 @@ from lightning_dist.compression import COMPRESSORS, BucketLayout, Transport, bui
 from lightning_dist.compression.registry import error_feedback_default
 from lightning_dist.config import StrategyConf, resolve_devices
 from lightning_dist.strategy import BucketObserver, RingDDPStrategy, features_of
+from lightning_dist.sync import DiLoCo
 from lightning_dist.train import build, hydra_command, hydra_main
 
 
@@ -146,19 +160,93 @@ def predictions(measured: dict[str, Any], codecs: dict[str, dict[str, list[float
     return out
 
 
+# -- DiLoCo's rows (pure) --------------------------------------------------------------------------------------
+# the pseudo-gradient codecs shown beside dense (the sync benchmark's: int8 as INTELLECT-1 sends it, top-k as
+# SparseLoCo), when advise measured them; a configured sync.compressor is shown too
+SYNC_CODECS = ("int8", "topk")
+# DiLoCo changes the optimisation (workers drift apart for H steps), so a per-step compressor's accuracy cost does not
+# apply; what is known is measured on the LM workload by the sync benchmark
+SYNC_QUALITY = "quality: benchmarks.sync, see docs/sync.md"
+
+
+@dataclass
+class SyncAdvice:
+    """What DiLoCo's rows predict for: H, whether ``sync=diloco`` chose it, and the pseudo-gradient codecs."""
+
+    every: int = DiLoCo.every  # H: inner steps between syncs
+    configured: bool = False  # True: sync=diloco's sync.every; False: DiLoCo's default, shown for comparison
+    codecs: list[str] = field(default_factory=lambda: [DENSE, *SYNC_CODECS])  # advise candidates' labels
+
+    def label(self, codec: str) -> str:
+        return f"diloco H={self.every}" + ("" if codec == DENSE else f" {codec}")
+
+    def origin(self) -> str:
+        return ("sync.every" if self.configured else
+                "DiLoCo's default; lightning-dist-advise sync=diloco sync.every=H for yours")
+
+
+def sync_predictions(measured: dict[str, Any], codecs: dict[str, dict[str, list[float]]], sync: SyncAdvice,
+                     dense_step_s: Optional[float], bytes_scale: float = 1.0) -> dict[str, dict[str, Any]]:
+    """DiLoCo's rows: per pseudo-gradient codec, the sync's figures and their share of each of H steps.
+
+    A step without a sync is the compute-only step (no exchange between workers); the sync moves the whole model's
+    pseudo-gradient, i.e. every bucket, through the codec, after the optimizer step (nothing to overlap with). So per
+    step: ``compute_s + (coding + wire) / H`` seconds and ``bytes / H``.
+
+    Args:
+        measured: the dense step (``compute_s``).
+        codecs: per label, per bucket ``coding_s``, ``wire_s`` and ``bytes`` of the reduction between workers.
+        sync: H and the codecs' labels (those ``codecs`` lacks are left out).
+        dense_step_s: the predicted dense every-step step, the speed-ups' base (None: no speed-up).
+        bytes_scale: a worker's bytes per byte measured (under two_tier the host's ranks each send a part: the
+            ranks per host).
+    """
+    out: dict[str, dict[str, Any]] = {}
+    every = sync.every
+    for codec in sync.codecs:
+        if codec not in codecs:
+            continue
+        c = codecs[codec]
+        coding_s, wire_s = sum(c["coding_s"]), sum(c["wire_s"])
+        sync_bytes = bytes_scale * sum(c["bytes"])
+        step_s = measured["compute_s"] + (coding_s + wire_s) / every
+        out[sync.label(codec)] = {
+            "every": every, "every_from": sync.origin(), "compressor": codec, "sync_bytes": sync_bytes,
+            "sync_s": coding_s + wire_s, "bytes_per_step": sync_bytes / every, "coding_s": coding_s / every,
+            "wire_s": wire_s / every, "predicted_step_s": step_s,
+            "speedup_vs_dense": dense_step_s / step_s if dense_step_s and step_s else None, "quality": SYNC_QUALITY}
+    return out
+
+
 def table(report: dict[str, Any]) -> str:
-    """The rows rank zero prints: one per compressor, dense's measured step above them."""
+    """The rows rank zero prints: one per compressor, dense's measured step above them, DiLoCo's rows below."""
     m = report["measured"]
+    sync = report.get("sync", {})
+    width = max([12, *(len(label) + 2 for label in sync.get("rows", {}))])
     lines = [f"measured dense step {1e3 * m['step_s']:.1f} ms (compute {1e3 * m['compute_s']:.1f} ms, exposed "
              f"comm {1e3 * m['exposed_s']:.1f} ms), {len(m['ready_s'])} bucket(s), {report['world_size']} ranks",
-             f"{'compressor':<12}{'MB/step':>10}{'coding ms':>11}{'wire ms':>9}{'step ms':>9}{'speed-up':>10}"
+             f"{'compressor':<{width}}{'MB/step':>10}{'coding ms':>11}{'wire ms':>9}{'step ms':>9}{'speed-up':>10}"
              "  digits val acc vs dense (docs)"]
+
+    def row(label: str, r: dict[str, Any], quality: str, megabytes: str) -> str:
+        return (f"{label:<{width}}{megabytes:>10}{1e3 * r['coding_s']:>11.1f}"
+                f"{1e3 * r['wire_s']:>9.1f}{1e3 * r['predicted_step_s']:>9.1f}"
+                f"{r['speedup_vs_dense'] or float('nan'):>9.2f}x  {quality}")
+
     for name, r in report["compressors"].items():
         cost = r["accuracy_cost_pt"]
-        acc = "-" if cost is None else f"{cost:+.2f} pt ({r['accuracy_measured_at']})"
-        lines.append(f"{name:<12}{r['bytes_per_step'] / 1e6:>10.3f}{1e3 * r['coding_s']:>11.1f}"
-                     f"{1e3 * r['wire_s']:>9.1f}{1e3 * r['predicted_step_s']:>9.1f}"
-                     f"{r['speedup_vs_dense'] or float('nan'):>9.2f}x  {acc}")
+        lines.append(row(name, r, "-" if cost is None else f"{cost:+.2f} pt ({r['accuracy_measured_at']})",
+                         f"{r['bytes_per_step'] / 1e6:.3f}"))
+    if sync.get("rows"):
+        first = next(iter(sync["rows"].values()))
+        lines.append(f"DiLoCo: a sync every H={first['every']} steps ({first['every_from']}), {sync['workers']} "
+                     f"workers ({sync['worker']}s); per step: the sync's / H. It changes the optimisation, so no "
+                     "accuracy cost:")
+        for label, r in sync["rows"].items():
+            # a sync's bytes over H can be far below 1 kB: significant figures, not three decimals
+            mb = r["bytes_per_step"] / 1e6
+            per_sync = f"sync {r['sync_bytes'] / 1e6:.3f} MB in {1e3 * r['sync_s']:.1f} ms"
+            lines.append(row(label, r, f"{per_sync}; {r['quality']}", f"{mb:.3f}" if mb >= 0.01 else f"{mb:.1e}"))
     return "\n".join(lines)
 
 
@@ -171,12 +259,44 @@ def default_candidate(name: str) -> dict[str, Any]:
     return node
 
 
+def configured_sync(cfg: DictConfig) -> tuple[SyncAdvice, Optional[dict[str, Any]]]:
+    """DiLoCo's H for the rows and the configured pseudo-gradient compressor (``build_compressor`` arguments, None when
+    dense or not configured), from the ``sync`` group when ``sync=diloco`` is chosen, else DiLoCo's defaults."""
+    node = cfg.get("sync")  # .get: a config composed without the sync group has none
+    plain = OmegaConf.to_container(node, resolve=True, enum_to_str=True) if isinstance(node, DictConfig) else node
+    if isinstance(plain, str):
+        plain = {"name": plain}
+    # as DiLoCo's own as_sync reads it: a dict without a name is DiLoCo's settings
+    if not isinstance(plain, dict) or plain.get("name", "diloco") != "diloco":
+        return SyncAdvice(), None
+    every = plain.get("every", DiLoCo.every)
+    compressor = plain.get("compressor")
+    if isinstance(compressor, str):
+        compressor = default_candidate(compressor)
+    elif isinstance(compressor, dict):
+        compressor = {k: v for k, v in compressor.items() if k != "_target_"}
+    if compressor is not None and compressor.get("name", DENSE) == DENSE:
+        compressor = None
+    codecs = [DENSE, *SYNC_CODECS]
+    if compressor is not None and compressor["name"] not in codecs:
+        codecs.append(compressor["name"])
+    return SyncAdvice(every=every, configured=True, codecs=codecs), compressor
+
+
 def candidates(cfg: DictConfig) -> dict[str, dict[str, Any]]:
-    """``advise.compressors`` as ``{label: build_compressor arguments}``; dense first (the speed-ups' base)."""
+    """``advise.compressors`` as ``{label: build_compressor arguments}``; dense first (the speed-ups' base). A
+    configured ``compression`` or ``sync.compressor`` replaces its own name's defaults; the latter is measured even
+    when ``advise.compressors`` leaves it out (DiLoCo's row with it is what the user asked about)."""
     configured = OmegaConf.to_container(cfg.compression, resolve=True)
     configured.pop("_target_", None)
+    _, pseudo = configured_sync(cfg)
     names = [DENSE] + [n for n in cfg.advise.compressors if n != DENSE]
-    return {n: (dict(configured) if configured.get("name") == n else default_candidate(n)) for n in names}
+    if pseudo is not None and pseudo["name"] not in names:
+        names.append(pseudo["name"])
+    chosen = {n: (dict(configured) if configured.get("name") == n else default_candidate(n)) for n in names}
+    if pseudo is not None:
+        chosen[pseudo["name"]] = pseudo
+    return chosen
 
 
 def check(cfg: DictConfig) -> None:
@@ -242,10 +362,14 @@ class Advisor(Callback):
         candidates: ``{label: build_compressor arguments}``; the label ``none`` (dense) is the speed-ups' base.
         settings: warm-up and timed steps, rounds, timeout (:class:`AdviseConf`).
         path: where rank zero writes the report (JSON); None: nowhere.
+        sync: H and the pseudo-gradient codecs of DiLoCo's rows (None: DiLoCo's default H, dense, int8 and top-k
+            where they are candidates).
     """
 
-    def __init__(self, candidates: dict[str, dict[str, Any]], settings: AdviseConf, path: Optional[str]) -> None:
+    def __init__(self, candidates: dict[str, dict[str, Any]], settings: AdviseConf, path: Optional[str],
+                 sync: Optional[SyncAdvice] = None) -> None:
         self.candidates, self.settings, self.path = candidates, settings, path
+        self.sync = sync or SyncAdvice()
         self._ends: list[float] = []
         self._steps: list[dict[str, Any]] = []  # per timed step: step_s, ready_s, exposed_s
         self._backward_at = 0.0
@@ -288,19 +412,35 @@ class Advisor(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         buckets = list(self._recorder.buckets)
+        features = features_of(trainer.strategy)
+        topology = features.topology if features is not None else None
+        two_tier = topology is not None and topology.kind == "two_tier"
         group = dist.new_group(timeout=timedelta(seconds=self.settings.timeout_s))
         try:
             codecs = measure_codecs(self.candidates, buckets, trainer.strategy.algorithm, group, self.settings.rounds)
             measured = self._dense_step()
             measured, codecs = agree(measured, codecs, group)
+            # DiLoCo's workers are hosts: its sync runs across hosts, each rank carrying its part
+            across = self._across_hosts(trainer, topology, buckets) if two_tier else None
+            if across is not None:
+                _, across = agree(measured, across, group)
         finally:
             dist.destroy_process_group(group)
         for label, kwargs in self.candidates.items():
             codecs[label]["kwargs"] = kwargs
+        compressors = predictions(measured, codecs)
+        dense_s = compressors.get(DENSE, {}).get("predicted_step_s")
+        if across is not None:
+            rows = sync_predictions(measured, across, self.sync, dense_s, bytes_scale=topology.ranks_per_host)
+            workers, worker = len(topology.hosts), "host"
+        else:
+            rows = sync_predictions(measured, codecs, self.sync, dense_s)
+            workers, worker = trainer.world_size, "rank"
         self.report = {"world_size": trainer.world_size, "algorithm": trainer.strategy.algorithm,
                        "settings": asdict(self.settings),
                        "candidates": self.candidates, "measured": measured, "per_bucket": codecs,
-                       "compressors": predictions(measured, codecs)}
+                       "compressors": compressors,
+                       "sync": {**asdict(self.sync), "workers": workers, "worker": worker, "rows": rows}}
         if trainer.is_global_zero:
             print(table(self.report), flush=True)
             if self.path is not None:
@@ -309,6 +449,23 @@ class Advisor(Callback):
                     json.dump(self.report, fh, indent=2)
                 os.replace(tmp, self.path)
                 print(f"advise: {self.path}", flush=True)
+
+    def _across_hosts(self, trainer: pl.Trainer, topology: Any, buckets: Sequence[tuple[BucketLayout, torch.Tensor]]
+                      ) -> dict[str, dict[str, list[float]]]:
+        """DiLoCo's sync under two_tier: this rank's part of every bucket through each of DiLoCo's codecs, across hosts
+        (the ranks of this local index, one per host), as the parts cross at a sync. Totals per codec, one entry each
+        (ranks of different local indices may hold different numbers of non-empty parts)."""
+        timeout = timedelta(seconds=self.settings.timeout_s)
+        # a collective call (every rank makes every group, in order); this rank's own comes back
+        group = dist.new_subgroups_by_enumeration(topology.inter_groups(), timeout=timeout)[0]
+        try:
+            chosen = {label: self.candidates[label] for label in self.sync.codecs if label in self.candidates}
+            index = topology.local_index(trainer.global_rank)
+            per_part = measure_codecs(chosen, host_parts(buckets, topology.ranks_per_host, index),
+                                      trainer.strategy.algorithm, group, self.settings.rounds)
+        finally:
+            dist.destroy_process_group(group)
+        return {label: {key: [sum(values)] for key, values in figures.items()} for label, figures in per_part.items()}
 
     def _dense_step(self) -> dict[str, Any]:
         """Medians over the timed steps (per bucket for the ready times)."""
@@ -350,6 +507,18 @@ def measure_codecs(candidates: dict[str, dict[str, Any]], buckets: Sequence[tupl
                     for k, key in enumerate(("coding_s", "wire_s", "bytes"))} for label in labels}
 
 
+def host_parts(buckets: Sequence[tuple[BucketLayout, torch.Tensor]], parts: int, index: int
+               ) -> list[tuple[BucketLayout, torch.Tensor]]:
+    """Part ``index`` of ``parts`` of every bucket (:meth:`BucketLayout.split`: what the ``index``-th rank of a host
+    carries across hosts), as a contiguous tensor with its layout; empty parts left out."""
+    out = []
+    for layout, flat in buckets:
+        part, spans = layout.split(parts)[index]
+        if spans:
+            out.append((part, torch.cat([flat[a:b] for a, b in spans])))
+    return out
+
+
 def agree(measured: dict[str, Any], codecs: dict[str, dict[str, list[float]]], group: Any
           ) -> tuple[dict[str, Any], dict[str, dict[str, list[float]]]]:
     """Every figure as its maximum over the ranks (one all-reduce), so every rank predicts the same."""
@@ -384,14 +553,17 @@ def run(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
     settings = AdviseConf(**OmegaConf.to_container(cfg.advise, resolve=True))
     a = settings
     chosen = candidates(cfg)
+    sync, _ = configured_sync(cfg)
     cfg = copy.deepcopy(cfg)
     with open_dict(cfg):
         cfg.compression = {"_target_": "lightning_dist.compression.build_compressor", "name": "none"}
+        if cfg.get("sync") is not None:  # the dense step is measured syncing every step; DiLoCo's rows are predicted
+            cfg.sync = {"name": "every_step"}
         cfg.callbacks = {}  # no checkpoints, no per-step metrics: nothing but the measurement
         cfg.trainer.max_steps = a.warmup_steps + a.steps
         cfg.trainer.max_epochs = -1
     path = os.path.join(output_dir, "advise.json")
-    callback = Advisor(chosen, settings, path)
+    callback = Advisor(chosen, settings, path, sync)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     trainer, model, data = build(cfg, output_dir, time.time(), [callback], summary=False, trainer_overrides={
         "logger": False, "enable_checkpointing": False, "limit_val_batches": 0, "num_sanity_val_steps": 0,

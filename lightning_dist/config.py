@@ -3,6 +3,9 @@
 Registered in Hydra's ConfigStore as ``train_schema``; ``conf/config.yaml`` lists it first in its defaults,
 so a misspelt key (``trainer.max_epoch=3``) or a value of the wrong type (``trainer.devices=two``) fails in
 Hydra before anything is built, and :func:`validate` catches bad values that types cannot (``devices=0``).
+The groups whose options build different objects (``model``, ``data``, ``sync``) have one schema per option, stored
+in the group (``model/cnn_schema``: :data:`OPTION_SCHEMAS`), which the option's YAML lists in its own defaults, as
+Hydra's documentation recommends: ``model=lm model.channels=8`` fails in Hydra as ``model.chanels=8`` does.
 Before Hydra composes, :func:`complete_overrides` gives a setting given without its group the group it needs
 (``hetero.speeds=[3,1]``) or an error that names it (``compression.ratio=0.01``: ``compression=topk``).
 All of it happens in the launching process, before any rank starts.
@@ -22,18 +25,20 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import OverrideType
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from lightning_dist.comm.dispatch import ALGORITHMS
 from lightning_dist.comm.topology import TOPOLOGIES
+from lightning_dist.compression import COMPRESSORS
 from lightning_dist.launch import LaunchEnv, connect_store
 from lightning_dist.strategy.ring_ddp import START_METHODS
+from lightning_dist.sync import as_sync
 
 RUN_DIR_TIMEOUT_S = 120.0  # how long the other ranks wait for rank 0 to name a static torchrun rendezvous's run
 # groups whose options are plain dicts with settings of their own (one file per option in conf/<group>/), and the
 # option a setting given without its group selects (a user who sets hetero.speeds wants heterogeneous batching;
-# a compression setting alone is refused, as choosing a compressor is not a detail)
-SETTING_GROUPS = {"compression": None, "hetero": "balanced"}
+# a compression or DiLoCo setting alone is refused, as choosing a compressor or to sync rarely is not a detail)
+SETTING_GROUPS = {"compression": None, "hetero": "balanced", "sync": None}
 
 
 def _choices(name: str, values: Sequence[str]) -> type[Enum]:
@@ -84,22 +89,73 @@ class StrategyConf:
     process_group_backend: Optional[str] = None  # None: gloo on CPU, nccl on CUDA
 
 
+# The per-option schemas: types only. The values, each with its comment, are in the option's YAML (conf/<group>/), so
+# that a default lives in one place; an option's YAML that lacks a key fails as a missing value.
+
+
 @dataclass
-class ModelConf:
+class DigitsCNNConf:  # model=cnn
     _target_: str = "lightning_dist.examples.cnn.DigitsCNN"
-    lr: float = 3e-3
-    channels: int = 16
-    hidden: int = 32
-    weight_decay: float = 0.0
+    lr: float = MISSING
+    channels: int = MISSING
+    hidden: int = MISSING
+    weight_decay: float = MISSING
 
 
 @dataclass
-class DataConf:
+class ByteLMConf:  # model=lm
+    _target_: str = "lightning_dist.examples.lm.ByteLM"
+    lr: float = MISSING
+    width: int = MISSING
+    depth: int = MISSING
+    heads: int = MISSING
+    context: int = MISSING
+    weight_decay: float = MISSING
+    warmup_steps: int = MISSING
+
+
+@dataclass
+class DigitsDataConf:  # data=digits
     _target_: str = "lightning_dist.examples.digits.DigitsDataModule"
-    batch_size: int = 32  # per rank
-    val_fraction: float = 0.2
-    num_workers: int = 0
-    seed: int = 0
+    batch_size: int = MISSING  # per rank
+    val_fraction: float = MISSING
+    num_workers: int = MISSING
+    seed: int = MISSING
+
+
+@dataclass
+class StdlibTextConf:  # data=stdlib
+    _target_: str = "lightning_dist.examples.lm.StdlibText"
+    context: int = MISSING
+    batch_size: int = MISSING  # per rank
+    val_fraction: float = MISSING
+    max_train_bytes: Optional[int] = MISSING
+    max_val_bytes: Optional[int] = MISSING
+    seed: int = MISSING
+    num_workers: int = MISSING
+    root: Optional[str] = MISSING
+
+
+@dataclass
+class EveryStepConf:  # sync=every_step
+    name: str = "every_step"
+
+
+@dataclass
+class DiLoCoConf:  # sync=diloco: lightning_dist.sync.DiLoCo's arguments
+    name: str = "diloco"
+    every: int = MISSING
+    outer_lr: float = MISSING
+    outer_momentum: float = MISSING
+    compressor: Any = MISSING  # null, a compressor's name or a dict of build_compressor's arguments
+
+
+# group -> option -> its schema, stored in the group as "<option>_schema" (the option's YAML lists it in its defaults)
+OPTION_SCHEMAS: dict[str, dict[str, type]] = {
+    "model": {"cnn": DigitsCNNConf, "lm": ByteLMConf},
+    "data": {"digits": DigitsDataConf, "stdlib": StdlibTextConf},
+    "sync": {"every_step": EveryStepConf, "diloco": DiLoCoConf},
+}
 
 
 @dataclass
@@ -116,14 +172,18 @@ class PerfConf:
 class TrainConf:
     trainer: TrainerConf = field(default_factory=TrainerConf)
     strategy: StrategyConf = field(default_factory=StrategyConf)
-    model: ModelConf = field(default_factory=ModelConf)
-    data: DataConf = field(default_factory=DataConf)
+    # one option of each group, typed by its own schema (OPTION_SCHEMAS); Any here, or the merge would check every
+    # option against one schema
+    model: Any = MISSING
+    data: Any = MISSING
     perf: PerfConf = field(default_factory=PerfConf)
     # build_compressor's arguments, {_target_, name, ...}: one file per compressor in conf/compression/
     compression: dict[str, Any] = field(default_factory=lambda: {
         "_target_": "lightning_dist.compression.build_compressor", "name": "none"})
     # HeteroBatching's arguments plus `enabled` (conf/hetero/: none, balanced)
     hetero: dict[str, Any] = field(default_factory=lambda: {"enabled": False})
+    # how often the workers sync: {name: every_step} or DiLoCo's arguments with name: diloco (conf/sync/)
+    sync: Any = MISSING
     callbacks: dict[str, Any] = field(default_factory=dict)  # name -> {_target_: ..., ...}
     seed: int = 0
     ckpt_path: Optional[str] = None  # resume from this checkpoint (a path)
@@ -135,7 +195,7 @@ class TrainConf:
 
 def stock_ddp_strategy(timeout: float, algorithm: Optional[str] = None, overlap: Optional[bool] = None,
                        compressor: Any = None, hetero: Any = None, topology: Optional[str] = None,
-                       **kwargs: Any) -> Any:
+                       sync: Any = None, **kwargs: Any) -> Any:
     """Lightning's own DDPStrategy from the same keys, for side-by-side runs (``strategy=ddp``)."""
     from datetime import timedelta
 
@@ -154,11 +214,21 @@ def stock_ddp_strategy(timeout: float, algorithm: Optional[str] = None, overlap:
                          "are on CPU); drop compression= or use strategy=ring_ddp")
     if hetero:
         raise ValueError("hetero=balanced needs strategy=ring_ddp; drop hetero= or use strategy=ring_ddp")
+    if as_sync(sync) is not None:
+        raise ValueError(_DILOCO_NEEDS_RING_DDP)
     return DDPStrategy(timeout=timedelta(seconds=timeout), **kwargs)
 
 
+_DILOCO_NEEDS_RING_DDP = ("sync=diloco needs strategy=ring_ddp (stock ddp all-reduces every step and has no outer "
+                          "loop); drop sync= or use strategy=ring_ddp")
+
+
 def register_configs() -> None:
-    ConfigStore.instance().store(name="train_schema", node=TrainConf)
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainConf)
+    for group, schemas in OPTION_SCHEMAS.items():
+        for option, schema in schemas.items():
+            store.store(group=group, name=f"{option}_schema", node=schema)
 
 
 def complete_overrides(overrides: Sequence[str]) -> list[str]:
@@ -232,7 +302,8 @@ def _options(group: str) -> tuple[str, ...]:
 
 @functools.cache
 def _option_keys(group: str, option: str) -> frozenset[str]:
-    return frozenset(OmegaConf.create((_conf() / group / f"{option}.yaml").read_text()).keys())
+    keys = OmegaConf.create((_conf() / group / f"{option}.yaml").read_text()).keys()
+    return frozenset(keys) - {"defaults"}  # the option's schema, not a setting
 
 
 @functools.cache
@@ -347,13 +418,16 @@ def validate(cfg: DictConfig) -> None:
         problems.append(f"strategy.timeout={cfg.strategy.timeout}: seconds, > 0 (default 1800)")
     nodes = LaunchEnv.current().num_nodes or t.num_nodes  # the launcher's count wins (resolve_num_nodes)
     if _value(cfg.strategy.get("topology")) == "two_tier" and nodes < 2:
-        problems.append(f"strategy.topology=two_tier on {nodes} node: it needs 2 or more hosts; use "
+        one_worker = " (with sync=diloco a worker is a host: one worker, nothing to sync)" if _diloco(cfg) else ""
+        problems.append(f"strategy.topology=two_tier on {nodes} node: it needs 2 or more hosts{one_worker}; use "
                         "strategy.topology=auto (two_tier where it applies) or flat")
     if t.accelerator == "cpu" and isinstance(devices, int) and devices > (os.cpu_count() or 1) * 4:
         problems.append(
             f"trainer.devices={t.devices} CPU processes on {os.cpu_count()} cores would crawl; "
             "use at most a few per core"
         )
+    problems += _sync_problems(cfg)
+    problems += _workload_problems(cfg)
     problems += _hetero_problems(cfg)
     problems += _nan_recovery_problems(cfg)
     problems += _memory_monitor_problems(cfg)
@@ -366,6 +440,57 @@ def validate(cfg: DictConfig) -> None:
 def _value(option: Any) -> Any:
     """An enum option's value (structured configs hold enums), anything else as it is."""
     return getattr(option, "value", option)
+
+
+def _diloco(cfg: DictConfig) -> bool:
+    return (cfg.get("sync") or {}).get("name") == "diloco"
+
+
+def _sync_problems(cfg: DictConfig) -> list[str]:
+    """sync.*: DiLoCo's own checks (``every >= 1``, the compressor's name and settings), and what it needs beside."""
+    sync = cfg.get("sync")
+    if sync is None:
+        return []
+    compressor = sync.get("compressor")
+    if isinstance(compressor, str) and compressor not in COMPRESSORS:  # (DiLoCo's own message names compression=)
+        return [f"sync.compressor={compressor}: use a compressor's name ({', '.join(sorted(COMPRESSORS))}), e.g. "
+                "sync.compressor=int8, or null (dense)"]
+    try:
+        settings = as_sync(OmegaConf.to_container(sync, resolve=True, enum_to_str=True))
+    except ValueError as err:
+        return [f"sync: {err}"]
+    if settings is None:
+        return []
+    problems = []
+    if cfg.strategy.get("_target_", "") != StrategyConf._target_:
+        problems.append(_DILOCO_NEEDS_RING_DDP)
+    compression = (cfg.get("compression") or {}).get("name", "none")
+    if compression != "none":
+        problems.append(f"sync=diloco with compression={compression}: between syncs nothing travels across workers, "
+                        f"so there is no per-step gradient to compress; compress the pseudo-gradient instead: "
+                        f"sync.compressor={compression} (and drop compression=)")
+    return problems
+
+
+def _workload_problems(cfg: DictConfig) -> list[str]:
+    """model and data that fit each other: byte windows for the byte-level LM, and no window longer than its
+    positions."""
+    model, data = cfg.get("model") or {}, cfg.get("data") or {}
+    takes_bytes, gives_bytes = "context" in model, "context" in data
+    if takes_bytes != gives_bytes:
+        return [f"{_option_of('model', model)} with {_option_of('data', data)}: the byte-level LM reads byte windows "
+                "and nothing else does; use model=lm data=stdlib, or model=cnn data=digits"]
+    if takes_bytes and data.context > model.context:
+        return [f"data.context={data.context} is longer than model.context={model.context} (the positions the model "
+                f"learns); set model.context={data.context} or data.context={model.context}"]
+    return []
+
+
+def _option_of(group: str, node: Any) -> str:
+    """``model=lm`` for a node built from that option (found by its ``_target_``), else ``model._target_=...``."""
+    target = node.get("_target_")
+    option = next((name for name, schema in OPTION_SCHEMAS[group].items() if schema._target_ == target), None)
+    return f"{group}={option}" if option else f"{group}._target_={target}"
 
 
 def _callback_problems(cfg: DictConfig, name: str, cls: type, check: Any) -> list[str]:

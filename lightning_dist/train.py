@@ -12,6 +12,7 @@ schema first), so a bad key or value fails before any rank starts. Examples::
     lightning-dist-train compression=topk compression.ratio=0.01   # 1% of each layer, error feedback
     lightning-dist-train compression=powersgd compression.rank=4
     lightning-dist-train hetero.speeds=[3,1]               # per-rank batches 48 and 16 (hetero=balanced)
+    lightning-dist-train model=lm data=stdlib sync=diloco sync.every=50 sync.compressor=int8   # DiLoCo
     lightning-dist-train strategy=ddp                      # Lightning's stock DDP, same everything else
     lightning-dist-train ckpt_path=outputs/.../checkpoints/last.ckpt trainer.max_epochs=20   # resume
     lightning-dist-train -m strategy.algorithm=ring,tree   # a sweep, one run after the other
@@ -101,8 +102,11 @@ class RunSummaryCallback(Callback):
             # gradient payload bytes rank zero sent over the run (every rank sends about the same)
             "bytes_sent_rank0": totals.get("bytes_sent", 0.0),
             "dense_bytes_rank0": totals.get("dense_bytes", 0.0),  # what the dense fp32 ring would have sent
+            # None under sync=DiLoCo: no gradient bucket is exchanged, so there is no dense figure to compare with
             "compression_ratio": (totals["dense_bytes"] / totals["bytes_sent"]
-                                  if totals.get("bytes_sent") and "dense_bytes" in totals else 1.0),
+                                  if totals.get("bytes_sent") and totals.get("dense_bytes") else
+                                  None if features is not None and features.sync is not None else 1.0),
+            "sync": features.sync.settings.describe() if features is not None and features.sync is not None else None,
             "compressor": features.compressor.describe() if features is not None else "none",
             # how the gradients travelled (flat or two_tier, the ranks on each host) and rank zero's bytes per tier
             "topology": ({"kind": features.topology.kind, "hosts": [list(h) for h in features.topology.hosts]}
@@ -138,7 +142,10 @@ def build(
     data = instantiate(plain["data"])
     compressor = instantiate(plain["compression"])  # checks its arguments here, before any rank starts
     hetero = plain["hetero"] if plain["hetero"].get("enabled") else None
-    strategy = instantiate(plain["strategy"], compressor=compressor, hetero=hetero)
+    # sync as a plain dict ({name: every_step} or DiLoCo's arguments, checked by the strategy here): "partial" keeps
+    # Hydra from handing the strategy its DictConfig
+    strategy = instantiate(plain["strategy"], compressor=compressor, hetero=hetero, sync=plain.get("sync"),
+                           _convert_="partial")
     callbacks: list[Callback] = []
     for name, node in (plain.get("callbacks") or {}).items():
         if not isinstance(node, dict) or "_target_" not in node:
@@ -191,8 +198,8 @@ def _train(cfg: DictConfig) -> float:
     summary = run(cfg, output_dir)
     metrics = summary.get("metrics", {})
     if summary:
-        accuracy = metrics.get("val/acc", float("nan"))
-        print(f"summary: {os.path.join(output_dir, 'summary.json')}  val/acc={accuracy:.4f}")
+        validation = "  ".join(f"{key}={value:.4f}" for key, value in sorted(metrics.items()) if key.startswith("val/"))
+        print(f"summary: {os.path.join(output_dir, 'summary.json')}  {validation}")
     return float(metrics.get("val/acc", 0.0))  # what a Hydra sweeper would maximise
 
 

@@ -6,12 +6,28 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
+from omegaconf import open_dict
 
 from lightning_dist import advise
-from lightning_dist.advise import accuracy_cost, candidates, check, predict_step, predictions, replay
-from lightning_dist.compression import COMPRESSORS
+from lightning_dist.advise import (
+    SYNC_QUALITY,
+    SyncAdvice,
+    accuracy_cost,
+    candidates,
+    check,
+    configured_sync,
+    host_parts,
+    predict_step,
+    predictions,
+    replay,
+    sync_predictions,
+    table,
+)
+from lightning_dist.compression import COMPRESSORS, BucketLayout
+from lightning_dist.sync import DiLoCo
 
 CLI = [sys.executable, "-m", "lightning_dist.advise"]
 
@@ -63,12 +79,84 @@ def test_accuracy_costs_match_the_settings_they_were_measured_at():
     assert {row[0] for row in advise.ACCURACY_COST} == set(COMPRESSORS)
 
 
+def test_diloco_rows_spread_one_sync_of_the_whole_model_over_h_steps():
+    measured = {"compute_s": 1.0, "ready_s": [0.2, 0.5]}
+    codecs = {"none": {"coding_s": [0.0, 0.0], "wire_s": [0.4, 0.4], "bytes": [800, 800]},
+              "int8": {"coding_s": [0.1, 0.1], "wire_s": [0.1, 0.1], "bytes": [200, 200]}}
+    dense = predictions(measured, codecs)["none"]["predicted_step_s"]  # 1.5: every step waits 0.5 for the wire
+    rows = sync_predictions(measured, codecs, SyncAdvice(every=10, codecs=["none", "int8", "topk"]), dense)
+    assert list(rows) == ["diloco H=10", "diloco H=10 int8"]  # topk was not measured: no row
+    plain, int8 = rows["diloco H=10"], rows["diloco H=10 int8"]
+    # a step: compute only (no exchange between workers); the sync: every bucket once, after the step, every 10 steps
+    assert plain["sync_s"] == pytest.approx(0.8) and plain["sync_bytes"] == 1600
+    assert plain["predicted_step_s"] == pytest.approx(1.0 + 0.8 / 10)
+    assert plain["bytes_per_step"] == pytest.approx(160)
+    assert (plain["coding_s"], plain["wire_s"]) == (pytest.approx(0.0), pytest.approx(0.08))
+    assert plain["speedup_vs_dense"] == pytest.approx(1.5 / 1.08)
+    assert int8["predicted_step_s"] == pytest.approx(1.04) and int8["bytes_per_step"] == pytest.approx(40)
+    assert int8["coding_s"] == pytest.approx(0.02) and int8["wire_s"] == pytest.approx(0.02)
+    # DiLoCo changes the optimisation: no per-step accuracy cost, a pointer to where its quality is measured
+    assert all(r["quality"] == SYNC_QUALITY and "docs/sync.md" in r["quality"] and "accuracy_cost_pt" not in r
+               for r in rows.values())
+    # under two_tier a worker is a host: each of its ranks carries a part across hosts
+    hosts = sync_predictions(measured, codecs, SyncAdvice(every=10, codecs=["none"]), dense, bytes_scale=2)
+    assert hosts["diloco H=10"]["bytes_per_step"] == pytest.approx(320)
+    assert hosts["diloco H=10"]["predicted_step_s"] == pytest.approx(1.08)
+    assert sync_predictions(measured, codecs, SyncAdvice(every=1), None)["diloco H=1"]["speedup_vs_dense"] is None
+
+
+def test_diloco_rows_in_the_table_say_where_h_comes_from():
+    measured = {"compute_s": 0.01, "step_s": 0.012, "exposed_s": 0.002, "ready_s": [0.005]}
+    codecs = {"none": {"coding_s": [0.0], "wire_s": [0.002], "bytes": [4000]}}
+    compressors = predictions(measured, codecs)
+    default = SyncAdvice()
+    report = {"measured": measured, "world_size": 2, "compressors": compressors,
+              "sync": {"workers": 2, "worker": "rank", "rows": sync_predictions(
+                  measured, codecs, default, compressors["none"]["predicted_step_s"])}}
+    text = table(report)
+    assert default.every == DiLoCo.every
+    assert f"\ndiloco H={DiLoCo.every} " in text and "DiLoCo's default" in text and "see docs/sync.md" in text
+    assert "2 workers (ranks)" in text
+    assert "\nnone " in text  # the compressors' rows unchanged above
+    assert "DiLoCo" not in table({**report, "sync": {}})  # a report without the rows (an older advise.json)
+
+
+def test_host_parts_are_what_each_rank_of_a_host_carries_across_hosts():
+    layout = BucketLayout.of([("w", torch.Size([4, 3])), ("b", torch.Size([3]))])
+    flat = torch.arange(15, dtype=torch.float32)
+    parts = [host_parts([(layout, flat)], 2, i) for i in range(2)]
+    assert [len(p) for p in parts] == [1, 1]
+    joined = torch.cat([p[0][1] for p in parts])
+    assert sorted(joined.tolist()) == flat.tolist()  # the parts cover the bucket once
+    assert parts[0][0][1].tolist() == [0, 1, 2, 3, 4, 5, 12, 13]  # rows 0-1 of w, then b's first two elements
+    assert parts[0][0][0].numel == 8
+    assert host_parts([(layout, flat)], 1, 0)[0][1].tolist() == flat.tolist()
+
+
 # -- settings ---------------------------------------------------------------------------------------------------
 def test_candidates_take_the_configs_defaults_and_the_configured_compressor():
     chosen = candidates(_compose("advise.compressors=[topk,int8]", "compression=topk", "compression.ratio=0.001"))
     assert list(chosen) == ["none", "topk", "int8"]  # dense first: the base of every speed-up
     assert chosen["topk"]["ratio"] == 0.001 and chosen["int8"]["chunk"] == 512
     assert set(candidates(_compose())) == set(COMPRESSORS)
+
+
+def test_the_sync_group_sets_h_and_adds_its_pseudo_gradient_codec():
+    cfg = _compose("advise.compressors=[int8]")
+    assert configured_sync(cfg) == (SyncAdvice(), None)  # sync=every_step: DiLoCo's default H, shown for comparison
+    cfg = _compose("advise.compressors=[int8]", "sync=diloco", "sync.every=20", "sync.compressor=powersgd")
+    sync, pseudo = configured_sync(cfg)
+    assert (sync.every, sync.configured, sync.codecs) == (20, True, ["none", "int8", "topk", "powersgd"])
+    assert "sync.every" in sync.origin() and pseudo["name"] == "powersgd" and pseudo["rank"] == 2
+    assert list(candidates(cfg)) == ["none", "int8", "powersgd"]  # measured although advise.compressors omits it
+    cfg = _compose("advise.compressors=[int8]", "sync=diloco", "sync.compressor={name:int8,chunk:128}")
+    assert candidates(cfg)["int8"]["chunk"] == 128  # the sync's settings, not the default's
+    cfg = _compose("advise.compressors=[int8]", "sync=diloco")
+    assert configured_sync(cfg)[1] is None and list(candidates(cfg)) == ["none", "int8"]
+    assert configured_sync(cfg)[0].every == DiLoCo.every  # conf/sync/diloco.yaml's H
+    with open_dict(cfg):  # a config composed without the sync group (an older conf/) has DiLoCo's default rows
+        del cfg["sync"]
+    assert configured_sync(cfg) == (SyncAdvice(), None)
 
 
 @pytest.mark.parametrize("overrides,match", [
@@ -101,8 +189,10 @@ def test_a_typo_in_the_advise_group_is_caught_by_the_schema():
 @pytest.mark.slow  # the command on 2 ranks
 @pytest.mark.timeout(120)
 def test_advise_on_two_local_ranks(tmp_path):
+    # under sync=diloco: the dense step is still measured syncing every step (a DiLoCo step would hand DDP no bucket)
     proc = subprocess.run(CLI + ["trainer.devices=2", "strategy.start_method=fork", "advise.steps=3",
-                                 "advise.rounds=2", f"hydra.run.dir={tmp_path}"],
+                                 "advise.rounds=2", "sync=diloco", "sync.every=20", "sync.compressor=int8",
+                                 f"hydra.run.dir={tmp_path}"],
                           capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "advise.json").read_text())
@@ -122,3 +212,14 @@ def test_advise_on_two_local_ranks(tmp_path):
     # the replay with the dense all-reduce timed on its own comes within a factor of the dense step it models
     assert 0.33 < rows["none"]["predicted_step_s"] / measured["step_s"] < 3.0
     assert all(r["predicted_step_s"] > 0 and r["accuracy_cost_pt"] is not None for r in rows.values())
+    # DiLoCo's rows: the configured H, each from the codec's measured reduction of every bucket
+    sync, every = report["sync"], 20
+    assert (sync["every"], sync["configured"], sync["workers"], sync["worker"]) == (every, True, 2, "rank")
+    assert list(sync["rows"]) == [f"diloco H={every}", f"diloco H={every} int8", f"diloco H={every} topk"]
+    for label, r in sync["rows"].items():
+        assert f"\n{label} " in proc.stdout
+        codec = rows[r["compressor"]]
+        assert r["bytes_per_step"] == pytest.approx(codec["bytes_per_step"] / every)
+        sync_s = codec["coding_s"] + codec["wire_s"]
+        assert r["predicted_step_s"] == pytest.approx(measured["compute_s"] + sync_s / every)
+    assert "see docs/sync.md" in proc.stdout and "(sync.every)" in proc.stdout

@@ -1,8 +1,9 @@
-"""Unit tests for the default model and data (no process group); one short single-process fit."""
+"""Unit tests for the example models and data (no process group); one short single-process fit."""
 
 from __future__ import annotations
 
 import collections
+import math
 
 import lightning as L
 import pytest
@@ -10,7 +11,8 @@ import torch
 from sklearn.datasets import load_digits
 from torch import nn
 
-from lightning_dist.examples import DigitsCNN, DigitsDataModule
+from lightning_dist.examples import ByteLM, DigitsCNN, DigitsDataModule, StdlibText
+from lightning_dist.examples.lm import SKIPPED_DIRS, stdlib_sources
 from lightning_dist.testing import quiet_trainer
 
 
@@ -131,3 +133,144 @@ def test_short_fit_logs_metrics_and_checkpoint_loads_weights_only(tmp_path):
     restored = DigitsCNN.load_from_checkpoint(path)
     for a, b in zip(model.parameters(), restored.parameters()):
         assert torch.equal(a, b)
+
+
+# ---- the byte-level language model on the standard library's sources (lightning_dist.examples.lm)
+
+
+@pytest.fixture(scope="module")
+def text() -> StdlibText:
+    dm = StdlibText()
+    dm.setup("fit")
+    return dm
+
+
+def test_text_split_is_by_file_disjoint_and_deterministic(text):
+    every_file = [path for path, _ in stdlib_sources()]
+    assert not set(text.train_files) & set(text.val_files)
+    assert sorted(text.train_files + text.val_files) == every_file
+    assert not any(part in SKIPPED_DIRS for path in every_file for part in path.split("/")[:-1])
+    # about val_fraction of the files are held out (a hash, not a count: within a few files of 10%)
+    assert abs(len(text.val_files) / len(every_file) - 0.1) < 0.03, len(text.val_files)
+    again, other_seed = StdlibText(), StdlibText(seed=1)
+    for dm in (again, other_seed):
+        dm.setup("fit")
+    assert (again.train_files, again.val_files) == (text.train_files, text.val_files)
+    assert torch.equal(again.val_set.windows, text.val_set.windows)
+    assert set(other_seed.val_files) != set(text.val_files)
+
+
+def test_text_windows_are_context_plus_one_bytes_of_the_files_in_order(text):
+    contents = dict(stdlib_sources())
+    windows = text.train_set.windows
+    assert windows.shape == (2**20 // 129, 129) and windows.dtype == torch.uint8
+    stream = b"".join(contents[path] for path in text.train_files)[:windows.numel()]
+    assert bytes(windows.flatten().tolist()) == stream  # non-overlapping, in stream order, nothing skipped
+    val_stream = b"".join(contents[path] for path in text.val_files)
+    assert bytes(text.val_set.windows.flatten().tolist()) == val_stream[:text.val_set.windows.numel()]
+    x, y = text.train_set[3]
+    assert x.shape == y.shape == (128,) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[1:], y[:-1]) and torch.equal(torch.cat([x, y[-1:]]), windows[3].long())
+
+
+def test_text_smaller_cap_is_a_prefix_and_loaders_batch_per_rank(text):
+    small = StdlibText(context=64, batch_size=4, max_train_bytes=10_000, max_val_bytes=None)
+    small.setup("fit")
+    assert len(small.train_set) == 10_000 // 65
+    assert bytes(small.train_set.windows.flatten().tolist()) == bytes(
+        text.train_set.windows.flatten().tolist())[:len(small.train_set) * 65]
+    assert len(small.val_set) > len(text.val_set)  # no cap: every held-out byte
+    x, y = next(iter(text.train_dataloader()))
+    assert x.shape == y.shape == (16, 128)
+    assert sum(len(batch[0]) for batch in text.val_dataloader()) == len(text.val_set) == 2**17 // 129
+    assert torch.equal(next(iter(text.train_dataloader()))[0], x)  # the seeded shuffle repeats
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"context": 0}, "context"), ({"batch_size": 0}, "batch_size"), ({"val_fraction": 0.0}, "val_fraction"),
+    ({"val_fraction": 1.0}, "val_fraction"), ({"max_train_bytes": 100}, "max_train_bytes"),
+    ({"max_val_bytes": 2.5}, "max_val_bytes"), ({"seed": -1}, "seed"), ({"num_workers": -1}, "num_workers"),
+])
+def test_text_bad_args(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        StdlibText(**kwargs)
+
+
+def test_text_loader_before_setup_raises():
+    with pytest.raises(RuntimeError, match="setup"):
+        StdlibText().train_dataloader()
+
+
+def test_lm_size_init_loss_and_seeded_init(text):
+    torch.manual_seed(0)
+    model = ByteLM()
+    n_params = sum(p.numel() for p in model.parameters())
+    assert 1_000_000 <= n_params <= 5_000_000, n_params
+    x, y = next(iter(text.val_dataloader()))
+    with torch.no_grad():
+        assert model(x).shape == (16, 128, 256)
+        loss = model.loss((x, y))
+    assert abs(loss.item() - math.log(256)) < 0.3, loss  # near-uniform predictions at init
+    torch.manual_seed(0)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ByteLM().parameters()))
+    assert not any(isinstance(m, (nn.Dropout, nn.modules.batchnorm._BatchNorm)) for m in model.modules())
+
+
+def test_lm_is_causal():
+    torch.manual_seed(0)
+    model = ByteLM(width=32, depth=2, heads=2, context=16)
+    tokens = torch.randint(0, 256, (2, 16))
+    changed = tokens.clone()
+    changed[:, 10] = (changed[:, 10] + 1) % 256
+    with torch.no_grad():
+        a, b = model(tokens), model(changed)
+    assert torch.equal(a[:, :10], b[:, :10])  # nothing before position 10 sees it
+    assert not torch.allclose(a[:, 10:], b[:, 10:])
+
+
+def test_lm_steps_lower_the_loss_on_a_fixed_batch(text):
+    torch.manual_seed(0)
+    model = ByteLM(width=64, depth=2, warmup_steps=0)
+    optimizer = model.configure_optimizers()
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["betas"] == (0.9, 0.95)
+    batch = next(iter(text.train_dataloader()))
+    losses = []
+    for _ in range(4):
+        optimizer.zero_grad()
+        loss = model.loss(batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.3, losses
+    # weight decay on matrices and embeddings, none on biases and LayerNorm gains
+    decayed, plain = optimizer.param_groups
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decayed["params"]) and all(p.dim() == 1 for p in plain["params"])
+
+
+def test_lm_warmup_is_linear_per_step():
+    config = ByteLM(width=32, depth=1, heads=2, warmup_steps=4).configure_optimizers()
+    optimizer, schedule = config["optimizer"], config["lr_scheduler"]
+    assert schedule["interval"] == "step"
+    rates = []
+    for _ in range(6):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule["scheduler"].step()
+    assert rates == pytest.approx([2e-3 * k / 4 for k in (1, 2, 3, 4, 4, 4)])
+
+
+def test_lm_hyperparameters_are_plain_types():
+    model = ByteLM(lr=1e-3, width=32, depth=1, heads=2, context=16, weight_decay=0.0, warmup_steps=0)
+    assert dict(model.hparams) == {"lr": 1e-3, "width": 32, "depth": 1, "heads": 2, "context": 16,
+                                   "weight_decay": 0.0, "warmup_steps": 0}
+    assert all(type(value) in (int, float) for value in model.hparams.values())
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"lr": 0.0}, "lr"), ({"lr": float("inf")}, "lr"), ({"width": 0}, "width"), ({"width": 30}, "multiple"),
+    ({"depth": 1.5}, "depth"), ({"warmup_steps": -1}, "warmup_steps"), ({"weight_decay": -0.1}, "weight_decay"),
+])
+def test_lm_bad_args(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ByteLM(**kwargs)

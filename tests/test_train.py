@@ -1,5 +1,6 @@
-"""The Hydra configs and ``lightning-dist-train``: every group composes and instantiates, bad overrides fail
-before any rank starts, one short end-to-end run plus a resume, and the configs inside an installed wheel."""
+"""The Hydra configs and ``lightning-dist-train``: every group composes and instantiates, each option is typed by its
+own schema, bad overrides fail before any rank starts naming the fix (DiLoCo's included), one short end-to-end run
+plus a resume, the LM with DiLoCo from the command, and the configs inside an installed wheel."""
 
 import json
 import os
@@ -16,7 +17,8 @@ from omegaconf import OmegaConf
 
 import lightning_dist.train  # noqa: F401 - registers the schema
 from lightning_dist.compression import COMPRESSORS
-from lightning_dist.config import complete_overrides, validate
+from lightning_dist.config import OPTION_SCHEMAS, complete_overrides, validate
+from lightning_dist.sync import SYNCS, DiLoCo, as_sync
 from lightning_dist.train import build
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,9 +32,15 @@ def _compose(*overrides):
 
 
 def test_every_group_has_options():
-    assert set(GROUPS) == {"trainer", "strategy", "compression", "hetero", "model", "data", "perf", "callbacks"}
+    assert set(GROUPS) == {"trainer", "strategy", "compression", "hetero", "sync", "model", "data", "perf",
+                           "callbacks"}
     assert set(GROUPS["compression"]) == set(COMPRESSORS)
+    assert set(GROUPS["sync"]) == set(SYNCS)
     assert all(GROUPS.values())
+    for group, schemas in OPTION_SCHEMAS.items():  # every option of a typed group has its schema, and lists it
+        assert set(schemas) == set(GROUPS[group]), group
+        for option in schemas:
+            assert f"- {option}_schema" in (REPO / "conf" / group / f"{option}.yaml").read_text(), (group, option)
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
@@ -43,6 +51,7 @@ def test_every_config_option_composes_and_instantiates(group, option):
              # what an elastic run needs besides the callback (the command refuses it alone, naming each)
              ("callbacks", "elastic"): ["+callbacks.fault_tolerance._target_=lightning_dist.callbacks.FaultTolerance",
                                         "hetero=elastic", "hetero.global_batch_size=96", "resume=auto"],
+             ("model", "lm"): ["data=stdlib"], ("data", "stdlib"): ["model=lm"],  # the LM and its byte windows
              }.get((group, option), [])
     cfg = _compose(override, *extra)
     validate(cfg)
@@ -54,6 +63,8 @@ def test_every_config_option_composes_and_instantiates(group, option):
         if "dirpath" in node:
             node["dirpath"] = "unused"
         assert instantiate(node) is not None
+    elif group == "sync":  # DiLoCo's arguments for the strategy (no _target_: the strategy builds it)
+        assert (as_sync(plain["sync"]) is None) == (option == "every_step")
     else:
         assert instantiate(plain[group]) is not None
 
@@ -80,6 +91,11 @@ def test_callbacks_take_a_list():
         ("strategy.timeout=-1", ValueError, "strategy.timeout=-1"),
         ("trainer.limit_train_batches=1.5", ValueError, "limit_train_batches=1.5"),
         ("trainer=gpu", ValueError, "start_method=popen"),
+        ("model.chanels=8", ConfigCompositionException, "chanels"),
+        ("model.channels=eight", ConfigCompositionException, "eight"),
+        ("data.batch_size=many", ConfigCompositionException, "many"),
+        ("model=lm", ValueError, "model=lm with data=digits: .* use model=lm data=stdlib"),
+        ("data=stdlib", ValueError, "model=cnn with data=stdlib: .* use model=lm data=stdlib"),
     ],
 )
 def test_bad_overrides_fail_with_the_value_named(override, error, match):
@@ -357,3 +373,106 @@ def test_a_resumed_finished_run_keeps_its_summary(tmp_path, started):
         callback.on_train_start(trainer, None)
     callback.on_fit_end(trainer, None)
     assert json.loads(path.read_text()) == {"metrics": {"val/acc": 0.97}}
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["model=lm", "data=stdlib", "model.channels=8"], "channels"),  # cnn's key is not lm's
+    (["model=lm", "data=stdlib", "model.width=wide"], "wide"),
+    (["model=lm", "data=stdlib", "data.context=long"], "long"),
+    (["model=lm", "data=stdlib", "data.val_fration=0.2"], "val_fration"),
+    (["sync=diloco", "sync.every=often"], "often"),
+    (["sync=diloco", "sync.evry=5"], "evry"),  # (the command's complete_overrides names the settings first)
+])
+def test_each_option_is_typed_by_its_own_schema(overrides, match):
+    with pytest.raises(ConfigCompositionException, match=match):
+        _compose(*overrides)
+
+
+def test_the_lm_workload_composes_and_builds(tmp_path):
+    cfg = _compose("model=lm", "data=stdlib", "model.depth=2", "data.max_train_bytes=4096")
+    validate(cfg)
+    trainer, model, data = build(cfg, str(tmp_path), 0.0)
+    assert type(model).__name__ == "ByteLM" and model.hparams["depth"] == 2
+    assert type(data).__name__ == "StdlibText" and data.max_train_bytes == 4096 and data.batch_size == 16
+    assert trainer.strategy._sync is None  # sync=every_step: the default, today's behaviour
+    with pytest.raises(ValueError, match="data.context=256 is longer than model.context=128 .*; set model.context=256"):
+        validate(_compose("model=lm", "data=stdlib", "data.context=256"))
+    validate(_compose("model=lm", "data=stdlib", "data.context=64"))  # a shorter window is fine
+
+
+def test_the_sync_group_gives_the_strategy_a_diloco(tmp_path):
+    cfg = _compose(*complete_overrides(["model=lm", "data=stdlib", "sync=diloco", "sync.every=50",
+                                        "sync.compressor=int8"]))
+    validate(cfg)
+    sync = build(cfg, str(tmp_path), 0.0)[0].strategy._sync
+    assert isinstance(sync, DiLoCo) and (sync.every, sync.outer_lr, sync.outer_momentum) == (50, 0.7, 0.9)
+    assert sync.compressor.describe() == "int8(chunk=512)+ef"
+    # the file's defaults; a dict of build_compressor's arguments; and every_step's none
+    sync = build(_compose("sync=diloco"), str(tmp_path), 0.0)[0].strategy._sync
+    assert sync.describe() == "DiLoCo(every=50, outer_lr=0.7, outer_momentum=0.9, compressor=none)"
+    cfg = _compose("sync=diloco", "sync.every=5", "sync.outer_lr=1.0", "sync.outer_momentum=0",
+                   "sync.compressor={name:topk,ratio:0.02}")
+    sync = build(cfg, str(tmp_path), 0.0)[0].strategy._sync
+    assert (sync.every, sync.outer_lr, sync.outer_momentum) == (5, 1.0, 0.0)
+    assert sync.compressor.describe() == "topk(ratio=0.02, values=bf16)+ef"
+    assert build(_compose("sync=every_step"), str(tmp_path), 0.0)[0].strategy._sync is None
+
+
+def test_a_diloco_setting_without_the_group_names_it(monkeypatch):
+    for override in ("sync.every=5", "sync.compressor=int8", "sync.outer_lr=1.0"):
+        fix = f"it is a setting of sync=diloco: use sync=diloco {override}"
+        with pytest.raises(ValueError, match=r"sync=every_step \(the default\) has no setting .*; " + fix):
+            complete_overrides([override])
+    with pytest.raises(ValueError, match="use sync=diloco sync.every=5"):
+        complete_overrides(["sync=every_step", "sync.every=5"])
+    with pytest.raises(ValueError, match="no sync option has it; sync=diloco's settings are compressor, every, name"):
+        complete_overrides(["sync=diloco", "sync.evry=5"])
+    assert complete_overrides(["sync=diloco", "sync.every=5"]) == ["sync=diloco", "sync.every=5"]
+    monkeypatch.setattr(sys, "argv", ["lightning-dist-train", "sync.every=5"])
+    with pytest.raises(SystemExit, match="use sync=diloco sync.every=5"):
+        lightning_dist.train.main()
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["sync.every=0"], r"DiLoCo\(every=0\): the inner steps between syncs must be an int >= 1"),
+    (["+sync.evry=5"], r"DiLoCo has no setting\(s\) \['evry'\]"),  # `+` adds past any schema: DiLoCo refuses it
+    (["sync.outer_momentum=1.0"], r"outer_momentum=1.0\) must be in \[0, 1\)"),
+    (["sync.compressor=int9"], "sync.compressor=int9: use a compressor's name .*e.g. sync.compressor=int8"),
+    (["compression=int8"], "sync=diloco with compression=int8: .*compress the pseudo-gradient instead: "
+                           r"sync.compressor=int8 \(and drop compression=\)"),
+    (["strategy=ddp"], "sync=diloco needs strategy=ring_ddp .*; drop sync= or use strategy=ring_ddp"),
+    (["strategy.topology=two_tier"], "strategy.topology=two_tier on 1 node: it needs 2 or more hosts "
+                                     r"\(with sync=diloco a worker is a host: one worker, nothing to sync\); use "
+                                     "strategy.topology=auto"),
+])
+def test_diloco_refusals_name_the_fix_before_any_rank(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        validate(_compose("sync=diloco", *overrides))
+
+
+def test_stock_ddp_refuses_diloco():
+    from lightning_dist.config import stock_ddp_strategy
+
+    with pytest.raises(ValueError, match="sync=diloco needs strategy=ring_ddp"):
+        stock_ddp_strategy(timeout=60.0, sync={"name": "diloco", "every": 5})
+    with pytest.raises(ValueError, match="sync=diloco needs strategy=ring_ddp"):
+        stock_ddp_strategy(timeout=60.0, sync=DiLoCo(every=5))
+    for sync in (None, "every_step", {"name": "every_step"}):
+        assert type(stock_ddp_strategy(timeout=60.0, sync=sync)).__name__ == "DDPStrategy"
+
+
+@pytest.mark.slow  # the command on 2 ranks
+def test_the_lm_trains_with_diloco_from_the_command(tmp_path):
+    proc = subprocess.run(CLI + ["model=lm", "data=stdlib", "sync=diloco", "sync.every=2", "trainer.max_steps=4",
+                                 "trainer.devices=2", "trainer.max_epochs=1", "trainer.limit_train_batches=4",
+                                 "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false",
+                                 f"hydra.run.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["global_step"] == 4 and summary["world_size"] == 2
+    assert 0 < summary["metrics"]["val/loss"] < 6.0  # nats per byte, from ln 256 = 5.55 down
+    assert 0 <= summary["metrics"]["val/acc"] <= 1  # next-byte accuracy: what the checkpoint callback monitors
+    assert summary["config"]["sync"] == {"name": "diloco", "every": 2, "outer_lr": 0.7, "outer_momentum": 0.9,
+                                         "compressor": None}
+    assert summary["config"]["model"]["_target_"] == "lightning_dist.examples.lm.ByteLM"
