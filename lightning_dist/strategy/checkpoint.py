@@ -117,8 +117,7 @@ def sync_entry(diloco: DiLoCoSync, worker_state: Optional[dict[str, Any]], rank:
     worker's first rank, the worker's own parameters and inner optimizer state (``worker_state``): mid-cycle, the
     workers differ, and Lightning saves rank zero's alone. A collective on ``group`` (every rank's part goes to rank
     zero), unless ``local`` (an emergency checkpoint: this rank's part only)."""
-    mine = {"compressor": diloco.compressor.state_dict(),
-            "worker": worker_state if rank == diloco.workers.mine[0] else None}
+    mine = {"compressor": diloco.compressor.state_dict(), "worker": worker_state}
     ranks: list[Any] = [None] * world_size
     if local or world_size == 1 or not dist.is_initialized():
         ranks[rank] = mine
@@ -142,8 +141,9 @@ def restore_sync(diloco: DiLoCoSync, module: Any, entry: dict[str, Any], rank: i
         first = next((r for r in ranks if r is not None), None)
         if first is not None:
             diloco.compressor.load_state_dict(first["compressor"], shared_only=True)
-    leader = diloco.workers.mine[0]
-    worker = ranks[leader]["worker"] if same and ranks[leader] is not None else None
+    # this rank's own entry (an emergency checkpoint's), else its worker's first rank's
+    found = [ranks[r]["worker"] for r in (rank, diloco.workers.mine[0]) if same and ranks[r] is not None]
+    worker = next((w for w in found if w is not None), None)
     if worker is None:
         warnings.warn(f"rank {rank}: the checkpoint holds no parameters of this rank's DiLoCo worker (written by "
                       f"{entry['world_size']} ranks, or an emergency checkpoint of another rank): it restarts from "

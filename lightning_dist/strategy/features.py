@@ -160,6 +160,7 @@ class RingFeatures:
         entry = local_entry(self._hook_state.compressor, strategy.global_rank, strategy.world_size, self.identities,
                             state_layout(self.topology))
         if self.sync is not None:
+            # every rank its worker's state: an emergency checkpoint holds one rank's entry only
             entry[CHECKPOINT_KEY]["sync"] = sync_entry(self.sync, worker_state(strategy), strategy.global_rank,
                                                        strategy.world_size, None, local=True)
         return entry

@@ -503,8 +503,9 @@ class RingDDPStrategy(DDPStrategy):
         states = gather_states(compressor, self.world_size, self._schedule.group)
         sync = None
         if self._diloco is not None:  # every worker's own state: mid-cycle, the workers differ
-            sync = sync_entry(self._diloco, worker_state(self), self.global_rank, self.world_size,
-                              self._schedule.group)
+            leader = self.global_rank == self._diloco.workers.mine[0]  # a worker's ranks hold the same state
+            sync = sync_entry(self._diloco, worker_state(self) if leader else None, self.global_rank,
+                              self.world_size, self._schedule.group)
         if self.is_global_zero:
             entry = compressor_entry(compressor, self.world_size, states, self._features.identities,
                                      state_layout(self.topology))
