@@ -26,7 +26,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
               "simcluster")),
     # gradient compressors over a Transport (comm's collectives)
     ("compression", ("compression",)),
-    # the mechanisms callbacks and the strategy drive: per-rank batches, memory, checkpoints and faults, syncing every H steps
+    # the mechanisms callbacks and the strategy drive: per-rank batches, memory, checkpoints and faults, syncing
+    # every H steps
     ("mechanisms", ("fault", "hetero", "memory", "sync")),
     # elastic runs: the ledger and what state survives a change of world, over fault's checkpoints
     ("elastic", ("elastic",)),

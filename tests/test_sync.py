@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_dist import RingDDPStrategy
-from lightning_dist.callbacks import NaNRecovery
+from lightning_dist.callbacks import MemoryMonitor, NaNRecovery
 from lightning_dist.compression import COMPRESSORS
 from lightning_dist.hetero import HeteroBatching
 from lightning_dist.sync import DiLoCo
@@ -193,10 +193,12 @@ def _run_flat(rank, world, ckpt_dir):
         out["resumed"] = record.params
         out["checkpoint"] = torch.load(path, weights_only=True)["lightning_dist"]["sync"]["state"]["settings"] \
             if rank == 0 else None
-        # metrics logged after every sync
-        logger = RecordingLogger()
-        _fit(_strategy(DiLoCo(every=EVERY)), world, epochs=1, logger=logger, log_every_n_steps=1)
+        # metrics logged after every sync; MemoryMonitor's estimate counts DiLoCo's copies
+        logger, monitor = RecordingLogger(), MemoryMonitor()
+        _fit(_strategy(DiLoCo(every=EVERY)), world, epochs=1, logger=logger, log_every_n_steps=1,
+             callbacks=[monitor])
         out["logged"] = logger.logged if rank == 0 else None
+        out["memory"] = (monitor.estimate.parts.get("sync_state"), sum(p.numel() * 4 for p in Net().parameters()))
     return out
 
 
@@ -365,3 +367,8 @@ def test_sync_metrics_logged_after_every_sync(flat2):
     assert metrics["sync/outer_steps"] == 1 and metrics["sync/bytes_per_sync"] > 0
     assert math.isfinite(metrics["sync/pseudo_grad_norm"]) and metrics["sync/pseudo_grad_norm"] > 0
     assert metrics["sync/seconds"] > 0
+
+
+def test_memory_monitor_counts_theta_global_and_momentum(flat2):
+    counted, params = flat2[0]["memory"]
+    assert counted == 3 * params  # theta_global, the outer momentum, the exchange's buckets (no buffers)

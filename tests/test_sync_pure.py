@@ -47,7 +47,8 @@ def test_bad_sync_is_refused_naming_the_fix(bad, words):
 def test_a_per_step_compressor_beside_diloco_is_refused_naming_sync_compressor():
     with pytest.raises(ValueError, match="sync.compressor=topk"):
         RingDDPStrategy(sync=DiLoCo(every=5), compressor="topk")
-    assert RingDDPStrategy(sync={"every": 5}, compressor=None)._sync.every == 5
+    assert RingDDPStrategy(sync={"every": 5}, compressor=None).sync.every == 5
+    assert RingDDPStrategy().sync is None and RingDDPStrategy(sync="every_step").sync is None
 
 
 def test_workers_are_ranks_under_flat_and_hosts_under_two_tier():

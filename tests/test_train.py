@@ -394,7 +394,7 @@ def test_the_lm_workload_composes_and_builds(tmp_path):
     trainer, model, data = build(cfg, str(tmp_path), 0.0)
     assert type(model).__name__ == "ByteLM" and model.hparams["depth"] == 2
     assert type(data).__name__ == "StdlibText" and data.max_train_bytes == 4096 and data.batch_size == 16
-    assert trainer.strategy._sync is None  # sync=every_step: the default, today's behaviour
+    assert trainer.strategy.sync is None  # sync=every_step: the default, today's behaviour
     with pytest.raises(ValueError, match="data.context=256 is longer than model.context=128 .*; set model.context=256"):
         validate(_compose("model=lm", "data=stdlib", "data.context=256"))
     validate(_compose("model=lm", "data=stdlib", "data.context=64"))  # a shorter window is fine
@@ -404,18 +404,18 @@ def test_the_sync_group_gives_the_strategy_a_diloco(tmp_path):
     cfg = _compose(*complete_overrides(["model=lm", "data=stdlib", "sync=diloco", "sync.every=50",
                                         "sync.compressor=int8"]))
     validate(cfg)
-    sync = build(cfg, str(tmp_path), 0.0)[0].strategy._sync
+    sync = build(cfg, str(tmp_path), 0.0)[0].strategy.sync
     assert isinstance(sync, DiLoCo) and (sync.every, sync.outer_lr, sync.outer_momentum) == (50, 0.7, 0.9)
     assert sync.compressor.describe() == "int8(chunk=512)+ef"
     # the file's defaults; a dict of build_compressor's arguments; and every_step's none
-    sync = build(_compose("sync=diloco"), str(tmp_path), 0.0)[0].strategy._sync
+    sync = build(_compose("sync=diloco"), str(tmp_path), 0.0)[0].strategy.sync
     assert sync.describe() == "DiLoCo(every=50, outer_lr=0.7, outer_momentum=0.9, compressor=none)"
     cfg = _compose("sync=diloco", "sync.every=5", "sync.outer_lr=1.0", "sync.outer_momentum=0",
                    "sync.compressor={name:topk,ratio:0.02}")
-    sync = build(cfg, str(tmp_path), 0.0)[0].strategy._sync
+    sync = build(cfg, str(tmp_path), 0.0)[0].strategy.sync
     assert (sync.every, sync.outer_lr, sync.outer_momentum) == (5, 1.0, 0.0)
     assert sync.compressor.describe() == "topk(ratio=0.02, values=bf16)+ef"
-    assert build(_compose("sync=every_step"), str(tmp_path), 0.0)[0].strategy._sync is None
+    assert build(_compose("sync=every_step"), str(tmp_path), 0.0)[0].strategy.sync is None
 
 
 def test_a_diloco_setting_without_the_group_names_it(monkeypatch):

@@ -207,6 +207,12 @@ class RingDDPStrategy(DDPStrategy):
     def overlap(self) -> bool:
         return self._overlap
 
+    @property
+    def sync(self) -> Optional[DiLoCo]:
+        """How often the workers synchronise: None (every step) or the DiLoCo settings (the running outer loop, its
+        metrics and state, is ``features.sync`` during and after a fit)."""
+        return self._sync
+
     # -- set-up ---------------------------------------------------------------------------------------------
     @override
     def setup_distributed(self) -> None:
