@@ -29,7 +29,6 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from lightning_dist.comm.dispatch import ALGORITHMS
 from lightning_dist.comm.topology import TOPOLOGIES
-from lightning_dist.compression import COMPRESSORS
 from lightning_dist.launch import LaunchEnv, connect_store
 from lightning_dist.strategy.ring_ddp import START_METHODS
 from lightning_dist.sync import as_sync
@@ -451,10 +450,6 @@ def _sync_problems(cfg: DictConfig) -> list[str]:
     sync = cfg.get("sync")
     if sync is None:
         return []
-    compressor = sync.get("compressor")
-    if isinstance(compressor, str) and compressor not in COMPRESSORS:  # (DiLoCo's own message names compression=)
-        return [f"sync.compressor={compressor}: use a compressor's name ({', '.join(sorted(COMPRESSORS))}), e.g. "
-                "sync.compressor=int8, or null (dense)"]
     try:
         settings = as_sync(OmegaConf.to_container(sync, resolve=True, enum_to_str=True))
     except ValueError as err:

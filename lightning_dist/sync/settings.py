@@ -51,7 +51,12 @@ class DiLoCo:
             raise ValueError(f"DiLoCo(outer_momentum={self.outer_momentum!r}) must be in [0, 1) (0.9 in the paper)")
         self.outer_lr, self.outer_momentum = float(self.outer_lr), float(self.outer_momentum)
         # a name or a dict is built now, so a bad compressor fails here, before any process starts
-        self.compressor = as_compressor(getattr(self.compressor, "value", self.compressor))
+        try:
+            self.compressor = as_compressor(getattr(self.compressor, "value", self.compressor))
+        except ValueError as err:  # its message speaks of the per-step compression= group; say where this one goes
+            raise ValueError(f"DiLoCo(compressor=...), the pseudo-gradient's: {str(err).split(' (e.g.')[0]} "
+                             "(e.g. DiLoCo(compressor='int8'), on the command line sync.compressor=int8 or "
+                             "sync.compressor={name:topk,ratio:0.01})") from err
 
     def describe(self) -> str:
         """The settings in one line, for logs and for matching a checkpoint's state."""
