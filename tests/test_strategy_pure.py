@@ -22,6 +22,14 @@ def test_private_lightning_method_we_override_still_exists_and_is_called():
     assert RingDDPStrategy._register_ddp_hooks is not DDPStrategy._register_ddp_hooks
 
 
+def test_lightning_still_broadcasts_sigterm_through_the_method_diloco_thins_out():
+    # RingDDPStrategy(sync=DiLoCo) thins out the epoch loop's per-batch broadcast (_sigterm_broadcast_before_syncs)
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    assert callable(getattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", None))
+    assert "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance)
+
+
 @pytest.mark.parametrize(
     "name,start_method,find_unused",
     [

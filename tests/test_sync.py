@@ -193,6 +193,18 @@ def _run_flat(rank, world, ckpt_dir):
         out["resumed"] = record.params
         out["checkpoint"] = torch.load(path, weights_only=True)["lightning_dist"]["sync"]["state"]["settings"] \
             if rank == 0 else None
+        # Lightning's SIGTERM broadcast (every rank, every batch) only before the batches that end with a sync
+        broadcasts = []
+        real = torch.distributed.broadcast
+        torch.distributed.broadcast = lambda tensor, *a, **k: broadcasts.append(tensor.numel()) or real(tensor, *a, **k)
+        try:
+            _fit(_strategy(DiLoCo(every=EVERY)), world)
+            out["broadcasts"] = len(broadcasts)
+            broadcasts.clear()
+            _fit(_strategy(None), world)
+            out["broadcasts_every_step"] = len(broadcasts)
+        finally:
+            torch.distributed.broadcast = real
         # metrics logged after every sync; MemoryMonitor's estimate counts DiLoCo's copies
         logger, monitor = RecordingLogger(), MemoryMonitor()
         _fit(_strategy(DiLoCo(every=EVERY)), world, epochs=1, logger=logger, log_every_n_steps=1,
@@ -372,3 +384,9 @@ def test_sync_metrics_logged_after_every_sync(flat2):
 def test_memory_monitor_counts_theta_global_and_momentum(flat2):
     counted, params = flat2[0]["memory"]
     assert counted == 3 * params  # theta_global, the outer momentum, the exchange's buckets (no buffers)
+
+
+def test_lightnings_sigterm_broadcast_runs_before_syncs_only(flat2):
+    for rank in range(2):
+        assert flat2[rank]["broadcasts_every_step"] >= 12  # one per batch (and DDP's own at set-up)
+        assert flat2[rank]["broadcasts"] == flat2[rank]["broadcasts_every_step"] - 12 + 3  # 3 syncs in 12 steps

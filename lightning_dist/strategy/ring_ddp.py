@@ -271,6 +271,8 @@ class RingDDPStrategy(DDPStrategy):
         if wanted and not any(isinstance(cb, DistMetrics) for cb in trainer.callbacks):
             trainer.callbacks.append(DistMetrics())
         super().setup(trainer)
+        if self._diloco is not None:
+            _sigterm_broadcast_before_syncs(trainer, self._diloco)
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -564,6 +566,22 @@ class RingDDPStrategy(DDPStrategy):
                 description=f"Ring all-reduce DDP, find_unused_parameters=True, start_method={start_method!r}",
                 override=True, start_method=start_method, find_unused_parameters=True,
             )
+
+
+def _sigterm_broadcast_before_syncs(trainer: Any, diloco: DiLoCoSync) -> None:
+    """Lightning broadcasts rank zero's SIGTERM flag to every rank before every training batch: a collective across
+    every worker on every step, which syncing every H steps exists to avoid (on a slow link it costs a round trip per
+    step, and every worker waits for the slowest at each). Under DiLoCo it runs only before the batches of a step that
+    ends with a sync, where the workers meet anyway: a SIGTERM on rank zero stops every rank together within H steps.
+    (``FaultTolerance`` agrees on a stop through the strategy's exchange instead, on the steps it asks for.)"""
+    loop = trainer.fit_loop.epoch_loop
+    broadcast = type(loop)._broadcast_sigterm_tensor  # private, hence lightning<2.7 and a test that fails if it goes
+
+    def before_syncs() -> None:
+        if diloco.due(trainer.global_step + 1):
+            broadcast(loop)
+
+    loop._broadcast_sigterm_tensor = before_syncs
 
 
 def _as_timedelta(timeout: Union[float, int, timedelta, None]) -> timedelta:
