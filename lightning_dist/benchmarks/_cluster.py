@@ -4,6 +4,7 @@ hosts, the summary of a training run and the table cells.
 :mod:`lightning_dist.benchmarks.cluster` (flat, across hosts of one rank) and :mod:`lightning_dist.benchmarks.tiers`
 (flat against two_tier, hosts of several ranks) both import this module and not each other's privates; every rank of
 either runs as a worker of ``python -m lightning_dist.benchmarks.cluster`` (:data:`WORKER_MODULE`).
+:mod:`lightning_dist.benchmarks.sync` launches its own module's workers through :func:`launch_job` too.
 """
 
 from __future__ import annotations
@@ -78,12 +79,13 @@ def mb_cell(nbytes: Optional[float]) -> str:
 
 
 def launch_job(hosts: int, rate_mbit: float, worker_args: list[str], port: int, timeout_s: float,
-               log_path: Path, per_host: int = 1) -> tuple[list[Optional[int]], float]:
-    """One torchrun job over ``hosts`` fresh shaped hosts of ``per_host`` ranks each; every rank's output appended to
-    ``log_path``. Returns the exit codes (None: killed at the deadline) and the wall time."""
+               log_path: Path, per_host: int = 1, module: str = WORKER_MODULE) -> tuple[list[Optional[int]], float]:
+    """One torchrun job over ``hosts`` fresh shaped hosts of ``per_host`` ranks each, every rank running
+    ``python -m <module> <worker_args> --nodes <hosts>``; every rank's output appended to ``log_path``. Returns the exit
+    codes (None: killed at the deadline) and the wall time."""
     start = time.perf_counter()
     with SimCluster(hosts, rate_mbit=rate_mbit) as cluster, open(log_path, "w") as log:
-        cmd_args = ["-m", WORKER_MODULE, *worker_args, "--nodes", str(hosts)]
+        cmd_args = ["-m", module, *worker_args, "--nodes", str(hosts)]
         env = {**cluster.env(), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         procs = [cluster.popen(i, cluster.torchrun(i, cmd_args, port=port, nproc=per_host), env=env, stdout=log,
                                stderr=subprocess.STDOUT) for i in range(hosts)]
