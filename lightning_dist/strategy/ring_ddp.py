@@ -17,6 +17,9 @@ delegate; each mechanism lives in a module beside it:
 - :mod:`.checkpoint`: every rank's compressor state in checkpoints, and its restore;
 - :mod:`lightning_dist.hetero`: with ``hetero=``, the training loader rebuilt so each rank's share of the
   global batch follows its speed, rebalanced from the exchange;
+- :mod:`lightning_dist.sync`: with ``sync=DiLoCo(...)``, the workers (ranks, or hosts under two_tier) train alone
+  and meet every H steps in an outer step (:class:`~lightning_dist.sync.diloco.DiLoCoSync`); the comm hook then
+  reduces inside a worker only;
 - :mod:`lightning_dist.launch`: under torchrun, a view of the launcher's store private to the restart attempt.
 
 Features (callbacks, experiments, benchmarks) use the strategy only through :attr:`RingDDPStrategy.features`
