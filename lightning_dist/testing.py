@@ -415,6 +415,7 @@ class Slowdown(Callback):
         backward = time.perf_counter() - self._backward_started - waited
         if self._forward > 0 and backward > 0:
             self._backward_per_forward = backward / self._forward
+        self._started = time.perf_counter()  # a step run as micro-batches: the next one's forward starts now
 
 
 class RecordingLogger(Logger):

@@ -136,7 +136,8 @@ def test_static_settings_do_not_rebalance_and_bad_input_is_named():
     with pytest.raises(ValueError, match="add up to 40, not the global batch 64"):
         HeteroBatching(batch_sizes=[30, 10]).make_plan(2, 32)
     with pytest.raises(ValueError, match="fewer than the global batch"):
-        HeteroBatching(memory_caps=[10, 10]).make_plan(2, 32)
+        HeteroBatching(memory_caps=[10, 10], accumulate="off").make_plan(2, 32)
+    HeteroBatching(memory_caps=[10, 10]).make_plan(2, 32)  # accumulate="auto": micro-batches hold any share
     with pytest.raises(ValueError, match="unexpected keyword"):
         as_hetero({"sped": [1, 2]})
 
@@ -161,7 +162,7 @@ def test_a_time_model_equalises_compute_time_where_steps_have_a_fixed_cost():
 
 
 def test_a_binding_memory_cap_is_reported_with_the_step_time_it_costs():
-    hetero = HeteroBatching(window=1, memory_caps=[40, 64])
+    hetero = HeteroBatching(window=1, memory_caps=[40, 64], accumulate="off")
     hetero.make_plan(2, 32)
     hetero.observe([0.10, 0.20], [32, 32])  # rank 0 twice as fast, but capped at 40 of 64
     event = hetero.maybe_rebalance(0, 1)

@@ -12,6 +12,12 @@ optimisation is the same as uniform training's; only who computes which sample c
 equals one single-process step over the union of the ranks' batches, for a loss that is a mean over the
 samples of a batch (token-level losses would need token counts instead).
 
+Per-rank gradient accumulation (``accumulate``). A rank whose share of a step does not fit its memory
+(``memory_caps``, ``max_batch_size``) keeps its share and runs it as ``ceil(share / cap)`` micro-batches inside the
+one training step (``accumulate="auto"``, the default when a cap is set), or as a given number per rank
+(``accumulate=[1, 3]``); the strategy runs them (:mod:`lightning_dist.strategy.micro`). With ``accumulate="off"`` a cap
+bounds the share instead, and the samples it leaves go to the other ranks.
+
 Online rebalancing. Every rank's compute time and sample count per step (``compute_s``: forward and backward
 less the communication backward waited for, so a fast rank's waiting for a slow one is not counted as its
 work) ride on the strategy's per-step exchange; every rank keeps the same moving window of them, so
@@ -29,10 +35,10 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from lightning_dist.hetero.loader import hetero_dataloader, prefetch_horizon
-from lightning_dist.hetero.plan import BatchPlan, split_batch
+from lightning_dist.hetero.plan import BatchPlan, micro_batch_sizes, split_batch
 
 
 @dataclass
@@ -46,6 +52,10 @@ class HeteroBatching:
         min_batch_size: the least a rank gets (>= 1).
         max_batch_size: the most a rank gets (None: no limit).
         memory_caps: per-rank limits (samples that fit in each rank's memory); None: none.
+        accumulate: how a rank fits a share above its cap: ``"auto"`` (default when ``memory_caps`` or
+            ``max_batch_size`` is set) runs it as ``ceil(share / cap)`` micro-batches in one step, so shares follow
+            speed alone; a list of per-rank counts (``[1, 3]``: rank 1 runs its share as 3 micro-batches, each at most
+            the cap); ``"off"`` (the default without a cap): a cap bounds the share and moves samples to other ranks.
         rebalance: rebalance online from measured speed (default: when neither speeds nor batch_sizes is given).
         every_n_steps: also rebalance within an epoch, every this many steps (None: at epoch boundaries only).
         window: steps of measurements a decision is based on.
@@ -60,6 +70,7 @@ class HeteroBatching:
     min_batch_size: int = 1
     max_batch_size: Optional[int] = None
     memory_caps: Optional[list[int]] = None
+    accumulate: Union[str, list[int], None] = None
     rebalance: Optional[bool] = None
     every_n_steps: Optional[int] = None
     window: int = 10
@@ -94,6 +105,15 @@ class HeteroBatching:
             problems.append(f"max_batch_size={self.max_batch_size}: an int >= min_batch_size, or None")
         if self.memory_caps is not None and any(not (isinstance(c, int) and c >= 1) for c in self.memory_caps):
             problems.append(f"memory_caps={self.memory_caps}: every cap must be an int >= 1 (samples)")
+        if isinstance(self.accumulate, Sequence) and not isinstance(self.accumulate, str):
+            self.accumulate = list(self.accumulate)
+            if not self.accumulate or any(not (isinstance(k, int) and not isinstance(k, bool) and k >= 1)
+                                          for k in self.accumulate):
+                problems.append(f"accumulate={self.accumulate}: every per-rank count of micro-batches must be an int "
+                                ">= 1 (1: the share in one pass)")
+        elif self.accumulate not in (None, "auto", "off"):
+            problems.append(f"accumulate={self.accumulate!r}: use 'auto' (micro-batches as the memory caps need), "
+                            "'off' (caps move samples to other ranks) or per-rank counts such as [1, 3]")
         if self.every_n_steps is not None and not (isinstance(self.every_n_steps, int) and self.every_n_steps >= 1):
             problems.append(f"every_n_steps={self.every_n_steps}: an int >= 1, or None")
         if not (isinstance(self.window, int) and self.window >= 1):
@@ -103,20 +123,25 @@ class HeteroBatching:
         if self.elastic and self.global_batch_size is None:
             problems.append("elastic=true needs a fixed global_batch_size (the global batch must not change with the "
                             "world size), e.g. global_batch_size=96")
-        if self.elastic and (self.speeds is not None or self.batch_sizes is not None or self.memory_caps is not None):
-            problems.append("elastic=true with per-rank lists (speeds, batch_sizes, memory_caps): the ranks change "
-                            "with the world; use online rebalancing, max_batch_size, or drop elastic")
+        if self.elastic and (self.speeds is not None or self.batch_sizes is not None or self.memory_caps is not None
+                             or isinstance(self.accumulate, list)):
+            problems.append("elastic=true with per-rank lists (speeds, batch_sizes, memory_caps, accumulate): the "
+                            "ranks change with the world; use online rebalancing, max_batch_size (with "
+                            "accumulate='auto'), or drop elastic")
         if self.rebalance and self.batch_sizes is not None:
             problems.append("rebalance=true with fixed batch_sizes: drop one of them")
         if problems:
             raise ValueError("invalid HeteroBatching:\n  " + "\n  ".join(problems))
         if self.rebalance is None:
             self.rebalance = self.speeds is None and self.batch_sizes is None
+        if self.accumulate is None:
+            self.accumulate = "off" if self.max_batch_size is None and self.memory_caps is None else "auto"
 
     # -- checks that need the world size / the loader -------------------------------------------------------
     def check_world(self, world_size: int) -> None:
         """Lengths against the world size: called in the launching process, before any rank starts."""
-        for name in ("speeds", "batch_sizes", "memory_caps"):
+        counts = ("accumulate",) if isinstance(self.accumulate, list) else ()
+        for name in ("speeds", "batch_sizes", "memory_caps", *counts):
             value = getattr(self, name)
             if value is not None and len(value) != world_size:
                 raise ValueError(f"hetero.{name}={value} has {len(value)} entries for {world_size} ranks: give one "
@@ -144,12 +169,53 @@ class HeteroBatching:
         return self.plan
 
     def _caps(self, world_size: int, total: int) -> Optional[list[int]]:
+        """The most samples a share may hold, per rank: the cap itself with ``accumulate="off"``, ``count x cap``
+        with per-rank counts, none with ``"auto"`` (micro-batches absorb any share)."""
+        caps = self.micro_caps(world_size, total)
+        if caps is None or self.accumulate == "auto":
+            return None
+        if isinstance(self.accumulate, list):
+            return [k * c for k, c in zip(self.accumulate, caps)]
+        return caps
+
+    def micro_caps(self, world_size: int, total: int) -> Optional[list[int]]:
+        """Per rank, the most samples one pass (a micro-batch) may hold: ``max_batch_size`` and ``memory_caps``."""
         if self.max_batch_size is None and self.memory_caps is None:
             return None
         caps = [self.max_batch_size or total] * world_size
         if self.memory_caps is not None:
             caps = [min(c, m) for c, m in zip(caps, self.memory_caps)]
         return caps
+
+    @property
+    def accumulates(self) -> bool:
+        """Whether a rank may run its share as several micro-batches (``accumulate`` is on)."""
+        if isinstance(self.accumulate, list):
+            return max(self.accumulate) > 1
+        return self.accumulate == "auto" and self.micro_caps(1, 1) is not None
+
+    def without_micro_batches(self) -> Optional[str]:
+        """Under manual optimization (the user's ``training_step`` runs backward itself, so nobody else can cut it into
+        micro-batches): per-rank counts above 1 are refused; ``"auto"`` becomes ``"off"``, the caps bounding the
+        shares. Returns what changed, if anything."""
+        if isinstance(self.accumulate, list) and max(self.accumulate) > 1:
+            raise ValueError(f"hetero.accumulate={self.accumulate} needs automatic optimization: under manual "
+                             "optimization training_step runs its own backward, which cannot be cut into "
+                             "micro-batches; accumulate in training_step yourself and set hetero.accumulate='off'")
+        if not self.accumulates:
+            return None
+        self.accumulate = "off"
+        return ("manual optimization: hetero.accumulate='auto' becomes 'off' (the memory caps bound each rank's share, "
+                "and the samples they leave go to the other ranks)")
+
+    def micro_sizes(self, epoch: int, batch_idx: int, rank: int) -> list[int]:
+        """Rank ``rank``'s micro-batches of batch ``batch_idx`` of ``epoch``: its share, cut into as many near-equal
+        pieces as its cap needs (``"auto"``) or as its count says; ``[share]`` with ``accumulate="off"``."""
+        share = self.sampler.sizes(epoch, batch_idx)[rank]
+        if isinstance(self.accumulate, list):
+            return micro_batch_sizes(share, count=self.accumulate[rank])
+        caps = self.micro_caps(self.plan.world_size, self.global_batch) if self.accumulate == "auto" else None
+        return micro_batch_sizes(share, cap=None if caps is None else caps[rank])
 
     # -- each step ------------------------------------------------------------------------------------------
     def observe(self, compute_s: Sequence[float], samples: Sequence[float]) -> None:

@@ -7,6 +7,8 @@ the same answer, which is how the ranks agree on sizes without a collective of t
   throughput, or given speeds), each within ``[min_size, max_i]``: a water-filling of the proportional
   shares between the bounds, then largest-remainder rounding (ties to the lower rank), so the result is
   exact and deterministic.
+- :func:`micro_batch_sizes`: a rank's share of a step cut into near-equal micro-batches (per-rank gradient
+  accumulation, ``HeteroBatching(accumulate=...)``): as many as its memory cap needs, or as many as given.
 - :class:`BatchPlan`: the sizes in force at each optimizer step. A change decided at step ``s`` takes effect
   from a later step (past what the DataLoader has already fetched), and is recorded with that step, so the
   sampler (which produces step ``t``'s indices ahead of time) and the gradient weighting (at step ``t``)
@@ -76,6 +78,25 @@ def split_batch(total: int, weights: Sequence[float], min_size: int = 1, max_siz
                 sizes[i] -= 1
                 missing += 1
     return sizes
+
+
+def micro_batch_sizes(share: int, cap: Optional[int] = None, count: Optional[int] = None) -> list[int]:
+    """``share`` samples cut into micro-batches of near-equal size (they differ by at most one, larger first).
+
+    Args:
+        share: the rank's samples of the step (>= 1).
+        cap: the most samples one micro-batch may hold (a memory cap): ``ceil(share / cap)`` micro-batches.
+        count: the number of micro-batches (a per-rank count given by the user; at most ``share`` of them).
+
+    Neither: one micro-batch, the whole share.
+    """
+    if share < 1:
+        raise ValueError(f"a share of {share} samples cannot be cut into micro-batches")
+    if count is None:
+        count = 1 if cap is None else math.ceil(share / cap)
+    count = min(count, share)
+    base, extra = divmod(share, count)
+    return [base + 1] * extra + [base] * (count - extra)
 
 
 class BatchPlan:

@@ -65,6 +65,7 @@ from lightning_dist.strategy.checkpoint import (
 from lightning_dist.strategy.dist_metrics import DistMetrics
 from lightning_dist.strategy.features import RingFeatures
 from lightning_dist.strategy.hook import RingHookState, ring_comm_hook
+from lightning_dist.strategy.micro import MicroBatches
 from lightning_dist.strategy.schedule import ExchangeSchedule
 from lightning_dist.strategy.skip import StepGuard, StepVerdict
 from lightning_dist.strategy.step_meter import StepMeter
@@ -191,6 +192,7 @@ class RingDDPStrategy(DDPStrategy):
         self._comm_group: Optional[dist.ProcessGroup] = None  # the gradient buckets' own group
         self._schedule = ExchangeSchedule()  # the per-step exchange, on a gloo group of its own
         self._meter = StepMeter()  # this rank's per-step measurements; its step count is the strategy's
+        self._micro = MicroBatches()  # a share run as several micro-batches (hetero accumulate)
         self._diloco: Optional[DiLoCoSync] = None  # sync=DiLoCo: the outer loop, made at set-up
         self._sync_restore: Optional[dict[str, Any]] = None  # a checkpoint's DiLoCo entry, applied at set-up
         self._worker_optimizers: Optional[list[Any]] = None  # this worker's inner optimizer states from it
@@ -274,6 +276,10 @@ class RingDDPStrategy(DDPStrategy):
         if wanted and not any(isinstance(cb, DistMetrics) for cb in trainer.callbacks):
             trainer.callbacks.append(DistMetrics())
         super().setup(trainer)
+        if self._hetero is not None and not trainer.lightning_module.automatic_optimization:
+            change = self._hetero.without_micro_batches()  # the user's training_step runs its own backward
+            if change is not None:
+                rank_zero_info(f"RingDDPStrategy: {change}")
         if self._diloco is not None:
             _sigterm_broadcast_before_syncs(trainer, self._diloco)
 
@@ -365,7 +371,7 @@ class RingDDPStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
         self._meter.batch_started(batch)
-        diloco = self._diloco
+        diloco, micro = self._diloco, None
         if self._hetero is not None and self._hetero.attached:  # the share, from the plan every rank holds
             batch_idx = args[1] if len(args) > 1 else kwargs["batch_idx"]
             epoch = self.lightning_module.trainer.current_epoch
@@ -373,17 +379,50 @@ class RingDDPStrategy(DDPStrategy):
             self._hook_state.share = self._hetero.start_batch(epoch, batch_idx, self.global_rank, among)
             if diloco is not None:  # each worker's samples weigh its pseudo-gradient
                 diloco.count_samples(self._hetero.sizes_of(epoch, batch_idx))
+            micro = self._hetero.micro_sizes(epoch, batch_idx, self.global_rank)
         if diloco is not None:
             diloco.broadcast_buffers()
+        if micro is not None and len(micro) > 1:  # the share as several micro-batches (lightning_dist.strategy.micro)
+            args = (*args, *kwargs.values())  # Lightning passes (batch, batch_idx) by position
+            return self._micro.start(self, args[0], args[1:], micro, self._hook_state,
+                                     super().training_step)
         return super().training_step(*args, **kwargs)
+
+    # -- collectives from inside a micro-batch (lightning_dist.strategy.micro) -----------------------------------
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        if self._micro.inner:  # self.log(sync_dist=True) of a micro-batch the step's last one overwrites
+            return tensor
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
+        self._micro.check_collective("all_gather")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._micro.check_collective("broadcast")
+        return super().broadcast(obj, src=src)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._micro.check_collective("barrier")
+        super().barrier(*args, **kwargs)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        # the loss gradient carries this rank's share (and NaN for a non-finite loss with the guard armed)
-        stepping.follow_loss_scale(self._features.loss_scaler, self._hook_state)
-        with stepping.shared_backward(closure_loss, self._hook_state, self._guard,
-                                      automatic=self.lightning_module.automatic_optimization):
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        def one_pass(loss: torch.Tensor) -> torch.Tensor:
+            # the loss gradient carries this rank's share (and NaN for a non-finite loss with the guard armed)
+            stepping.follow_loss_scale(self._features.loss_scaler, self._hook_state)
+            with stepping.shared_backward(loss, self._hook_state, self._guard,
+                                          automatic=self.lightning_module.automatic_optimization):
+                return super(RingDDPStrategy, self).backward(loss, optimizer, *args, **kwargs)
+
+        if self._micro.pending:  # the step's other micro-batches, forward and backward (lightning_dist.strategy.micro)
+            return self._micro.backward(self, closure_loss, one_pass, self._hook_state,
+                                        super().training_step)
+        return one_pass(closure_loss)
 
     @override
     def post_backward(self, closure_loss: Any) -> None:
