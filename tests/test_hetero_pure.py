@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch.utils.data import DistributedSampler
 
-from lightning_dist.hetero import BatchPlan, HeteroBatching, HeteroBatchSampler, split_batch
+from lightning_dist.hetero import BatchPlan, HeteroBatching, HeteroBatchSampler, micro_batch_sizes, split_batch
 from lightning_dist.hetero.batching import as_hetero
 
 # ---- sizes --------------------------------------------------------------------------------------------------
@@ -169,3 +169,57 @@ def test_a_binding_memory_cap_is_reported_with_the_step_time_it_costs():
     assert event["new"] == [40, 24] and event["capped"]["without_caps"] == [43, 21]
     # rank 1 now sets the pace: 24 samples at half speed against 43 at full speed without the cap
     assert abs(event["capped"]["step_time_lost"] - ((24 / (64 / 3)) / (43 / (128 / 3)) - 1)) < 1e-9
+
+
+# ---- per-rank gradient accumulation: the micro-batch plan -----------------------------------------------------
+
+@pytest.mark.parametrize("share,cap,count,expected", [
+    (48, 16, None, [16, 16, 16]), (40, 14, None, [14, 13, 13]), (85, 29, None, [29, 28, 28]), (16, 64, None, [16]),
+    (7, None, None, [7]), (5, None, 3, [2, 2, 1]), (2, None, 4, [1, 1]), (12, 5, 2, [6, 6]),  # a count wins over a cap
+])
+def test_a_share_is_cut_into_near_equal_micro_batches_within_its_cap(share, cap, count, expected):
+    sizes = micro_batch_sizes(share, cap=cap, count=count)
+    assert sizes == expected and sum(sizes) == share and max(sizes) - min(sizes) <= 1
+    with pytest.raises(ValueError, match="a share of 0 samples"):
+        micro_batch_sizes(0, cap=4)
+
+
+def _attached(hetero, world=2, loader_batch=32):
+    plan = hetero.make_plan(world, loader_batch)
+    hetero.sampler = HeteroBatchSampler(640, world, 0, hetero.global_batch, plan)
+    return hetero
+
+
+def test_accumulate_auto_lets_shares_follow_speed_and_caps_set_the_micro_batches():
+    auto = _attached(HeteroBatching(speeds=[3, 1], memory_caps=[16, 64]))
+    assert auto.accumulate == "auto" and auto.accumulates
+    assert auto.sizes_of(0, 0) == [48, 16]  # the cap does not move samples
+    assert auto.micro_sizes(0, 0, 0) == [16, 16, 16] and auto.micro_sizes(0, 0, 1) == [16]
+    off = _attached(HeteroBatching(speeds=[3, 1], memory_caps=[16, 64], accumulate="off"))
+    assert off.sizes_of(0, 0) == [16, 48] and off.micro_sizes(0, 0, 0) == [16]  # today's: the cap moves samples
+    counts = _attached(HeteroBatching(speeds=[3, 1], memory_caps=[12, 64], accumulate=[2, 1]))
+    assert counts.sizes_of(0, 0) == [24, 40]  # at most count x cap: 2 x 12
+    assert counts.micro_sizes(0, 0, 0) == [12, 12] and counts.micro_sizes(0, 0, 1) == [40]
+    free = _attached(HeteroBatching(batch_sizes=[48, 16], accumulate=[4, 1]))
+    assert free.micro_sizes(0, 0, 0) == [12, 12, 12, 12]
+    assert HeteroBatching().accumulate == "off" and not HeteroBatching().accumulates  # no cap: nothing to cut
+    assert HeteroBatching(max_batch_size=32).accumulate == "auto"
+
+
+def test_bad_accumulate_settings_are_named_before_any_rank_starts():
+    for kwargs, match in (({"accumulate": [1, 0]}, r"accumulate=\[1, 0\]: every per-rank count"),
+                          ({"accumulate": "sometimes"}, r"accumulate='sometimes': use 'auto'"),
+                          ({"accumulate": [1.5, 1]}, "must be an int >= 1"),
+                          ({"accumulate": [1, 2], "elastic": True, "global_batch_size": 64}, "accumulate"),):
+        with pytest.raises(ValueError, match=match):
+            HeteroBatching(**kwargs)
+    with pytest.raises(ValueError, match=r"hetero.accumulate=\[1, 3\] has 2 entries for 3 ranks"):
+        HeteroBatching(accumulate=[1, 3]).check_world(3)
+
+
+def test_manual_optimization_turns_auto_off_and_refuses_counts():
+    auto = HeteroBatching(memory_caps=[16, 64])
+    assert "becomes 'off'" in auto.without_micro_batches() and auto.accumulate == "off"
+    assert HeteroBatching().without_micro_batches() is None  # nothing to change
+    with pytest.raises(ValueError, match=r"accumulate=\[1, 3\] needs automatic optimization"):
+        HeteroBatching(accumulate=[1, 3]).without_micro_batches()

@@ -164,3 +164,41 @@ def test_features_of_finds_the_seam_and_bucket_observers_register_once():
     features.remove_bucket_observer(observer)
     features.remove_bucket_observer(observer)  # not registered any more: nothing happens
     assert observers == []
+
+
+# ---- per-rank gradient accumulation (lightning_dist.strategy.micro) --------------------------------------------
+
+def test_lightning_still_zeroes_gradients_between_training_step_and_backward():
+    # MicroBatches runs the later micro-batches from backward because Lightning's closure zeroes the gradients after
+    # training_step: if the order changes, the design must change with it. Its batch-size inference is private too.
+    from lightning.pytorch.loops.optimization.automatic import Closure
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    source = inspect.getsource(Closure.closure)
+    assert source.index("self._step_fn()") < source.index("self._zero_grad_fn()") < source.index("self._backward_fn(")
+    results = _ResultCollection(training=True)
+    assert results.batch is None and results.batch_size is None  # what MicroBatches sets per micro-batch
+    assert "def _results" in inspect.getsource(pl.Trainer)
+
+
+def test_a_batch_is_cut_along_the_share_and_other_values_pass_whole():
+    from lightning_dist.strategy.micro import cut
+
+    x, y = torch.arange(40.0).reshape(10, 4), torch.arange(10)
+    pieces = cut({"x": x, "y": y, "name": "digits", "scale": torch.tensor(2.0), "table": torch.zeros(3)}, [4, 3, 3])
+    assert [p["y"].tolist() for p in pieces] == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert torch.equal(torch.cat([p["x"] for p in pieces]), x)
+    assert all(p["name"] == "digits" and p["scale"] == 2.0 and p["table"].shape == (3,) for p in pieces)
+    assert cut((x, y), [5, 5])[1][0].data_ptr() == x[5:].data_ptr()  # views, no copy
+    with pytest.raises(ValueError, match="no tensor whose first dimension is 10.*hetero.accumulate='off'"):
+        cut([torch.zeros(3, 10)], [5, 5])
+
+
+def test_collectives_inside_a_micro_batch_skip_or_refuse_instead_of_hanging():
+    strategy = RingDDPStrategy()
+    value = torch.tensor(3.0)
+    strategy._micro.inner = True  # a micro-batch other than the step's last runs training_step
+    assert strategy.reduce(value) is value  # self.log(sync_dist=True): the last micro-batch's value is the step's
+    for call in (lambda: strategy.all_gather(value), lambda: strategy.broadcast(value), strategy.barrier):
+        with pytest.raises(RuntimeError, match="different numbers of micro-batches.*hetero.accumulate='off'"):
+            call()

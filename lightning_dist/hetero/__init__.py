@@ -6,7 +6,8 @@ sizes, :mod:`.sampler` for which samples each rank computes, :mod:`.loader` for 
 
 from lightning_dist.hetero.batching import HeteroBatching
 from lightning_dist.hetero.loader import HeteroDataLoader, hetero_dataloader
-from lightning_dist.hetero.plan import BatchPlan, split_batch
+from lightning_dist.hetero.plan import BatchPlan, micro_batch_sizes, split_batch
 from lightning_dist.hetero.sampler import HeteroBatchSampler
 
-__all__ = ["BatchPlan", "HeteroBatchSampler", "HeteroBatching", "HeteroDataLoader", "hetero_dataloader", "split_batch"]
+__all__ = ["BatchPlan", "HeteroBatchSampler", "HeteroBatching", "HeteroDataLoader", "hetero_dataloader",
+           "micro_batch_sizes", "split_batch"]
