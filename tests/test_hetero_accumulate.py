@@ -24,6 +24,7 @@ from lightning_dist import NaNRecovery, RingDDPStrategy
 from lightning_dist.compression import BucketLayout, build_compressor
 from lightning_dist.compression.emulate import emulate_reduce
 from lightning_dist.hetero import HeteroBatching
+from lightning_dist.sync import DiLoCo
 from lightning_dist.testing import ToyClassifier, launched_externally, quiet_trainer, run_ranks
 
 pytestmark = pytest.mark.slow
@@ -107,6 +108,10 @@ def _two_ranks(rank, world_size, workdir):
         model, _, resumed = _fit(RingDDPStrategy(hetero=HeteroBatching(**capped)),
                                  ckpt_path=os.path.join(workdir, "mid.ckpt"))
         out["resume"] = (straight, resumed, model.calls[0][:2])
+        # DiLoCo (each rank a worker, a sync every 5 steps): the same run as without micro-batches, up to rounding
+        _, _, micro = _fit(RingDDPStrategy(hetero=HeteroBatching(**capped), sync=DiLoCo(every=5)))
+        _, _, whole = _fit(RingDDPStrategy(hetero=HeteroBatching(batch_sizes=[48, 16]), sync=DiLoCo(every=5)))
+        out["diloco"] = (micro, whole)
     return out
 
 
@@ -119,6 +124,17 @@ def _three_ranks(rank, world_size):
         return model.calls, weights
 
 
+def _two_hosts(rank, world_size):
+    with launched_externally(rank, world_size, hosts=2), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, _, stock = _fit(DDPStrategy(), Net(batch_size=16), devices=2, num_nodes=2)
+        # the first rank of each host runs its 24 samples as 3 micro-batches of 8
+        hetero = HeteroBatching(batch_sizes=[24, 8, 24, 8], memory_caps=[8, 8, 8, 8])
+        model, trainer, weights = _fit(RingDDPStrategy(hetero=hetero, topology="two_tier"), Net(batch_size=16),
+                                       devices=2, num_nodes=2)
+        return model.calls, weights, stock, trainer.strategy.topology.kind
+
+
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
     return run_ranks(_two_ranks, 2, str(tmp_path_factory.mktemp("accumulate")), deadline_s=240)
@@ -127,6 +143,11 @@ def two(tmp_path_factory):
 @pytest.fixture(scope="module")
 def three():
     return run_ranks(_three_ranks, 3, deadline_s=120)
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    return run_ranks(_two_hosts, 4, deadline_s=120)
 
 
 def _steps(calls):
@@ -217,3 +238,13 @@ def test_three_ranks_match_a_one_process_replay(three):
         nn.functional.cross_entropy(reference.net(x[index]), y[index]).backward()
         optimizer.step()
     _close(three[0][1], torch.cat([p.detach().reshape(-1) for p in reference.parameters()]))
+
+
+def test_diloco_and_two_tiers_see_the_accumulated_gradient(two, hosts):
+    micro, whole = two[0]["diloco"]
+    _close(micro, whole)  # the same samples per rank and worker, in one pass or three
+    assert torch.equal(micro, two[1]["diloco"][0])
+    calls, weights, stock, kind = hosts[0]
+    assert kind == "two_tier" and all([len(p) for p in pieces] == [8, 8, 8] for pieces in _steps(calls).values())
+    _close(weights, stock)
+    assert all(torch.equal(weights, r[1]) for r in hosts[1:])

@@ -16,7 +16,8 @@ delegate; each mechanism lives in a module beside it:
   DistMetrics, which the strategy adds to the Trainer when the user has not;
 - :mod:`.checkpoint`: every rank's compressor state in checkpoints, and its restore;
 - :mod:`lightning_dist.hetero`: with ``hetero=``, the training loader rebuilt so each rank's share of the
-  global batch follows its speed, rebalanced from the exchange;
+  global batch follows its speed, rebalanced from the exchange; :mod:`.micro` runs a share above the rank's memory
+  cap as several micro-batches inside the one training step;
 - :mod:`lightning_dist.sync`: with ``sync=DiLoCo(...)``, the workers (ranks, or hosts under two_tier) train alone
   and meet every H steps in an outer step (:class:`~lightning_dist.sync.diloco.DiLoCoSync`); the comm hook then
   reduces inside a worker only;
