@@ -79,7 +79,8 @@ def _two_ranks(rank, world_size, workdir):
         model, _, weights = _fit(DDPStrategy())
         out["ddp"] = (model.calls, weights)
         model, trainer, weights = _fit(RingDDPStrategy(hetero=HeteroBatching(**capped)))
-        out["auto"] = (model.calls, weights, float(trainer.callback_metrics["train/loss_epoch"]))
+        out["auto"] = (model.calls, weights, float(trainer.callback_metrics["train/loss_epoch"]),
+                       trainer.strategy.features.last_step["samples"])
         # accumulate="off": the cap moves samples, as batch_sizes=[16, 48] would (today's behaviour)
         model, _, weights = _fit(RingDDPStrategy(hetero=HeteroBatching(**capped, accumulate="off")))
         _, _, moved = _fit(RingDDPStrategy(hetero=HeteroBatching(batch_sizes=[16, 48])))
@@ -178,6 +179,8 @@ def test_a_capped_share_runs_as_micro_batches_and_trains_stock_ddps_weights(two)
     _close(two[0]["auto"][1], two[0]["ddp"][1])
     assert torch.equal(two[0]["auto"][1], two[1]["auto"][1])  # ranks bit-identical
     assert two[0]["auto"][2] == two[1]["auto"][2]  # self.log(sync_dist=True) ran, and agreed
+    # a rank's samples (and so its measured speed) count every micro-batch of its step
+    assert two[0]["auto"][3] == 48 and two[1]["auto"][3] == 16
 
 
 def test_per_rank_counts_compose_with_lightnings_accumulation(two):
