@@ -41,6 +41,7 @@ class Net(ToyClassifier):
         super().__init__(features=16, hidden=(32,), classes=4, samples=N_SAMPLES, batch_size=batch_size, shuffle=True,
                          lr=0.05, seed=0)
         self.calls: list[tuple[int, int, list[int]]] = []
+        self.losses: list[tuple[int, float, int]] = []  # (epoch, loss, samples) of every call
         self.bad, self.first_grads = bad, None
 
     def dataset(self):
@@ -53,7 +54,9 @@ class Net(ToyClassifier):
         loss = nn.functional.cross_entropy(self.net(x), y)
         if self.bad == (self.global_rank, self.trainer.global_step, calls_this_step):
             loss = loss * float("inf")
+        self.losses.append((self.current_epoch, float(loss), len(index)))
         self.log("train/loss", loss, sync_dist=True, on_step=True, on_epoch=True)
+        self.log("train/rank_loss", loss, on_step=False, on_epoch=True)  # this rank's mean over its samples
         return loss
 
     def on_before_optimizer_step(self, optimizer):
@@ -121,8 +124,8 @@ def _three_ranks(rank, world_size):
         warnings.simplefilter("ignore")
         # rank 0 runs its 40 samples as micro-batches of 14, 13 and 13
         hetero = HeteroBatching(batch_sizes=[40, 16, 8], memory_caps=[14, 16, 8], global_batch_size=GLOBAL)
-        model, _, weights = _fit(RingDDPStrategy(hetero=hetero), Net(batch_size=22))
-        return model.calls, weights
+        model, trainer, weights = _fit(RingDDPStrategy(hetero=hetero), Net(batch_size=22))
+        return model.calls, weights, model.losses, float(trainer.callback_metrics["train/rank_loss"])
 
 
 def _two_hosts(rank, world_size):
@@ -251,3 +254,12 @@ def test_diloco_and_two_tiers_see_the_accumulated_gradient(two, hosts):
     assert kind == "two_tier" and all([len(p) for p in pieces] == [8, 8, 8] for pieces in _steps(calls).values())
     _close(weights, stock)
     assert all(torch.equal(weights, r[1]) for r in hosts[1:])
+
+
+def test_self_log_weighs_each_micro_batch_by_its_own_samples(three):
+    # an on_epoch mean is Lightning's sample-weighted mean over the epoch's calls, each micro-batch's size inferred
+    # from the micro-batch itself (14, 13, 13 on rank 0), not from the whole share of 40
+    calls = [c for c in three[0][2] if c[0] == 1]  # the last epoch's
+    weighted = sum(loss * n for _, loss, n in calls) / sum(n for _, _, n in calls)
+    unweighted = sum(loss for _, loss, _ in calls) / len(calls)
+    assert abs(three[0][3] - weighted) <= 1e-6 * weighted < abs(unweighted - weighted)

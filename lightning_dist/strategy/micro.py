@@ -92,7 +92,7 @@ class MicroBatches:
         pieces = cut(batch, sizes)
         self._pending = (pieces, sizes, state.step_share(), rest)
         state.share = self._pending[2] * sizes[0] / sum(sizes)
-        with _logged_as(strategy.lightning_module.trainer, pieces[0], batch), self._inside(), \
+        with _logged_as(strategy.lightning_module.trainer, pieces[0]), self._inside(), \
                 strategy.block_backward_sync():
             return step(pieces[0], *rest)
 
@@ -110,14 +110,13 @@ class MicroBatches:
         pieces, sizes, share, rest = self._pending
         self._pending = None
         trainer = strategy.lightning_module.trainer
-        batch = trainer._results.batch if getattr(trainer, "_results", None) is not None else None
         normalize = trainer.accumulate_grad_batches  # Lightning's closure divides the loss it backpropagates so
         loss, total, last = first_loss, sum(sizes), len(sizes) - 1
         for j, (size, piece) in enumerate(zip(sizes, pieces)):
             # every micro-batch but the last: forward and backward with DDP's synchronisation off
             with strategy.block_backward_sync() if j < last else contextlib.nullcontext():
                 if j > 0:
-                    with _logged_as(trainer, piece, batch), _fx(trainer.lightning_module, "training_step"), \
+                    with _logged_as(trainer, piece), _fx(trainer.lightning_module, "training_step"), \
                             (self._inside() if j < last else contextlib.nullcontext()):
                         loss = loss_of(step(piece, *rest)) / normalize
                 state.share = share * size / total
@@ -154,14 +153,14 @@ def _fx(module: Any, name: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _logged_as(trainer: Any, piece: Any, batch: Any) -> Iterator[None]:
+def _logged_as(trainer: Any, piece: Any) -> Iterator[None]:
     """``self.log`` infers a value's batch size from the batch Lightning's results hold: the micro-batch's own while its
     ``training_step`` runs, the whole share (as Lightning set it) again afterwards."""
     results = getattr(trainer, "_results", None)  # Lightning's private result collection (pinned lightning<2.7)
     if results is None:
         yield
         return
-    results.batch, results.batch_size = piece, None
+    batch, results.batch, results.batch_size = results.batch, piece, None
     try:
         yield
     finally:
