@@ -553,6 +553,10 @@ def _hetero_problems(cfg: DictConfig) -> list[str]:
         return []
     from lightning_dist.hetero.batching import as_hetero
 
+    accumulate = hetero.get("accumulate")
+    if isinstance(accumulate, bool):  # the command line gives "off"; a YAML file reads an unquoted off as false
+        return [f"hetero.accumulate={accumulate}: use auto, off or per-rank counts such as [1,3] (in a YAML file quote "
+                "it, accumulate: 'off', which YAML 1.1 would read as false)"]
     try:
         settings = as_hetero(dict(hetero))
     except ValueError as err:
@@ -573,4 +577,20 @@ def _hetero_problems(cfg: DictConfig) -> list[str]:
                         "make them add up or set hetero.global_batch_size")
     if total < world:
         problems.append(f"a global batch of {total} cannot give each of {world} ranks a sample")
+    elif not problems:
+        problems += _capacity_problems(settings, world, total)
     return problems
+
+
+def _capacity_problems(settings: Any, world: int, total: int) -> list[str]:
+    """Whether the ranks' shares can hold the global batch (the plan checks it only once every rank has started): a cap
+    bounds a share with accumulate off, ``count x cap`` with per-rank counts; ``auto`` cuts any share."""
+    bounds = settings.share_caps(world, total)
+    if bounds is None or sum(bounds) >= total:
+        return []
+    caps = settings.micro_caps(world, total)
+    needed = [-(-total // (world * c)) for c in caps]  # per rank, enough passes for an even split
+    return [f"hetero.accumulate={settings.accumulate} with caps of {caps} samples a pass (hetero.memory_caps, "
+            f"max_batch_size) holds {sum(bounds)} samples a step, fewer than the global batch {total}: use "
+            "hetero.accumulate=auto (as many micro-batches as each share needs), per-rank counts such as "
+            f"hetero.accumulate=[{','.join(map(str, needed))}], or larger caps"]

@@ -388,3 +388,126 @@ def test_oom_snapshots_name_rank_and_step_and_the_observer_is_not_a_leak(tmp_pat
     del trainer
     gc.collect()
     assert ref() is None
+
+
+# -- heterogeneous batching: the estimate's micro-batch, and hetero.memory_caps in the advice -------------------
+
+
+def _hetero(world=2, **kwargs):
+    """A HeteroBatching attached as the strategy holds it during a fit (B = 64: world 2 x 32)."""
+    from lightning_dist.hetero import HeteroBatching
+    from lightning_dist.hetero.sampler import HeteroBatchSampler
+
+    hetero = HeteroBatching(**kwargs)
+    plan = hetero.make_plan(world, 32)
+    hetero.sampler = HeteroBatchSampler(640, world, 0, hetero.global_batch, plan)
+    return hetero
+
+
+def test_a_cap_that_fits_scales_the_measured_activations_by_a_passs_samples():
+    from lightning_dist.memory.report import cap_that_fits
+
+    # 400 bytes of activations at 16 samples: 25 a sample; 200 bytes over capacity -> 8 samples fewer
+    assert cap_that_fits(held=1000, capacity=800, activations=400, samples=16) == 8
+    assert cap_that_fits(held=600, capacity=800, activations=400, samples=16) == 24  # room: above today's pass
+    assert cap_that_fits(held=1000, capacity=500, activations=400, samples=16) is None  # not even one sample fits
+    assert cap_that_fits(held=1000, capacity=800, activations=0, samples=16) is None  # nothing measured
+    assert cap_that_fits(held=1000, capacity=0, activations=400, samples=16) is None  # capacity unknown
+
+
+def test_the_advice_names_hetero_memory_caps_and_what_accumulate_does_with_the_share():
+    from lightning_dist.memory.estimate import MemoryEstimate
+    from lightning_dist.memory.report import Passes, activation_note, advice, caps_advice
+
+    auto = Passes(accumulate="auto", caps=[16, 64], sizes=[[16, 16, 16], [16]])
+    said = caps_advice(auto, fitting=[8, 40], short=[0])
+    assert said.startswith("hetero.memory_caps=[8,40] (rank 0: 16 -> 8 samples a pass")
+    assert "runs the same share as more micro-batches: nothing moves to other ranks" in said
+    assert "rank 1" not in said  # 40 fits rank 1's pass of 16: not lowered, only bounded below its cap of 64
+    # no cap yet (accumulate resolved to off): a cap turns accumulate on by default
+    said = caps_advice(Passes(accumulate="off", caps=None, sizes=[[48], [16]]), fitting=[20, 90], short=[0])
+    assert said.startswith("hetero.memory_caps=[20,90] (rank 0: 48 -> 20") and "the default once a cap" in said
+    # off by choice, with a cap: the cap would move samples; auto keeps the share
+    said = caps_advice(Passes(accumulate="off", caps=[16, 64], sizes=[[16], [48]]), fitting=[10, 90], short=[0])
+    assert "with hetero.accumulate=auto a lower cap runs the same share" in said and "moves the samples" in said
+    # per-rank counts: a share holds at most count x cap, so the counts that hold 24 at a cap of 8 are named
+    counts = Passes(accumulate=[2, 1], caps=[12, 64], sizes=[[12, 12], [40]])
+    assert "hetero.accumulate=[3,1] or hetero.accumulate=auto" in caps_advice(counts, fitting=[8, 50], short=[0])
+    # hetero=elastic takes no per-rank list: one max_batch_size
+    elastic = Passes(accumulate="auto", caps=None, sizes=[[32], [32]], elastic=True)
+    assert caps_advice(elastic, fitting=[20, 40], short=[0]).startswith("hetero.max_batch_size=20 (rank 0: 32 -> 20")
+    assert caps_advice(auto, fitting=[None, 40], short=[0]).startswith(
+        "a lower hetero.memory_caps entry for rank 0 (no figure")
+    est = MemoryEstimate(parts={"weights": 2**30, "activations": 2**30})
+    assert "a smaller per-rank batch or bf16 mixed precision (activations: 1.00 GiB)" in advice(est)
+    said = advice(est, caps_advice(auto, fitting=[8, 40], short=[0]))
+    assert "To fit: hetero.memory_caps=[8,40] (" in said and "per-rank batch" not in said
+    assert activation_note([16, 16, 16]) == ("saved for backward in the first forward pass: micro-batch 1 of 3 (16 of "
+                                             "this rank's 48 samples); its backward frees them before the next")
+
+
+def _monitor_under_hetero(monkeypatch, hetero, **kwargs):
+    """A MemoryMonitor whose trainer's strategy exposes ``hetero`` through the feature seam, at batch 0 of epoch 0,
+    its estimate measured on this rank's first pass (rank 0)."""
+    from lightning_dist.callbacks import memory_monitor
+    from lightning_dist.memory.estimate import MemoryEstimate
+
+    features = SimpleNamespace(hetero=hetero, topology=None, compressor=None, sync=None)
+    monkeypatch.setattr(memory_monitor, "features_of", lambda strategy: features if hetero is not None else None)
+    monitor = MemoryMonitor(**kwargs)
+    monitor._batch, monitor._probed_samples = (0, 0), 16
+    monitor.estimate = MemoryEstimate(parts={"weights": 100 * MiB, "activations": 120 * MiB,
+                                             "activation_grads": 40 * MiB})  # 10 MiB a sample
+    return monitor
+
+
+def test_the_warning_names_the_cap_that_brings_the_rank_under_the_threshold(monkeypatch):
+    hetero = _hetero(speeds=[3, 1], memory_caps=[16, 64])  # rank 0: 48 samples as 3 x 16; rank 1: 16 in one pass
+    monitor = _monitor_under_hetero(monkeypatch, hetero, warn_at=0.5)
+    trainer = _trainer(10)
+    trainer.strategy = None
+    # rank 0 peaks at 600 of 1000 MiB; 90% of the 50% threshold is 450 MiB: 150 MiB at 10 a sample -> 15 fewer
+    # rank 1 at 200 MiB has room for 25 more samples a pass: 41
+    with pytest.warns(UserWarning, match=r"Set hetero.memory_caps=\[1,41\] \(rank 0: 16 -> 1 samples a pass") as got:
+        monitor._handle(trainer, [_row(600, 0.6), _row(200, 0.2)])
+    said = str(got[0].message)
+    assert "nothing moves to other ranks" in said and "Reduce the per-rank batch" not in said
+    # rank 1 (one pass of 16) at 55%: 100 MiB over 450 -> 10 fewer; rank 0 keeps its cap of 16
+    monitor = _monitor_under_hetero(monkeypatch, hetero, warn_at=0.5)
+    with pytest.warns(UserWarning, match=r"hetero.memory_caps=\[16,6\] \(rank 1: 16 -> 6 samples a pass"):
+        monitor._handle(trainer, [_row(300, 0.3), _row(550, 0.55)])
+    # without heterogeneous batching the warning is what it was
+    monitor = _monitor_under_hetero(monkeypatch, None, warn_at=0.5)
+    with pytest.warns(UserWarning, match="Reduce the per-rank batch"):
+        monitor._handle(trainer, [_row(600, 0.6)])
+
+
+def test_the_preflight_names_every_ranks_cap_and_the_table_the_first_micro_batch(monkeypatch):
+    from lightning_dist.callbacks import InsufficientMemoryError, memory_monitor
+
+    hetero = _hetero(speeds=[3, 1], memory_caps=[16, 64])
+    assert hetero.micro_sizes(0, 0, 0) == [16, 16, 16] and hetero.micro_sizes(0, 0, 1) == [16]
+    monitor = _monitor_under_hetero(monkeypatch, hetero, preflight="error")
+    # the estimate, as the probe's end builds it: the activations are the first micro-batch's, and the table says so
+    model = nn.Linear(4, 4)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(model=None), world_size=2, global_rank=0, callbacks=[],
+                              optimizers=[torch.optim.SGD(model.parameters(), lr=0.1)])
+    est = monitor._estimate(trainer, model, activations=120 * MiB, largest=MiB)
+    assert "micro-batch 1 of 3 (16 of this rank's 48 samples)" in est.table()
+    assert "this rank's whole share" not in est.table()
+    # every rank's needed, capacity, total and activations (bytes): rank 0 short by 80 MiB at 10 MiB a sample
+    rows = [[1080 * MiB, 1000 * MiB, 1000 * MiB, 160 * MiB], [500 * MiB, 1000 * MiB, 500 * MiB, 160 * MiB]]
+    monkeypatch.setattr(memory_monitor, "gather", lambda trainer, values: rows)
+    monitor._preflight_pending = True
+    # rank 1 has room for 66 a pass and keeps its cap of 64
+    with pytest.raises(InsufficientMemoryError, match=r"To fit: hetero.memory_caps=\[8,64\] \(rank 0: 16 -> 8 samples"):
+        monitor._check_preflight(trainer)
+    # without micro-batches (accumulate off, no cap) the table says nothing of them, and the advice names the cap
+    off = _hetero(speeds=[3, 1])
+    monitor = _monitor_under_hetero(monkeypatch, off, preflight="error")
+    assert "micro-batch" not in monitor._estimate(trainer, model, activations=120 * MiB, largest=MiB).table()
+    monitor._preflight_pending = True
+    # rank 0's 160 MiB of activations are of its pass of 48 now: 80 MiB over -> 24 fewer
+    with pytest.raises(InsufficientMemoryError, match=r"hetero.memory_caps=\[24,66\] \(rank 0: 48 -> 24 .*the "
+                                                      r"default once a cap is set"):
+        monitor._check_preflight(trainer)

@@ -273,6 +273,43 @@ def test_the_hetero_group_builds_the_strategys_batching_and_checks_it_before_any
         build(_compose("strategy=ddp", "hetero=balanced"), str(tmp_path), 0.0)
 
 
+def test_hetero_accumulate_reaches_the_strategy_as_given_and_is_checked_before_any_rank(tmp_path):
+    # Hydra's override grammar reads off as the string "off" (a YAML file would read an unquoted off as false)
+    assert _compose("hetero=balanced", "hetero.accumulate=off").hetero.accumulate == "off"
+    for value, accumulate, accumulates in (("off", "off", False), ("auto", "auto", True), ("[1,3]", [1, 3], True)):
+        cfg = _compose("hetero=balanced", f"hetero.accumulate={value}", "hetero.memory_caps=[64,24]")
+        hetero = build(cfg, str(tmp_path), 0.0)[0].strategy._hetero
+        assert hetero.accumulate == accumulate and hetero.accumulates is accumulates, value
+    # null (the file's default): auto with a cap, off without; hetero=elastic takes auto and off with max_batch_size
+    assert build(_compose("hetero=balanced", "hetero.max_batch_size=16"), str(tmp_path), 0.0)[0] \
+        .strategy._hetero.accumulate == "auto"
+    assert build(_compose("hetero=balanced"), str(tmp_path), 0.0)[0].strategy._hetero.accumulate == "off"
+    validate(_compose("hetero=elastic", "hetero.global_batch_size=96", "hetero.max_batch_size=16",
+                      "hetero.accumulate=auto"))
+    validate(_compose("hetero=balanced", "hetero.accumulate=[4,4]", "hetero.memory_caps=[8,8]"))  # 4 x 8 x 2 = 64
+    for overrides, match in (
+        (["hetero.accumulate=[1,2,3]"], r"hetero.accumulate=\[1, 2, 3\] has 3 entries for 2 ranks"),
+        (["hetero.accumulate=[0,1]"], r"accumulate=\[0, 1\]: every per-rank count of micro-batches must be an int"),
+        (["hetero.accumulate=sometimes"], r"accumulate='sometimes': use 'auto'"),
+        (["hetero.accumulate=false"], r"hetero.accumulate=False: .* quote it, accumulate: 'off'"),
+        # the caps must hold the global batch of 64: 8 + 8 a pass with off, 8 + 2 x 8 with counts [1, 2]
+        (["hetero.accumulate=off", "hetero.memory_caps=[8,8]"],
+         r"hetero.accumulate=off with caps of \[8, 8\] .* holds 16 samples a step, fewer than the global batch 64: "
+         r"use hetero.accumulate=auto .* hetero.accumulate=\[4,4\]"),
+        (["hetero.accumulate=[1,2]", "hetero.memory_caps=[8,8]"], r"holds 24 samples a step"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            validate(_compose("hetero=balanced", *overrides))
+    with pytest.raises(ValueError, match="elastic=true with per-rank lists"):
+        validate(_compose("hetero=elastic", "hetero.global_batch_size=96", "hetero.accumulate=[1,2]"))
+    # a setting alone selects hetero=balanced; under hetero=none it is refused, naming the options that have it
+    assert complete_overrides(["hetero.accumulate=auto"]) == ["hetero=balanced", "hetero.accumulate=auto"]
+    with pytest.raises(ValueError, match=r"hetero.accumulate=auto: hetero=none has no setting 'accumulate'; it is a "
+                                         r"setting of hetero=balanced, elastic: choose one, e.g. hetero=balanced "
+                                         r"hetero.accumulate=auto"):
+        complete_overrides(["hetero=none", "hetero.accumulate=auto"])
+
+
 def test_a_setting_without_its_group_selects_hetero_or_names_the_compressor(monkeypatch, capsys):
     # hetero.speeds alone means hetero=balanced (hetero is off by default); the explicit form is left as it is
     assert complete_overrides(["hetero.speeds=[3,1]", "trainer.devices=2"]) == [

@@ -12,7 +12,10 @@ What it does, with its defaults (``MemoryMonitor()``; any strategy, ``ring_ddp``
    process can reach, or on CPU the machine's memory (or its cgroup limit) shared among the ranks on it.
    ``preflight="warn"`` warns when a rank will not fit, ``"error"`` stops every rank with
    :class:`InsufficientMemoryError` before the first backward (no gradients yet, nor optimizer state unless a
-   checkpoint restored it), ``"off"`` skips it. Rank zero logs the estimate as a table.
+   checkpoint restored it), ``"off"`` skips it. Rank zero logs the estimate as a table. When the strategy runs a
+   rank's share as several micro-batches (``hetero.accumulate``), the first forward pass is the first micro-batch's,
+   whose backward frees its activations before the next: the table says so, and the advice names the per-rank cap
+   that fits (``hetero.memory_caps=[...]``) instead of a smaller per-rank batch.
 
 2. **Watching.** Every ``every_n_steps`` optimizer steps (default: the Trainer's ``log_every_n_steps``) each
    rank reads its host RSS (current, and peak since the last reading), and on CUDA the caching allocator's
@@ -28,7 +31,8 @@ What it does, with its defaults (``MemoryMonitor()``; any strategy, ``ring_ddp``
    (``memory-stop-step=N.ckpt`` next to the ModelCheckpoint's, else under ``default_root_dir``) and training stops
    after that step (Lightning's ``min_steps`` / ``min_epochs`` still hold). Every rank decides from the same
    gathered values, so every rank acts at the same step. Each fires once per crossing (again after usage fell back
-   below it).
+   below it). Under heterogeneous batching the warning names the cap that brings the rank back under the threshold
+   (``hetero.memory_caps=[...]``; with accumulate on the same share runs as more micro-batches).
 
 4. **OOM snapshots** (``oom_snapshot=True``, CUDA only): torch's allocator history is recorded from the start
    of fit and dumped to ``<log_dir>/memory_snapshots/oom-rank{r}-step{N}.pickle``, for
@@ -74,11 +78,21 @@ from lightning_dist.launch import LaunchEnv
 from lightning_dist.memory import readers
 from lightning_dist.memory.estimate import ActivationProbe, MemoryEstimate, MiB, comm_setup_of, estimate_memory
 from lightning_dist.memory.oom import OomSnapshots
-from lightning_dist.memory.report import SLOTS, RankMemory, advice, summarize
+from lightning_dist.memory.report import (
+    SLOTS,
+    Passes,
+    RankMemory,
+    activation_note,
+    advice,
+    cap_that_fits,
+    caps_advice,
+    summarize,
+)
 from lightning_dist.strategy import features_of
 
 PREFLIGHT = ("warn", "error", "off")
 _HISTORY = 100
+_CAP_TARGET = 0.9  # the cap a threshold warning names aims at this fraction of the threshold that fired
 
 class InsufficientMemoryError(RuntimeError):
     """Raised on every rank together when the pre-flight estimate does not fit and ``preflight="error"``."""
@@ -131,6 +145,8 @@ class MemoryMonitor(Callback):
         self._every = 0
         self._memory = RankMemory()  # this rank's readings (its CUDA device, capacity, footprint)
         self._probe: Optional[ActivationProbe] = None
+        self._batch: Optional[tuple[int, int]] = None  # (epoch, batch_idx) of the batch in progress
+        self._probed_samples = 0  # samples of the forward pass the probe measured (heterogeneous batching only)
         self._preflight_pending = False
         self._values = RankValues("mem", SLOTS)  # every rank's readings, every N steps
         self._armed = {action: True for action in self.thresholds}
@@ -164,6 +180,7 @@ class MemoryMonitor(Callback):
                            [*pl_module.parameters(), *pl_module.buffers()], self.reset_peaks)
         self._armed = dict.fromkeys(self.thresholds, True)
         self._compared = False
+        self._batch, self._probed_samples = None, 0
         self.seconds = 0.0
         self._preflight_pending = self.preflight != "off"
         if self.oom_snapshot:
@@ -201,6 +218,10 @@ class MemoryMonitor(Callback):
                              if features is not None and features.sync is not None else 0)
         est = estimate_memory(pl_module, trainer.optimizers, comm, activation_bytes=activations,
                               largest_activation=largest)
+        passes = self._passes(trainer)
+        if activations is not None and passes is not None and features is not None and features.hetero.accumulates:
+            # the probe ran from on_train_batch_start to the first on_before_backward: the first micro-batch
+            est.notes["activations"] = activation_note(passes.sizes[trainer.global_rank])
         for callback in trainer.callbacks:  # callbacks that hold copies (NaNRecovery's snapshot) say how much
             parts = getattr(callback, "memory_parts", None)
             if callable(parts) and callback is not self:
@@ -217,6 +238,7 @@ class MemoryMonitor(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         started = time.thread_time()
+        self._batch = (trainer.current_epoch, batch_idx)
         if self._probe is not None and not self._probe.active:  # the fit's first forward pass
             self._probe.start()
         self._values.fill(trainer, self._read)
@@ -232,6 +254,8 @@ class MemoryMonitor(Callback):
         assert self._probe is not None
         activations, largest = self._probe.stop(), self._probe.largest
         self._probe = None
+        passes = self._passes(trainer)  # under micro-batching the probed pass is the first micro-batch
+        self._probed_samples = passes.sizes[trainer.global_rank][0] if passes is not None else 0
         self.estimate = self._estimate(trainer, pl_module, activations=activations, largest=largest)
         if self._preflight_pending:
             self._check_preflight(trainer)
@@ -244,17 +268,21 @@ class MemoryMonitor(Callback):
         self._preflight_pending = False
         est = self.estimate
         assert est is not None
-        rows = gather(trainer, [float(est.needed), float(est.capacity), float(est.total)])
+        rows = gather(trainer, [float(est.needed), float(est.capacity), float(est.total), float(_activations(est))])
         rank_zero_info(f"MemoryMonitor: estimated peak memory of rank 0\n{est.table()}")
         short = [(r, row) for r, row in enumerate(rows) if row[1] > 0 and row[0] > row[1]]
         if not short:
             return
-        worst, (needed, capacity, total) = max(short, key=lambda item: item[1][0] / item[1][1])
+        worst, (needed, capacity, total, _) = max(short, key=lambda item: item[1][0] / item[1][1])
+        caps, passes = None, self._passes(trainer)
+        if passes is not None:  # every rank's probed pass (its first micro-batch) from the plan every rank holds
+            fitting = [cap_that_fits(row[0], row[1], row[3], sizes[0]) for row, sizes in zip(rows, passes.sizes)]
+            caps = caps_advice(passes, fitting, [r for r, _ in short])
         message = (
             f"MemoryMonitor: rank {worst} will need about {needed / 2**30:.2f} GiB at its peak (training state "
             f"{total / 2**30:.2f} GiB + what the process already holds) but has {capacity / 2**30:.2f} GiB "
             f"({est.capacity_source}); {len(short)} of {len(rows)} ranks are short. This rank's estimate:\n"
-            f"{est.table()}\n{advice(est)}"
+            f"{est.table()}\n{advice(est, caps)}"
         )
         if self.preflight == "error":
             raise InsufficientMemoryError(message)
@@ -312,9 +340,10 @@ class MemoryMonitor(Callback):
             if not self._armed[action]:
                 continue
             self._armed[action] = False
-            self._act(trainer, action, worst, rows[worst], limit)
+            self._act(trainer, action, worst, rows, limit)
 
-    def _act(self, trainer: pl.Trainer, action: str, rank: int, row: dict[str, float], limit: float) -> None:
+    def _act(self, trainer: pl.Trainer, action: str, rank: int, rows: list[dict[str, float]], limit: float) -> None:
+        row = rows[rank]
         what = "reserved CUDA memory" if self._memory.cuda is not None else "host RSS"
         event = {"step": trainer.global_step, "action": action, "rank": rank, "usage": row["usage"], "limit": limit}
         self.events = (self.events + [event])[-_HISTORY:]
@@ -322,8 +351,10 @@ class MemoryMonitor(Callback):
                 f"{100 * row['usage']:.1f}% of its capacity ({row['usage'] * row['capacity'] / 2**30:.2f} of "
                 f"{row['capacity'] / 2**30:.2f} GiB; {action} threshold {100 * limit:.0f}%)")
         if action == "warn":
-            rank_zero_warn(said + ". Reduce the per-rank batch, use bf16 mixed precision, or set "
-                           "gradient_as_bucket_view=True; MemoryMonitor(stop_at=...) stops cleanly before an OOM.")
+            caps = self._caps_for(trainer, rows, rank, limit)
+            fix = f"Set {caps}" if caps is not None else "Reduce the per-rank batch"
+            rank_zero_warn(said + f". {fix}, use bf16 mixed precision, or set gradient_as_bucket_view=True; "
+                           "MemoryMonitor(stop_at=...) stops cleanly before an OOM.")
         elif action == "empty_cache":
             rank_zero_info(said + ": every rank empties its cache")
             readers.release_host_memory()
@@ -334,6 +365,36 @@ class MemoryMonitor(Callback):
             rank_zero_warn(said + f": every rank saves {path} and training stops")
             trainer.save_checkpoint(path)  # every rank calls it; rank zero writes
             trainer.should_stop = True
+
+    # -- heterogeneous batching: the cap to name -------------------------------------------------------------
+    def _passes(self, trainer: pl.Trainer) -> Optional[Passes]:
+        """Every rank's passes of the batch in progress, when the strategy runs heterogeneous batching (read through
+        its feature seam, handed to the advice as plain values); None otherwise."""
+        if self._batch is None:  # no batch started in this fit yet
+            return None
+        features = features_of(trainer.strategy)
+        hetero = features.hetero if features is not None else None
+        if hetero is None or not hetero.attached or hetero.plan is None:
+            return None
+        world, (epoch, batch_idx) = hetero.plan.world_size, self._batch
+        return Passes(accumulate=hetero.accumulate, caps=hetero.micro_caps(world, hetero.global_batch),
+                      sizes=[hetero.micro_sizes(epoch, batch_idx, r) for r in range(world)], elastic=hetero.elastic)
+
+    def _caps_for(self, trainer: pl.Trainer, rows: list[dict[str, float]], rank: int, limit: float) -> Optional[str]:
+        """The cap that brings ``rank``'s peak to :data:`_CAP_TARGET` of the threshold ``limit`` that fired, from the
+        last reading's peaks and this rank's activations per sample (the first pass's; every rank runs the same
+        model); None without heterogeneous batching."""
+        passes = self._passes(trainer)
+        if passes is None:
+            return None
+        per_sample = _activations(self.estimate) / self._probed_samples if self.estimate and self._probed_samples \
+            else 0.0
+        fitting = []
+        for r, sizes in enumerate(passes.sizes):
+            row, samples = rows[r], max(sizes)
+            fitting.append(cap_that_fits(row["usage"] * row["capacity"], _CAP_TARGET * limit * row["capacity"],
+                                         per_sample * samples, samples))
+        return caps_advice(passes, fitting, [rank])
 
     # -- OOM snapshots --------------------------------------------------------------------------------------
     def _start_recording(self, trainer: pl.Trainer) -> None:
@@ -383,6 +444,11 @@ class MemoryMonitor(Callback):
             "events": list(self.events),
             "snapshots": list(self.snapshots),
         }
+
+
+def _activations(est: Optional[MemoryEstimate]) -> int:
+    """The estimate's activation-sized parts (saved for backward, and backward's temporaries), bytes."""
+    return est.parts.get("activations", 0) + est.parts.get("activation_grads", 0) if est is not None else 0
 
 
 def check_settings(**settings: Any) -> list[str]:

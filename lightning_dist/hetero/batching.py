@@ -159,7 +159,7 @@ class HeteroBatching:
             raise ValueError(f"hetero.batch_sizes={self.batch_sizes} add up to {sum(self.batch_sizes)}, not the global "
                              f"batch {total} (world size {world_size} x the loader's batch size {loader_batch_size}); "
                              "make them add up, or set hetero.global_batch_size")
-        caps = self._caps(world_size, total)
+        caps = self.share_caps(world_size, total)
         weights = list(self.batch_sizes or self.speeds or [1.0] * world_size)
         split_batch(total, weights, self.min_batch_size, caps)  # raises now if the bounds cannot hold B
         self.plan = BatchPlan(world_size, weights, self.min_batch_size, caps)
@@ -168,7 +168,7 @@ class HeteroBatching:
         self._previous = None
         return self.plan
 
-    def _caps(self, world_size: int, total: int) -> Optional[list[int]]:
+    def share_caps(self, world_size: int, total: int) -> Optional[list[int]]:
         """The most samples a share may hold, per rank: the cap itself with ``accumulate="off"``, ``count x cap``
         with per-rank counts, none with ``"auto"`` (micro-batches absorb any share)."""
         caps = self.micro_caps(world_size, total)

@@ -1,11 +1,17 @@
 """What each rank reports of its memory at a reading (:class:`RankMemory`, one number per :data:`SLOTS` name), what
 rank zero logs of every rank's (:func:`summarize`), and the advice that goes with an estimate that does not fit
 (:func:`advice`). :class:`~lightning_dist.callbacks.MemoryMonitor` decides when to read and what to do.
+
+Under heterogeneous batching the fix to name is a per-rank cap, ``hetero.memory_caps`` (:func:`caps_advice`): with
+per-rank accumulation on, a lower cap runs the same share as more micro-batches, so nothing moves to other ranks. The
+strategy's batching reaches this module as plain values (:class:`Passes`), never as the strategy's objects.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+import math
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -116,13 +122,80 @@ def summarize(rows: list[dict[str, float]], per_rank: bool = False) -> dict[str,
     return metrics
 
 
-def advice(est: MemoryEstimate) -> str:
-    """What would shrink the largest parts, with the figures."""
+@dataclass
+class Passes:
+    """Heterogeneous batching as the memory advice needs it: plain values the callback reads from the strategy's
+    ``HeteroBatching`` (``accumulate``, ``micro_caps``, ``micro_sizes``, ``elastic``)."""
+
+    accumulate: Union[str, list[int]]  # "auto", "off" or per-rank counts of micro-batches
+    caps: Optional[list[int]]  # per rank, the most samples one pass may hold now (memory_caps, max_batch_size); None
+    sizes: list[list[int]]  # per rank, the micro-batches of the step at hand, in samples ([share]: one pass)
+    elastic: bool = False  # hetero=elastic: no per-rank lists, one max_batch_size for every rank
+
+
+def activation_note(sizes: Sequence[int]) -> str:
+    """What the activation probe measured when this rank runs its share as the micro-batches ``sizes``: the first
+    forward pass is the first micro-batch's (the largest: sizes differ by at most one, larger first), whose backward
+    frees its activations before the next micro-batch's forward, so one micro-batch's activations are the peak's."""
+    if len(sizes) == 1:
+        return f"saved for backward in the first forward pass: this rank's whole share, {sizes[0]} samples in one pass"
+    return (f"saved for backward in the first forward pass: micro-batch 1 of {len(sizes)} ({sizes[0]} of this rank's "
+            f"{sum(sizes)} samples); its backward frees them before the next")
+
+
+def cap_that_fits(held: float, capacity: float, activations: float, samples: int) -> Optional[int]:
+    """The most samples one pass may hold for a rank that holds ``held`` bytes at ``samples`` a pass to hold at most
+    ``capacity`` bytes, the activations (``activations`` bytes at ``samples``: saved ones and backward's temporaries)
+    taken as proportional to a pass's samples. Above ``samples`` when the rank has room. None: nothing measured, or
+    not even one sample a pass fits (then activations are not what to cut). A pass's inputs that are views of the whole
+    share count whole in the measurement, so the figure errs low."""
+    if activations <= 0 or samples < 1 or capacity <= 0:
+        return None
+    cap = math.floor(samples - (held - capacity) * samples / activations)
+    return cap if cap >= 1 else None
+
+
+def caps_advice(passes: Passes, fitting: Sequence[Optional[int]], short: Sequence[int]) -> str:
+    """The per-rank cap that brings the ranks in ``short`` under their capacity: ``hetero.memory_caps=[...]``
+    (``hetero.max_batch_size=N`` under hetero=elastic, which takes no per-rank list), and what accumulate then does
+    with each share. ``fitting``: :func:`cap_that_fits` per rank; a rank that is not short keeps the lower of its cap
+    in force and what fits it (the step's whole batch where neither is known)."""
+    unfit = [r for r in short if fitting[r] is None]
+    if unfit:  # no figure to give
+        setting = "hetero.max_batch_size" if passes.elastic else "hetero.memory_caps entry"
+        return (f"a lower {setting} for rank {unfit[0]} (no figure: its activations were not measured, or even one "
+                "sample a pass would not fit)")
+    total = sum(sum(sizes) for sizes in passes.sizes)
+    caps = [min((c for c in (fitting[r], passes.caps[r] if passes.caps else None) if c is not None), default=total)
+            for r in range(len(passes.sizes))]
+    lowered = ", ".join(f"rank {r}: {max(sizes)} -> {cap} samples a pass" for r, (sizes, cap)
+                        in enumerate(zip(passes.sizes, caps)) if r in short or cap < max(sizes))
+    lowered += ", activations taken as proportional to a pass's samples"
+    if passes.elastic:  # one cap for every rank
+        return (f"hetero.max_batch_size={min(caps)} ({lowered}; hetero=elastic takes no per-rank list; with "
+                "hetero.accumulate=auto a share above it runs as more micro-batches)")
+    setting = f"hetero.memory_caps=[{','.join(map(str, caps))}] ({lowered}"
+    if isinstance(passes.accumulate, list):
+        counts = [max(k, -(-sum(sizes) // c)) for k, sizes, c in zip(passes.accumulate, passes.sizes, caps)]
+        return (f"{setting}; a share then holds at most count x cap: hetero.accumulate=[{','.join(map(str, counts))}] "
+                "or hetero.accumulate=auto)")
+    if passes.accumulate == "off" and passes.caps is not None:  # off by choice (with a cap the default is auto)
+        return (f"{setting}; with hetero.accumulate=auto a lower cap runs the same share as more micro-batches, where "
+                "accumulate off moves the samples to other ranks)")
+    return (f"{setting}; with accumulate on, the default once a cap is set, a lower cap runs the same share as more "
+            "micro-batches: nothing moves to other ranks)")
+
+
+def advice(est: MemoryEstimate, caps: Optional[str] = None) -> str:
+    """What would shrink the largest parts, with the figures. ``caps``: under heterogeneous batching, the per-rank cap
+    to name instead of "a smaller per-rank batch" (:func:`caps_advice`)."""
     parts = est.parts
     tips = []
     if parts.get("activations", 0):
-        tips.append(f"a smaller per-rank batch or bf16 mixed precision (activations: "
+        tips.append(f"{caps or 'a smaller per-rank batch'} or bf16 mixed precision (activations: "
                     f"{parts['activations'] / 2**30:.2f} GiB)")
+    elif caps:
+        tips.append(caps)
     if parts.get("ddp_buckets", 0):
         tips.append(f"strategy gradient_as_bucket_view=True (saves {parts['ddp_buckets'] / 2**30:.2f} GiB)")
     if parts.get("optimizer_state", 0) > parts.get("weights", 0):
