@@ -1,21 +1,46 @@
 """Heterogeneous-batching benchmark: epoch time of even batches against batches that follow measured speed,
-on ranks made slower by a known factor (:class:`lightning_dist.testing.Slowdown`).
+on ranks made slower by a known factor (:class:`lightning_dist.testing.Slowdown`); then what per-rank gradient
+accumulation (``HeteroBatching(accumulate=...)``) buys a rank whose memory cannot hold its share, and what it costs
+a rank that runs one micro-batch.
 
-Scenarios: speeds ``1 / 0.5`` on 2 ranks (judged) and ``1 / 1 / 0.33`` on 3 (reported only: 3 processes on 2
-cores mostly measure contention). Each runs three modes from ``seed_everything(seed)``: ``uniform``
-(``RingDDPStrategy()``, the slow rank sets the pace), ``balanced`` (``HeteroBatching(window=5, every_n_steps=5)``:
-starts even, measures every rank's compute time per sample and moves work to the fast ranks, the global batch
-staying ``N x 64``) and ``static`` (``HeteroBatching(speeds=...)``: the true speeds' sizes from the first step).
-The model is a wider ``DigitsCNN(channels=128, hidden=256)``, so that a step's compute grows with its samples
-rather than being fixed overhead; batch 64 per rank, 10 epochs, validated once at the end. A run's epoch time is
-the median of its last 5 epochs (after rebalancing has settled; rank 0, from an epoch's first batch start to its
-last batch end). The compute-time spread is ``max / min - 1`` of the ranks' mean compute time per step (less the
-communication each waited for) over those epochs: what the balancer equalises (per step, it would add every
-step's noise).
+Scenarios:
+
+1. **Balance** (:data:`SCENARIOS`): speeds ``1 / 0.5`` on 2 ranks (judged) and ``1 / 1 / 0.33`` on 3 (reported
+   only: 3 processes on 2 cores mostly measure contention). Each runs three modes from ``seed_everything(seed)``:
+   ``uniform`` (``RingDDPStrategy()``, the slow rank sets the pace), ``balanced`` (``HeteroBatching(window=5,
+   every_n_steps=5)``: starts even, measures every rank's compute time per sample and moves work to the fast ranks,
+   the global batch staying ``N x 64``) and ``static`` (``HeteroBatching(speeds=...)``: the true speeds' sizes from
+   the first step). 10 epochs, validated once at the end.
+2. **A capped fast rank** (:data:`CAPPED`): speeds ``1 / 0.5`` (rank 1 twice as slow), shares 85 / 43 of B = 128,
+   and rank 0's memory capped at :data:`CAP` = 29 samples, a third of its share. Three modes: ``uncapped``
+   (``HeteroBatching(speeds=[1, 0.5])``), ``capped, off`` (``memory_caps=[29, 128], accumulate="off"``: the cap
+   bounds rank 0's share, and the 56 samples it leaves go to the slow rank: shares 29 / 99) and ``capped, auto``
+   (``memory_caps=[29, 128]``, accumulate's default ``"auto"``: rank 0 keeps 85 and runs it as 3 micro-batches of
+   29 / 28 / 28 inside one step). Each rank counts its ``training_step`` calls and their samples
+   (:class:`CountedCNN`): the micro-batches it actually ran per step (the most frequent pattern goes in the table).
+3. **One micro-batch's cost** (:data:`COST`): ``today`` (``HeteroBatching(speeds=[1, 0.5])``, accumulate off) and
+   ``one micro-batch`` (the same with ``memory_caps=[128, 128]``: caps that never bind, accumulate ``"auto"``, so
+   every rank takes the accumulation path with a single micro-batch); no validation.
+
+Both run round-robin (:data:`CAPPED_ROUNDS` rounds of :data:`CAPPED_EPOCHS` epochs per run, validated at the end;
+:data:`COST_ROUNDS` of :data:`COST_EPOCHS`), the order turning by round, and compare step times paired by round:
+one mode's median step over the same round's reference run's, then the median and quartiles of that ratio over
+rounds (a slow spell of the machine slows the runs of a round alike, rather than one mode's).
+
+The model is a wider ``DigitsCNN(channels=128, hidden=256)``, so that a step's compute grows with its samples rather
+than being fixed overhead; batch 64 per rank. A run's epoch time is the median of its last 5 epochs (the balance
+scenarios, after rebalancing has settled; the paired ones time all but their first epoch), on rank 0 from an epoch's
+first batch start to its last batch end; its step time is the median gap between consecutive batch ends on rank 0
+within those epochs (an epoch's first batch, which waits for the loader, makes no gap). The compute-time spread is
+``max / min - 1`` of the ranks' mean compute time per step (less the communication each waited for) over those
+epochs: what the balancer equalises (per step, it would add every step's noise).
 
 Targets (2 ranks): ``balanced``'s speed-up over ``uniform`` at least 0.9 of the ideal ``sum(s) / (N x min(s))``;
-compute-time spread after rebalancing <= 6%; final accuracy within one point of uniform's (a point is about 4
-of the 360 validation digits). The plot: epoch time per epoch, per mode.
+compute-time spread after rebalancing <= 6%; final accuracy within one point of uniform's (a point is about 4 of the
+360 validation digits). Per-rank accumulation: ``capped, auto``'s step time within 10% of ``uncapped``'s, paired
+(``capped, off``'s slowdown is reported beside it); ``one micro-batch``'s paired step time 1.00 +/- 0.02 of
+``today``'s. The plot: epoch time per epoch, per mode and balance scenario; the capped scenario's step time per mode
+and run (with the micro-batches each rank ran); the cost's per-run step times.
 """
 
 from __future__ import annotations
@@ -23,6 +48,7 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
+from collections import Counter
 from typing import Any, Optional, Sequence
 
 import lightning as L
@@ -37,22 +63,74 @@ SCENARIOS = {"2 ranks 1/0.5": (1.0, 0.5), "3 ranks 1/1/0.33": (1.0, 1.0, 0.33)}
 GATED = "2 ranks 1/0.5"
 MODES = ("uniform", "balanced", "static")
 BATCH, EPOCHS, TIMED_EPOCHS = 64, 10, 5
+CAPPED, COST = "2 ranks 1/0.5, rank 0 capped at 29", "2 ranks 1/0.5, cost of one micro-batch"
+CAPPED_SPEEDS = SCENARIOS[GATED]  # the capped and cost scenarios: rank 1 twice as slow (Slowdown({1: 2.0}))
+CAPPED_MODES, COST_MODES = ("uncapped", "capped, off", "capped, auto"), ("today", "one micro-batch")
+CAP = 29  # rank 0's memory cap: a third of its share of 85, rounded up (ceil(85 / 29) = 3 micro-batches)
+CAPPED_EPOCHS, CAPPED_ROUNDS, COST_EPOCHS, COST_ROUNDS = 4, 3, 4, 8  # per run; round-robin rounds
+QUICK_EPOCHS, QUICK_CAPPED_EPOCHS, QUICK_COST_EPOCHS = 2, 1, 1  # --quick: one round of each paired scenario
+AUTO_TARGET, COST_TOLERANCE = 1.10, 0.02  # capped, auto / uncapped step time; |paired ratio - 1|
 
 
-def _run(rank: int, world_size: int, speeds: Sequence[float], mode: str, epochs: int, seed: int) -> dict[str, Any]:
-    hetero = {"uniform": None, "balanced": HeteroBatching(window=5, every_n_steps=5),
-              "static": HeteroBatching(speeds=list(speeds))}[mode]
+def make_hetero(mode: str, speeds: Sequence[float]) -> Optional[HeteroBatching]:
+    """The heterogeneous batching of a mode (None: even batches). The capped modes cap rank 0 at :data:`CAP`; a cap of
+    the global batch (every other rank's, and both in ``one micro-batch``) never binds."""
+    speeds, whole = list(speeds), len(speeds) * BATCH
+    caps = [CAP] + [whole] * (len(speeds) - 1)
+    if mode == "uniform":
+        return None
+    if mode == "balanced":
+        return HeteroBatching(window=5, every_n_steps=5)
+    if mode in ("static", "uncapped", "today"):
+        return HeteroBatching(speeds=speeds)
+    if mode == "capped, off":
+        return HeteroBatching(speeds=speeds, memory_caps=caps, accumulate="off")
+    if mode == "capped, auto":
+        return HeteroBatching(speeds=speeds, memory_caps=caps)  # accumulate defaults to "auto" with a cap
+    if mode == "one micro-batch":
+        return HeteroBatching(speeds=speeds, memory_caps=[whole] * len(speeds))
+    raise ValueError(f"mode {mode!r}: use one of {MODES + CAPPED_MODES + COST_MODES}")
+
+
+class CountedCNN(DigitsCNN):
+    """:class:`DigitsCNN` that records every ``training_step`` call: ``(epoch, batch_idx, samples)``. Under per-rank
+    accumulation one Lightning step calls it once per micro-batch, so the calls are the micro-batches a rank ran."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.calls: list[tuple[int, int, int]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.calls.append((self.current_epoch, batch_idx, len(batch[0])))
+        return super().training_step(batch, batch_idx)
+
+
+def micro_batches_run(calls: Sequence[tuple[int, int, int]]) -> dict[str, Any]:
+    """One rank's ``training_step`` calls, per step: the most frequent micro-batch sizes (an epoch's short last batch
+    may differ) and the mean number of calls per step."""
+    steps: dict[tuple[int, int], list[int]] = {}
+    for epoch, batch_idx, samples in calls:
+        steps.setdefault((epoch, batch_idx), []).append(samples)
+    pattern = Counter(tuple(sizes) for sizes in steps.values()).most_common(1)
+    return {"sizes": list(pattern[0][0]) if pattern else [],
+            "calls_per_step": len(calls) / len(steps) if steps else 0.0}
+
+
+def _run(rank: int, world_size: int, speeds: Sequence[float], mode: str, epochs: int, seed: int,
+         validate: bool) -> dict[str, Any]:
+    hetero = make_hetero(mode, speeds)
     recorder = bench.StepRecorder()
     slow = Slowdown({r: 1.0 / s for r, s in enumerate(speeds) if s < 1.0})
     with launched_externally(rank, world_size), warnings.catch_warnings(), bench.quiet_lightning():
         warnings.simplefilter("ignore")
         L.seed_everything(seed, verbose=False)
-        model, data = DigitsCNN(channels=128, hidden=256), DigitsDataModule(batch_size=BATCH, seed=seed)
+        model, data = CountedCNN(channels=128, hidden=256), DigitsDataModule(batch_size=BATCH, seed=seed)
         strategy = make_strategy("auto", start_method="popen", hetero=hetero)
-        trainer = quiet_trainer(devices=world_size, strategy=strategy, max_epochs=epochs,
-                                check_val_every_n_epoch=epochs, log_every_n_steps=1, callbacks=[recorder, slow])
-        trainer.fit(model, datamodule=data)  # validates once, after the last epoch
-        accuracy = float(trainer.callback_metrics["val/acc"])
+        validation = {"check_val_every_n_epoch": epochs} if validate else {"limit_val_batches": 0}
+        trainer = quiet_trainer(devices=world_size, strategy=strategy, max_epochs=epochs, log_every_n_steps=1,
+                                callbacks=[recorder, slow], **validation)
+        trainer.fit(model, datamodule=data)  # validates once, after the last epoch (or never)
+        accuracy = float(trainer.callback_metrics["val/acc"]) if validate else None
     events = [] if hetero is None else [{k: e[k] for k in ("step", "from_step", "spread", "old", "new")}
                                         for e in hetero.events]
     # an epoch: from its first batch's start to its last batch's end (before validation runs)
@@ -62,31 +140,43 @@ def _run(rank: int, world_size: int, speeds: Sequence[float], mode: str, epochs:
               "samples": [m[f"dist/rank{r}/samples"] for r in range(world_size)]}
              for e, m in zip(recorder.epochs, recorder.step_metrics) if m]
     return {"epoch_s": [end - start for start, end in bounds.values()], "steps": steps, "val_acc": accuracy,
-            "events": events}
+            "events": events, "ends": recorder.ends, "epochs": recorder.epochs, "micro": micro_batches_run(model.calls)}
 
 
-def run_once(name: str, mode: str, epochs: int, seed: int) -> dict[str, Any]:
-    speeds = SCENARIOS[name]
+def run_once(name: str, mode: str, epochs: int, seed: int, timed_epochs: Optional[int] = None,
+             validate: bool = True) -> dict[str, Any]:
+    """One fit of scenario ``name`` in ``mode`` on launched ranks, timed over its last ``timed_epochs`` epochs
+    (default: :data:`TIMED_EPOCHS`, at most all)."""
+    speeds = CAPPED_SPEEDS if name in (CAPPED, COST) else SCENARIOS[name]
     started = time.perf_counter()
     try:
-        out = run_ranks(_run, len(speeds), speeds, mode, epochs, seed, deadline_s=600)[0]
+        outs = run_ranks(_run, len(speeds), speeds, mode, epochs, seed, validate, deadline_s=600)
     except RanksFailed as err:
         return {"scenario": name, "mode": mode, "seed": seed, "error": str(err)[-2000:]}
-    timed = out["epoch_s"][-min(TIMED_EPOCHS, len(out["epoch_s"])):]
-    last_epochs = {e for e in range(epochs - len(timed), epochs)}
+    out = outs[0]
+    timed = min(timed_epochs or TIMED_EPOCHS, len(out["epoch_s"]))
+    last_epochs = set(range(epochs - timed, epochs))
+    # rank 0's step time: gaps between consecutive batch ends of one timed epoch
+    gaps = [b - a for a, b, e0, e1 in zip(out["ends"], out["ends"][1:], out["epochs"], out["epochs"][1:])
+            if e0 == e1 and e1 in last_epochs]
     timed_steps = [s for s in out["steps"] if s["epoch"] in last_epochs and min(s["compute_s"]) > 0]
     n = len(speeds)
     means = [statistics.fmean(s["compute_s"][r] for s in timed_steps) for r in range(n)] if timed_steps else None
     sizes = out["steps"][-1]["samples"] if out["steps"] else None
     return {"scenario": name, "mode": mode, "seed": seed, "speeds": list(speeds), "epoch_s": out["epoch_s"],
-            "epoch_median_s": statistics.median(timed),
+            "epoch_median_s": statistics.median(out["epoch_s"][-timed:]),
+            **({f"step_{k}": v for k, v in bench.summarize(gaps).items()} if gaps else {"step_median_s": None}),
+            "timed_steps": len(gaps),
             "compute_spread": max(means) / min(means) - 1 if means else None,
             "compute_ms_mean": [1e3 * m for m in means] if means else None,
             "val_acc": out["val_acc"], "final_sizes": sizes, "events": out["events"],
+            "micro_sizes": [o["micro"]["sizes"] for o in outs],
+            "micro_calls_per_step": [o["micro"]["calls_per_step"] for o in outs],
             "wall_s": time.perf_counter() - started}
 
 
 def judge(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The balance targets: ``balanced`` against ``uniform`` and the ideal, on :data:`GATED`."""
     rows = {r["mode"]: r for r in records if r["scenario"] == GATED and "error" not in r}
     if not {"uniform", "balanced"} <= set(rows):
         return []
@@ -106,8 +196,60 @@ def judge(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def paired_summary(records: Sequence[dict[str, Any]], scenario: str, mode: str, base: str) -> Optional[dict[str, Any]]:
+    """``scenario``'s runs paired by round: ``mode``'s median step time over the same round's ``base`` run's (median
+    and quartiles over rounds; the epoch times' paired median too), and both modes' median step and epoch times over
+    rounds; None when no round holds both."""
+    runs = [r for r in records if r["scenario"] == scenario and "error" not in r and r.get("step_median_s")]
+    mine = {r["round"]: r for r in runs if r["mode"] == mode}
+    other = {r["round"]: r for r in runs if r["mode"] == base}
+    rounds = sorted(set(mine) & set(other))
+    if not rounds:
+        return None
+
+    def over_rounds(runs: dict[int, dict[str, Any]], key: str) -> dict[int, float]:
+        return {k: runs[k][key] for k in rounds}
+
+    step = bench.paired(over_rounds(mine, "step_median_s"), over_rounds(other, "step_median_s"))
+    epoch = bench.paired(over_rounds(mine, "epoch_median_s"), over_rounds(other, "epoch_median_s"))
+    return {"rounds": len(rounds), "step_s": bench.median(list(over_rounds(mine, "step_median_s").values())),
+            "base_step_s": bench.median(list(over_rounds(other, "step_median_s").values())),
+            "paired_ratio": step["median"], "paired_p25": step["p25"], "paired_p75": step["p75"],
+            "epoch_ratio": epoch["median"], "timed_steps": min(r["timed_steps"] for r in runs)}
+
+
+def judge_accumulation(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The per-rank accumulation targets, on step times paired by round (rank 0's median step): ``capped, auto``
+    against ``uncapped`` on :data:`CAPPED` (``capped, off``'s ratio in the detail), and ``one micro-batch`` against
+    ``today`` on :data:`COST`. A target without its runs is left out."""
+    verdicts = []
+    auto = paired_summary(records, CAPPED, "capped, auto", "uncapped")
+    if auto is not None:
+        off = paired_summary(records, CAPPED, "capped, off", "uncapped")
+        slower = "" if off is None else (f"; capped, off {off['paired_ratio']:.2f}x [{off['paired_p25']:.2f}, "
+                                         f"{off['paired_p75']:.2f}] (epoch {off['epoch_ratio']:.2f}x)")
+        verdicts.append({
+            "target": f"capped, auto: step time within {100 * (AUTO_TARGET - 1):.0f}% of uncapped's",
+            "met": auto["paired_ratio"] <= AUTO_TARGET,
+            "detail": f"{auto['paired_ratio']:.3f}x [{auto['paired_p25']:.3f}, {auto['paired_p75']:.3f}] over "
+                      f"{auto['rounds']} round(s), {1e3 * auto['step_s']:.1f} against {1e3 * auto['base_step_s']:.1f} "
+                      f"ms/step (epoch {auto['epoch_ratio']:.3f}x){slower}"})
+    cost = paired_summary(records, COST, "one micro-batch", "today")
+    if cost is not None:
+        ratio = cost["paired_ratio"]
+        verdicts.append({
+            "target": f"one micro-batch: paired step time 1.00 +/- {COST_TOLERANCE:.2f} of today's",
+            "met": abs(ratio - 1.0) <= COST_TOLERANCE,
+            "detail": f"{ratio:.3f}x [{cost['paired_p25']:.3f}, {cost['paired_p75']:.3f}] over {cost['rounds']} "
+                      f"round(s); today {1e3 * cost['base_step_s']:.1f} ms/step, one micro-batch "
+                      f"{1e3 * cost['step_s']:.1f} ms/step (medians over rounds)"})
+    return verdicts
+
+
 def table(records: Sequence[dict[str, Any]]) -> str:
+    """The balance scenarios' table (:data:`SCENARIOS`)."""
     rows = []
+    records = [r for r in records if r["scenario"] in SCENARIOS]
     uniform = {r["scenario"]: r for r in records if r["mode"] == "uniform" and "error" not in r}
     for r in records:
         if "error" in r:
@@ -125,9 +267,85 @@ def table(records: Sequence[dict[str, Any]]) -> str:
     return bench.format_table(headers, rows)
 
 
+def _micro_cell(r: dict[str, Any]) -> str:
+    return " | ".join("/".join(map(str, sizes)) for sizes in r["micro_sizes"])
+
+
+def capped_table(records: Sequence[dict[str, Any]]) -> str:
+    """The capped scenario's modes side by side: shares, the micro-batches each rank ran, epoch and step times (medians
+    over rounds) and the step time paired with the same round's ``uncapped``."""
+    rows = []
+    for mode in CAPPED_MODES:
+        runs = [r for r in records if r["scenario"] == CAPPED and r["mode"] == mode]
+        done = [r for r in runs if "error" not in r and r.get("step_median_s")]
+        if not done:
+            rows.append([mode, f"failed ({len(runs)} runs)" if runs else "not run", "", "", "", "", "", ""])
+            continue
+        first, paired = done[0], paired_summary(records, CAPPED, mode, "uncapped")
+        spreads = [r["compute_spread"] for r in done if r["compute_spread"] is not None]
+        accuracies = [r["val_acc"] for r in done if r["val_acc"] is not None]
+        rows.append([mode, " / ".join(str(int(s)) for s in first["final_sizes"]) if first["final_sizes"] else "-",
+                     _micro_cell(first), f"{len(done)}/{len(runs)}",
+                     f"{bench.median([r['epoch_median_s'] for r in done]):.2f}",
+                     f"{1e3 * bench.median([r['step_median_s'] for r in done]):.1f}",
+                     "reference" if mode == "uncapped" else "-" if paired is None else
+                     f"{paired['paired_ratio']:.3f}x [{paired['paired_p25']:.3f}, {paired['paired_p75']:.3f}]",
+                     bench.cell(bench.median(spreads), ".1f", 100, "%"),
+                     bench.cell(bench.median(accuracies), ".2f", 100, "%")])
+    headers = ["mode", "shares", "micro-batches run (rank 0 | rank 1)", "rounds", "epoch s", "step ms",
+               "step / uncapped, paired [p25, p75]", "compute spread", "val acc"]
+    return (f"{CAPPED} (rank 1 twice as slow, B = {2 * BATCH}; rank 0's times, medians over rounds)\n"
+            + bench.format_table(headers, rows))
+
+
+def cost_table(records: Sequence[dict[str, Any]]) -> str:
+    """The paired cost of one micro-batch, or a line saying why there is none."""
+    cost = paired_summary(records, COST, "one micro-batch", "today")
+    if cost is None:
+        return f"{COST}: no round with both runs"
+    micro = next(r for r in records if r["scenario"] == COST and r["mode"] == "one micro-batch" and "error" not in r)
+    row = [cost["rounds"], cost["timed_steps"], _micro_cell(micro), f"{1e3 * cost['base_step_s']:.1f}",
+           f"{1e3 * cost['step_s']:.1f}",
+           f"{cost['paired_ratio']:.3f}x [{cost['paired_p25']:.3f}, {cost['paired_p75']:.3f}]"]
+    headers = ["rounds", "timed steps per run", "micro-batches run (rank 0 | rank 1)", "today ms",
+               "one micro-batch ms", "paired ratio [p25, p75]"]
+    return (f"{COST} (caps [128, 128] that never bind, accumulate auto, against HeteroBatching(speeds=[1, 0.5]); "
+            "rank 0's median step, medians over rounds)\n" + bench.format_table(headers, [row]))
+
+
+def _plot_capped(ax: Any, records: Sequence[dict[str, Any]]) -> None:
+    colors = {"uncapped": "tab:gray", "capped, off": "tab:red", "capped, auto": "tab:green"}
+    modes = [m for m in CAPPED_MODES if any(r["scenario"] == CAPPED and r["mode"] == m and "error" not in r
+                                            and r.get("step_median_s") for r in records)]
+    top = 0.0
+    for i, mode in enumerate(modes):
+        runs = [r for r in records if r["scenario"] == CAPPED and r["mode"] == mode and "error" not in r
+                and r.get("step_median_s")]
+        steps = [1e3 * r["step_median_s"] for r in runs]
+        ax.bar(i, bench.median(steps), color=colors[mode], alpha=0.8)
+        ax.plot([i] * len(steps), steps, "k.", ms=5)
+        paired = paired_summary(records, CAPPED, mode, "uncapped")
+        ratio = "" if paired is None or mode == "uncapped" else f"\n{paired['paired_ratio']:.2f}x uncapped"
+        ax.annotate(_micro_cell(runs[0]) + ratio, (i, max(steps)), ha="center", va="bottom", fontsize="x-small",
+                    xytext=(0, 4), textcoords="offset points")
+        top = max(top, *steps)
+    base = paired_summary(records, CAPPED, "uncapped", "uncapped")
+    if base is not None:
+        ax.axhline(1e3 * AUTO_TARGET * base["step_s"], color="red", ls="--", lw=1,
+                   label=f"target for auto: {AUTO_TARGET:.2f}x uncapped")
+        ax.legend(fontsize="x-small", loc="upper left")
+    ax.set_xticks(range(len(modes)), modes)
+    ax.set(ylabel="step time, ms (rank 0; bar: median over rounds)", ylim=(0, 1.3 * top or 1))
+    ax.set_title(f"rank 0 capped at {CAP}: micro-batches run, rank 0 | rank 1", fontsize="small")
+    ax.grid(alpha=0.3, axis="y")
+
+
 def plot(records: Sequence[dict[str, Any]]) -> Any:
-    names = list(dict.fromkeys(r["scenario"] for r in records))
-    fig, axes = bench.figure_row(len(names), 6.5 * len(names), 4.6)
+    names = [n for n in dict.fromkeys(r["scenario"] for r in records) if n in SCENARIOS]
+    capped = any(r["scenario"] == CAPPED for r in records)
+    cost = paired_summary(records, COST, "one micro-batch", "today")
+    panels = len(names) + capped + (cost is not None)
+    fig, axes = bench.figure_row(panels, 5.5 * panels, 4.6)
     for ax, name in zip(axes, names):
         for r in records:
             if r["scenario"] == name and "error" not in r:
@@ -136,27 +354,62 @@ def plot(records: Sequence[dict[str, Any]]) -> Any:
         ax.set_title(f"{name} (relative speeds)", fontsize="small")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
-    fig.suptitle("heterogeneous batching: even batches against batches that follow measured speed")
+    rest = axes[len(names):]
+    if capped:
+        _plot_capped(rest.pop(0), records)
+    if cost is not None:
+        data = [[1e3 * r["step_median_s"] for r in records if r["scenario"] == COST and r["mode"] == mode
+                 and "error" not in r and r.get("step_median_s")] for mode in COST_MODES]
+        bench.step_boxplot(rest.pop(0), data, list(COST_MODES),
+                           f"one micro-batch vs today: paired {cost['paired_ratio']:.3f}x, {cost['rounds']} round(s)")
+    fig.suptitle("heterogeneous batching: even batches against batches that follow measured speed; "
+                 "per-rank accumulation under a memory cap")
     return fig
 
 
+def _progress(record: dict[str, Any]) -> None:
+    name, mode = record["scenario"], record["mode"]
+    if "error" in record:
+        bench.progress(f"[hetero] {name} {mode}: FAILED")
+        return
+    step, accuracy = record.get("step_median_s"), record["val_acc"]
+    bench.progress(f"[hetero] {name} {mode:<15} epoch {record['epoch_median_s']:.2f}s  "
+                   f"step {bench.cell(step, '.1f', 1e3, ' ms')}  sizes {record['final_sizes']}  "
+                   f"micro {_micro_cell(record)}  acc {bench.cell(accuracy, '.2f', 100, '%')}  "
+                   f"(run {record['wall_s']:.0f}s)")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    cli = bench.parser("hetero", __doc__, "2 ranks, 2 epochs", seed="seed of every run")
+    cli = bench.parser("hetero", __doc__, f"2 ranks: {QUICK_EPOCHS} epochs per balance mode, one round of "
+                       f"{QUICK_CAPPED_EPOCHS} epoch per capped mode and per cost arm", seed="seed of every run")
     args = cli.parse_args(argv)
     out = bench.output_dir(args.out, "hetero")
-    epochs = 2 if args.quick else EPOCHS
+    epochs = QUICK_EPOCHS if args.quick else EPOCHS
+    capped_epochs, capped_rounds = (QUICK_CAPPED_EPOCHS, 1) if args.quick else (CAPPED_EPOCHS, CAPPED_ROUNDS)
+    cost_epochs, cost_rounds = (QUICK_COST_EPOCHS, 1) if args.quick else (COST_EPOCHS, COST_ROUNDS)
+    started = time.perf_counter()
     records = []
     for name in [GATED] if args.quick else list(SCENARIOS):
         for mode in MODES:
             records.append(record := run_once(name, mode, epochs, args.seed))
-            bench.progress(f"[hetero] {name} {mode}: FAILED" if "error" in record else
-                           f"[hetero] {name} {mode:<9} epoch {record['epoch_median_s']:.2f}s  sizes "
-                           f"{record['final_sizes']}  acc {100 * record['val_acc']:.2f}%  "
-                           f"(run {record['wall_s']:.0f}s)")
-    targets = judge(records)
+            _progress(record)
+    # the paired scenarios, round-robin: the order turns by round, so that no mode always runs first
+    for name, modes, per_run, rounds, validate in ((CAPPED, CAPPED_MODES, capped_epochs, capped_rounds, True),
+                                                    (COST, COST_MODES, cost_epochs, cost_rounds, False)):
+        for round_index in range(rounds):
+            turn = round_index % len(modes)
+            for mode in modes[turn:] + modes[:turn]:
+                record = run_once(name, mode, per_run, args.seed, timed_epochs=max(1, per_run - 1), validate=validate)
+                records.append(record := {**record, "round": round_index})
+                _progress(record)
+    wall_s = time.perf_counter() - started
+    bench.progress(f"[hetero] {len(records)} runs in {wall_s:.0f}s")
+    targets = judge(records) + judge_accumulation(records)
     lines = [bench.verdict(t["target"], t["met"], t["detail"]) for t in targets]
-    meta = bench.environment("hetero", quick=args.quick, epochs=epochs, batch_per_rank=BATCH, timed_epochs=TIMED_EPOCHS)
-    return bench.write_results(out, "hetero", [table(records), lines],
+    meta = bench.environment("hetero", quick=args.quick, epochs=epochs, batch_per_rank=BATCH, timed_epochs=TIMED_EPOCHS,
+                             cap=CAP, capped_epochs=capped_epochs, capped_rounds=capped_rounds,
+                             cost_epochs=cost_epochs, cost_rounds=cost_rounds, wall_s=wall_s)
+    return bench.write_results(out, "hetero", [table(records), capped_table(records), cost_table(records), lines],
                                {"meta": meta, "records": records, "targets": targets}, lambda: plot(records))
 
 
