@@ -110,7 +110,7 @@ class MicroBatches:
         pieces, sizes, share, rest = self._pending
         self._pending = None
         trainer = strategy.lightning_module.trainer
-        normalize = trainer.accumulate_grad_batches  # Lightning's closure divides the loss it backpropagates so
+        normalize = trainer.accumulate_grad_batches  # as Lightning's closure divides each loss it backpropagates
         loss, total, last = first_loss, sum(sizes), len(sizes) - 1
         for j, (size, piece) in enumerate(zip(sizes, pieces)):
             # every micro-batch but the last: forward and backward with DDP's synchronisation off
