@@ -10,7 +10,9 @@ global batch at which the fault strikes, when rank 0's ledger reaches it:
 
 * ``kill``: every process of the host killed at once (the machine died);
 * ``cut``: the host's link taken down without a reset (a pulled cable; its processes live on, cut off);
-* ``join``: the job starts on the other two hosts, and this one's torchrun starts at that batch.
+* ``join``: the job starts on the other two hosts, and this one's torchrun starts at that batch;
+* ``leave``: SIGTERM to the host's torchrun agent (a spot instance's notice): every rank stops at an agreed step with
+  one checkpoint, the host leaves, the others restart at the smaller size from that checkpoint (nothing redone).
 
 A trial passes when (:func:`judge`): the surviving hosts' torchrun exits 0; the sample ledger
 (:func:`lightning_dist.elastic.read_ledger`) has every global batch of the run, each with every rank's piece, each
@@ -19,7 +21,8 @@ accuracy is within :data:`ACCURACY_POINTS` of the reference's; the loss at the f
 equals the reference's there (the same model state and samples: :data:`LOSS_TOLERANCE`); no worker is left running;
 and the recovery, from the fault to the end of the survivors' first step (from the ledger's clock), is within its
 bound: :data:`KILL_BOUND_S` for a kill, ``timeout_s`` + :data:`KILL_BOUND_S` for a cut; a join is timed the same way,
-to the first step at the larger size.
+to the first step at the larger size. A leave is bounded by :data:`LEAVE_BOUND_S`, resumes from the agreed
+``preempted-step=N.ckpt``, and its host must be gone (no process left in it) within :data:`LEFT_BOUND_S` of the signal.
 
 The anchor: stock Lightning DDP (``strategy=ddp``, no elastic batching, no FaultTolerance, ``resume=auto``) under the
 same launch and a kill of host 2 in the second epoch: what it resumed from, with which global batch, and how many
@@ -35,8 +38,10 @@ import math
 import os
 import random
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -56,17 +61,19 @@ TIMEOUT_S, POLL_S = 10.0, 1.0  # FaultTolerance's watchdog in every job
 RDZV = ("last_call_timeout=2", "keep_alive_interval=1", "keep_alive_max_attempt=3", "join_timeout=120")
 MONITOR_S = 0.5  # torchrun's --monitor-interval: how often an agent looks at its workers and at waiting nodes
 KILL_BOUND_S = 60.0  # from a kill (or a join) to the survivors' first completed step; a cut adds timeout_s
+LEAVE_BOUND_S = 20.0  # from a leaving host's notice to the survivors' first completed step at the smaller size
+LEFT_BOUND_S = 30.0  # from the notice to the leaving host's last process gone
 ACCURACY_POINTS = 0.5  # final validation accuracy within this many points of the reference's
 LOSS_TOLERANCE = 1e-3  # the loss at the first resumed batch against the reference's there (same state and samples)
 DEADLINE_S = 360.0  # a job that runs longer fails the trial
 PORT = 29400
-KINDS = ("kill", "cut", "join")
+KINDS = ("kill", "cut", "join", "leave")
 # A joining host's torchrun takes seconds to start and reach the rendezvous, and the survivors stop at the step after
 # they see it waiting; two ranks train ~2 batches a second here. A host that arrives in the last 10-20 batches finds
 # the job over (:func:`late_join`; the first 20-trial run drew joins at batches 34-41 of 45, the second at 26, whose
 # agreed stop landed on the last step): joins are drawn with this many batches left.
 JOIN_ROOM = 20
-QUICK = (("kill", 2, 8), ("cut", 1, 20), ("join", 2, 10))
+QUICK = (("kill", 2, 8), ("cut", 1, 20), ("join", 2, 10), ("leave", 1, 12))
 
 
 @dataclass(frozen=True)
@@ -155,6 +162,17 @@ def run_trial(trial: Trial, out: Path, deadline_s: float = DEADLINE_S) -> dict[s
                 time.sleep(0.1)
             return False
 
+        def watch_gone(host: int, since: float) -> None:
+            """Time from ``since`` until no process is left inside ``host`` (in record["left_s"])."""
+            def poll() -> None:
+                while time.monotonic() - started < deadline_s:
+                    if not cluster.pids(host):
+                        record["left_s"] = time.time() - since
+                        return
+                    time.sleep(0.1)
+
+            threading.Thread(target=poll, daemon=True).start()
+
         for host in range(trial.hosts):
             if not (trial.kind == "join" and host == trial.host):
                 start(host)
@@ -167,6 +185,9 @@ def run_trial(trial: Trial, out: Path, deadline_s: float = DEADLINE_S) -> dict[s
                 cluster.kill(trial.host)
             elif trial.kind == "cut":
                 cluster.cut(trial.host)
+            elif trial.kind == "leave":
+                procs[trial.host].send_signal(signal.SIGTERM)  # `ip netns exec` exec'd torchrun: this is its agent
+                watch_gone(trial.host, struck)
             else:
                 start(trial.host)
             if trial.rejoin_at is not None:
@@ -178,6 +199,8 @@ def run_trial(trial: Trial, out: Path, deadline_s: float = DEADLINE_S) -> dict[s
                     record["problems"].append(f"the survivors never reached global batch {trial.rejoin_at}")
         survivors = [h for h in range(trial.hosts) if trial.kind in ("none", "join") or h != trial.host]
         codes = cluster.wait([procs[h] for h in survivors], max(1.0, deadline_s - (time.monotonic() - started)))
+        if trial.kind == "leave":
+            record["leaver_code"] = procs[trial.host].poll()
         record["workers_left"] = _workers_left(cluster, out)
     record.update(codes=codes, struck=struck, wall_s=time.monotonic() - started)
     summary = out / "summary.json"
@@ -227,6 +250,8 @@ def phases(record: dict[str, Any]) -> Optional[dict[str, float]]:
 
 
 def bound_s(kind: str) -> float:
+    if kind == "leave":
+        return LEAVE_BOUND_S
     return KILL_BOUND_S + (TIMEOUT_S if kind == "cut" else 0.0)
 
 
@@ -258,6 +283,13 @@ def judge(record: dict[str, Any], reference: Optional[dict[str, Any]]) -> list[s
     recovery = record["recovery_s"]
     if trial.kind != "none" and not late_join(record) and (recovery is None or recovery > bound_s(trial.kind)):
         problems.append(f"recovery {recovery} s, bound {bound_s(trial.kind):.0f} s")
+    if trial.kind == "leave":
+        left = record.get("left_s")
+        if left is None or left > LEFT_BOUND_S:
+            problems.append(f"the leaving host's processes were gone {left} s after its notice, bound "
+                            f"{LEFT_BOUND_S:.0f} s")
+        if not record["resumed_from"] or "preempted-step=" not in record["resumed_from"][-1]:
+            problems.append(f"the survivors did not resume from the agreed checkpoint: {record['resumed_from']}")
     accuracy = (record["summary"] or {}).get("metrics", {}).get("val/acc")
     if accuracy is None:
         problems.append("no summary.json with val/acc")
@@ -273,7 +305,8 @@ def judge(record: dict[str, Any], reference: Optional[dict[str, Any]]) -> list[s
     for attempt in record["attempts"][1:]:
         first = attempt["first"]
         mine, theirs = ledger[first].loss, ref_ledger.get(first, ledger[first]).loss
-        if trial.kind in ("kill", "cut") and attempt is record["attempts"][1] and abs(mine - theirs) > LOSS_TOLERANCE:
+        if trial.kind in ("kill", "cut", "leave") and attempt is record["attempts"][1] \
+                and abs(mine - theirs) > LOSS_TOLERANCE:
             problems.append(f"loss at the first resumed batch {first}: {mine:.6f}, the reference's {theirs:.6f}")
     return problems
 

@@ -25,13 +25,20 @@ With ``FaultTolerance()`` (any strategy; every rank):
    all-gather), so every rank learns of a stop request at the same step: every rank saves a regular checkpoint
    (``preempted-step=N.ckpt``) and training ends cleanly. If that has not happened ``stop_timeout_s`` after the
    signal (a peer stuck), the rank writes an emergency checkpoint and exits with code 143.
+   **A notice to some hosts only** (an elastic run under torchrun, with :class:`ElasticTraining`): the signalled
+   hosts leave and the others go on at the smaller size (:mod:`lightning_dist.fault.leave`). The same agreed stop
+   and checkpoint, then the leaving hosts' ranks exit with 76 after their torchrun agent has SIGTERM (so it leaves
+   the rendezvous without closing it), and every other rank exits with 75, on which its agent restarts it; the new
+   attempt resumes from that checkpoint. A notice can also be a file that appears or a command that succeeds
+   (``notice=``, polled every ``notice_poll_s``): a cloud's metadata endpoint read by a command of the user's.
 4. **Checkpoints**: every checkpoint the Trainer writes goes through
    :class:`~lightning_dist.fault.checkpoint.AtomicCheckpointIO` (same-directory temporary file, fsync, rename,
    checksum), and carries every rank's random generators (Python, NumPy, torch; :mod:`lightning_dist.fault.rng`),
    restored when training resumes from it, so a resumed run draws what an uninterrupted one would have.
 
 Exit codes: 1 (an exception), 124 (the watchdog: no progress, the store or the launcher gone), 143 (a stop
-request every rank could not agree on in time). ``lightning-dist-train resume=auto`` resumes from the newest
+request every rank could not agree on in time), 75 (another host left: restart at the smaller size), 76 (this host
+left on notice). ``lightning-dist-train resume=auto`` resumes from the newest
 valid checkpoint, regular or emergency (:mod:`lightning_dist.fault.resume`).
 """
 
@@ -63,6 +70,7 @@ from lightning_dist.fault.emergency import (
     guard_fit_loop,
     unguard_fit_loop,
 )
+from lightning_dist.fault.leave import Notice, StopDecision, decide, exit_when_main_ends, signal_agent
 from lightning_dist.fault.signals import StopSignals
 from lightning_dist.fault.watchdog import Fault, Watchdog, open_store
 from lightning_dist.launch import LaunchEnv
@@ -85,14 +93,18 @@ class FaultTolerance(Callback):
         dirpath: where checkpoints go (None: the ModelCheckpoint's directory, else
             ``<default_root_dir>/checkpoints``); emergency checkpoints go to its ``emergency/`` subdirectory.
         watchdog: False turns the progress watchdog off (emergency checkpoints and signals stay).
+        notice: a notice that does not come as a signal: a file path (it fires once the file exists) or
+            ``"cmd:<command>"`` (it fires when the command exits 0); None: signals only.
+        notice_poll_s: seconds between looks at ``notice``.
     """
 
     def __init__(self, timeout_s: float = 60.0, poll_s: float = 2.0, pause_timeout_s: float = 600.0,
                  agree_every_n_steps: int = 1, stop_timeout_s: float = 60.0, exit_grace_s: float = 15.0,
-                 dirpath: Optional[str] = None, watchdog: bool = True) -> None:
+                 dirpath: Optional[str] = None, watchdog: bool = True, notice: Optional[str] = None,
+                 notice_poll_s: float = 5.0) -> None:
         problems = check_settings(timeout_s=timeout_s, poll_s=poll_s, pause_timeout_s=pause_timeout_s,
                                   agree_every_n_steps=agree_every_n_steps, stop_timeout_s=stop_timeout_s,
-                                  exit_grace_s=exit_grace_s)
+                                  exit_grace_s=exit_grace_s, notice=notice, notice_poll_s=notice_poll_s)
         if problems:
             raise ValueError("FaultTolerance: " + "; ".join(problems))
         self.timeout_s, self.poll_s, self.pause_timeout_s = float(timeout_s), float(poll_s), float(pause_timeout_s)
@@ -105,7 +117,11 @@ class FaultTolerance(Callback):
         self._signals = StopSignals()
         self._emergency = EmergencyCheckpoint()
         self._handled = False  # this fit's exception was handled (by the fit loop's guard or on_exception)
-        self._values = RankValues("ft", ("signal",))  # every rank's stop request, every N steps
+        # every rank's stop request (a signal's number, a notice) and host, every N steps
+        self._values = RankValues("ft", ("signal", "notice", "node"))
+        self._notice = Notice(notice, notice_poll_s) if notice else None
+        self._node = 0  # this rank's host (node rank), set up per fit
+        self.decision: Optional[StopDecision] = None  # who left at the agreed stop, once there was one
 
     @property
     def emergency_checkpoints(self) -> list[str]:
@@ -117,7 +133,7 @@ class FaultTolerance(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._trainer, self._handled = trainer, False
+        self._trainer, self._handled, self._node, self.decision = trainer, False, trainer.node_rank, None
         self._emergency.arm()
         self._signals.remember()
         self._values.setup(trainer, self.agree_every_n_steps)
@@ -139,10 +155,14 @@ class FaultTolerance(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._signals.install()
+        if self._notice is not None:
+            self._notice.start()
         self._tick(trainer)
 
     def _release(self) -> None:
         self._signals.restore()
+        if self._notice is not None:
+            self._notice.stop()
         self._stop_watchdog()
 
     def _stop_watchdog(self) -> None:
@@ -212,27 +232,36 @@ class FaultTolerance(Callback):
         rows = self._values.collect(trainer, self._request)
         if rows is None:
             return  # not an agreement step: the same on every rank
-        senders = [r for r, (value,) in enumerate(rows) if value]
-        if senders:
-            name = signal.Signals(int(rows[senders[0]][0])).name
-            self._stop(trainer, f"{name} on rank{'s' if len(senders) > 1 else ''} {', '.join(map(str, senders))}")
+        decision = decide([bool(signum or notice) for signum, notice, _ in rows], [int(row[2]) for row in rows],
+                          elastic=_elastic(trainer))
+        if decision is not None:
+            self._stop(trainer, _describe(rows, decision), decision)
 
     # -- stop signals: a flag, then agreement at a step every rank shares ---------------------------------------
     def _request(self) -> list[float]:
-        """This rank's stop request: the signal's number, 0 for none."""
-        return [float(self._signals.signum or 0)]
+        """This rank's stop request: the signal's number (0 for none), whether a notice fired, and its host."""
+        noticed = self._notice is not None and self._notice.fired
+        return [float(self._signals.signum or 0), float(noticed), float(self._node)]
 
-    def _stop(self, trainer: pl.Trainer, requested: str) -> None:
+    def _stop(self, trainer: pl.Trainer, requested: str, decision: StopDecision) -> None:
         path = os.path.join(checkpoint_dir(trainer, self.dirpath), f"preempted-step={trainer.global_step}.ckpt")
+        after = "" if decision.whole_job else (f"; host(s) {list(decision.leaving_hosts)} leave, the others restart "
+                                               "at the smaller size from it")
         rank_zero_warn(f"FaultTolerance: {requested}: every rank stops at global step {trainer.global_step} after "
-                       f"saving {path}")
+                       f"saving {path}{after}")
         with self.paused("the preemption checkpoint"):
             trainer.save_checkpoint(path)  # every rank calls it; rank zero writes (atomically)
-        self.stopped_by, self.stop_checkpoint = requested, path
+        self.stopped_by, self.stop_checkpoint, self.decision = requested, path, decision
         trainer.should_stop = True
         if isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO):
             # Lightning will call the stopped epoch finished: what it writes from now on must not be resumed from
             trainer.strategy.checkpoint_io.kind = "after_stop"
+        code = decision.exit_code(self._node)
+        if code is None:
+            return  # the whole job ends: every rank exits as it would
+        if decision.leaves(self._node) and self._signals.signum is None:
+            signal_agent(f"host {self._node} leaves on {self._notice.detail if self._notice else 'notice'}")
+        exit_when_main_ends(code)  # after Lightning's and every callback's teardown
 
     def _stop_overdue(self) -> Optional[Fault]:
         """Polled by the watchdog: a stop signal that has waited longer than ``stop_timeout_s`` for agreement."""
@@ -313,6 +342,23 @@ class FaultTolerance(Callback):
             rank_zero_info(f"FaultTolerance: the run being resumed had stopped on {previous}")
 
 
+def _elastic(trainer: pl.Trainer) -> bool:
+    """Whether the run can go on at another size without the hosts that leave: an elastic run (ElasticTraining set
+    every rank's identity on the strategy's seam) under torchrun, whose agents restart the others."""
+    features = features_of(trainer.strategy)
+    return features is not None and features.identities is not None and LaunchEnv.current().launcher == "torchrun"
+
+
+def _describe(rows: list[list[float]], decision: StopDecision) -> str:
+    """``SIGTERM on rank 2 (host 2)``: what asked to stop, where."""
+    asked = decision.requested_by
+    signums = [int(rows[r][0]) for r in asked if rows[r][0]]
+    what = signal.Signals(signums[0]).name if signums else "a notice"
+    hosts = sorted({int(rows[r][2]) for r in asked})
+    return (f"{what} on rank{'s' if len(asked) > 1 else ''} {', '.join(map(str, asked))} "
+            f"(host{'s' if len(hosts) > 1 else ''} {', '.join(map(str, hosts))})")
+
+
 def _strategy_entry(trainer: pl.Trainer) -> Optional[Callable[[], dict[str, Any]]]:
     """What the strategy adds to this rank's emergency checkpoint (its compressor state, no collective), or None
     under a strategy without the seam."""
@@ -331,6 +377,11 @@ def check_settings(**settings: Any) -> list[str]:
     if not problems and poll * 2 > timeout:
         problems.append(f"poll_s={poll} must be at most half of timeout_s={timeout} (the watchdog needs several "
                         "looks within the timeout)")
+    notice, notice_poll = settings.get("notice"), settings.get("notice_poll_s", 5.0)
+    if notice is not None and not (isinstance(notice, str) and notice.strip() and notice.strip() != "cmd:"):
+        problems.append(f"notice={notice!r} must be a file path to watch or 'cmd:<command>' to poll, or None")
+    if isinstance(notice_poll, bool) or not isinstance(notice_poll, (int, float)) or not notice_poll > 0:
+        problems.append(f"notice_poll_s={notice_poll!r} must be a positive number of seconds")
     every = settings.get("agree_every_n_steps")
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         problems.append(f"agree_every_n_steps={every!r} must be an integer >= 1")
