@@ -1,11 +1,11 @@
 """Elastic training on the simulated cluster: 3 hosts under ``torchrun --nnodes 2:3`` with a c10d rendezvous on host 0
-(which no fault touches: it holds the rendezvous). A host killed and later back, a host's link cut: the survivors
-go on, every global batch is the uninterrupted run's, each sample is applied once per epoch, the accuracy and the
-loss curve are the uninterrupted run's, no worker is left behind, and recovery is within its bound
-(:func:`lightning_dist.benchmarks.elastic.judge`). Under PowerSGD (per-rank and shared state), a restart without a
-host trains on and says once what was lost. Skipped, with the reason, where namespaces cannot be made.
+(which no fault touches: it holds the rendezvous). A host killed and later back, a host's link cut, a host that gets
+notice and leaves: the survivors go on, every global batch is the uninterrupted run's, each sample is applied once per
+epoch, the accuracy and the loss curve are the uninterrupted run's, no worker is left behind, and recovery is within
+its bound (:func:`lightning_dist.benchmarks.elastic.judge`). Under PowerSGD (per-rank and shared state), a restart
+without a host trains on and says once what was lost. Skipped, with the reason, where namespaces cannot be made.
 
-The four jobs (the uninterrupted reference, on one host, and three with faults) run two at a time
+The five jobs (the uninterrupted reference, on one host, and four with faults) run two at a time
 (:func:`side_by_side`): a job spends much of its time starting processes on one core, or waiting for a rendezvous
 or a watchdog."""
 
@@ -35,6 +35,8 @@ TRIALS = {
     # PowerSGD holds both kinds of state (per-rank residuals, shared factors); every stateful compressor's state
     # mapping by identity is tests/test_elastic_pure.py's, without a cluster
     "powersgd": Trial("kill", host=1, position=5, compression="powersgd", epochs=1),
+    # a spot instance's notice: SIGTERM to host 1's torchrun agent; it leaves, the others go on from the agreed stop
+    "leave": Trial("leave", host=1, position=20, epochs=EPOCHS),
 }
 
 
@@ -74,3 +76,13 @@ def test_a_stateful_compressor_trains_on_and_warns_once(runs):
     assert record["warnings"] == 1  # one warning, on rank 0, naming what the lost host held
     losses = [step.loss for step in record["ledger"].values()]
     assert losses[-1] < losses[0] - 0.25 and record["summary"]["metrics"]["val/acc"] > 0.3  # chance: 0.1
+
+
+def test_a_host_that_gets_notice_leaves_at_an_agreed_step_and_the_others_go_on(runs, reference):
+    record, out = runs["leave"]
+    assert judge(record, reference) == []  # ledger exact, accuracy, the loss at the first resumed batch, bounds
+    assert [a["world_size"] for a in record["attempts"]] == [3, 2]
+    assert record["codes"] == [0, 0] and record["leaver_code"] != 0  # its agent left on the signal, rendezvous open
+    first = record["attempts"][1]["first"]
+    assert record["resumed_from"][-1].startswith(str(out / "checkpoints" / f"preempted-step={first}.ckpt"))
+    assert record["left_s"] <= 30 and record["recovery_s"] <= 20

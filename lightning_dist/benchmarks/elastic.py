@@ -321,13 +321,13 @@ def late_join(record: dict[str, Any]) -> bool:
                                                        for r in record["resumed_from"])
 
 
-def plan_trials(n: int, seed: int, quick: bool = False) -> list[Trial]:
-    """``n`` trials in shuffled rounds of every (kind, host) pair, each at a random global batch: a kill or a cut
-    anywhere but the first and last 4, a join with :data:`JOIN_ROOM` batches left (below)."""
+def plan_trials(n: int, seed: int, quick: bool = False, kinds: Sequence[str] = KINDS) -> list[Trial]:
+    """``n`` trials in shuffled rounds of every (kind, host) pair of ``kinds``, each at a random global batch: a kill,
+    a cut or a leave anywhere but the first and last 4, a join with :data:`JOIN_ROOM` batches left (below)."""
     if quick:
-        return [Trial(kind, host, position) for kind, host, position in QUICK]
+        return [Trial(kind, host, position) for kind, host, position in QUICK if kind in kinds]
     rng = random.Random(seed)
-    pairs = [(kind, host) for kind in KINDS for host in (1, 2)]
+    pairs = [(kind, host) for kind in kinds for host in (1, 2)]
     total = EPOCHS * POSITIONS_PER_EPOCH
     trials: list[Trial] = []
     while len(trials) < n:
@@ -352,14 +352,15 @@ def _row(i: int, record: dict[str, Any]) -> list[str]:
                                                                             if late_join(record) else "")
     accuracy = (record["summary"] or {}).get("metrics", {}).get("val/acc")
     return [str(i), trial["kind"], str(trial["host"]), str(trial["position"]), worlds,
-            bench.cell(record["recovery_s"], ".1f"), f"{bound_s(trial['kind']):.0f}", bench.cell(accuracy, ".4f"),
+            bench.cell(record["recovery_s"], ".1f"), f"{bound_s(trial['kind']):.0f}",
+            bench.cell(record.get("left_s"), ".1f"), bench.cell(accuracy, ".4f"),
             "yes" if not record["verdict"] else "NO: " + "; ".join(record["verdict"])[:120]]
 
 
 def report(records: Sequence[dict[str, Any]], reference: dict[str, Any], anchor: Optional[dict[str, Any]]) -> str:
     rows = [_row(i, r) for i, r in enumerate(records, start=1)]
-    table = bench.format_table(["trial", "fault", "host", "at batch", "world", "recovery s", "bound s", "val/acc",
-                                "ledger exact, accuracy, no leftovers"], rows)
+    table = bench.format_table(["trial", "fault", "host", "at batch", "world", "recovery s", "bound s",
+                                "host gone s", "val/acc", "ledger exact, accuracy, no leftovers"], rows)
     lines = [f"reference (3 hosts, no fault): val/acc {reference['summary']['metrics']['val/acc']:.4f}, "
              f"{reference['wall_s']:.0f} s"]
     for kind in KINDS:
@@ -371,6 +372,10 @@ def report(records: Sequence[dict[str, Any]], reference: dict[str, Any], anchor:
             lines.append(f"{kind}: recovery median {bench.median(times):.1f} s, max {max(times):.1f} s over "
                          f"{len(times)} (bound {bound_s(kind):.0f} s); of the median, {until:.1f} s until the new "
                          f"attempt trains (exit, rendezvous, start, restore), {first:.1f} s its first step")
+            gone = [r["left_s"] for r in mine if r.get("left_s") is not None]
+            if gone:
+                lines.append(f"{kind}: the leaving host's last process gone {bench.median(gone):.1f} s after its "
+                             f"notice (median), {max(gone):.1f} s at most (bound {LEFT_BOUND_S:.0f} s)")
     passed = sum(1 for r in records if not r["verdict"])
     lines.append(bench.verdict(f"every trial exact (ledger, accuracy within {ACCURACY_POINTS} point, bound)",
                                passed == len(records), f"{passed} of {len(records)}"))
@@ -409,13 +414,17 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                        seed="seeds the kinds, hosts and batches drawn")
     cli.add_argument("--trials", type=int, default=20)
     cli.add_argument("--keep-runs", action="store_true", help="keep the run directories (path printed)")
+    cli.add_argument("--kinds", default=",".join(KINDS), help=f"the fault kinds drawn, from {','.join(KINDS)}")
     args = cli.parse_args(argv)
     bench.check_counts(cli, trials=args.trials)
+    kinds = [k for k in args.kinds.split(",") if k]
+    if not kinds or set(kinds) - set(KINDS):
+        cli.error(f"--kinds {args.kinds}: choose from {','.join(KINDS)}")
     if (why := unavailable()) is not None:
         cli.error(f"the simulated cluster cannot run here: {why}")
     out = bench.output_dir(args.out, "elastic")
     workdir = Path(tempfile.mkdtemp(prefix="lightning_dist_elastic_"))
-    trials = plan_trials(args.trials, args.seed, args.quick)
+    trials = plan_trials(args.trials, args.seed, args.quick, kinds)
     records: list[dict[str, Any]] = []
     anchor = None
     started = time.monotonic()
@@ -433,7 +442,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                            f"worlds {'->'.join(str(a['world_size']) for a in record['attempts'])}, recovery "
                            f"{bench.cell(record['recovery_s'], '.1f')} s: "
                            + ("ok" if not record["verdict"] else "; ".join(record["verdict"])))
-        if not args.quick:
+        if not args.quick and "kill" in kinds:
             anchor = anchor_record(run_trial(Trial("kill", 2, 0, strategy="ddp"), workdir / "anchor"))
             bench.progress(f"  anchor (stock DDP): {anchor}")
     finally:

@@ -48,6 +48,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 import traceback
 from typing import Any, Callable, Iterator, Optional
 
@@ -96,15 +97,19 @@ class FaultTolerance(Callback):
         notice: a notice that does not come as a signal: a file path (it fires once the file exists) or
             ``"cmd:<command>"`` (it fires when the command exits 0); None: signals only.
         notice_poll_s: seconds between looks at ``notice``.
+        settle_s: in an elastic run, how long the ranks wait, once a stop request has appeared, for the other hosts'
+            before the hosts that asked leave alone: a stop of the whole job (SLURM's preemption, the SIGTERM torchrun's
+            agents send every worker when a host joins) reaches every host within seconds, a notice to one host never.
     """
 
     def __init__(self, timeout_s: float = 60.0, poll_s: float = 2.0, pause_timeout_s: float = 600.0,
                  agree_every_n_steps: int = 1, stop_timeout_s: float = 60.0, exit_grace_s: float = 15.0,
                  dirpath: Optional[str] = None, watchdog: bool = True, notice: Optional[str] = None,
-                 notice_poll_s: float = 5.0) -> None:
+                 notice_poll_s: float = 5.0, settle_s: float = 3.0) -> None:
         problems = check_settings(timeout_s=timeout_s, poll_s=poll_s, pause_timeout_s=pause_timeout_s,
                                   agree_every_n_steps=agree_every_n_steps, stop_timeout_s=stop_timeout_s,
-                                  exit_grace_s=exit_grace_s, notice=notice, notice_poll_s=notice_poll_s)
+                                  exit_grace_s=exit_grace_s, notice=notice, notice_poll_s=notice_poll_s,
+                                  settle_s=settle_s)
         if problems:
             raise ValueError("FaultTolerance: " + "; ".join(problems))
         self.timeout_s, self.poll_s, self.pause_timeout_s = float(timeout_s), float(poll_s), float(pause_timeout_s)
@@ -117,10 +122,12 @@ class FaultTolerance(Callback):
         self._signals = StopSignals()
         self._emergency = EmergencyCheckpoint()
         self._handled = False  # this fit's exception was handled (by the fit loop's guard or on_exception)
-        # every rank's stop request (a signal's number, a notice) and host, every N steps
-        self._values = RankValues("ft", ("signal", "notice", "node"))
+        # every rank's stop request (a signal's number, a notice), its host, and how long it has seen a request
+        self._values = RankValues("ft", ("signal", "notice", "node", "waited"))
         self._notice = Notice(notice, notice_poll_s) if notice else None
+        self.settle_s = float(settle_s)
         self._node = 0  # this rank's host (node rank), set up per fit
+        self._requested_at: Optional[float] = None  # when this rank first saw a stop request on the exchange
         self.decision: Optional[StopDecision] = None  # who left at the agreed stop, once there was one
 
     @property
@@ -134,6 +141,7 @@ class FaultTolerance(Callback):
         if stage != "fit":
             return
         self._trainer, self._handled, self._node, self.decision = trainer, False, trainer.node_rank, None
+        self._requested_at = None
         self._emergency.arm()
         self._signals.remember()
         self._values.setup(trainer, self.agree_every_n_steps)
@@ -232,16 +240,23 @@ class FaultTolerance(Callback):
         rows = self._values.collect(trainer, self._request)
         if rows is None:
             return  # not an agreement step: the same on every rank
-        decision = decide([bool(signum or notice) for signum, notice, _ in rows], [int(row[2]) for row in rows],
+        decision = decide([bool(row[0] or row[1]) for row in rows], [int(row[2]) for row in rows],
                           elastic=_elastic(trainer))
-        if decision is not None:
+        if decision is None:
+            return
+        if self._requested_at is None:
+            self._requested_at = time.monotonic()
+        # some hosts only: wait (by the waits every rank reported, the same rows everywhere) for the others' requests
+        if decision.whole_job or max(row[3] for row in rows) >= self.settle_s:
             self._stop(trainer, _describe(rows, decision), decision)
 
     # -- stop signals: a flag, then agreement at a step every rank shares ---------------------------------------
     def _request(self) -> list[float]:
-        """This rank's stop request: the signal's number (0 for none), whether a notice fired, and its host."""
+        """This rank's stop request: the signal's number (0 for none), whether a notice fired, its host, and the seconds
+        since it first saw a request of any rank's."""
         noticed = self._notice is not None and self._notice.fired
-        return [float(self._signals.signum or 0), float(noticed), float(self._node)]
+        waited = time.monotonic() - self._requested_at if self._requested_at is not None else 0.0
+        return [float(self._signals.signum or 0), float(noticed), float(self._node), waited]
 
     def _stop(self, trainer: pl.Trainer, requested: str, decision: StopDecision) -> None:
         path = os.path.join(checkpoint_dir(trainer, self.dirpath), f"preempted-step={trainer.global_step}.ckpt")
@@ -377,6 +392,9 @@ def check_settings(**settings: Any) -> list[str]:
     if not problems and poll * 2 > timeout:
         problems.append(f"poll_s={poll} must be at most half of timeout_s={timeout} (the watchdog needs several "
                         "looks within the timeout)")
+    settle = settings.get("settle_s", 3.0)
+    if isinstance(settle, bool) or not isinstance(settle, (int, float)) or settle < 0:
+        problems.append(f"settle_s={settle!r} must be a number of seconds >= 0")
     notice, notice_poll = settings.get("notice"), settings.get("notice_poll_s", 5.0)
     if notice is not None and not (isinstance(notice, str) and notice.strip() and notice.strip() != "cmd:"):
         problems.append(f"notice={notice!r} must be a file path to watch or 'cmd:<command>' to poll, or None")

@@ -15,7 +15,9 @@ strategy's per-step exchange, not from rank 0 alone. The leaving hosts' ranks ex
 agent has SIGTERM (the notice's own signal, or :func:`signal_agent` for a notice that did not come as one). Every other
 rank exits with :data:`EXIT_RESHAPE`, on which its agent restarts it at the smaller size (each leave uses one of
 ``--max-restarts``). A request on every host is the whole job ending (SLURM's preemption, a scheduler's stop), and
-every rank exits 0 as before.
+every rank exits 0 as before. A stop of the whole job reaches every host within seconds but not at the same step (the
+SIGTERM torchrun's agents send every worker when a host joins, a scheduler's preemption), so once a request from some
+hosts only has appeared, the ranks wait ``FaultTolerance(settle_s=...)`` for the others' before any host leaves.
 
 :class:`Notice` watches for a notice that does not come as a signal: a file that appears, or a command (the user's,
 reading the cloud's metadata endpoint) that succeeds, polled every ``poll_s`` seconds on a thread of its own.
