@@ -56,6 +56,10 @@ GLOBAL_BATCH = 96
 TRAIN_SAMPLES = 1437  # the digits training split
 POSITIONS_PER_EPOCH = math.ceil(TRAIN_SAMPLES / GLOBAL_BATCH)
 TIMEOUT_S, POLL_S = 10.0, 1.0  # FaultTolerance's watchdog in every job
+# FaultTolerance's wait for the other hosts' stop requests before a host leaves alone (3 s by default): at 3 ranks'
+# ~9 global batches a second this toy job would be a third through an epoch; the agents' SIGTERMs of a join arrive
+# within ~1.5 s (--monitor-interval and the rendezvous state's 1 s cache)
+SETTLE_S = 1.5
 # c10d rendezvous: a host whose agent stops sending keep-alives is dropped after interval x attempts; once MIN nodes
 # are there, the round closes after last_call_timeout
 RDZV = ("last_call_timeout=2", "keep_alive_interval=1", "keep_alive_max_attempt=3", "join_timeout=120")
@@ -73,6 +77,8 @@ KINDS = ("kill", "cut", "join", "leave")
 # the job over (:func:`late_join`; the first 20-trial run drew joins at batches 34-41 of 45, the second at 26, whose
 # agreed stop landed on the last step): joins are drawn with this many batches left.
 JOIN_ROOM = 20
+# A leave waits SETTLE_S (~14 batches here) before the agreed stop: drawn with room for the survivors to train after it
+LEAVE_ROOM = 20
 QUICK = (("kill", 2, 8), ("cut", 1, 20), ("join", 2, 10), ("leave", 1, 12))
 
 
@@ -101,6 +107,7 @@ def job_args(out: Path, trial: Trial) -> list[str]:
         return ["--monitor-interval", str(MONITOR_S), *common, f"strategy={trial.strategy}", "callbacks=[checkpoint]"]
     return ["--monitor-interval", str(MONITOR_S), *common, "callbacks=[checkpoint,fault_tolerance,elastic]",
             f"callbacks.fault_tolerance.timeout_s={TIMEOUT_S}", f"callbacks.fault_tolerance.poll_s={POLL_S}",
+            f"callbacks.fault_tolerance.settle_s={SETTLE_S}",
             "hetero=elastic", f"hetero.global_batch_size={GLOBAL_BATCH}", f"compression={trial.compression}"]
 
 
@@ -333,7 +340,7 @@ def plan_trials(n: int, seed: int, quick: bool = False, kinds: Sequence[str] = K
     while len(trials) < n:
         rng.shuffle(pairs)
         for kind, host in pairs[: n - len(trials)]:
-            last = total - (JOIN_ROOM if kind == "join" else 4)
+            last = total - (JOIN_ROOM if kind == "join" else LEAVE_ROOM if kind == "leave" else 4)
             trials.append(Trial(kind, host, rng.randint(4, last)))
     return trials
 

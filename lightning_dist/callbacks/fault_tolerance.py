@@ -246,8 +246,9 @@ class FaultTolerance(Callback):
             return
         if self._requested_at is None:
             self._requested_at = time.monotonic()
-        # some hosts only: wait (by the waits every rank reported, the same rows everywhere) for the others' requests
-        if decision.whole_job or max(row[3] for row in rows) >= self.settle_s:
+        # some hosts only: wait (by the waits every rank reported, the same rows everywhere) for the others' requests,
+        # but not past the fit's last step (the survivors must still exit so that their agents restart them)
+        if decision.whole_job or max(row[3] for row in rows) >= self.settle_s or _last_step(trainer):
             self._stop(trainer, _describe(rows, decision), decision)
 
     # -- stop signals: a flag, then agreement at a step every rank shares ---------------------------------------
@@ -362,6 +363,15 @@ def _elastic(trainer: pl.Trainer) -> bool:
     every rank's identity on the strategy's seam) under torchrun, whose agents restart the others."""
     features = features_of(trainer.strategy)
     return features is not None and features.identities is not None and LaunchEnv.current().launcher == "torchrun"
+
+
+def _last_step(trainer: pl.Trainer) -> bool:
+    """Whether the step that just ended is the fit's last (``max_steps``, or the last batch of ``max_epochs``); the
+    same on every rank."""
+    if 0 <= trainer.max_steps <= trainer.global_step:
+        return True
+    return bool(trainer.is_last_batch and trainer.max_epochs is not None and trainer.max_epochs >= 0
+                and trainer.current_epoch + 1 >= trainer.max_epochs)
 
 
 def _describe(rows: list[list[float]], decision: StopDecision) -> str:
