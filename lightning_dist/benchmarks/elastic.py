@@ -77,8 +77,9 @@ KINDS = ("kill", "cut", "join", "leave")
 # the job over (:func:`late_join`; the first 20-trial run drew joins at batches 34-41 of 45, the second at 26, whose
 # agreed stop landed on the last step): joins are drawn with this many batches left.
 JOIN_ROOM = 20
-# A leave waits SETTLE_S (~14 batches here) before the agreed stop: drawn with room for the survivors to train after it
-LEAVE_ROOM = 20
+# A leave waits SETTLE_S before the agreed stop, 14-18 global batches of this toy job (9-12 a second on 3 ranks): drawn
+# with room for the survivors to train after it (with 20 left, one of 20 trials stopped on the last batch)
+LEAVE_ROOM = 26
 QUICK = (("kill", 2, 8), ("cut", 1, 20), ("join", 2, 10), ("leave", 1, 12))
 
 

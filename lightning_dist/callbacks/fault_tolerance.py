@@ -238,8 +238,8 @@ class FaultTolerance(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self._tick(trainer)
         rows = self._values.collect(trainer, self._request)
-        if rows is None:
-            return  # not an agreement step: the same on every rank
+        if rows is None or self.stopped_by is not None:
+            return  # not an agreement step (the same on every rank), or stopped already (min_steps holds the loop)
         decision = decide([bool(row[0] or row[1]) for row in rows], [int(row[2]) for row in rows],
                           elastic=_elastic(trainer))
         if decision is None:
