@@ -85,3 +85,17 @@ def test_a_leaving_worker_signals_its_agent_and_a_script_that_ends_exits_with_th
                              "print(signal_agent('x'))"], env={**env, "LOCAL_RANK": "1"}, capture_output=True,
                             text=True, timeout=60)
     assert second.stdout.strip() == "False"  # only a host's first local rank signals its agent
+
+
+def test_an_exception_that_says_a_peer_is_gone_is_known_anywhere_in_its_chain():
+    from lightning_dist.callbacks.fault_tolerance import peer_gone
+
+    closed = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.77.103.2]:18150")
+    try:
+        try:
+            raise closed
+        except RuntimeError as err:
+            raise ValueError("gradient bucket 0 failed on MainThread") from err
+    except ValueError as wrapped:
+        assert peer_gone(wrapped)
+    assert not peer_gone(RuntimeError("injected fault on rank 1 at global step 5"))
