@@ -88,7 +88,7 @@ def test_a_leaving_worker_signals_its_agent_and_a_script_that_ends_exits_with_th
 
 
 def test_an_exception_that_says_a_peer_is_gone_is_known_anywhere_in_its_chain():
-    from lightning_dist.callbacks.fault_tolerance import peer_gone
+    from lightning_dist.fault.emergency import peer_gone
 
     closed = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.77.103.2]:18150")
     try:

@@ -66,9 +66,11 @@ from lightning_dist.fault.emergency import (
     EXIT_EXCEPTION,
     EXIT_STALL,
     EXIT_STOP_TIMEOUT,
+    PEER_GONE_GRACE_S,
     EmergencyCheckpoint,
     exit_later,
     guard_fit_loop,
+    peer_gone,
     unguard_fit_loop,
 )
 from lightning_dist.fault.leave import Notice, StopDecision, decide, exit_when_main_ends, signal_agent
@@ -240,7 +242,8 @@ class FaultTolerance(Callback):
         rows = self._values.collect(trainer, self._request)
         if rows is None or self.stopped_by is not None:
             return  # not an agreement step (the same on every rank), or stopped already (min_steps holds the loop)
-        decision = decide([bool(row[0] or row[1]) for row in rows], [int(row[2]) for row in rows],
+        signums, notices, nodes, waits = zip(*rows)
+        decision = decide([bool(s or n) for s, n in zip(signums, notices)], [int(n) for n in nodes],
                           elastic=_elastic(trainer))
         if decision is None:
             return
@@ -248,7 +251,7 @@ class FaultTolerance(Callback):
             self._requested_at = time.monotonic()
         # some hosts only: wait (by the waits every rank reported, the same rows everywhere) for the others' requests,
         # but not past the fit's last step (the survivors must still exit so that their agents restart them)
-        if decision.whole_job or max(row[3] for row in rows) >= self.settle_s or _last_step(trainer):
+        if decision.whole_job or max(waits) >= self.settle_s or _last_step(trainer):
             self._stop(trainer, _describe(rows, decision), decision)
 
     # -- stop signals: a flag, then agreement at a step every rank shares ---------------------------------------
@@ -387,23 +390,6 @@ def _describe(rows: list[list[float]], decision: StopDecision) -> str:
     hosts = sorted({int(rows[r][2]) for r in asked})
     return (f"{what} on rank{'s' if len(asked) > 1 else ''} {', '.join(map(str, asked))} "
             f"(host{'s' if len(hosts) > 1 else ''} {', '.join(map(str, hosts))})")
-
-
-PEER_GONE_GRACE_S = 3.0  # after an exception that says a peer is gone: the time left for a teardown
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-
-
-def peer_gone(exception: BaseException) -> bool:
-    """Whether ``exception`` (or one it came from) says a peer's connection closed: gloo's words for a peer that
-    ended."""
-    seen: set[int] = set()
-    current: Optional[BaseException] = exception
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if any(words in str(current) for words in _PEER_GONE):
-            return True
-        current = current.__cause__ or current.__context__
-    return False
 
 
 def _strategy_entry(trainer: pl.Trainer) -> Optional[Callable[[], dict[str, Any]]]:

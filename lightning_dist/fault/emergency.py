@@ -99,6 +99,23 @@ def rewind_unfinished_batch(checkpoint: dict[str, Any]) -> bool:
     return rewound
 
 
+PEER_GONE_GRACE_S = 3.0  # after an exception that says a peer is gone: the time left for a teardown
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def peer_gone(exception: BaseException) -> bool:
+    """Whether ``exception`` (or one it came from) says a peer's connection closed: gloo's words for a peer that
+    ended."""
+    seen: set[int] = set()
+    current: Optional[BaseException] = exception
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if any(words in str(current) for words in _PEER_GONE):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
 def exit_later(seconds: float, code: int) -> None:
     """End the process with ``code`` in ``seconds`` unless it has ended by then (a daemon thread)."""
     def end() -> None:
