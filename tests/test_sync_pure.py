@@ -61,6 +61,7 @@ def test_workers_are_ranks_under_flat_and_hosts_under_two_tier():
 
 def test_workers_weigh_by_the_samples_they_processed_since_the_sync():
     sync = DiLoCoSync(DiLoCo(every=2), Workers(((0, 1), (2, 3)), rank=2), "auto", None)
+    sync.bind(torch.nn.Linear(2, 2))
     assert sync.weight() == 0.5  # nothing counted: even batches
     sync.count_samples([14, 6, 4, 8])
     sync.count_samples([14, 6, 4, 8])
@@ -97,7 +98,7 @@ def test_one_worker_outer_step_is_nesterov_sgd_on_the_pseudo_gradient():
             for r, p in zip(reference, model.parameters()):
                 r.grad = r - p
         outer.step()
-        result = sync.sync(step=cycle + 1)
+        result, = sync.after_step(step=cycle + 1)
         assert not result.skipped and result.bytes_sent == 0
         for r, p in zip(reference, model.parameters()):
             assert torch.equal(r, p)
@@ -111,7 +112,7 @@ def test_outer_lr_one_without_momentum_takes_the_workers_parameters():
         for p in model.parameters():
             p.mul_(2.0)
     moved = [p.detach().clone() for p in model.parameters()]
-    sync.sync(step=1)
+    sync.after_step(step=1)
     assert all(torch.equal(a, b) for a, b in zip(moved, model.parameters()))
 
 
@@ -121,7 +122,7 @@ def test_a_non_finite_worker_skips_and_restarts_from_theta_global():
     sync = _bound(DiLoCo(every=1), model)
     with torch.no_grad():
         model.weight[1, 2] = float("nan")
-    result = sync.sync(step=1)
+    result, = sync.after_step(step=1)
     assert result.skipped and result.bad_workers == [0] and sync.skipped == 1 and sync.outer_steps == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
@@ -131,7 +132,7 @@ def test_state_dict_round_trip_restores_theta_global_and_momentum():
     sync = _bound(DiLoCo(every=1), model)
     with torch.no_grad():
         model.weight.add_(1.0)
-    sync.sync(step=1)
+    sync.after_step(step=1)
     state = sync.state_dict()
     assert set(state["momentum"]) == {"weight", "bias"}
     other_model = torch.nn.Linear(3, 2)
@@ -162,10 +163,10 @@ def test_buffers_are_kept_and_restored_at_a_skip():
     model.train()
     model(torch.randn(8, 4))  # running statistics move
     moved = model[1].running_mean.clone()
-    sync.sync(step=1)  # one worker: the mean over workers is its own
+    sync.after_step(step=1)  # one worker: the mean over workers is its own
     assert torch.equal(model[1].running_mean, moved)
     with torch.no_grad():
         model[0].weight[0, 0] = float("inf")
     model(torch.randn(8, 4))
-    sync.sync(step=2)  # skipped: the buffers of the last sync come back
+    sync.after_step(step=2)  # skipped: the buffers of the last sync come back
     assert torch.equal(model[1].running_mean, moved)

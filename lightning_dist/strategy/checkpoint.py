@@ -113,17 +113,21 @@ def worker_state(strategy: Any) -> dict[str, Any]:
 def sync_entry(diloco: DiLoCoSync, worker_state: Optional[dict[str, Any]], rank: int, world_size: int,
                group: Optional[dist.ProcessGroup], local: bool = False) -> dict[str, Any]:
     """DiLoCo's part of the checkpoint (under ``"lightning_dist"``, key ``"sync"``): what every rank holds alike
-    (``theta_global``, the outer momentum, the averaged buffers), and per rank its compressor state and, from a
-    worker's first rank, the worker's own parameters and inner optimizer state (``worker_state``): mid-cycle, the
-    workers differ, and Lightning saves rank zero's alone. A collective on ``group`` (every rank's part goes to rank
-    zero), unless ``local`` (an emergency checkpoint: this rank's part only)."""
-    mine = {"compressor": diloco.compressor.state_dict(), "worker": worker_state}
+    (``theta_global``, the outer momentum, the averaged buffers, the reduced sums of exchanges in flight), and per rank
+    its compressors' state and, from a worker's first rank, the worker's own parameters, inner optimizer state and
+    parameters at the start of each exchange in flight (``worker_state``): mid-cycle, the workers differ, and
+    Lightning saves rank zero's alone. A collective on ``group`` (every rank's part goes to rank zero), unless
+    ``local`` (an emergency checkpoint: this rank's part only, and exchanges in flight are not waited for)."""
+    state = diloco.state_dict(settle=not local)  # first: what is in flight is settled (or dropped) here
+    if worker_state is not None:
+        worker_state = {**worker_state, "inflight": diloco.worker_state()}
+    mine = {"rank": diloco.rank_state(), "worker": worker_state}
     ranks: list[Any] = [None] * world_size
     if local or world_size == 1 or not dist.is_initialized():
         ranks[rank] = mine
     else:
         dist.gather_object(mine, ranks if rank == 0 else None, dst=0, group=group)
-    return {"state": diloco.state_dict(), "world_size": world_size, "ranks": ranks}
+    return {"state": state, "world_size": world_size, "ranks": ranks}
 
 
 def restore_sync(diloco: DiLoCoSync, module: Any, entry: dict[str, Any], rank: int,
@@ -136,11 +140,10 @@ def restore_sync(diloco: DiLoCoSync, module: Any, entry: dict[str, Any], rank: i
     ranks = entry["ranks"]
     same = entry["world_size"] == world_size and entry["state"]["workers"] == diloco.workers.count
     if same and ranks[rank] is not None:
-        diloco.compressor.load_state_dict(ranks[rank]["compressor"])
+        diloco.load_rank_state(_rank_part(ranks[rank]))
     else:
         first = next((r for r in ranks if r is not None), None)
-        if first is not None:
-            diloco.compressor.load_state_dict(first["compressor"], shared_only=True)
+        diloco.load_rank_state(_rank_part(first), shared_only=True)
     # this rank's own entry (an emergency checkpoint's), else its worker's first rank's
     found = [ranks[r]["worker"] for r in (rank, diloco.workers.mine[0]) if same and ranks[r] is not None]
     worker = next((w for w in found if w is not None), None)
@@ -151,4 +154,13 @@ def restore_sync(diloco: DiLoCoSync, module: Any, entry: dict[str, Any], rank: i
         diloco.restart_from_global()
         return None
     module.load_state_dict(worker["module"])
+    diloco.load_worker_state(worker.get("inflight"))
     return worker["optimizers"]
+
+
+def _rank_part(saved: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """A rank's entry's own part (:meth:`DiLoCoSync.rank_state`); a checkpoint written before fragments held the one
+    compressor's state under ``"compressor"``."""
+    if saved is None:
+        return None
+    return saved["rank"] if "rank" in saved else {"compressors": [saved["compressor"]], "finite": []}

@@ -72,7 +72,7 @@ from lightning_dist.strategy.skip import StepGuard, StepVerdict
 from lightning_dist.strategy.step_meter import StepMeter
 from lightning_dist.strategy.tiers import TwoTier
 from lightning_dist.sync import DiLoCo, as_sync
-from lightning_dist.sync.diloco import DiLoCoSync
+from lightning_dist.sync.diloco import DiLoCoSync, SyncResult
 
 if not callable(getattr(DDPStrategy, "_register_ddp_hooks", None)):  # pragma: no cover - guarded by a test too
     raise ImportError(
@@ -493,22 +493,31 @@ class RingDDPStrategy(DDPStrategy):
             self._meter.step_metrics["hetero/rebalances"] = float(len(hetero.events))
 
     def _sync_if_due(self) -> None:
-        """DiLoCo: after every H-th optimizer step (taken or skipped: Lightning counts both), the outer step on every
-        rank; a non-finite pseudo-gradient skips it everywhere, and NaNRecovery hears of it as of a skipped step."""
+        """DiLoCo: after every optimizer step (taken or skipped: Lightning counts both), the fragment syncs that land
+        and start there, on every rank together (:meth:`DiLoCoSync.after_step`)."""
         diloco = self._diloco
         step = self.lightning_module.trainer.global_step + 1  # Lightning counts this step once it returns
         if diloco is None or not diloco.due(step):
             return
-        tier = "inter_host" if self.topology is not None and len(self.topology.hosts) > 1 else "intra_host"
-        result = diloco.sync(step, self._hook_state.stats, tier, flags_group=self._schedule.group)
-        if result.skipped:
+        self._report_syncs(diloco.after_step(step, self._hook_state.stats, self._sync_tier(),
+                                             flags_group=self._schedule.group))
+
+    def _sync_tier(self) -> str:
+        return "inter_host" if self.topology is not None and len(self.topology.hosts) > 1 else "intra_host"
+
+    def _report_syncs(self, results: list[SyncResult]) -> None:
+        """A skipped outer step is warned of, and NaNRecovery hears of it as of a skipped step."""
+        for result in results:
+            if not result.skipped:
+                continue
+            step, fragment = result.step, f" (fragment {result.fragment})" if self._sync.fragments > 1 else ""
             workers = result.bad_workers or "none of them alone (the sum overflowed)"
-            rank_zero_warn(f"RingDDPStrategy: DiLoCo skipped the outer step after global step {step}: a non-finite "
-                           f"pseudo-gradient (workers {workers}); every worker restarts from theta_global")
+            rank_zero_warn(f"RingDDPStrategy: DiLoCo skipped the outer step{fragment} after global step {step}: a "
+                           f"non-finite pseudo-gradient (workers {workers}); every worker restarts from theta_global")
             if self._guard.armed:
                 self._guard.record(StepVerdict(step=step, skipped=True, reason=(
-                    f"non-finite pseudo-gradient on worker(s) {result.bad_workers} at the DiLoCo sync: the outer "
-                    "step skipped on every worker")))
+                    f"non-finite pseudo-gradient on worker(s) {result.bad_workers} at the DiLoCo sync{fragment}: the "
+                    "outer step skipped on every worker")))
 
     def _finish_step(self, skipped: bool) -> None:
         """The compressor's staged state kept (the optimizer stepped) or dropped (every rank skipped); this step's
@@ -528,11 +537,15 @@ class RingDDPStrategy(DDPStrategy):
     @override
     def on_train_end(self) -> None:
         self._schedule.drain()  # every rank started it, so every rank can finish it
+        if self._diloco is not None:  # exchanges still in flight land: the fit's model holds every sync it started
+            self._report_syncs(self._diloco.finish(self._hook_state.stats, self._sync_tier(), self._schedule.group))
         super().on_train_end()
 
     @override
     def teardown(self) -> None:
         self._stop_worker()  # first: it may still use the comm group
+        if self._diloco is not None:
+            self._diloco.close()
         for group in (self._comm_group, self._schedule.group, *self._tier_groups):
             if group is not None and dist.is_initialized():
                 try:

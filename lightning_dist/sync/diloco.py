@@ -30,16 +30,44 @@ the worker's gradient; its state stays the worker's own (never reset, never aver
 The bytes of step 2 are recorded in the strategy's step statistics under the tier the sync crosses, so the sync step's
 ``dist/*`` metrics and the fit's totals show them; :attr:`DiLoCoSync.metrics` holds the ``sync/*`` figures.
 
+**Streaming** (``DiLoCo(fragments=F, delay=tau, mix=alpha)``, Douillard et al. 2025). The parameters are cut into
+``F`` :class:`Fragment` s (whole parameters in the module's order, about ``1 / F`` of the elements each: every rank
+derives the same cut from the names and shapes); fragment ``f`` runs the steps above after the optimizer steps where
+``global_step % H == f H / F``, on its own buckets, with its own copy of the compressor (residuals per fragment) and its
+own samples count; the outer momentum is per parameter, so per fragment. With ``tau = 0`` each fragment's sync runs in
+its step, steps 1-5 as above: ``F = 1`` is the synchronous sync, bit for bit. With ``tau >= 1`` a fragment's sync is an
+:class:`Exchange` in two halves:
+
+- *start*, after step ``s``: the weighted pseudo-gradient is computed on the main thread (and, for the fragment that
+  carries the buffers, a copy of them), the worker's parameters at ``s`` are kept, and step 2 (the reduction, and the
+  buffers' average) goes to a communication thread of the sync's own (one thread, first in first out: every rank
+  issues the same collectives in the same order, on the sync's own groups, which nothing else uses) while the next
+  ``tau`` inner steps compute;
+- *land*, after step ``s + tau``: wait for the reduction (what the loop waited is ``sync/waited_s``), steps 3-4, and the
+  fragment's parameters become ``p_now + alpha (theta_global_new - p_at_s)``: ``alpha`` of the way to the new global
+  value plus the worker's progress since ``s``. On a skip the fragment restarts from ``theta_global`` (unchanged) on
+  every worker, as without a delay: the worker whose value was not finite would otherwise keep it.
+
+A checkpoint written while an exchange is in flight waits for its reduction first (:meth:`DiLoCoSync.settle`: nothing
+lands early) and saves the reduced sum beside ``theta_global`` and each worker's parameters at ``s`` beside the
+worker's own state, so a resumed run lands it at ``s + tau`` exactly as the uninterrupted run does. An emergency
+checkpoint (a peer may be gone) keeps only the exchanges already reduced; the others are dropped, and their fragments'
+samples count towards the next sync, which then carries the worker's progress over both cycles.
+
 The state a resume needs (:meth:`DiLoCoSync.state_dict`): ``theta_global``, the outer momentum and the averaged
-buffers by parameter name, the samples counted since the last sync, and this rank's compressor state; each worker's
-own parameters and inner optimizer state travel beside it (:mod:`lightning_dist.strategy.ring_ddp`).
+buffers by parameter name, the samples counted since each fragment's last sync, and the exchanges in flight; per rank
+(:meth:`DiLoCoSync.rank_state`) the compressors' states; per worker (:meth:`DiLoCoSync.worker_state`) the parameters
+at the start of each exchange in flight. Each worker's own parameters and inner optimizer state travel beside it
+(:mod:`lightning_dist.strategy.checkpoint`).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any, Optional, Sequence
 
@@ -48,12 +76,14 @@ import torch.distributed as dist
 
 from lightning_dist.comm import CommStats
 from lightning_dist.comm._common import all_gather_single
+from lightning_dist.comm.stats import CallRecord
 from lightning_dist.comm.topology import Topology
 from lightning_dist.compression import BucketLayout, Compressor, NoCompressor, Transport
 from lightning_dist.compression.parts import PartPlan
 from lightning_dist.sync.settings import DiLoCo
 
 BUCKET_BYTES = 25 << 20  # the pseudo-gradient's buckets: DDP's default bucket size
+THREAD_NAME = "lightning_dist-comm-sync"  # the streaming exchanges' thread (tests look for it)
 
 
 @dataclass(frozen=True)
@@ -96,12 +126,14 @@ class Workers:
 
 @dataclass
 class SyncResult:
-    """One sync's outcome, identical on every rank but for the bytes (each rank's own)."""
+    """One sync's outcome, identical on every rank but for the bytes and times (each rank's own)."""
 
-    step: int  # the global step after which it ran
+    step: int  # the global step after which it landed (its exchange started ``delay`` steps earlier)
     skipped: bool
+    fragment: int = 0
     bad_workers: list[int] = field(default_factory=list)  # workers whose pseudo-gradient was not finite (on a skip)
-    seconds: float = 0.0  # wall time of the whole sync on this rank
+    seconds: float = 0.0  # wall time of the exchange on this rank (start to reduced sum, plus the outer step)
+    waited: float = 0.0  # how long the training loop spent in it (= seconds without a delay)
     bytes_sent: int = 0  # this rank's bytes across workers
     norm: float = 0.0  # the L2 norm of the mean pseudo-gradient (nan on a skip)
 
@@ -119,6 +151,38 @@ class _Bucket:
         self.plan = PartPlan.of(self.layout, parts, local_index) if parts > 1 else None
 
 
+@dataclass
+class Fragment:
+    """A part of the parameters that syncs on its own schedule: its buckets, compressor and samples count."""
+
+    index: int
+    offset: int  # it syncs after the steps where global_step % H == offset
+    params: list[int]  # its parameters' positions in the sync's list
+    buckets: list[_Bucket]
+    compressor: Compressor  # its own copy: error feedback per fragment
+    samples: list[float]  # per worker, since this fragment's last sync (heterogeneous batches)
+    buffers: bool  # whether the model's buffers are averaged with it (the first fragment)
+
+
+@dataclass
+class Exchange:
+    """One fragment's sync between its start (after step ``step``) and its landing (after step ``lands``)."""
+
+    fragment: Fragment
+    step: int
+    lands: int
+    samples: list[float]  # the fragment's counts it used (given back if the exchange is dropped)
+    snapshot: Optional[list[torch.Tensor]] = None  # the worker's parameters at ``step`` (a delay only)
+    buffers: Optional[list[torch.Tensor]] = None  # the averaged buffers, reduced beside it (a delay only)
+    stats: Optional[CommStats] = None  # its collectives' records, merged into the step's at landing (a delay only)
+    future: Optional[Future] = None  # the reduction on the sync's thread (a delay only)
+    locally_finite: bool = True  # this rank's contribution
+    seconds: float = 0.0  # the exchange's own wall time (the main thread's part and the reduction)
+    waited: float = 0.0  # the main thread's part
+    bytes_sent: int = 0  # this rank's bytes across workers, recorded in the step's stats so far
+    norm: Optional[float] = None  # the mean pseudo-gradient's norm, once reduced (NaN: skip)
+
+
 class DiLoCoSync:
     """One rank's share of DiLoCo's outer loop (see the module's docstring). Built by the strategy at set-up:
     :meth:`create` makes its process groups (a collective: every rank, in the same order), :meth:`bind` attaches it
@@ -126,7 +190,8 @@ class DiLoCoSync:
 
     def __init__(self, settings: DiLoCo, workers: Workers, algorithm: str, cross_group: Optional[dist.ProcessGroup],
                  host_group: Optional[dist.ProcessGroup] = None,
-                 worker_flags_group: Optional[dist.ProcessGroup] = None) -> None:
+                 worker_flags_group: Optional[dist.ProcessGroup] = None,
+                 buffers_group: Optional[dist.ProcessGroup] = None) -> None:
         self.settings = settings
         self.workers = workers
         self.algorithm = algorithm
@@ -134,13 +199,17 @@ class DiLoCoSync:
         self.cross_group = cross_group
         self.host_group = host_group  # two_tier: the parts' all-gather inside the host (and its buffers' broadcast)
         self.worker_flags_group = worker_flags_group  # two_tier: gloo, for the inner step's verdict inside the host
-        self.compressor: Compressor = settings.compressor
-        self.outer_steps = 0  # outer steps taken
+        # two_tier with a delay: the buffers' broadcast inside the host, from the main thread (host_group is the
+        # sync thread's then)
+        self.buffers_group = buffers_group if buffers_group is not None else host_group
+        self.compressor: Compressor = settings.compressor  # the first fragment's (the only one without fragments)
+        self.outer_steps = 0  # outer steps taken (one per fragment sync)
         self.skipped = 0  # outer steps skipped (a non-finite pseudo-gradient)
-        self.samples = [0.0] * workers.count  # per worker, since the last sync (heterogeneous batches)
         self.bytes_total = 0
         self.metrics: dict[str, float] = {}
-        self._buckets: list[_Bucket] = []
+        self.fragments: list[Fragment] = []
+        self.inflight: list[Exchange] = []  # started, not landed (a delay only), in the order they started
+        self._thread: Optional[ThreadPoolExecutor] = None
         self._names: list[str] = []
         self._params: list[torch.Tensor] = []
         self._global: list[torch.Tensor] = []  # theta_global, one tensor per parameter
@@ -159,16 +228,24 @@ class DiLoCoSync:
             cross = dist.new_group(timeout=timeout) if world_size > 1 else None
             return cls(settings, workers, algorithm, cross)
         across = [list(ranks) for ranks in zip(*workers.ranks)]  # part i: the i-th rank of every host
+        hosts = [list(r) for r in workers.ranks]
         cross = dist.new_subgroups_by_enumeration(across, timeout=timeout)[0]
-        host = dist.new_subgroups_by_enumeration([list(r) for r in workers.ranks], timeout=timeout)[0]
-        flags = dist.new_subgroups_by_enumeration([list(r) for r in workers.ranks], timeout=timeout,
-                                                  backend="gloo")[0]
-        return cls(settings, workers, algorithm, cross, host, flags)
+        host = dist.new_subgroups_by_enumeration(hosts, timeout=timeout)[0]
+        flags = dist.new_subgroups_by_enumeration(hosts, timeout=timeout, backend="gloo")[0]
+        buffers = dist.new_subgroups_by_enumeration(hosts, timeout=timeout)[0] if settings.delay else None
+        return cls(settings, workers, algorithm, cross, host, flags, buffers)
 
     @property
     def groups(self) -> list[dist.ProcessGroup]:
         """The groups this rank is in (to destroy at teardown)."""
-        return [g for g in (self.cross_group, self.host_group, self.worker_flags_group) if g is not None]
+        found = (self.cross_group, self.host_group, self.worker_flags_group, self.buffers_group)
+        return list({id(g): g for g in found if g is not None}.values())
+
+    @property
+    def samples(self) -> list[float]:
+        """Per worker, the samples counted since the first fragment's last sync (the whole model's without
+        fragments)."""
+        return self.fragments[0].samples
 
     # -- set-up ---------------------------------------------------------------------------------------------------
     def bind(self, module: torch.nn.Module) -> None:
@@ -178,7 +255,13 @@ class DiLoCoSync:
         self._names = [name for name, _ in named]
         self._params = [p for _, p in named]
         self._buffers = [(name, b) for name, b in module.named_buffers() if b is not None]
-        self._buckets = _buckets(named, self.workers.local_size, self.workers.local_index)
+        self.fragments = []
+        for f, index in enumerate(fragment_cut([(name, p.numel()) for name, p in named], self.settings.fragments)):
+            compressor = self.settings.compressor if f == 0 else copy.deepcopy(self.settings.compressor)
+            self.fragments.append(Fragment(
+                f, self.settings.offset(f), index,
+                _buckets([named[i] for i in index], self.workers.local_size, self.workers.local_index, index),
+                compressor, [0.0] * self.workers.count, buffers=f == 0))
         with torch.no_grad():
             self._global = [p.detach().clone() for p in self._params]
             self._global_buffers = [b.detach().clone() for _, b in self._buffers]
@@ -186,90 +269,220 @@ class DiLoCoSync:
                                       nesterov=self.settings.outer_momentum > 0)
 
     def due(self, global_step: int) -> bool:
-        """Whether the optimizer step that made ``global_step`` is followed by a sync (the same on every rank)."""
-        return global_step > 0 and global_step % self.settings.every == 0
+        """Whether the optimizer step that made ``global_step`` is followed by a fragment's sync starting or landing
+        (the same on every rank)."""
+        return self._starting(global_step) is not None or any(ex.lands == global_step for ex in self.inflight)
+
+    def _starting(self, global_step: int) -> Optional[Fragment]:
+        """The fragment whose sync starts after the optimizer step that made ``global_step`` (at most one: the
+        offsets differ)."""
+        if global_step <= 0:
+            return None
+        phase = global_step % self.settings.every
+        return next((f for f in self.fragments if f.offset == phase), None)
 
     def count_samples(self, sizes: Sequence[int]) -> None:
         """A batch of every rank's ``sizes`` (heterogeneous batching's plan) started: each worker's samples count
-        towards its weight at the next sync."""
-        for w, ranks in enumerate(self.workers.ranks):
-            self.samples[w] += float(sum(sizes[r] for r in ranks))
+        towards its weight at every fragment's next sync."""
+        for fragment in self.fragments:
+            for w, ranks in enumerate(self.workers.ranks):
+                fragment.samples[w] += float(sum(sizes[r] for r in ranks))
 
-    def weight(self) -> float:
-        """This worker's share of the mean pseudo-gradient: its samples since the last sync over everyone's, or
-        ``1 / W`` when nobody counted (even batches)."""
-        total = sum(self.samples)
+    def weight(self, fragment: int = 0) -> float:
+        """This worker's share of the mean pseudo-gradient of ``fragment``: its samples since the fragment's last sync
+        over everyone's, or ``1 / W`` when nobody counted (even batches)."""
+        samples = self.fragments[fragment].samples
+        total = sum(samples)
         if total <= 0:
             return 1.0 / self.workers.count
-        return self.samples[self.workers.index] / total
+        return samples[self.workers.index] / total
 
     def broadcast_buffers(self) -> None:
         """Two_tier: the host's first rank's buffers to the host's other ranks, before a forward pass (DDP's own
         broadcast would cross hosts, so the strategy turns it off and calls this instead)."""
-        if self.host_group is None or not self._buffers:
+        if self.buffers_group is None or not self._buffers:
             return
         leader = self.workers.mine[0]
         for _, buf in self._buffers:
-            dist.broadcast(buf, src=leader, group=self.host_group)
+            dist.broadcast(buf, src=leader, group=self.buffers_group)
 
     # -- the sync -------------------------------------------------------------------------------------------------
-    def sync(self, step: int, stats: Optional[CommStats] = None, tier: str = "inter_host",
-             flags_group: Optional[dist.ProcessGroup] = None) -> SyncResult:
-        """The outer step after optimizer step ``step`` (see the module's docstring), on every rank together.
+    def after_step(self, step: int, stats: Optional[CommStats] = None, tier: str = "inter_host",
+                   flags_group: Optional[dist.ProcessGroup] = None) -> list[SyncResult]:
+        """After optimizer step ``step``, on every rank together: the exchanges due to land land (in the order they
+        started), then the fragment due to sync starts (and, without a delay, lands at once). Returns the syncs that
+        landed.
 
-        ``stats``: the strategy's step statistics; the pseudo-gradient's bytes are recorded under ``tier``.
-        ``flags_group``: a group of every rank (gloo) to say, on a skip, which workers saw a non-finite value.
+        ``stats``: the strategy's step statistics; the pseudo-gradient's bytes are recorded under ``tier`` (a delayed
+        exchange's in the step it lands). ``flags_group``: a group of every rank (gloo) to say, on a skip, which
+        workers saw a non-finite value.
         """
+        results = [self._land(ex, stats, tier, flags_group) for ex in list(self.inflight) if ex.lands == step]
+        fragment = self._starting(step)
+        if fragment is not None:
+            exchange = self._start(fragment, step, stats, tier)
+            if self.settings.delay:
+                self.inflight.append(exchange)
+            else:
+                results.append(self._land(exchange, stats, tier, flags_group))
+        return results
+
+    def _start(self, fragment: Fragment, step: int, stats: Optional[CommStats], tier: str) -> Exchange:
+        """The fragment's weighted pseudo-gradient into its buckets, and its reduction: here (no delay) or on the
+        sync's thread."""
         started = time.perf_counter()
-        recorder = stats.tier(tier) if stats is not None else None
-        sent_before = stats.bytes_sent if stats is not None else 0
-        # one worker (one rank, or one host of a two_tier topology refused earlier): its sum is itself
-        transport = Transport(self.algorithm, self.cross_group, recorder) if self.workers.count > 1 else None
-        codec = NoCompressor() if self.compressor.warming_up else self.compressor
-        weight = self.weight()
-        locally_finite = True
+        delay = self.settings.delay
+        exchange = Exchange(fragment, step, step + delay, list(fragment.samples))
+        weight = self.weight(fragment.index)
+        fragment.samples = [0.0] * self.workers.count
         with torch.no_grad():
-            for bucket in self._buckets:
-                locally_finite &= self._reduce(bucket, codec, transport, weight)
-            totals = torch.stack([bucket.flat.float().square().sum() for bucket in self._buckets]) \
-                if self._buckets else torch.zeros(1)
-            norm = math.sqrt(float(totals.sum()))  # the one synchronisation: the verdict, the same on every rank
-            result = SyncResult(step=step, skipped=not math.isfinite(norm))
+            for bucket in fragment.buckets:
+                flat = bucket.flat
+                for i, (start, end) in zip(bucket.index, bucket.spans):
+                    torch.sub(self._global[i].reshape(-1), self._params[i].detach().reshape(-1), out=flat[start:end])
+                if weight != 1.0:
+                    flat.mul_(weight)
+            if delay:
+                exchange.snapshot = [self._params[i].detach().clone() for i in fragment.params]
+                if fragment.buffers and self._buffers:
+                    exchange.buffers = [b.detach().clone() for _, b in self._buffers]
+        if not delay:
+            recorder = stats.tier(tier) if stats is not None else None
+            sent_before = stats.bytes_sent if stats is not None else 0
+            exchange.locally_finite = self._reduce_all(fragment, recorder)
+            exchange.bytes_sent = (stats.bytes_sent - sent_before) if stats is not None else 0
+        else:
+            exchange.stats = CommStats(keep_records=True)
+            if self._thread is None:
+                self._thread = ThreadPoolExecutor(1, thread_name_prefix=THREAD_NAME)
+            exchange.future = self._thread.submit(self._reduce_in_background, exchange)
+        exchange.waited = time.perf_counter() - started
+        exchange.seconds = exchange.waited
+        return exchange
+
+    def _reduce_in_background(self, exchange: Exchange) -> None:
+        """The sync's thread: the fragment's reduction and, for the fragment that carries them, the buffers'
+        average; on groups only this thread uses."""
+        started = time.perf_counter()
+        recorder = exchange.stats.tier("inter_host")
+        with torch.no_grad():
+            exchange.locally_finite = self._reduce_all(exchange.fragment, recorder)
+            if exchange.buffers is not None:
+                self._average(exchange.buffers, self._transport(recorder))
+        exchange.seconds += time.perf_counter() - started
+
+    def _transport(self, recorder: Any) -> Optional[Transport]:
+        # one worker (one rank, or one host of a two_tier topology refused earlier): its sum is itself
+        return Transport(self.algorithm, self.cross_group, recorder) if self.workers.count > 1 else None
+
+    def _reduce_all(self, fragment: Fragment, recorder: Any) -> bool:
+        """Every bucket of ``fragment`` summed over the workers (the same bits on every rank); whether this rank's own
+        contribution was finite."""
+        transport = self._transport(recorder)
+        codec = NoCompressor() if fragment.compressor.warming_up else fragment.compressor
+        finite = True
+        with torch.no_grad():
+            for bucket in fragment.buckets:
+                finite &= self._reduce(bucket, codec, transport)
+        return finite
+
+    def settle(self) -> None:
+        """Wait for every exchange in flight to be reduced and read its verdict (before a checkpoint: what it saves
+        is then the same on every run); nothing lands early."""
+        for exchange in self.inflight:
+            self._finish(exchange)
+
+    def _finish(self, exchange: Exchange) -> None:
+        """Wait for the reduction; the verdict from the reduced sum (the same on every rank), and the fragment's
+        compressor keeps its staged state or drops it. Once per exchange."""
+        if exchange.norm is not None:
+            return
+        if exchange.future is not None:
+            waiting = time.perf_counter()
+            exchange.future.result()  # a failed collective raises here, on the training loop's thread
+            exchange.waited += time.perf_counter() - waiting
+            exchange.future = None
+        buckets = exchange.fragment.buckets
+        totals = torch.stack([b.flat.float().square().sum() for b in buckets]) if buckets else torch.zeros(1)
+        exchange.norm = math.sqrt(float(totals.sum()))
+        compressor = exchange.fragment.compressor
+        if math.isfinite(exchange.norm):
+            compressor.commit()
+        else:
+            compressor.discard()
+
+    def _land(self, exchange: Exchange, stats: Optional[CommStats], tier: str,
+              flags_group: Optional[dist.ProcessGroup]) -> SyncResult:
+        """The outer step on the fragment (or the skip), and the worker's parameters set from ``theta_global``."""
+        started = time.perf_counter()
+        sent_before = stats.bytes_sent if stats is not None else 0
+        self._finish(exchange)
+        if exchange.stats is not None and stats is not None:  # a delayed exchange's bytes count in this step
+            recorder = stats.tier(tier)
+            for record in exchange.stats.records:
+                recorder.record(record)
+        if exchange in self.inflight:
+            self.inflight.remove(exchange)
+        fragment, norm = exchange.fragment, exchange.norm
+        result = SyncResult(step=exchange.lands, skipped=not math.isfinite(norm), fragment=fragment.index)
+        with torch.no_grad():
             if result.skipped:
-                self.compressor.discard()
-                result.bad_workers = _bad_workers(locally_finite, self.workers, flags_group)
+                result.bad_workers = _bad_workers(exchange.locally_finite, self.workers, flags_group)
                 self.skipped += 1
             else:
-                for bucket in self._buckets:
+                for bucket in fragment.buckets:
                     for i, (start, end) in zip(bucket.index, bucket.spans):
                         self._global[i].grad = bucket.flat[start:end].view(self._global[i].shape)
                 self._outer.step()
                 self._outer.zero_grad(set_to_none=True)
-                self.compressor.commit()
-                self._average_buffers(transport)
+                if fragment.buffers and exchange.buffers is not None:
+                    for keep, mean in zip(self._global_buffers, exchange.buffers):
+                        keep.copy_(mean)
+                elif fragment.buffers:
+                    averaged = [b.detach().clone() for _, b in self._buffers]
+                    self._average(averaged, self._transport(stats.tier(tier) if stats is not None else None))
+                    for keep, mean in zip(self._global_buffers, averaged):
+                        keep.copy_(mean)
                 self.outer_steps += 1
-            for p, g in zip(self._params, self._global):
-                p.copy_(g)
-            for (_, buf), g in zip(self._buffers, self._global_buffers):
-                buf.copy_(g)
-        self.samples = [0.0] * self.workers.count
-        sent = (stats.bytes_sent - sent_before) if stats is not None else 0
+            if exchange.snapshot is None or result.skipped:  # the worker restarts from theta_global
+                for i in fragment.params:
+                    self._params[i].copy_(self._global[i])
+            else:  # p_now + mix (theta_global - p_at_s)
+                for i, at_start in zip(fragment.params, exchange.snapshot):
+                    self._params[i].add_(self._global[i] - at_start, alpha=self.settings.mix)
+            if fragment.buffers:
+                for (_, buf), g in zip(self._buffers, self._global_buffers):
+                    buf.copy_(g)
+        sent = exchange.bytes_sent + ((stats.bytes_sent - sent_before) if stats is not None else 0)
         self.bytes_total += sent
-        result.seconds, result.bytes_sent, result.norm = time.perf_counter() - started, sent, norm
+        landing = time.perf_counter() - started
+        result.seconds, result.waited = exchange.seconds + landing, exchange.waited + landing
+        result.bytes_sent, result.norm = sent, norm
         self.metrics = {"sync/outer_steps": float(self.outer_steps), "sync/skipped": float(self.skipped),
-                        "sync/seconds": result.seconds, "sync/waited_s": result.seconds,
-                        "sync/bytes_per_sync": float(sent), "sync/bytes_per_step": self.bytes_total / max(1, step),
+                        "sync/seconds": result.seconds, "sync/waited_s": result.waited,
+                        "sync/bytes_per_sync": float(sent),
+                        "sync/bytes_per_step": self.bytes_total / max(1, exchange.lands),
                         "sync/pseudo_grad_norm": norm}
+        if self.settings.fragments > 1:
+            self.metrics["sync/fragment"] = float(fragment.index)
         return result
 
-    def _reduce(self, bucket: _Bucket, codec: Compressor, transport: Optional[Transport], weight: float) -> bool:
-        """The bucket's weighted pseudo-gradient summed over the workers into ``bucket.flat`` (the same bits on
-        every rank); whether this rank's own contribution was finite."""
+    def finish(self, stats: Optional[CommStats] = None, tier: str = "inter_host",
+               flags_group: Optional[dist.ProcessGroup] = None) -> list[SyncResult]:
+        """The end of a fit, on every rank together: every exchange still in flight lands now (the model the fit
+        leaves holds every sync it started)."""
+        return [self._land(ex, stats, tier, flags_group) for ex in list(self.inflight)]
+
+    def close(self) -> None:
+        """Stop the sync's thread (teardown; after a fault an exchange may still wait for a peer: not waited for)."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=False, cancel_futures=True)
+            self._thread = None
+
+    def _reduce(self, bucket: _Bucket, codec: Compressor, transport: Optional[Transport]) -> bool:
+        """The bucket's weighted pseudo-gradient (in ``bucket.flat``) summed over the workers in place (the same bits
+        on every rank); whether this rank's own contribution was finite."""
         flat = bucket.flat
-        for i, (start, end) in zip(bucket.index, bucket.spans):
-            torch.sub(self._global[i].reshape(-1), self._params[i].detach().reshape(-1), out=flat[start:end])
-        if weight != 1.0:
-            flat.mul_(weight)
         plan = bucket.plan
         if plan is None:
             finite = _sentinel(flat)
@@ -288,19 +501,17 @@ class DiLoCoSync:
         torch.cat([parts[a:b] for a, b in plan.scatter], out=flat)
         return finite
 
-    def _average_buffers(self, transport: Optional[Transport]) -> None:
-        """Every buffer becomes the mean over the workers (a host's ranks hold the same buffers: each part's group
-        averages them alike)."""
+    def _average(self, buffers: list[torch.Tensor], transport: Optional[Transport]) -> None:
+        """``buffers`` (copies of the model's, in order) become the mean over the workers in place (a host's ranks
+        hold the same buffers: each part's group averages them alike); integer ones the floor of the mean."""
         count = self.workers.count
-        for (_, buf), keep in zip(self._buffers, self._global_buffers):
-            total = buf.detach().clone()
+        for total in buffers:
             if transport is not None and total.is_floating_point():
                 transport.allreduce_(total.view(-1))
                 total.div_(count)
             elif count > 1:
                 dist.all_reduce(total, group=self.cross_group)
-                total = torch.div(total, count, rounding_mode="floor")
-            keep.copy_(total)
+                total.copy_(torch.div(total, count, rounding_mode="floor"))
 
     def worker_verdict_group(self, guard: Any, module: torch.nn.Module
                              ) -> tuple[Optional[dist.ProcessGroup], int, int]:
@@ -319,31 +530,67 @@ class DiLoCoSync:
     # -- what the strategy reports and saves ------------------------------------------------------------------------
     def memory_bytes(self) -> int:
         """Bytes DiLoCo keeps beside the model: theta_global and the outer momentum (two parameter copies), the
-        averaged buffers, the exchange's flat buckets and the compressor's state."""
+        averaged buffers, the exchange's flat buckets, the compressors' state and, with a delay, the worker's
+        parameters at the start of each exchange in flight (at most ``ceil(delay F / H)`` fragments at once)."""
         params = sum(p.numel() * p.element_size() for p in self._params)
         buffers = sum(b.numel() * b.element_size() for _, b in self._buffers)
-        compressor = sum(self.compressor.state_bytes(b.layout if b.plan is None else b.plan.layout,
-                                                     b.flat.element_size()) for b in self._buckets)
-        return 3 * params + buffers + compressor
+        compressor = sum(f.compressor.state_bytes(b.layout if b.plan is None else b.plan.layout, b.flat.element_size())
+                         for f in self.fragments for b in f.buckets)
+        snapshots = 0
+        if self.settings.delay and self.fragments:
+            spacing = self.settings.every // self.settings.fragments
+            largest = max(sum(self._params[i].numel() * self._params[i].element_size() for i in f.params)
+                          for f in self.fragments)
+            snapshots = min(len(self.fragments), -(-self.settings.delay // spacing)) * (largest + buffers)
+        return 3 * params + buffers + compressor + snapshots
 
-    def state_dict(self) -> dict[str, Any]:
-        """What every rank holds alike (theta_global, momentum, buffers, counts: tensors by name); tensors, numbers
-        and strings only (``weights_only=True`` loads it). The compressor's state is per rank: its own
-        ``state_dict``."""
+    def state_dict(self, settle: bool = True) -> dict[str, Any]:
+        """What every rank holds alike (theta_global, momentum, buffers, counts, the exchanges in flight with their
+        reduced sums: tensors by name); tensors, numbers and strings only (``weights_only=True`` loads it).
+
+        ``settle``: wait for the exchanges in flight first (:meth:`settle`); False (an emergency checkpoint: a peer
+        may be gone) keeps only those already reduced, and the others' samples count towards their next sync."""
+        if settle:
+            self.settle()
         momentum = {}
         for name, g in zip(self._names, self._global):
             buf = self._outer.state.get(g, {}).get("momentum_buffer") if self._outer is not None else None
             if buf is not None:
                 momentum[name] = buf.detach().clone()
+        samples = [list(f.samples) for f in self.fragments]
+        inflight = []
+        for ex in self.inflight:
+            if ex.norm is None:  # not reduced: dropped, its samples back to its fragment's count
+                samples[ex.fragment.index] = [a + b for a, b in zip(samples[ex.fragment.index], ex.samples)]
+                continue
+            inflight.append({"fragment": ex.fragment.index, "step": ex.step, "lands": ex.lands, "norm": ex.norm,
+                             "samples": list(ex.samples), "seconds": ex.seconds, "waited": ex.waited,
+                             "sums": [b.flat.detach().clone() for b in ex.fragment.buckets],
+                             "buffers": None if ex.buffers is None else [b.clone() for b in ex.buffers],
+                             "records": [asdict(r) for r in (ex.stats.records if ex.stats is not None else [])]})
         return {"settings": self.settings.describe(), "workers": self.workers.count,
-                "outer_steps": self.outer_steps, "skipped": self.skipped, "samples": list(self.samples),
+                "outer_steps": self.outer_steps, "skipped": self.skipped,
+                "samples": samples[0] if len(samples) == 1 else samples, "inflight": inflight,
                 "bytes_total": self.bytes_total,
                 "global": {name: g.detach().clone() for name, g in zip(self._names, self._global)},
                 "momentum": momentum,
                 "buffers": {name: b.detach().clone() for (name, _), b in zip(self._buffers, self._global_buffers)}}
 
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's own part (after :meth:`state_dict`): each fragment's compressor state, and whether its own
+        contribution to each exchange in flight was finite."""
+        return {"compressors": [f.compressor.state_dict() for f in self.fragments],
+                "finite": [ex.locally_finite for ex in self.inflight if ex.norm is not None]}
+
+    def worker_state(self) -> list[dict[str, torch.Tensor]]:
+        """This worker's part (after :meth:`state_dict`): its parameters at the start of each exchange in flight, by
+        name."""
+        return [{self._names[i]: t.clone() for i, t in zip(ex.fragment.params, ex.snapshot)}
+                for ex in self.inflight if ex.norm is not None and ex.snapshot is not None]
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (after :meth:`bind`)."""
+        """Restore :meth:`state_dict`'s output (after :meth:`bind`); then :meth:`load_rank_state` and
+        :meth:`load_worker_state`."""
         if self._outer is None:
             raise RuntimeError("DiLoCoSync.load_state_dict before bind: the parameters are not known yet")
         if state["settings"] != self.settings.describe():
@@ -351,8 +598,12 @@ class DiLoCoSync:
                              f"sync={self.settings.describe()}: resume with the same DiLoCo settings")
         self.outer_steps, self.skipped = int(state["outer_steps"]), int(state["skipped"])
         self.bytes_total = int(state.get("bytes_total", 0))
-        if int(state["workers"]) == self.workers.count:
-            self.samples = [float(s) for s in state["samples"]]
+        same = int(state["workers"]) == self.workers.count
+        samples = state["samples"] if self.settings.fragments > 1 else [state["samples"]]
+        if same:
+            for fragment, counts in zip(self.fragments, samples):
+                fragment.samples = [float(s) for s in counts]
+        self.inflight = []
         with torch.no_grad():
             for name, g in zip(self._names, self._global):
                 g.copy_(state["global"][name])
@@ -361,6 +612,39 @@ class DiLoCoSync:
             for (name, _), b in zip(self._buffers, self._global_buffers):
                 if name in state["buffers"]:
                     b.copy_(state["buffers"][name])
+            for saved in state.get("inflight", []):
+                fragment = self.fragments[saved["fragment"]]
+                for bucket, total in zip(fragment.buckets, saved["sums"]):
+                    bucket.flat.copy_(total)
+                stats = CommStats()
+                for record in saved["records"]:
+                    stats.record(CallRecord(**record))
+                self.inflight.append(Exchange(
+                    fragment, int(saved["step"]), int(saved["lands"]),
+                    [float(s) for s in saved["samples"]] if same else [0.0] * self.workers.count,
+                    buffers=saved["buffers"], stats=stats, seconds=float(saved["seconds"]),
+                    waited=float(saved["waited"]), norm=float(saved["norm"])))
+
+    def load_rank_state(self, state: Optional[dict[str, Any]], shared_only: bool = False) -> None:
+        """This rank's part from :meth:`rank_state` (None: nothing of this rank's was saved; ``shared_only``:
+        another rank's, whose shared compressor state applies)."""
+        if state is None:
+            return
+        for fragment, saved in zip(self.fragments, state["compressors"]):
+            fragment.compressor.load_state_dict(saved, shared_only=shared_only)
+        if not shared_only:
+            for exchange, finite in zip(self.inflight, state["finite"]):
+                exchange.locally_finite = bool(finite)
+
+    def load_worker_state(self, snapshots: Optional[list[dict[str, torch.Tensor]]]) -> None:
+        """This worker's parameters at the start of each exchange in flight, from :meth:`worker_state` (None: not
+        saved; each lands then on the worker's parameters as restored, as if it had started now)."""
+        for k, exchange in enumerate(self.inflight):
+            params = exchange.fragment.params
+            if snapshots is not None and k < len(snapshots):
+                exchange.snapshot = [snapshots[k][self._names[i]].clone() for i in params]
+            elif self.settings.delay:
+                exchange.snapshot = [self._params[i].detach().clone() for i in params]
 
     def restart_from_global(self) -> None:
         """Every parameter and buffer of this rank set to the global ones (a worker whose own state was lost)."""
@@ -369,10 +653,37 @@ class DiLoCoSync:
                 p.copy_(g)
             for (_, buf), g in zip(self._buffers, self._global_buffers):
                 buf.copy_(g)
+        self.load_worker_state(None)
 
 
-def _buckets(named: list[tuple[str, torch.Tensor]], parts: int, local_index: int) -> list[_Bucket]:
-    """The parameters, in the module's order, in runs of one dtype and device of at most :data:`BUCKET_BYTES`."""
+def fragment_cut(sizes: Sequence[tuple[str, int]], fragments: int) -> list[list[int]]:
+    """The parameters (``(name, numel)`` in the module's order) cut into ``fragments`` runs of whole parameters of
+    about equal numel: a run ends once its cumulative numel reaches the next ``k / F`` of the total, keeping at least
+    one parameter for every later run. Every rank derives the same cut from the same model. Fewer parameters than
+    fragments is refused (name the fix)."""
+    if len(sizes) < fragments:
+        raise ValueError(f"DiLoCo(fragments={fragments}) but the model has {len(sizes)} trainable parameter tensors: "
+                         f"a fragment holds whole parameters; use fragments <= {len(sizes)}")
+    total = sum(n for _, n in sizes)
+    cut: list[list[int]] = [[] for _ in range(fragments)]
+    done, f = 0, 0
+    for i, (_, numel) in enumerate(sizes):
+        left = len(sizes) - i  # parameters not yet placed, this one included
+        # move on when this run is full, or when every later fragment needs one of the parameters left
+        if cut[f] and f < fragments - 1 and (done >= total * (f + 1) / fragments or left <= fragments - 1 - f):
+            f += 1
+        elif cut[f] and f < fragments - 1 and done + numel / 2 > total * (f + 1) / fragments:
+            f += 1  # this parameter lies mostly past the boundary: it starts the next run
+        cut[f].append(i)
+        done += numel
+    return cut
+
+
+def _buckets(named: list[tuple[str, torch.Tensor]], parts: int, local_index: int,
+             index: Optional[list[int]] = None) -> list[_Bucket]:
+    """The parameters, in the module's order, in runs of one dtype and device of at most :data:`BUCKET_BYTES`;
+    ``index``: their positions in the sync's list (default: 0, 1, ...)."""
+    index = list(range(len(named))) if index is None else index
     buckets: list[_Bucket] = []
     run: list[int] = []
     size = 0
@@ -380,12 +691,14 @@ def _buckets(named: list[tuple[str, torch.Tensor]], parts: int, local_index: int
         nbytes = p.numel() * p.element_size()
         first = named[run[0]][1] if run else None
         if first is not None and (p.dtype != first.dtype or p.device != first.device or size + nbytes > BUCKET_BYTES):
-            buckets.append(_Bucket(run, [named[j][0] for j in run], [named[j][1] for j in run], parts, local_index))
+            buckets.append(_Bucket([index[j] for j in run], [named[j][0] for j in run], [named[j][1] for j in run],
+                                   parts, local_index))
             run, size = [], 0
         run.append(i)
         size += nbytes
     if run:
-        buckets.append(_Bucket(run, [named[j][0] for j in run], [named[j][1] for j in run], parts, local_index))
+        buckets.append(_Bucket([index[j] for j in run], [named[j][0] for j in run], [named[j][1] for j in run], parts,
+                               local_index))
     return buckets
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
 from lightning_dist.compression import Compressor, as_compressor
@@ -11,6 +11,7 @@ from lightning_dist.compression import Compressor, as_compressor
 # What ``sync=`` may name: the default (every step: today's gradient all-reduce, unchanged) and DiLoCo. The one list,
 # read by the strategy's check, the Hydra group (conf/sync/) and the errors.
 SYNCS = ("every_step", "diloco")
+BALANCES = ("batches", "steps")  # how workers of different speeds meet at a sync (DiLoCo(balance=...))
 
 
 @dataclass
@@ -32,13 +33,37 @@ class DiLoCo:
         compressor: how the pseudo-gradient travels between workers: None (dense, by the strategy's algorithm), a
             compressor name (``"int8"``, ``"topk"``, ...: :func:`~lightning_dist.compression.build_compressor` with
             its defaults, error feedback included where it has it), a dict of ``build_compressor``'s arguments, or a
-            :class:`~lightning_dist.compression.Compressor`. Its error feedback is kept per worker across syncs.
+            :class:`~lightning_dist.compression.Compressor`. Its error feedback is kept per worker across syncs (and
+            per fragment: each fragment has a copy of its own).
+        fragments: ``F``, the number of fragments the parameters are cut into (Streaming DiLoCo, Douillard et al.
+            2025): whole parameters, in the module's ``named_parameters`` order, about ``1 / F`` of the elements each.
+            Fragment ``f`` syncs after the optimizer steps where ``global_step % every == f * every / F``, so every
+            parameter still syncs once per ``every`` steps and the link carries ``1 / F`` of the model at a time.
+            ``F`` divides ``every``; 1 (the default) syncs the whole model at once.
+        delay: ``tau``, the inner steps a fragment's exchange overlaps: it starts after the fragment's sync step ``s``
+            on a communication thread of its own, while steps ``s + 1 ... s + tau`` compute, and is applied after step
+            ``s + tau``. 0 (the default) syncs in the step, as without fragments. Below ``every``: a fragment's exchange
+            lands before its own next sync (with ``tau > every / F`` several fragments' exchanges are in flight at
+            once, one after another on the thread).
+        mix: ``alpha``, how a delayed fragment lands: its parameters become ``p_now + alpha * (theta_global_new -
+            p_at_s)``, i.e. ``alpha`` of the way from the worker's own value to ``theta_global_new`` plus the worker's
+            progress since ``s`` (1 takes that global value whole; Streaming DiLoCo's 0.5 is the default). Unused when
+            ``delay`` is 0: the worker restarts from ``theta_global_new``, as part 1 does.
+        balance: how workers of different speeds meet at a sync. ``"batches"`` (the default): every worker runs the
+            same inner steps, and heterogeneous batching (``HeteroBatching``) makes a faster worker's batch larger;
+            pseudo-gradients are weighted by samples. ``"steps"``: every worker keeps the same batch size, and a faster
+            worker runs more inner steps between syncs (from the measured speeds, agreed by every rank); its
+            pseudo-gradient is weighted by the samples it processed.
     """
 
     every: int = 50
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     compressor: Union[Compressor, str, dict, None] = None
+    fragments: int = 1
+    delay: int = 0
+    mix: float = 0.5
+    balance: str = "batches"
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -50,6 +75,23 @@ class DiLoCo:
         if not _finite_number(self.outer_momentum) or not 0 <= self.outer_momentum < 1:
             raise ValueError(f"DiLoCo(outer_momentum={self.outer_momentum!r}) must be in [0, 1) (0.9 in the paper)")
         self.outer_lr, self.outer_momentum = float(self.outer_lr), float(self.outer_momentum)
+        if not _positive_int(self.fragments) or self.every % self.fragments:
+            divisors = [d for d in range(1, self.every + 1) if self.every % d == 0]
+            raise ValueError(f"DiLoCo(fragments={self.fragments!r}) with every={self.every}: the fragments must be an "
+                             f"int >= 1 that divides every (fragment f syncs at step f * every / fragments); pick one "
+                             f"of {divisors[:12]}{' ...' if len(divisors) > 12 else ''}"
+                             f"{_hint(self.every, self.fragments)}")
+        if isinstance(self.delay, bool) or not isinstance(self.delay, int) or not 0 <= self.delay < self.every:
+            raise ValueError(f"DiLoCo(delay={self.delay!r}) with every={self.every}: the delay must be an int in [0, "
+                             f"every - 1 = {self.every - 1}] (a fragment's exchange lands before its next sync "
+                             "starts); raise every for a longer delay")
+        if not _finite_number(self.mix) or not 0 < self.mix <= 1:
+            raise ValueError(f"DiLoCo(mix={self.mix!r}) must be in (0, 1] (1 takes theta_global plus the worker's "
+                             "progress during the delay; 0.5, Streaming DiLoCo's, is the default)")
+        self.mix = float(self.mix)
+        if self.balance not in BALANCES:
+            raise ValueError(f"DiLoCo(balance={self.balance!r}); use 'batches' (a faster worker takes a larger batch: "
+                             "HeteroBatching) or 'steps' (a faster worker runs more inner steps between syncs)")
         # a name or a dict is built now, so a bad compressor fails here, before any process starts
         try:
             self.compressor = as_compressor(getattr(self.compressor, "value", self.compressor))
@@ -58,10 +100,26 @@ class DiLoCo:
                              "(e.g. DiLoCo(compressor='int8'), on the command line sync.compressor=int8 or "
                              "sync.compressor={name:topk,ratio:0.01})") from err
 
+    @property
+    def streaming(self) -> bool:
+        """Whether fragments or a delay are set (Streaming DiLoCo); without them the sync is part 1's."""
+        return self.fragments > 1 or self.delay > 0
+
+    def offset(self, fragment: int) -> int:
+        """The step, modulo ``every``, after which ``fragment`` syncs."""
+        return fragment * (self.every // self.fragments)
+
     def describe(self) -> str:
-        """The settings in one line, for logs and for matching a checkpoint's state."""
+        """The settings in one line, for logs and for matching a checkpoint's state (part 1's line unchanged when
+        no streaming setting is used)."""
+        extra = ""
+        if self.streaming:
+            extra += f", fragments={self.fragments}, delay={self.delay}"
+            extra += f", mix={self.mix:g}" if self.delay else ""
+        if self.balance != "batches":
+            extra += f", balance={self.balance}"
         return (f"DiLoCo(every={self.every}, outer_lr={self.outer_lr:g}, outer_momentum={self.outer_momentum:g}, "
-                f"compressor={self.compressor.describe()})")
+                f"compressor={self.compressor.describe()}{extra})")
 
 
 def as_sync(sync: Any) -> Optional[DiLoCo]:
@@ -86,13 +144,24 @@ def as_sync(sync: Any) -> Optional[DiLoCo]:
                 raise ValueError(f"sync=every_step has no settings, got {sorted(settings)}: they are DiLoCo's; pick "
                                  "sync=diloco (on the command line: sync=diloco sync.every=50 ...)")
             return None
-        unknown = sorted(set(settings) - {"every", "outer_lr", "outer_momentum", "compressor"})
+        known = [f.name for f in fields(DiLoCo)]
+        unknown = sorted(set(settings) - set(known))
         if unknown:
-            raise ValueError(f"sync={sync!r}: DiLoCo has no setting(s) {unknown}; its settings are every, outer_lr, "
-                             "outer_momentum and compressor")
+            raise ValueError(f"sync={sync!r}: DiLoCo has no setting(s) {unknown}; its settings are {', '.join(known)}")
         return DiLoCo(**settings)
     raise ValueError(f"sync={sync!r}; use None or 'every_step' (every step), 'diloco', a "
                      "lightning_dist.sync.DiLoCo(every=..., ...) or a dict of its arguments")
+
+
+def _hint(every: int, fragments: Any) -> str:
+    """For the error: the multiple of ``fragments`` nearest ``every``."""
+    if not _positive_int(fragments):
+        return ""
+    return f", or an every that {fragments} divides, e.g. every={max(fragments, round(every / fragments) * fragments)}"
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _finite_number(value: Any) -> bool:

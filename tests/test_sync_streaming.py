@@ -1,0 +1,347 @@
+"""Streaming DiLoCo (issue 32: fragments, a delay and mixing) on launched fork ranks, against a one-process replay.
+
+The replay (:func:`replay`) writes the contract out on one process: N workers (flat: a worker per rank), each a copy
+of the model with its own inner optimizer. The parameters are cut into F fragments (:data:`CUTS`, written out by hand
+from the model's parameter names and sizes); fragment ``f`` starts a sync after the steps where ``step % H == f H /
+F``: the workers' mean pseudo-gradient ``theta_global - theta_worker`` over the fragment's parameters, and each
+worker's parameters at that step are kept. ``tau`` steps later it lands: the gradient of one outer Nesterov SGD step on
+the fragment's part of ``theta_global``, and each worker's fragment becomes ``p_now + mix (theta_global - p_at_s)``
+(without a delay: ``theta_global``). At the end of the fit what is still in flight lands.
+
+One launched group of 2 flat ranks and one of 4 ranks posing as 2 hosts of 2 hold every fit; the assertions share them.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_dist import RingDDPStrategy
+from lightning_dist.callbacks import NaNRecovery
+from lightning_dist.hetero import HeteroBatching
+from lightning_dist.sync import DiLoCo
+from lightning_dist.testing import RecordingLogger, ToyClassifier, launched_externally, quiet_trainer, run_ranks
+
+pytestmark = pytest.mark.slow
+
+N_SAMPLES, BATCH = 96, 8
+EVERY = 4
+EPOCHS = 2
+TOLERANCE = 2e-5  # relative to the parameters' largest value: float rounding of other summation orders
+# Net's parameters in the module's order: net.0.weight (512), net.0.bias (32), net.2.weight (160), net.2.bias (5);
+# the cut into about equal runs of whole parameters
+CUTS = {1: [[0, 1, 2, 3]], 2: [[0], [1, 2, 3]]}
+# (fragments, delay, mix): each replayed at 2 flat ranks
+CASES = ((2, 0, 0.5), (2, 1, 0.5), (1, 2, 1.0), (2, 3, 0.5))
+
+
+class Net(ToyClassifier):
+    """16 -> 32 -> 5 on 96 samples, SGD with momentum or AdamW; the batches it trained on kept in ``seen``."""
+
+    def __init__(self, optimizer="sgd", **kwargs):
+        super().__init__(features=16, hidden=(32,), classes=5, samples=N_SAMPLES, batch_size=BATCH, momentum=0.9,
+                         optimizer=optimizer, lr=0.1 if optimizer == "sgd" else 0.01, distributed_sampler=True,
+                         seed=0, **kwargs)
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append((batch[0].clone(), batch[1].clone()))
+        return super().training_step(batch, batch_idx)
+
+
+class Poison(Callback):
+    """After global step 5, rank 1's first weight turns +Inf: the exchange that starts after step 8 is not finite."""
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        if trainer.global_rank == 1 and trainer.global_step == 5:
+            with torch.no_grad():
+                pl_module.net[0].weight[0, 0] = float("inf")
+
+
+class SavedInFlight(Callback):
+    """The exchanges in flight when each checkpoint is written: ``(fragment, started after, lands after)``."""
+
+    def __init__(self):
+        self.inflight = []
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self.inflight.append([(ex.fragment.index, ex.step, ex.lands) for ex in trainer.strategy.features.sync.inflight])
+
+
+class Record(Callback):
+    """This rank's parameters after every optimizer step, and once more after the fit (what landed at its end)."""
+
+    def __init__(self):
+        self.params, self.end = [], None
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        self.params.append(_flat(pl_module))
+
+    def teardown(self, trainer, pl_module, stage):
+        self.end = _flat(pl_module)
+
+
+def _flat(module):
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone()
+
+
+def _strategy(sync, **kwargs):
+    return RingDDPStrategy(sync=sync, timeout=60, start_method="fork", **kwargs)
+
+
+def _fit(strategy, world, hosts=1, model=None, callbacks=(), epochs=EPOCHS, ckpt_path=None, **kwargs):
+    pl.seed_everything(0, verbose=False)
+    record = Record()
+    trainer = quiet_trainer(devices=world // hosts, num_nodes=hosts, strategy=strategy, max_epochs=epochs,
+                            callbacks=[record, *callbacks], use_distributed_sampler=False, **kwargs)
+    trainer.fit(model or Net(), ckpt_path=ckpt_path)
+    return trainer, record
+
+
+# -- the one-process replay -----------------------------------------------------------------------------------------
+def replay(world, fragments, delay, mix, hosts=1, optimizer="sgd", every=EVERY, outer_lr=0.7, outer_momentum=0.9,
+           epochs=EPOCHS, batches=None):
+    """Each worker's parameters after every step, and at the end of the fit, by the contract alone (see the module's
+    docstring). ``hosts > 1``: workers of ``world // hosts`` ranks, whose gradient is the mean of their ranks'
+    mean-loss gradients weighted by samples; ``batches`` (per rank, every step's ``(x, y)``) replaces the unshuffled
+    DistributedSampler's rows, and workers are then weighted by the samples since each fragment's last sync."""
+    per = world // hosts if hosts > 1 else 1
+    workers = [list(range(w * per, (w + 1) * per)) for w in range(world // per)]
+    x, y = Net().data()
+    start = Net(optimizer)
+    models = [copy.deepcopy(start) for _ in workers]
+    inner = [m.configure_optimizers() for m in models]
+    theta = [p.detach().clone() for p in start.parameters()]
+    outer = torch.optim.SGD(theta, lr=outer_lr, momentum=outer_momentum, nesterov=True)
+    cut, spacing = CUTS[fragments], every // fragments
+    steps_per_epoch = N_SAMPLES // (world * BATCH) if batches is None else len(batches[0]) // epochs
+    history = [[] for _ in workers]
+    samples = [[0] * len(workers) for _ in cut]  # per fragment, per worker, since the fragment's last sync
+    pending = []  # (lands, fragment, mean pseudo-gradient per parameter, each worker's parameters at the start)
+
+    def land(fragment, mean, snapshots):
+        with torch.no_grad():
+            for i in cut[fragment]:
+                theta[i].grad = mean[i]
+            outer.step()
+            outer.zero_grad(set_to_none=True)
+            for w, model in enumerate(models):
+                params = list(model.parameters())
+                for i in cut[fragment]:
+                    if snapshots is None:
+                        params[i].copy_(theta[i])
+                    else:
+                        params[i].add_(theta[i] - snapshots[w][i], alpha=mix)
+
+    step = 0
+    for _ in range(epochs):
+        for k in range(steps_per_epoch):
+            for w, ranks in enumerate(workers):
+                model = models[w]
+                inner[w].zero_grad()
+                if batches is None:
+                    data = [(x[rows], y[rows]) for rows in
+                            ([(k * BATCH + j) * world + r for j in range(BATCH)] for r in ranks)]
+                else:
+                    data = [batches[r][step] for r in ranks]
+                total = sum(len(by) for _, by in data)
+                for counts in samples:
+                    counts[w] += total
+                loss = sum(len(by) / total * torch.nn.functional.cross_entropy(model.net(bx), by) for bx, by in data)
+                loss.backward()
+                inner[w].step()
+            step += 1
+            for item in [p for p in pending if p[0] == step]:
+                pending.remove(item)
+                land(*item[1:])
+            if step % spacing == 0:
+                fragment = (step % every) // spacing
+                counts = samples[fragment]
+                weights = [1 / len(workers)] * len(workers) if batches is None else [c / sum(counts) for c in counts]
+                samples[fragment] = [0] * len(workers)
+                with torch.no_grad():
+                    mean = {i: sum(m * (theta[i] - list(models[w].parameters())[i]) for w, m in enumerate(weights))
+                            for i in cut[fragment]}
+                    snapshots = [[p.detach().clone() for p in model.parameters()] for model in models]
+                if delay:
+                    pending.append((step + delay, fragment, mean, snapshots))
+                else:
+                    land(fragment, mean, None)
+            for w in range(len(workers)):
+                history[w].append(_flat(models[w]))
+    for item in pending:  # the end of the fit: what is in flight lands
+        land(*item[1:])
+    return history, [_flat(m) for m in models], workers
+
+
+def _close(a, b):
+    return (a - b).abs().max().item() <= TOLERANCE * max(1.0, b.abs().max().item())
+
+
+# -- the launched groups --------------------------------------------------------------------------------------------
+def _run_flat(rank, world, ckpt_dir):
+    out = {}
+    with launched_externally(rank, world), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for fragments, delay, mix in CASES:
+            for optimizer in ("sgd", "adamw"):
+                trainer, record = _fit(_strategy(DiLoCo(every=EVERY, fragments=fragments, delay=delay, mix=mix)),
+                                       world, model=Net(optimizer))
+                out[("replay", fragments, delay, mix, optimizer)] = (record.params, record.end)
+        sync = trainer.strategy.features.sync
+        out["counts"] = (sync.outer_steps, sync.skipped, len(sync.inflight))
+        # delay=0 with one fragment is part 1's sync, bit for bit, whatever mix says
+        for settings in ({"every": EVERY}, {"every": EVERY, "fragments": 1, "delay": 0, "mix": 0.3}):
+            _, record = _fit(_strategy(DiLoCo(**settings)), world)
+            out[("part1", len(settings))] = record.params
+        # heterogeneous batches: each fragment's workers weighted by their samples since its last sync
+        model = Net()
+        _, record = _fit(_strategy(DiLoCo(every=EVERY, fragments=2, delay=1), hetero=HeteroBatching(
+            batch_sizes=[12, 4])), world, model=model)
+        out["hetero"] = (record.params, record.end, model.seen)
+        # a skip with a delay: rank 1 turns non-finite after step 5; the exchange started after step 8 lands skipped
+        # after step 9, and every worker restarts that fragment from theta_global
+        nan = NaNRecovery()
+        trainer, record = _fit(_strategy(DiLoCo(every=EVERY, delay=1)), world, callbacks=[Poison(), nan])
+        out["skip"] = (record.params, nan.skipped, trainer.strategy.features.sync.skipped)
+        # resume with an exchange in flight: the first epoch's 6 steps end after the second fragment's exchange
+        # started (after step 6, landing after step 7); int8 residuals per fragment
+        diloco = {"every": EVERY, "fragments": 2, "delay": 1, "compressor": "int8"}
+        saved = SavedInFlight()
+        checkpoints = ModelCheckpoint(dirpath=ckpt_dir, filename="epoch{epoch}", save_top_k=-1,
+                                      save_on_train_epoch_end=True, enable_version_counter=False)
+        _, record = _fit(_strategy(diloco), world, callbacks=[checkpoints, saved], enable_checkpointing=True)
+        out["uninterrupted"] = (record.params, record.end)
+        out["inflight_at_save"] = saved.inflight[0]
+        _, record = _fit(_strategy(diloco), world, ckpt_path=f"{ckpt_dir}/epochepoch=0.ckpt")
+        out["resumed"] = (record.params, record.end)
+        # the sync/* metrics after every landing: bytes, the exchange's time and how long the loop waited for it
+        logger = RecordingLogger()
+        _fit(_strategy(DiLoCo(every=EVERY, fragments=2, delay=1)), world, epochs=1, logger=logger,
+             log_every_n_steps=1)
+        out["logged"] = logger.logged if rank == 0 else None
+    return out
+
+
+def _run_hosts(rank, world, ckpt_dir):
+    out = {}
+    with launched_externally(rank, world, hosts=2), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for compressor in (None, "int8"):
+            _, record = _fit(_strategy(DiLoCo(every=EVERY, fragments=2, delay=1, compressor=compressor),
+                                       topology="two_tier"), world, hosts=2)
+            out[("hosts", compressor)] = (record.params, record.end)
+    return out
+
+
+@pytest.fixture(scope="module")
+def flat2(tmp_path_factory):
+    return run_ranks(_run_flat, 2, str(tmp_path_factory.mktemp("stream2")), deadline_s=240)
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    return run_ranks(_run_hosts, 4, str(tmp_path_factory.mktemp("stream4")), deadline_s=180)
+
+
+def _check(runs, expected, workers, key):
+    history, end = expected
+    for w, ranks in enumerate(workers):
+        for r in ranks:
+            params, final = runs[r][key]
+            assert len(params) == len(history[w])
+            for step, (got, want) in enumerate(zip(params, history[w])):
+                assert _close(got, want), f"{key}: rank {r} differs from the replay after step {step + 1}"
+            assert _close(final, end[w]), f"{key}: rank {r} differs from the replay at the end of the fit"
+        first = runs[ranks[0]][key][0]
+        for r in ranks[1:]:  # ranks of one worker: bit-identical after every step
+            assert all(torch.equal(a, b) for a, b in zip(first, runs[r][key][0]))
+
+
+@pytest.mark.parametrize("optimizer", ("sgd", "adamw"))
+@pytest.mark.parametrize("case", CASES, ids=[f"F{f}-tau{t}-mix{m}" for f, t, m in CASES])
+def test_two_flat_ranks_replay_streaming(flat2, case, optimizer):
+    fragments, delay, mix = case
+    history, end, workers = replay(2, fragments, delay, mix, optimizer=optimizer)
+    _check(flat2, (history, end), workers, ("replay", fragments, delay, mix, optimizer))
+    if delay == 0:  # every rank bit-identical on the fragment that landed, after each landing step
+        sizes = [512, 32, 160, 5]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        for step in range(1, len(history[0]) + 1):
+            if step % (EVERY // fragments) == 0:
+                params = CUTS[fragments][(step % EVERY) // (EVERY // fragments)]
+                span = slice(offsets[params[0]], offsets[params[-1] + 1])
+                assert torch.equal(flat2[0][("replay", *case, optimizer)][0][step - 1][span],
+                                   flat2[1][("replay", *case, optimizer)][0][step - 1][span])
+
+
+def test_workers_differ_between_syncs_and_the_last_exchange_lands_at_the_end(flat2):
+    # the last case (F=2, tau=3): 12 steps; 6 exchanges, of which the one started after step 12 lands at the end
+    steps, skipped, inflight = flat2[0]["counts"]
+    assert (steps, skipped, inflight) == (6, 0, 0)
+    a, b = flat2[0][("replay", 2, 3, 0.5, "adamw")][0], flat2[1][("replay", 2, 3, 0.5, "adamw")][0]
+    assert not torch.equal(a[-1], b[-1])  # mixing keeps each worker's own progress
+    assert not torch.equal(flat2[0][("replay", 2, 3, 0.5, "adamw")][1], a[-1])  # something landed at the end
+
+
+def test_no_delay_with_one_fragment_is_part_one_bit_for_bit(flat2):
+    for rank in (0, 1):
+        runs = flat2[rank]
+        assert all(torch.equal(a, b) for a, b in zip(runs[("part1", 1)], runs[("part1", 4)]))
+
+
+def test_hetero_batches_weigh_each_fragments_workers_by_samples(flat2):
+    params, end, seen = flat2[0]["hetero"]
+    batches = [flat2[r]["hetero"][2] for r in (0, 1)]
+    assert {len(bx) for bx, _ in batches[0]} == {12} and {len(bx) for bx, _ in batches[1]} == {4}
+    history, final, workers = replay(2, 2, 1, 0.5, batches=batches, epochs=EPOCHS)
+    for r in (0, 1):
+        got, got_end, _ = flat2[r]["hetero"]
+        assert all(_close(a, b) for a, b in zip(got, history[r]))
+        assert _close(got_end, final[r])
+
+
+def test_a_delayed_non_finite_exchange_skips_and_every_worker_restarts_the_fragment(flat2):
+    for rank in (0, 1):
+        params, nan_skipped, sync_skipped = flat2[rank]["skip"]
+        assert sync_skipped == 1
+        assert nan_skipped == 1 or rank != 0  # NaNRecovery heard of it (rank 0 reports)
+        # step 9 (index 8): the skipped exchange landed; the fragment (every parameter) restarted from theta_global
+        assert torch.isfinite(params[8]).all()
+    assert torch.equal(flat2[0]["skip"][0][8], flat2[1]["skip"][0][8])
+    assert not torch.isfinite(flat2[1]["skip"][0][7]).all()  # before it landed, rank 1 was not finite
+
+
+def test_resume_with_an_exchange_in_flight_ends_bit_identical(flat2):
+    assert flat2[0]["inflight_at_save"] == [(1, 6, 7)]
+    for rank in (0, 1):
+        params, end = flat2[rank]["uninterrupted"]
+        resumed, resumed_end = flat2[rank]["resumed"]
+        assert len(resumed) == len(params) // 2
+        assert all(torch.equal(a, b) for a, b in zip(resumed, params[len(params) // 2:]))
+        assert torch.equal(resumed_end, end)
+
+
+def test_sync_metrics_after_every_landing(flat2):
+    logged = flat2[0]["logged"]
+    syncs = [(step, m) for step, m in logged if "sync/waited_s" in m]
+    # 6 steps of one epoch: exchanges land after steps 3 and 5 (fragment 1 from step 2, fragment 0 from step 4);
+    # the one started after step 6 lands at the fit's end, after the last log
+    assert [m["sync/fragment"] for _, m in syncs] == [1.0, 0.0]
+    for _, m in syncs:
+        assert m["sync/bytes_per_sync"] > 0 and 0 <= m["sync/waited_s"] <= m["sync/seconds"]
+
+
+@pytest.mark.parametrize("compressor", (None, "int8"))
+def test_two_hosts_of_two_stream_fragments_identically(hosts, compressor):
+    key = ("hosts", compressor)
+    for ranks in ((0, 1), (2, 3)):  # ranks of one host bit-identical after every step
+        assert all(torch.equal(a, b) for a, b in zip(hosts[ranks[0]][key][0], hosts[ranks[1]][key][0]))
+    if compressor is None:
+        history, end, workers = replay(4, 2, 1, 0.5, hosts=2)
+        _check(hosts, (history, end), workers, key)
