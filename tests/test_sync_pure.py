@@ -7,9 +7,10 @@ import torch
 
 from lightning_dist import RingDDPStrategy
 from lightning_dist.comm.topology import resolve_topology
+from lightning_dist.hetero import HeteroBatching
 from lightning_dist.memory.estimate import CommSetup, estimate_memory
 from lightning_dist.sync import DiLoCo, as_sync
-from lightning_dist.sync.diloco import DiLoCoSync, Workers, _buckets
+from lightning_dist.sync.diloco import DiLoCoSync, Workers, _buckets, fragment_cut, inner_steps
 
 
 @pytest.mark.parametrize("bad, words", [
@@ -170,3 +171,118 @@ def test_buffers_are_kept_and_restored_at_a_skip():
     model(torch.randn(8, 4))
     sync.after_step(step=2)  # skipped: the buffers of the last sync come back
     assert torch.equal(model[1].running_mean, moved)
+
+
+# -- streaming (issue 32): fragments, delay, mix, balance ------------------------------------------------------------
+@pytest.mark.parametrize("settings,match", [
+    ({"every": 50, "fragments": 4}, r"fragments=4\) with every=50.*divides every.*every=48"),
+    ({"every": 10, "fragments": 0}, "int >= 1 that divides every"),
+    ({"every": 10, "delay": 10}, r"delay=10\) with every=10: .*\[0, every - 1 = 9\]"),
+    ({"every": 10, "delay": -1}, "delay=-1"),
+    ({"every": 10, "delay": True}, "delay=True"),
+    ({"every": 10, "mix": 0}, r"mix=0\) must be in \(0, 1\]"),
+    ({"every": 10, "mix": 1.5}, "mix=1.5"),
+    ({"every": 10, "balance": "speed"}, "balance='speed'.*'batches'.*'steps'"),
+])
+def test_streaming_settings_are_refused_naming_the_fix(settings, match):
+    with pytest.raises(ValueError, match=match):
+        DiLoCo(**settings)
+
+
+def test_streaming_settings_describe_themselves_and_part_one_is_unchanged():
+    assert DiLoCo(every=50).describe() == "DiLoCo(every=50, outer_lr=0.7, outer_momentum=0.9, compressor=none)"
+    assert DiLoCo(every=40, fragments=4, delay=1).describe().endswith("fragments=4, delay=1, mix=0.5)")
+    assert DiLoCo(every=40, fragments=4).describe().endswith("fragments=4, delay=0)")  # mix unused without a delay
+    assert "balance=steps" in DiLoCo(every=4, balance="steps").describe()
+    assert as_sync({"every": 8, "fragments": 2, "delay": 3, "mix": 1.0}).delay == 3
+    with pytest.raises(ValueError, match="its settings are every, outer_lr, outer_momentum, compressor, fragments"):
+        as_sync({"every": 8, "stagger": 2})
+    assert [DiLoCo(every=40, fragments=4).offset(f) for f in range(4)] == [0, 10, 20, 30]
+
+
+def test_fragments_are_runs_of_whole_parameters_of_about_equal_size_by_name_order():
+    sizes = [("embed", 32768), ("b0.qkv", 49152), ("b0.out", 16384), ("b0.up", 65536), ("b0.down", 65536),
+             ("b1.qkv", 49152), ("b1.out", 16384), ("b1.up", 65536), ("b1.down", 65536), ("head", 32768)]
+    assert fragment_cut(sizes, 1) == [list(range(10))]
+    assert fragment_cut(sizes, 2) == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    four = fragment_cut(sizes, 4)
+    assert [sum(sizes[i][1] for i in f) for f in four] == [98304, 131072, 131072, 98304]
+    assert fragment_cut(sizes, 10) == [[i] for i in range(10)]
+    # every parameter in exactly one fragment, in order, none empty, whatever F
+    for fragments in range(1, 11):
+        cut = fragment_cut(sizes, fragments)
+        assert [i for f in cut for i in f] == list(range(10)) and all(cut)
+    # one huge parameter first: the others still spread over the later fragments
+    assert fragment_cut([("big", 1000), ("a", 1), ("b", 1), ("c", 1)], 3) == [[0], [1], [2, 3]]
+    with pytest.raises(ValueError, match="fragments <= 4"):
+        fragment_cut(sizes[:4], 5)
+
+
+def test_fragments_follow_the_parameter_names_not_the_bucket_order():
+    # the same module built twice: the same cut; buckets (DDP's, rebuilt after the first step) play no part
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    a = DiLoCoSync(DiLoCo(every=4, fragments=2), Workers(((0,), (1,)), rank=0), "auto", None)
+    a.bind(module)
+    names = [[a._names[i] for i in f.params] for f in a.fragments]
+    # 128 + 16 elements, then 256 + 16 + 64 + 4: 1.weight lies mostly past the half (242) and starts the second
+    assert names == [["0.weight", "0.bias"], ["1.weight", "1.bias", "2.weight", "2.bias"]]
+    assert [f.offset for f in a.fragments] == [0, 2]
+    assert a.fragments[1].compressor is not a.fragments[0].compressor  # residuals per fragment
+    # which fragment starts after which step: every parameter once per H steps
+    starts = {step: a._starting(step).index for step in range(1, 13) if a._starting(step) is not None}
+    assert starts == {2: 1, 4: 0, 6: 1, 8: 0, 10: 1, 12: 0}
+
+
+def test_one_worker_delayed_landing_mixes_theta_global_with_the_progress_since_the_start():
+    torch.manual_seed(0)
+    module = torch.nn.Linear(3, 2)
+    sync = DiLoCoSync(DiLoCo(every=2, outer_lr=0.5, outer_momentum=0.0, delay=1, mix=0.5),
+                      Workers(((0,),), rank=0), "auto", None)
+    sync.bind(module)
+    start = [p.detach().clone() for p in module.parameters()]
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(1.0)  # the inner steps up to the sync step
+    assert sync.after_step(step=2) == [] and len(sync.inflight) == 1  # started, in flight
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.5)  # the inner step the exchange overlaps
+    result, = sync.after_step(step=3)
+    assert not result.skipped and not sync.inflight
+    # one worker, outer lr 0.5, no momentum: theta_global moves half way to the worker's value at the start
+    # (start + 0.5); the landing: p_now + 0.5 (theta_global - p_at_s) = (start + 1.5) + 0.5 (-0.5) = start + 1.25
+    for i, (p, s) in enumerate(zip(module.parameters(), start)):
+        assert torch.allclose(sync._global[i], s + 0.5)
+        assert torch.allclose(p, s + 1.25)
+    sync.close()
+
+
+def test_inner_steps_follow_the_shares():
+    assert inner_steps([8, 8, 8, 4]) == [2, 2, 2, 1]
+    assert inner_steps([10, 10]) == [1, 1]
+    assert inner_steps([15, 10, 5]) == [3, 2, 1]
+    assert inner_steps([14, 10]) == [1, 1]  # 1.4: rounded
+    with pytest.raises(ValueError, match="at least one sample"):
+        inner_steps([4, 0])
+
+
+def test_balance_steps_needs_hetero_batching_a_flat_topology_and_no_caps():
+    steps = DiLoCo(every=4, balance="steps")
+    with pytest.raises(ValueError, match="hetero=HeteroBatching"):
+        RingDDPStrategy(sync=steps)
+    with pytest.raises(ValueError, match="topology='flat'"):
+        RingDDPStrategy(sync=steps, hetero=HeteroBatching(), topology="two_tier")
+    with pytest.raises(ValueError, match="memory_caps, max_batch_size"):
+        RingDDPStrategy(sync=steps, hetero=HeteroBatching(max_batch_size=8))
+    assert RingDDPStrategy(sync=steps, hetero=HeteroBatching()).sync.balance == "steps"
+
+
+def test_memory_counts_the_snapshots_of_exchanges_in_flight():
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    plain = DiLoCoSync(DiLoCo(every=4, fragments=2), Workers(((0,), (1,)), rank=0), "auto", None)
+    plain.bind(module)
+    delayed = DiLoCoSync(DiLoCo(every=4, fragments=2, delay=3), Workers(((0,), (1,)), rank=0), "auto", None)
+    delayed.bind(module)
+    largest = max(sum(delayed._params[i].numel() * 4 for i in f.params) for f in delayed.fragments)
+    # spacing 2, delay 3: two exchanges in flight at once
+    assert delayed.memory_bytes() - plain.memory_bytes() == 2 * largest

@@ -105,11 +105,13 @@ def _fit(strategy, world, hosts=1, model=None, callbacks=(), epochs=EPOCHS, ckpt
 
 # -- the one-process replay -----------------------------------------------------------------------------------------
 def replay(world, fragments, delay, mix, hosts=1, optimizer="sgd", every=EVERY, outer_lr=0.7, outer_momentum=0.9,
-           epochs=EPOCHS, batches=None):
+           epochs=EPOCHS, batches=None, steps=None):
     """Each worker's parameters after every step, and at the end of the fit, by the contract alone (see the module's
     docstring). ``hosts > 1``: workers of ``world // hosts`` ranks, whose gradient is the mean of their ranks'
     mean-loss gradients weighted by samples; ``batches`` (per rank, every step's ``(x, y)``) replaces the unshuffled
-    DistributedSampler's rows, and workers are then weighted by the samples since each fragment's last sync."""
+    DistributedSampler's rows, and workers are then weighted by the samples since each fragment's last sync.
+    ``steps`` (``balance="steps"``, flat): per rank the inner steps of each training step, each its own mean-loss
+    step on one of the rank's ``batches`` (which then hold every inner step's ``(x, y)``)."""
     per = world // hosts if hosts > 1 else 1
     workers = [list(range(w * per, (w + 1) * per)) for w in range(world // per)]
     x, y = Net().data()
@@ -119,7 +121,10 @@ def replay(world, fragments, delay, mix, hosts=1, optimizer="sgd", every=EVERY, 
     theta = [p.detach().clone() for p in start.parameters()]
     outer = torch.optim.SGD(theta, lr=outer_lr, momentum=outer_momentum, nesterov=True)
     cut, spacing = CUTS[fragments], every // fragments
-    steps_per_epoch = N_SAMPLES // (world * BATCH) if batches is None else len(batches[0]) // epochs
+    steps_per_epoch = N_SAMPLES // (world * BATCH) if batches is None else len(batches[-1]) // epochs
+    if steps is not None:  # each rank's inner steps, grouped by training step
+        batches = [[batches[r][i:i + steps[r]] for i in range(0, len(batches[r]), steps[r])] for r in range(world)]
+        steps_per_epoch = len(batches[0]) // epochs
     history = [[] for _ in workers]
     samples = [[0] * len(workers) for _ in cut]  # per fragment, per worker, since the fragment's last sync
     pending = []  # (lands, fragment, mean pseudo-gradient per parameter, each worker's parameters at the start)
@@ -143,6 +148,14 @@ def replay(world, fragments, delay, mix, hosts=1, optimizer="sgd", every=EVERY, 
         for k in range(steps_per_epoch):
             for w, ranks in enumerate(workers):
                 model = models[w]
+                if steps is not None:  # flat: worker w is rank w
+                    for bx, by in batches[w][step]:
+                        inner[w].zero_grad()
+                        torch.nn.functional.cross_entropy(model.net(bx), by).backward()
+                        inner[w].step()
+                        for counts in samples:
+                            counts[w] += len(by)
+                    continue
                 inner[w].zero_grad()
                 if batches is None:
                     data = [(x[rows], y[rows]) for rows in
@@ -204,6 +217,13 @@ def _run_flat(rank, world, ckpt_dir):
         _, record = _fit(_strategy(DiLoCo(every=EVERY, fragments=2, delay=1), hetero=HeteroBatching(
             batch_sizes=[12, 4])), world, model=model)
         out["hetero"] = (record.params, record.end, model.seen)
+        # balance="steps": rank 0's share of 16 runs as 2 inner steps of 8, rank 1's 8 as one; streamed too
+        for fragments, delay in ((1, 0), (2, 1)):
+            model = Net()
+            hetero = HeteroBatching(batch_sizes=[16, 8], global_batch_size=24)
+            _, record = _fit(_strategy(DiLoCo(every=EVERY, fragments=fragments, delay=delay, balance="steps"),
+                                       hetero=hetero), world, model=model)
+            out[("steps", fragments, delay)] = (record.params, record.end, model.seen)
         # a skip with a delay: rank 1 turns non-finite after step 5; the exchange started after step 8 lands skipped
         # after step 9, and every worker restarts that fragment from theta_global
         nan = NaNRecovery()
@@ -303,6 +323,20 @@ def test_hetero_batches_weigh_each_fragments_workers_by_samples(flat2):
     for r in (0, 1):
         got, got_end, _ = flat2[r]["hetero"]
         assert all(_close(a, b) for a, b in zip(got, history[r]))
+        assert _close(got_end, final[r])
+
+
+@pytest.mark.parametrize("fragments,delay", ((1, 0), (2, 1)))
+def test_balance_steps_runs_more_inner_steps_on_the_faster_worker(flat2, fragments, delay):
+    key = ("steps", fragments, delay)
+    batches = [flat2[r][key][2] for r in (0, 1)]
+    # 96 samples in global batches of 24: 4 training steps an epoch; rank 0 ran 2 inner steps of 8 in each
+    assert [len(by) for _, by in batches[0]] == [8] * 16 and [len(by) for _, by in batches[1]] == [8] * 8
+    history, final, _ = replay(2, fragments, delay, 0.5, batches=batches, steps=[2, 1])
+    for r in (0, 1):
+        got, got_end, _ = flat2[r][key]
+        assert len(got) == len(history[r]) == 8
+        assert all(_close(a, b) for a, b in zip(got, history[r])), f"rank {r} differs from the replay"
         assert _close(got_end, final[r])
 
 

@@ -21,6 +21,11 @@ inside the one Lightning training step, so the ranks still meet once per step:
   of every micro-batch but the last are skipped (the last one's value is the step's, as under Lightning's own
   accumulation, and ranks with fewer micro-batches would otherwise wait in a reduction the others never join),
   and any other collective from inside those micro-batches raises instead of hanging.
+
+With ``accumulate=False`` (syncing every H steps with ``DiLoCo(balance="steps")``: a faster worker runs more inner
+steps) each micro-batch is an inner step of its own instead: the first one's backward and the optimizer step are
+Lightning's, and :meth:`MicroBatches.more_steps` (from the strategy's ``optimizer_step``) runs each further one's
+``zero_grad``, ``training_step``, backward and optimizer step, each its own mean-loss gradient (the share whole).
 """
 
 from __future__ import annotations
@@ -83,13 +88,19 @@ class MicroBatches:
     def __init__(self) -> None:
         self.inner = False  # True while a training_step other than the step's last runs: no collective may start
         self._pending: Optional[tuple[list[Any], Sequence[int], float, tuple]] = None
+        self._steps: Optional[tuple[list[Any], float, tuple]] = None  # accumulate=False: the inner steps left
 
     def start(self, strategy: Any, batch: Any, rest: tuple, sizes: Sequence[int], state: RingHookState,
-              step: Callable[..., Any]) -> Any:
+              step: Callable[..., Any], accumulate: bool = True) -> Any:
         """The first micro-batch's ``step(piece, *rest)`` (the strategy's own ``training_step``, with DDP's
         synchronisation off: DDP decides in forward whether the backward that follows reduces); the others wait for
-        :meth:`backward`. ``state`` carries the rank's share of the step, split by samples, to each backward."""
+        :meth:`backward`. ``state`` carries the rank's share of the step, split by samples, to each backward.
+        ``accumulate=False``: each micro-batch an inner step of its own (:meth:`more_steps`), with the share whole."""
         pieces = cut(batch, sizes)
+        if not accumulate:
+            self._steps = (pieces[1:], state.step_share(), rest)
+            with _logged_as(strategy.lightning_module.trainer, pieces[0]), self._inside():
+                return step(pieces[0], *rest)
         self._pending = (pieces, sizes, state.step_share(), rest)
         state.share = self._pending[2] * sizes[0] / sum(sizes)
         with _logged_as(strategy.lightning_module.trainer, pieces[0]), self._inside(), \
@@ -122,6 +133,30 @@ class MicroBatches:
                 state.share = share * size / total
                 result = backward(loss)
         return result
+
+    @property
+    def steps_pending(self) -> bool:
+        """Whether the current training step has inner steps :meth:`more_steps` must run."""
+        return self._steps is not None
+
+    def more_steps(self, strategy: Any, optimizer: Any, backward: Callable[[torch.Tensor], Any],
+                   take_step: Callable[[Any], None], state: RingHookState, step: Callable[..., Any]) -> None:
+        """After Lightning's optimizer step of the first micro-batch: each further micro-batch as an inner step of
+        its own (``zero_grad``, ``training_step``, ``backward(loss)`` with the share whole, ``take_step(output)``: the
+        strategy's step or skip); only the last may start a collective."""
+        assert self._steps is not None
+        pieces, share, rest = self._steps
+        self._steps = None
+        trainer = strategy.lightning_module.trainer
+        normalize = trainer.accumulate_grad_batches
+        for j, piece in enumerate(pieces):
+            optimizer.zero_grad()
+            with _logged_as(trainer, piece), _fx(trainer.lightning_module, "training_step"), \
+                    (self._inside() if j < len(pieces) - 1 else contextlib.nullcontext()):
+                output = step(piece, *rest)
+            state.share = share
+            backward(loss_of(output) / normalize)
+            take_step(output)
 
     @contextlib.contextmanager
     def _inside(self) -> Iterator[None]:

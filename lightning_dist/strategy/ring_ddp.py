@@ -50,7 +50,7 @@ from lightning_dist.comm import check_algorithm, release_scratch
 from lightning_dist.comm.topology import TOPOLOGIES, Topology, resolve_topology, state_layout
 from lightning_dist.compression import Compressor, NoCompressor, as_compressor
 from lightning_dist.elastic import complete_from_siblings
-from lightning_dist.hetero import HeteroBatching
+from lightning_dist.hetero import HeteroBatching, micro_batch_sizes
 from lightning_dist.hetero.batching import as_hetero, describe_event
 from lightning_dist.launch import LaunchEnv, attempt_store
 from lightning_dist.strategy import stepping
@@ -72,7 +72,7 @@ from lightning_dist.strategy.skip import StepGuard, StepVerdict
 from lightning_dist.strategy.step_meter import StepMeter
 from lightning_dist.strategy.tiers import TwoTier
 from lightning_dist.sync import DiLoCo, as_sync
-from lightning_dist.sync.diloco import DiLoCoSync, SyncResult
+from lightning_dist.sync.diloco import DiLoCoSync, SyncResult, inner_steps
 
 if not callable(getattr(DDPStrategy, "_register_ddp_hooks", None)):  # pragma: no cover - guarded by a test too
     raise ImportError(
@@ -186,6 +186,8 @@ class RingDDPStrategy(DDPStrategy):
         self._overlap = overlap
         self._hetero = as_hetero(hetero)
         self._topology_request = topology
+        if self._sync is not None and self._sync.balance == "steps":
+            _check_steps_balance(self._hetero, topology)
         self.topology: Optional[Topology] = None  # what topology resolved to at set-up (every rank alike)
         self._tier_groups: list[dist.ProcessGroup] = []  # two_tier: its host's two groups, its part's
         self._guard = StepGuard()  # step-or-skip, armed by NaNRecovery
@@ -194,6 +196,7 @@ class RingDDPStrategy(DDPStrategy):
         self._schedule = ExchangeSchedule()  # the per-step exchange, on a gloo group of its own
         self._meter = StepMeter()  # this rank's per-step measurements; its step count is the strategy's
         self._micro = MicroBatches()  # a share run as several micro-batches (hetero accumulate)
+        self._inner_counts: Optional[list[int]] = None  # DiLoCo(balance="steps"): each rank's inner steps per step
         self._diloco: Optional[DiLoCoSync] = None  # sync=DiLoCo: the outer loop, made at set-up
         self._sync_restore: Optional[dict[str, Any]] = None  # a checkpoint's DiLoCo entry, applied at set-up
         self._worker_optimizers: Optional[list[Any]] = None  # this worker's inner optimizer states from it
@@ -320,6 +323,8 @@ class RingDDPStrategy(DDPStrategy):
         diloco = self._diloco = DiLoCoSync.create(self._sync, self.topology, self.global_rank, self.world_size,
                                                   self._algorithm, self._timeout)
         workers = diloco.workers
+        if self._sync.balance == "steps" and workers.local_size > 1:
+            _check_steps_balance(self._hetero, "two_tier")  # topology="auto" resolved to two_tier
         self.model.broadcast_buffers = False
         if workers.local_size == 1:
             self.model.require_backward_grad_sync = False  # what DDP's no_sync() sets, for the whole fit
@@ -381,13 +386,25 @@ class RingDDPStrategy(DDPStrategy):
             if diloco is not None:  # each worker's samples weigh its pseudo-gradient
                 diloco.count_samples(self._hetero.sizes_of(epoch, batch_idx))
             micro = self._hetero.micro_sizes(epoch, batch_idx, self.global_rank)
+            if diloco is not None and diloco.settings.balance == "steps":  # the share as inner steps of its own
+                micro = self._inner_step_sizes(self._hetero.sizes_of(epoch, batch_idx))
         if diloco is not None:
             diloco.broadcast_buffers()
         if micro is not None and len(micro) > 1:  # the share as several micro-batches (lightning_dist.strategy.micro)
             args = (*args, *kwargs.values())  # Lightning passes (batch, batch_idx) by position
-            return self._micro.start(self, args[0], args[1:], micro, self._hook_state,
-                                     super().training_step)
+            return self._micro.start(self, args[0], args[1:], micro, self._hook_state, super().training_step,
+                                     accumulate=diloco is None or diloco.settings.balance != "steps")
         return super().training_step(*args, **kwargs)
+
+    def _inner_step_sizes(self, shares: list[int]) -> list[int]:
+        """``DiLoCo(balance="steps")``: this rank's share cut into its inner steps (:func:`inner_steps`, from every
+        rank's share, so every rank agrees); a change of the counts is logged."""
+        counts = inner_steps(shares)
+        if counts != self._inner_counts:
+            self._inner_counts = counts
+            rank_zero_info(f"RingDDPStrategy: DiLoCo(balance='steps'): inner steps per training step {counts} "
+                           f"(shares {shares})")
+        return micro_batch_sizes(shares[self.global_rank], count=counts[self.global_rank])
 
     # -- collectives from inside a micro-batch (lightning_dist.strategy.micro) -----------------------------------
     @override
@@ -448,6 +465,7 @@ class RingDDPStrategy(DDPStrategy):
         if not self._guard.armed:
             output = super().optimizer_step(optimizer, closure_then_exchange, model, **kwargs)
             if exchanged:
+                self._more_inner_steps(optimizer, model, **kwargs)
                 self._sync_if_due()
                 self._finish_step(skipped=False)
             return output
@@ -465,9 +483,30 @@ class RingDDPStrategy(DDPStrategy):
         else:
             result = super().optimizer_step(optimizer, stepping.replay(result, closure_then_exchange), model,
                                             **kwargs)
+        self._more_inner_steps(optimizer, model, **kwargs)
         self._sync_if_due()
         self._finish_step(skipped=verdict.skipped)
         return result
+
+    def _more_inner_steps(self, optimizer: Any, model: Any, **kwargs: Any) -> None:
+        """``DiLoCo(balance="steps")``: a faster worker's further inner steps of this training step, each stepped or
+        skipped by its own verdict (lightning_dist.strategy.micro)."""
+        if not self._micro.steps_pending:
+            return
+        scaler = self._features.loss_scaler
+
+        def take_step(output: Any) -> None:
+            if self._guard.armed:
+                group, rank, size = self._diloco.worker_verdict_group(self._guard, self.model.module)
+                verdict = stepping.decide_step(self._guard, optimizer, scaler, group, rank, size,
+                                               step=self.lightning_module.trainer.global_step)
+                if verdict.skipped:
+                    stepping.skip_step(optimizer, scaler)
+                    return
+            super(RingDDPStrategy, self).optimizer_step(optimizer, lambda: output, model, **kwargs)
+
+        self._micro.more_steps(self, optimizer, lambda loss: self.backward(loss, optimizer), take_step,
+                               self._hook_state, super().training_step)
 
     def _start_exchange_early(self) -> None:
         """From the last bucket's hook: the exchange travels beside that bucket when nothing in it can change."""
@@ -622,6 +661,24 @@ class RingDDPStrategy(DDPStrategy):
                 description=f"Ring all-reduce DDP, find_unused_parameters=True, start_method={start_method!r}",
                 override=True, start_method=start_method, find_unused_parameters=True,
             )
+
+
+def _check_steps_balance(hetero: Optional[HeteroBatching], topology: str) -> None:
+    """``DiLoCo(balance="steps")`` needs heterogeneous batching (it measures each worker's speed and gives the shares
+    the inner steps are cut from) and a worker of one rank (``flat``: the ranks of a host would have to run the same
+    inner steps); caps per pass are the accumulation's, which this replaces."""
+    if hetero is None:
+        raise ValueError("sync=DiLoCo(balance='steps') runs more inner steps on a faster worker, from the speeds "
+                         "heterogeneous batching measures: pass hetero=HeteroBatching() (on the command line "
+                         "hetero=balanced), or use balance='batches'")
+    if topology == "two_tier":
+        raise ValueError("sync=DiLoCo(balance='steps') with topology='two_tier': a worker is then a host, whose ranks "
+                         "would have to run the same inner steps; use topology='flat' (a worker per rank) or "
+                         "balance='batches'")
+    if hetero.memory_caps is not None or hetero.max_batch_size is not None or hetero.accumulate not in ("auto", "off"):
+        raise ValueError("sync=DiLoCo(balance='steps') cuts each share into inner steps of about the smallest share; "
+                         "HeteroBatching's memory_caps, max_batch_size and accumulate counts do not apply: drop them, "
+                         "or use balance='batches'")
 
 
 def _sigterm_broadcast_before_syncs(trainer: Any, diloco: DiLoCoSync) -> None:

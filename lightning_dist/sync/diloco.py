@@ -656,6 +656,18 @@ class DiLoCoSync:
         self.load_worker_state(None)
 
 
+def inner_steps(shares: Sequence[int]) -> list[int]:
+    """``DiLoCo(balance="steps")``: how many inner steps each worker (a rank) runs per training step, from the shares
+    of the global batch heterogeneous batching gave them (which follow each one's measured speed, and every rank
+    holds alike): the share over the smallest share, rounded, at least 1. Each worker runs its share as that many
+    inner steps of near-equal size, so every inner step holds about the smallest share whatever the worker's speed.
+    ``[8, 8, 8, 4]`` (one worker at half speed) gives ``[2, 2, 2, 1]``."""
+    smallest = min(shares)
+    if smallest <= 0:
+        raise ValueError(f"shares {list(shares)}: every worker needs at least one sample per step")
+    return [max(1, int(math.floor(share / smallest + 0.5))) for share in shares]
+
+
 def fragment_cut(sizes: Sequence[tuple[str, int]], fragments: int) -> list[list[int]]:
     """The parameters (``(name, numel)`` in the module's order) cut into ``fragments`` runs of whole parameters of
     about equal numel: a run ends once its cumulative numel reaches the next ``k / F`` of the total, keeping at least
