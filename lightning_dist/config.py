@@ -147,6 +147,10 @@ class DiLoCoConf:  # sync=diloco: lightning_dist.sync.DiLoCo's arguments
     outer_lr: float = MISSING
     outer_momentum: float = MISSING
     compressor: Any = MISSING  # null, a compressor's name or a dict of build_compressor's arguments
+    fragments: int = MISSING  # Streaming DiLoCo: fragments synced at staggered steps (divides every)
+    delay: int = MISSING  # inner steps a fragment's exchange overlaps (0: synced in its step)
+    mix: float = MISSING  # how much of theta_global a delayed fragment takes on landing, in (0, 1]
+    balance: str = MISSING  # batches | steps: how workers of different speeds meet at a sync
 
 
 # group -> option -> its schema, stored in the group as "<option>_schema" (the option's YAML lists it in its defaults)
@@ -459,6 +463,9 @@ def _sync_problems(cfg: DictConfig) -> list[str]:
     problems = []
     if cfg.strategy.get("_target_", "") != StrategyConf._target_:
         problems.append(_DILOCO_NEEDS_RING_DDP)
+    if settings.balance == "steps" and not (cfg.get("hetero") or {}).get("enabled", False):
+        problems.append("sync.balance=steps runs more inner steps on a faster worker, from the speeds heterogeneous "
+                        "batching measures: add hetero=balanced, or use sync.balance=batches")
     compression = (cfg.get("compression") or {}).get("name", "none")
     if compression != "none":
         problems.append(f"sync=diloco with compression={compression}: between syncs nothing travels across workers, "

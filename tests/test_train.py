@@ -329,7 +329,7 @@ def test_a_setting_without_its_group_selects_hetero_or_names_the_compressor(monk
                                      r"'ratio'; it is a setting of compression=topk: use compression=topk "
                                      r"compression.ratio=0.01"),
         (["compression=fp16", "compression.rank=4"], "use compression=powersgd compression.rank=4"),
-        (["compression.clip_norm=1"], r"compression=int8, powersgd, threshold, topk: choose one"),
+        (["compression.clip_norm=1"], r"compression=int4, int8, powersgd, threshold, topk: choose one"),
         (["compression=topk", "compression.ration=0.1"], r"no compression option has it; compression=topk's settings"),
         (["hetero=none", "hetero.speeds=[3,1]"], "use hetero=balanced hetero.speeds=\\[3,1\\]"),
     ):
@@ -455,6 +455,22 @@ def test_the_sync_group_gives_the_strategy_a_diloco(tmp_path):
     assert build(_compose("sync=every_step"), str(tmp_path), 0.0)[0].strategy.sync is None
 
 
+def test_the_sync_group_streams_fragments_and_balances_steps(tmp_path):
+    cfg = _compose(*complete_overrides(["model=lm", "data=stdlib", "sync=diloco", "sync.every=40", "sync.fragments=4",
+                                        "sync.delay=1", "sync.mix=1.0", "sync.compressor=int4"]))
+    validate(cfg)
+    sync = build(cfg, str(tmp_path), 0.0)[0].strategy.sync
+    assert (sync.fragments, sync.delay, sync.mix, sync.balance) == (4, 1, 1.0, "batches")
+    assert sync.compressor.describe() == "int4(chunk=64)+ef"
+    with pytest.raises(ValueError, match=r"fragments=4\) with every=50.*every=48"):
+        validate(_compose("sync=diloco", "sync.fragments=4"))
+    with pytest.raises(ValueError, match="sync.balance=steps .*add hetero=balanced"):
+        validate(_compose("sync=diloco", "sync.balance=steps"))
+    cfg = _compose(*complete_overrides(["sync=diloco", "sync.every=4", "sync.balance=steps", "hetero=balanced"]))
+    validate(cfg)
+    assert build(cfg, str(tmp_path), 0.0)[0].strategy.sync.balance == "steps"
+
+
 def test_a_diloco_setting_without_the_group_names_it(monkeypatch):
     for override in ("sync.every=5", "sync.compressor=int8", "sync.outer_lr=1.0"):
         fix = f"it is a setting of sync=diloco: use sync=diloco {override}"
@@ -462,7 +478,8 @@ def test_a_diloco_setting_without_the_group_names_it(monkeypatch):
             complete_overrides([override])
     with pytest.raises(ValueError, match="use sync=diloco sync.every=5"):
         complete_overrides(["sync=every_step", "sync.every=5"])
-    with pytest.raises(ValueError, match="no sync option has it; sync=diloco's settings are compressor, every, name"):
+    with pytest.raises(ValueError, match="no sync option has it; sync=diloco's settings are balance, compressor, "
+                                         "delay, every, fragments, mix, name"):
         complete_overrides(["sync=diloco", "sync.evry=5"])
     assert complete_overrides(["sync=diloco", "sync.every=5"]) == ["sync=diloco", "sync.every=5"]
     monkeypatch.setattr(sys, "argv", ["lightning-dist-train", "sync.every=5"])

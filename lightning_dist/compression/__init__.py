@@ -1,6 +1,6 @@
 """Gradient compressors: the seam between weighting and transport in the DDP comm hook.
 
-``build_compressor(name, **kwargs)`` makes one by name (``none``, ``fp16``, ``bf16``, ``int8``, ``topk``,
+``build_compressor(name, **kwargs)`` makes one by name (``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``topk``,
 ``threshold``, ``powersgd``), wrapped in :class:`ErrorFeedback` by default for the lossy ones. See
 :mod:`lightning_dist.compression.base` for the interface and :mod:`.registry` for the table.
 """

@@ -7,6 +7,7 @@ name           what travels                                   summable  error fe
 ``fp16``       float16 cast (divided by N before the sum)     yes       no
 ``bf16``       bfloat16 cast                                  yes       no
 ``int8``       stochastic int8 + a scale per chunk, 2-phase   no        yes
+``int4``       int8's 2-phase path at 4 bits, 2 codes a byte  no        yes
 ``topk``       the ``ratio`` largest entries per layer        no        yes
 ``threshold``  entries with ``|g| >= threshold`` (capped)     no        yes
 ``powersgd``   rank-``rank`` factors P and Q, warm start      no        yes
@@ -34,6 +35,7 @@ _REGISTRY: dict[str, tuple[type[Compressor], dict[str, Any]]] = {
     "fp16": (CastCompressor, {"name": "fp16"}),
     "bf16": (CastCompressor, {"name": "bf16"}),
     "int8": (Int8Compressor, {}),
+    "int4": (Int8Compressor, {"bits": 4}),
     "topk": (TopKCompressor, {}),
     "threshold": (ThresholdCompressor, {}),
     "powersgd": (PowerSGDCompressor, {}),
@@ -42,9 +44,11 @@ COMPRESSORS = tuple(_REGISTRY)
 
 
 def compressor_options(name: str) -> list[str]:
-    """The compressor's own keywords (besides error_feedback, clip_norm and start_step)."""
-    params = inspect.signature(_REGISTRY[name][0].__init__).parameters
-    return [p for p in params if p not in ("self", "name", "start_step")]
+    """The compressor's own keywords (besides error_feedback, clip_norm and start_step; those its name fixes, as
+    ``int4`` fixes ``bits``, are not its to set)."""
+    cls, fixed = _REGISTRY[name]
+    params = inspect.signature(cls.__init__).parameters
+    return [p for p in params if p not in ("self", "name", "start_step") and p not in fixed]
 
 
 def error_feedback_default(name: str) -> bool:
@@ -60,6 +64,11 @@ def build_compressor(name: str = "none", *, error_feedback: Optional[bool] = Non
     if name not in COMPRESSORS:
         raise ValueError(f"compressor={name!r} is unknown; use one of {sorted(COMPRESSORS)} "
                          "(e.g. compression=topk compression.ratio=0.01)")
+    cls, fixed = _REGISTRY[name]
+    overridden = sorted(set(kwargs) & set(fixed) - {"name"})
+    if overridden:
+        raise ValueError(f"compressor {name!r} is {cls.__name__} with {fixed}: drop {overridden}, or name the variant "
+                         f"you want (e.g. compressor='int8' for bits=8)")
     unknown = sorted(set(kwargs) - set(compressor_options(name)))
     if unknown:
         raise ValueError(f"compressor {name!r} takes no option {unknown}; its options are "
@@ -68,7 +77,6 @@ def build_compressor(name: str = "none", *, error_feedback: Optional[bool] = Non
         raise ValueError(f"error_feedback={error_feedback!r} must be true, false or null (the compressor's default)")
     if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
         raise ValueError(f"start_step={start_step!r} must be an int >= 0 (uncompressed warm-up steps)")
-    cls, fixed = _REGISTRY[name]
     inner = cls(**fixed, **kwargs)
     wants = getattr(inner, "wants_error_feedback", False) if error_feedback is None else error_feedback
     if name == "none" and error_feedback:
