@@ -185,11 +185,12 @@ def attempt_token() -> str:
 # ---- per-rank state across a change of world --------------------------------------------------------------------
 
 # the checkpoint entries that hold one state per rank ({"ranks": [...], "identities": [...]}), and what a lost one is
-# called: the compressor's (lightning_dist.strategy.checkpoint; its norm says what a lost residual weighed) and the
-# random generators' (lightning_dist.fault.rng)
+# called: the compressor's (lightning_dist.strategy.checkpoint; its norm says what a lost residual weighed), the
+# random generators' (lightning_dist.fault.rng) and DiLoCo's (each worker's own parameters and inner optimizer state)
 PER_RANK_ENTRIES: dict[tuple[str, ...], str] = {
     ("lightning_dist", "compressor"): "compressor state (error-feedback residuals, generators)",
     ("lightning_dist_rng",): "random generators",
+    ("lightning_dist", "sync"): "DiLoCo worker state (inner progress since the last sync)",
 }
 
 

@@ -379,3 +379,52 @@ def test_two_hosts_of_two_stream_fragments_identically(hosts, compressor):
     if compressor is None:
         history, end, workers = replay(4, 2, 1, 0.5, hosts=2)
         _check(hosts, (history, end), workers, key)
+
+
+# -- elastic workers: a restart at another size maps each worker by its node identity -------------------------------
+class Identities(Callback):
+    """What ElasticTraining sets at set-up (every rank's node identity), without a launcher that changes the world;
+    and this rank's parameters once the fit starts (after the checkpoint's DiLoCo state was restored)."""
+
+    def __init__(self, identities):
+        self.identities, self.start = identities, None
+
+    def setup(self, trainer, pl_module, stage):
+        trainer.strategy.features.identities = list(self.identities)
+
+    def on_train_start(self, trainer, pl_module):
+        self.start = _flat(pl_module)
+
+
+def _run_elastic_before(rank, world, ckpt_dir):
+    with launched_externally(rank, world), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # 96 samples / (3 x 8): 4 steps; H = 3: the workers differ after step 4 (mid-cycle)
+        trainer, record = _fit(_strategy(DiLoCo(every=3)), world, epochs=1, callbacks=[Identities("abc")])
+        trainer.save_checkpoint(f"{ckpt_dir}/three.ckpt")
+        return {"end": record.params[-1], "global": [g.clone() for g in trainer.strategy.features.sync._global]}
+
+
+def _run_elastic_after(rank, world, ckpt_dir, identities):
+    with launched_externally(rank, world), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ids = Identities(identities)
+        _fit(_strategy(DiLoCo(every=3)), world, epochs=2, callbacks=[ids], ckpt_path=f"{ckpt_dir}/three.ckpt")
+        return ids.start
+
+
+@pytest.fixture(scope="module")
+def elastic(tmp_path_factory):
+    ckpt_dir = str(tmp_path_factory.mktemp("elastic"))
+    before = run_ranks(_run_elastic_before, 3, ckpt_dir, deadline_s=120)
+    survivors = run_ranks(_run_elastic_after, 2, ckpt_dir, "ac", deadline_s=120)
+    newcomer = run_ranks(_run_elastic_after, 2, ckpt_dir, "az", deadline_s=120)
+    return before, survivors, newcomer
+
+
+def test_a_restart_at_another_size_gives_each_survivor_its_own_worker_and_a_newcomer_theta_global(elastic):
+    before, survivors, newcomer = elastic
+    assert not torch.equal(before[0]["end"], before[2]["end"])  # mid-cycle: the workers differ
+    assert torch.equal(survivors[0], before[0]["end"]) and torch.equal(survivors[1], before[2]["end"])
+    theta = torch.cat([g.reshape(-1) for g in before[0]["global"]])
+    assert torch.equal(newcomer[0], before[0]["end"]) and torch.equal(newcomer[1], theta)

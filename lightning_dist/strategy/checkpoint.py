@@ -111,13 +111,16 @@ def worker_state(strategy: Any) -> dict[str, Any]:
 
 
 def sync_entry(diloco: DiLoCoSync, worker_state: Optional[dict[str, Any]], rank: int, world_size: int,
-               group: Optional[dist.ProcessGroup], local: bool = False) -> dict[str, Any]:
+               group: Optional[dist.ProcessGroup], local: bool = False,
+               identities: Optional[list[str]] = None) -> dict[str, Any]:
     """DiLoCo's part of the checkpoint (under ``"lightning_dist"``, key ``"sync"``): what every rank holds alike
     (``theta_global``, the outer momentum, the averaged buffers, the reduced sums of exchanges in flight), and per rank
     its compressors' state and, from a worker's first rank, the worker's own parameters, inner optimizer state and
     parameters at the start of each exchange in flight (``worker_state``): mid-cycle, the workers differ, and
     Lightning saves rank zero's alone. A collective on ``group`` (every rank's part goes to rank zero), unless
-    ``local`` (an emergency checkpoint: this rank's part only, and exchanges in flight are not waited for)."""
+    ``local`` (an emergency checkpoint: this rank's part only, and exchanges in flight are not waited for). In an
+    elastic run ``identities`` (every rank's node identity) let a restart at another size find each survivor's own
+    worker (:func:`restore_sync`)."""
     state = diloco.state_dict(settle=not local)  # first: what is in flight is settled (or dropped) here
     if worker_state is not None:
         worker_state = {**worker_state, "inflight": diloco.worker_state()}
@@ -127,26 +130,38 @@ def sync_entry(diloco: DiLoCoSync, worker_state: Optional[dict[str, Any]], rank:
         ranks[rank] = mine
     else:
         dist.gather_object(mine, ranks if rank == 0 else None, dst=0, group=group)
-    return {"state": state, "world_size": world_size, "ranks": ranks}
+    return {"state": state, "world_size": world_size, "ranks": ranks, "identities": identities}
 
 
-def restore_sync(diloco: DiLoCoSync, module: Any, entry: dict[str, Any], rank: int,
-                 world_size: int) -> Optional[list[Any]]:
+def restore_sync(diloco: DiLoCoSync, module: Any, entry: dict[str, Any], rank: int, world_size: int,
+                 identities: Optional[list[str]] = None) -> Optional[list[Any]]:
     """This rank's DiLoCo state from :func:`sync_entry`'s output, once the sync is bound: ``theta_global`` and the
     outer momentum, this rank's compressor state and its worker's own parameters; returns the worker's inner
     optimizer states for Lightning to load (None: they are not in the checkpoint, and the worker restarts from
-    ``theta_global``, losing its progress since the last sync, with a warning)."""
+    ``theta_global``, losing its progress since the last sync, with a warning).
+
+    In an elastic run (``identities`` given, and saved in the entry) a worker of one rank takes the state of the old
+    rank with its node identity at any world size: a survivor goes on from the inner state it reached, and a newcomer
+    starts from ``theta_global`` (silently: it had no progress to lose)."""
     diloco.load_state_dict(entry["state"])
     ranks = entry["ranks"]
     same = entry["world_size"] == world_size and entry["state"]["workers"] == diloco.workers.count
-    if same and ranks[rank] is not None:
-        diloco.load_rank_state(_rank_part(ranks[rank]))
+    own: Optional[int] = rank if same else None
+    mapped = identities is not None and entry.get("identities") and diloco.workers.local_size == 1
+    if mapped:
+        own = map_ranks(entry["identities"], identities)[rank]
+    if own is not None and ranks[own] is not None:
+        diloco.load_rank_state(_rank_part(ranks[own]))
     else:
         first = next((r for r in ranks if r is not None), None)
         diloco.load_rank_state(_rank_part(first), shared_only=True)
-    # this rank's own entry (an emergency checkpoint's), else its worker's first rank's
-    found = [ranks[r]["worker"] for r in (rank, diloco.workers.mine[0]) if same and ranks[r] is not None]
+    # this rank's own entry (an emergency checkpoint's, or its old rank's), else its worker's first rank's
+    candidates = (own,) if mapped else ((rank, diloco.workers.mine[0]) if same else ())
+    found = [ranks[r]["worker"] for r in candidates if r is not None and ranks[r] is not None]
     worker = next((w for w in found if w is not None), None)
+    if worker is None and mapped and own is None:  # a newcomer: theta_global is where it starts
+        diloco.restart_from_global()
+        return None
     if worker is None:
         warnings.warn(f"rank {rank}: the checkpoint holds no parameters of this rank's DiLoCo worker (written by "
                       f"{entry['world_size']} ranks, or an emergency checkpoint of another rank): it restarts from "

@@ -162,7 +162,8 @@ class RingFeatures:
         if self.sync is not None:
             # every rank its worker's state: an emergency checkpoint holds one rank's entry only
             entry[CHECKPOINT_KEY]["sync"] = sync_entry(self.sync, worker_state(strategy), strategy.global_rank,
-                                                       strategy.world_size, None, local=True)
+                                                       strategy.world_size, None, local=True,
+                                                       identities=self.identities)
         return entry
 
     @property

@@ -335,7 +335,7 @@ class RingDDPStrategy(DDPStrategy):
         self._features.sync = diloco
         if self._sync_restore is not None:
             self._worker_optimizers = restore_sync(diloco, self.model.module, self._sync_restore, self.global_rank,
-                                                   self.world_size)
+                                                   self.world_size, self._features.identities)
             self._sync_restore = None
         self._tier_groups = diloco.groups
         rank_zero_info(f"RingDDPStrategy: {self._sync.describe()} over {workers.count} workers "
@@ -608,7 +608,7 @@ class RingDDPStrategy(DDPStrategy):
         if self._diloco is not None:  # every worker's own state: mid-cycle, the workers differ
             leader = self.global_rank == self._diloco.workers.mine[0]  # a worker's ranks hold the same state
             sync = sync_entry(self._diloco, worker_state(self) if leader else None, self.global_rank,
-                              self.world_size, self._schedule.group)
+                              self.world_size, self._schedule.group, identities=self._features.identities)
         if self.is_global_zero:
             entry = compressor_entry(compressor, self.world_size, states, self._features.identities,
                                      state_layout(self.topology))
