@@ -18,7 +18,9 @@ the same run, and how this package keeps it so:
   dataset indices its loader actually drew for it and its loss, one file per process under
   ``<checkpoint dir>/ledger/``; :func:`read_ledger` replays the attempts in order, dropping the batches an attempt
   did after the state the next one resumed from (they were redone), and returns per global batch the samples that
-  reached the model.
+  reached the model. Syncing every H steps (DiLoCo), a worker lost with its host takes its progress since the last
+  sync with it; the next attempt names those samples in its header (``lost``) and trains them again in its first
+  batches, and the ledger moves them there.
 """
 
 from __future__ import annotations
@@ -95,12 +97,15 @@ class LedgerWriter:
     gradient accumulation, does a batch before the window's last)."""
 
     def __init__(self, directory: str, attempt: str, rank: int, world_size: int, identity: str,
-                 resumed_from: int, started: float) -> None:
+                 resumed_from: int, started: float, lost: Optional[Mapping[int, Sequence[int]]] = None) -> None:
         os.makedirs(directory, exist_ok=True)
         self.path = os.path.join(directory, f"{attempt}-rank{rank}.jsonl")
         self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - kept open for the fit, closed by close()
-        self._write({"attempt": attempt, "rank": rank, "world_size": world_size, "identity": identity,
-                     "resumed_from": resumed_from, "started": started})
+        header = {"attempt": attempt, "rank": rank, "world_size": world_size, "identity": identity,
+                  "resumed_from": resumed_from, "started": started}
+        if lost:  # DiLoCo: samples earlier attempts trained that reached no model for good (they train again)
+            header["lost"] = {str(p): list(v) for p, v in lost.items()}
+        self._write(header)
 
     def _write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
@@ -129,6 +134,7 @@ class LedgerStep:
     epoch: int
     batch: int
     indices: list[int] = field(default_factory=list)  # the global batch, rank pieces in rank order
+    lost: list[int] = field(default_factory=list)  # samples of it a later attempt declared lost (trained again)
     loss: float = math.nan  # the mean loss over the pieces whose end was recorded
     stepped: bool = True  # an optimizer step followed it on every rank that recorded its end
     complete: bool = True  # every rank of the attempt recorded its piece
@@ -151,7 +157,9 @@ def read_ledger(directory: str) -> dict[int, LedgerStep]:
         header = lines[0]
         attempt = attempts.setdefault(header["attempt"], {"started": header["started"], "resumed_from":
                                                           header["resumed_from"], "world_size": header["world_size"],
-                                                          "pieces": {}})
+                                                          "pieces": {}, "lost": {}})
+        for position, indices in header.get("lost", {}).items():
+            attempt["lost"][int(position)] = indices
         attempt["started"] = min(attempt["started"], header["started"])
         for record in lines[1:]:
             attempt["pieces"].setdefault(record["position"], {}).setdefault(header["rank"], {}).update(record)
@@ -159,6 +167,11 @@ def read_ledger(directory: str) -> dict[int, LedgerStep]:
     for name, attempt in sorted(attempts.items(), key=lambda item: item[1]["started"]):
         for position in [p for p in batches if p >= attempt["resumed_from"]]:
             del batches[position]
+        for position, indices in attempt["lost"].items():  # DiLoCo: a lost worker's pieces, trained again later
+            if position in batches:
+                gone = set(indices)
+                batches[position].lost += [i for i in batches[position].indices if i in gone]
+                batches[position].indices = [i for i in batches[position].indices if i not in gone]
         for position, pieces in sorted(attempt["pieces"].items()):
             ranks = [r for r in sorted(pieces) if "indices" in pieces[r]]
             if not ranks:

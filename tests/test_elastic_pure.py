@@ -97,6 +97,43 @@ def test_loader_state_resumes_the_same_global_batch_at_another_world_size():
         stock.load_state_dict(state)
 
 
+def test_a_lost_diloco_workers_samples_since_the_sync_train_again_in_the_same_epoch():
+    # 3 ranks drew batches 0-2 of epoch 0 (4 batches of 24); the last sync started after step 1, the emergency
+    # checkpoints are at step 3; old rank 2 is gone with its pieces of batches 1 and 2
+    old = [list(_loader(3, r, None).batch_sampler) for r in range(3)]
+    before = _loader(3, 0, ["a/0", "b/0", "c/0"])
+    before.batch_sampler.completed = (0, 3)
+    state = before.state_dict()
+    survivors = []
+    for rank in range(2):
+        loader = _loader(2, rank, ["a/0", "b/0"])
+        loader.lost_workers = (1, [2])
+        loader.load_state_dict(state)
+        survivors.append(loader.batch_sampler)
+    sampler = survivors[0]
+    assert sampler.lost == {1: old[2][1], 2: old[2][2]}
+    # both lost pieces (8 + 8) join the epoch's last batch (the only one left): 24 + 16 split in two
+    assert sampler.makeup == (0, {3: old[2][1] + old[2][2]}) and sampler.sizes(0, 3) == [20, 20]
+    last = [next(iter(s)) for s in survivors]
+    assert [len(piece) for piece in last] == [20, 20]
+    # the epoch: what the old world kept, and the survivors' last batch: every sample exactly once
+    kept = [i for r in range(3) for b in range(3) for i in old[r][b] if not (r == 2 and b in (1, 2))]
+    assert sorted(kept + last[0] + last[1]) == list(range(96))
+    # with two batches left the lost samples spread over both; a lost sample of an earlier epoch is only reported
+    before.batch_sampler.completed = (0, 2)
+    state = before.state_dict()
+    loader = _loader(2, 0, ["a/0", "b/0"])
+    loader.lost_workers = (1, [2])
+    loader.load_state_dict(state)
+    assert loader.batch_sampler.makeup == (0, {2: old[2][1]}) and loader.batch_sampler.lost_elsewhere == []
+    before.batch_sampler.completed = (1, 0)
+    state = before.state_dict()
+    loader = _loader(2, 0, ["a/0", "b/0"])
+    loader.lost_workers = (3, [2])
+    loader.load_state_dict(state)
+    assert loader.batch_sampler.makeup == (-1, {}) and loader.batch_sampler.lost_elsewhere == sorted(old[2][3])
+
+
 def test_ranks_map_by_identity_and_lost_state_is_named_with_its_norm():
     assert map_ranks(["a/0", "b/0", "c/0"], ["c/0", "a/0", "d/0"]) == [2, 0, None]
     assert map_ranks(None, ["a/0"]) == [None]
@@ -192,8 +229,8 @@ def test_survivors_find_their_own_state_in_the_emergency_checkpoints_beside_the_
     assert complete_from_siblings(torch.load(regular, weights_only=True), regular) == []
 
 
-def _write(directory, attempt, started, resumed_from, world, rank, batches, unended=()):
-    writer = LedgerWriter(str(directory), attempt, rank, world, f"h{rank}/0", resumed_from, started)
+def _write(directory, attempt, started, resumed_from, world, rank, batches, unended=(), lost=None):
+    writer = LedgerWriter(str(directory), attempt, rank, world, f"h{rank}/0", resumed_from, started, lost=lost)
     for position, indices in batches:
         writer.started(position, position, 0, position, indices)
         if position not in unended:
@@ -216,6 +253,18 @@ def test_the_ledger_replays_attempts_and_drops_what_a_lost_attempt_did_after_the
     for path in tmp_path.glob("B-*"):
         path.unlink()
     assert read_ledger(str(tmp_path))[3].indices == [6, 7] and read_ledger(str(tmp_path))[3].loss == 3.0
+
+
+def test_the_ledger_moves_a_lost_diloco_workers_samples_to_where_they_trained_again(tmp_path):
+    # attempt A on 2 ranks did batches 0-3; rank 1's worker died after batch 3 with its progress since batch 2
+    _write(tmp_path, "A", 100.0, 0, 2, 0, [(p, [2 * p]) for p in range(4)])
+    _write(tmp_path, "A", 100.5, 0, 2, 1, [(p, [2 * p + 1]) for p in range(4)])
+    # attempt B resumed from batch 4 on rank 0's state; rank 1's samples 5 and 7 train again in batch 4
+    _write(tmp_path, "B", 200.0, 4, 1, 0, [(4, [8, 9, 5, 7]), (5, [10, 11])], lost={2: [5], 3: [7]})
+    ledger = read_ledger(str(tmp_path))
+    assert [s.indices for s in ledger.values()] == [[0, 1], [2, 3], [4], [6], [8, 9, 5, 7], [10, 11]]
+    assert ledger[2].lost == [5] and ledger[3].lost == [7] and ledger[2].complete
+    assert sorted(i for s in ledger.values() for i in s.indices) == list(range(12))
 
 
 def test_checkpoints_written_after_an_agreed_stop_lose_to_the_stop_at_the_same_step():

@@ -115,10 +115,19 @@ class ElasticTraining(Callback):
         rank_zero_info(f"ElasticTraining: attempt {self.attempt} on {trainer.world_size} ranks "
                        f"({', '.join(self.identities)}) from global batch {position} (epoch {epoch}, batch "
                        f"{next_batch}, global step {trainer.global_step}); per-rank sizes {sizes}")
+        if sampler.lost:
+            count = sum(len(v) for v in sampler.lost.values())
+            rank_zero_info(f"ElasticTraining: {count} samples of global batches {sorted(sampler.lost)} reached no "
+                           "model for good (a DiLoCo worker lost since its last sync): they train again in global "
+                           f"batches {sorted(sampler.makeup[1])}")
+        elsewhere = sampler.lost_elsewhere
+        if elsewhere:
+            rank_zero_warn(f"ElasticTraining: {len(elsewhere)} samples a lost DiLoCo worker trained in an earlier "
+                           "epoch since its last sync cannot train again in that epoch: that epoch misses them")
         if self.ledger:
             self._writer = LedgerWriter(ledger_dir(checkpoint_dir(trainer)), self.attempt, trainer.global_rank,
                                         trainer.world_size, self.identities[trainer.global_rank],
-                                        resumed_from=position, started=time.time())
+                                        resumed_from=position, started=time.time(), lost=sampler.lost)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,

@@ -78,6 +78,9 @@ class HeteroBatching:
     elastic: bool = False
     # runtime state (not settings)
     identities: Optional[list[str]] = field(default=None, init=False, repr=False)  # every rank's, elastic runs
+    # DiLoCo under elastic restarts: (first unsynced global batch, old ranks whose workers were lost); the loader
+    # trains their pieces since then again (lightning_dist.hetero.loader)
+    lost_workers: Optional[tuple[int, list[int]]] = field(default=None, init=False, repr=False)
     plan: Optional[BatchPlan] = field(default=None, init=False, repr=False)
     global_batch: int = field(default=0, init=False, repr=False)
     sampler: Any = field(default=None, init=False, repr=False)  # this rank's HeteroBatchSampler, once built

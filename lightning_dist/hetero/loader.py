@@ -38,6 +38,9 @@ class HeteroDataLoader(DataLoader):
     elastic batching, at another world size)."""
 
     identities: Optional[list[str]] = None  # every rank's node identity (elastic runs), saved with the plan
+    # DiLoCo under elastic restarts: (first unsynced global batch, the old ranks whose workers were lost), set when
+    # the strategy restored its sync; their pieces since then are trained again (HeteroBatchSampler.train_again)
+    lost_workers: Optional[tuple[int, list[int]]] = None
 
     def state_dict(self) -> dict[str, Any]:
         # the batch after the last optimizer step that ended, not the last one started: an emergency checkpoint
@@ -53,13 +56,44 @@ class HeteroDataLoader(DataLoader):
         if saved_world == sampler.world_size and state.get("identities") == self.identities:
             sampler.plan.load_state_dict(state["plan"])
         elif sampler.elastic:  # the world changed: who is left keeps its weight, a newcomer gets the mean
+            lost = self._lost_pieces(state, saved_world) if self.lost_workers else {}
             sampler.plan.carry_over(state["plan"], state.get("identities"), self.identities)
+            epoch, first = int(state["epoch"]), int(state["next_batch"])
+            sampler.train_again(lost, epoch, first)
+            sampler.lost_elsewhere = sorted(i for p, v in lost.items() if p not in sampler.lost for i in v)
         else:
             raise ValueError(f"this checkpoint's training loader ran on {saved_world} ranks, this run has "
                              f"{sampler.world_size}: resuming mid-epoch at another world size needs elastic batching "
                              "(hetero.elastic=true with a fixed hetero.global_batch_size)")
         sampler.resume_at(int(state["epoch"]), int(state["next_batch"]))
+
+    def _lost_pieces(self, state: dict[str, Any], saved_world: int) -> dict[int, list[int]]:
+        """What the lost DiLoCo workers trained since the last sync, from the saved (old world's) plan."""
+        sampler: HeteroBatchSampler = self.batch_sampler  # type: ignore[assignment]
+        since, ranks = self.lost_workers  # type: ignore[misc]
+        plan = BatchPlan(saved_world, [1.0] * saved_world, sampler.plan.min_size)
+        plan.load_state_dict(state["plan"])
+        until = int(state["epoch"]) * sampler.steps_per_epoch + int(state["next_batch"])
+        return lost_pieces(sampler, plan, saved_world, ranks, since, until)
         sampler.completed = sampler.consumed = (int(state["epoch"]), int(state["next_batch"]))
+
+
+def lost_pieces(sampler: HeteroBatchSampler, plan: BatchPlan, old_world: int, lost_ranks: list[int], since: int,
+                until: int) -> dict[int, list[int]]:
+    """By position, the pieces the old world's ``lost_ranks`` drew for global batches ``since <= p < until``, under
+    the old world's ``plan`` (elastic batching: the same blocks of each epoch's permutation at any world size)."""
+    old = HeteroBatchSampler(sampler.dataset_size, old_world, 0, sampler.global_batch, plan, shuffle=sampler.shuffle,
+                             seed=sampler.seed, drop_last_batch=sampler.drop_last_batch, elastic=True)
+    out: dict[int, list[int]] = {}
+    orders: dict[int, list[int]] = {}
+    for position in range(max(0, since), until):
+        epoch, index = divmod(position, old.steps_per_epoch)
+        if epoch not in orders:
+            old.set_epoch(epoch)
+            orders[epoch] = old.global_order()
+        sizes = old.sizes(epoch, index)
+        out[position] = [i for r in sorted(lost_ranks) for i in old.piece(orders[epoch], sizes, index, r)]
+    return out
 
 
 def hetero_dataloader(dataloader: DataLoader, hetero: PlanSource, world_size: int, rank: int) -> HeteroDataLoader:
@@ -87,6 +121,7 @@ def hetero_dataloader(dataloader: DataLoader, hetero: PlanSource, world_size: in
         kwargs["prefetch_factor"] = dataloader.prefetch_factor
     loader = HeteroDataLoader(dataloader.dataset, batch_sampler=batch_sampler, **kwargs)
     loader.identities = list(hetero.identities) if hetero.identities else None
+    loader.lost_workers = getattr(hetero, "lost_workers", None)
     return loader
 
 

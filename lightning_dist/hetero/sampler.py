@@ -79,6 +79,11 @@ class HeteroBatchSampler(Sampler[list[int]]):
         self.completed: tuple[int, int] = (0, 0)  # (epoch, next batch) after the last optimizer step that ended
         self.record_drawn = elastic  # keep what the loader draws, for take_drawn (elastic runs' sample ledger)
         self.drawn: dict[tuple[int, int], list[int]] = {}  # batches the loader drew and training has not taken
+        # samples to train again (a lost DiLoCo worker's since the last sync), added to this epoch's batches:
+        # (epoch, {batch index: dataset indices}); and what they replace, by position, for the ledger
+        self.makeup: tuple[int, dict[int, list[int]]] = (-1, {})
+        self.lost: dict[int, list[int]] = {}
+        self.lost_elsewhere: list[int] = []  # lost samples of an earlier epoch, which cannot train in it again
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -109,18 +114,41 @@ class HeteroBatchSampler(Sampler[list[int]]):
         return min(self.global_batch, self.total_size - index * self.global_batch)
 
     def sizes(self, epoch: int, index: int) -> list[int]:
-        """Every rank's share of global batch ``index`` of ``epoch``."""
-        return self.plan.sizes_at(epoch * self.steps_per_epoch + index, self.batch_total(index))
+        """Every rank's share of global batch ``index`` of ``epoch`` (with the samples trained again there)."""
+        extra = len(self.makeup[1].get(index, ())) if self.makeup[0] == epoch else 0
+        return self.plan.sizes_at(epoch * self.steps_per_epoch + index, self.batch_total(index) + extra)
+
+    def piece(self, order: list[int], sizes: list[int], index: int, rank: int, extra: list[int] = ()) -> list[int]:
+        """Rank ``rank``'s piece of global batch ``index`` split by ``sizes`` (the global batch: its block of
+        ``order``, then ``extra``)."""
+        begin = index * self.global_batch
+        block = order[begin : begin + self.batch_total(index)] + list(extra)
+        start = sum(sizes[:rank])
+        return block[start : start + sizes[rank]]
+
+    def train_again(self, lost: dict[int, list[int]], epoch: int, first: int) -> None:
+        """Samples that reached no model for good (``lost``: by position, what a lost DiLoCo worker trained since
+        the last sync) are added to this epoch's batches from ``first`` on, spread over as many batches as were lost
+        (fewer if the epoch ends sooner), so that every sample still trains once per epoch; the ledger is told which
+        positions lost what. Lost samples of an earlier epoch cannot be trained in it again: they are dropped from
+        ``lost`` here, and the caller warns."""
+        mine = {p: list(v) for p, v in lost.items() if p // self.steps_per_epoch == epoch and v}
+        left = self.steps_per_epoch - first
+        if not mine or left <= 0:
+            return
+        flat = [i for p in sorted(mine) for i in mine[p]]
+        batches = min(left, len(mine))
+        extra = {first + k: flat[k * len(flat) // batches:(k + 1) * len(flat) // batches] for k in range(batches)}
+        self.makeup, self.lost = (epoch, extra), mine
 
     def __iter__(self) -> Iterator[list[int]]:
         order, epoch = self.global_order(), self.epoch
         start = self._resume[1] if self._resume[0] == epoch else 0
         self._resume = (-1, 0)
         self.drawn = {}
+        extra = self.makeup[1] if self.makeup[0] == epoch else {}
         for index in range(start, self.steps_per_epoch):
-            sizes = self.sizes(epoch, index)
-            begin = index * self.global_batch + sum(sizes[: self.rank])
-            piece = order[begin : begin + sizes[self.rank]]
+            piece = self.piece(order, self.sizes(epoch, index), index, self.rank, extra.get(index, ()))
             if self.record_drawn:
                 self.drawn[(epoch, index)] = piece
             yield piece

@@ -159,6 +159,10 @@ def restore_sync(diloco: DiLoCoSync, module: Any, entry: dict[str, Any], rank: i
     candidates = (own,) if mapped else ((rank, diloco.workers.mine[0]) if same else ())
     found = [ranks[r]["worker"] for r in candidates if r is not None and ranks[r] is not None]
     worker = next((w for w in found if w is not None), None)
+    if mapped:  # the old ranks whose workers are gone with their progress since the last sync
+        new = set(identities or ())
+        diloco.lost_workers = [r for r, identity in enumerate(entry["identities"])
+                               if identity not in new or ranks[r] is None or ranks[r].get("worker") is None]
     if worker is None and mapped and own is None:  # a newcomer: theta_global is where it starts
         diloco.restart_from_global()
         return None

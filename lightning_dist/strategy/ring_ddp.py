@@ -337,6 +337,11 @@ class RingDDPStrategy(DDPStrategy):
             self._worker_optimizers = restore_sync(diloco, self.model.module, self._sync_restore, self.global_rank,
                                                    self.world_size, self._features.identities)
             self._sync_restore = None
+            if diloco.lost_workers and self._hetero is not None:  # their samples since the last sync train again
+                self._hetero.lost_workers = (diloco.unsynced_from, list(diloco.lost_workers))
+                rank_zero_info(f"RingDDPStrategy: DiLoCo workers of old ranks {diloco.lost_workers} were lost with "
+                               f"their progress since global batch {diloco.unsynced_from}: their samples since then "
+                               "train again on the survivors")
         self._tier_groups = diloco.groups
         rank_zero_info(f"RingDDPStrategy: {self._sync.describe()} over {workers.count} workers "
                        f"({'hosts' if workers.local_size > 1 else 'ranks'}: {[list(r) for r in workers.ranks]})")

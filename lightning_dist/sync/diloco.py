@@ -209,6 +209,10 @@ class DiLoCoSync:
         self.metrics: dict[str, float] = {}
         self.fragments: list[Fragment] = []
         self.inflight: list[Exchange] = []  # started, not landed (a delay only), in the order they started
+        # per fragment, the step after which its newest reduced exchange started: every worker's progress up to it
+        # is in theta_global (or in a reduced sum that lands)
+        self.reduced_at: list[int] = []
+        self.lost_workers: list[int] = []  # an elastic restart: old ranks whose workers' state is gone (restore_sync)
         self._thread: Optional[ThreadPoolExecutor] = None
         self._names: list[str] = []
         self._params: list[torch.Tensor] = []
@@ -262,6 +266,7 @@ class DiLoCoSync:
                 f, self.settings.offset(f), index,
                 _buckets([named[i] for i in index], self.workers.local_size, self.workers.local_index, index),
                 compressor, [0.0] * self.workers.count, buffers=f == 0))
+        self.reduced_at = [0] * len(self.fragments)
         with torch.no_grad():
             self._global = [p.detach().clone() for p in self._params]
             self._global_buffers = [b.detach().clone() for _, b in self._buffers]
@@ -386,6 +391,12 @@ class DiLoCoSync:
                 finite &= self._reduce(bucket, codec, transport)
         return finite
 
+    @property
+    def unsynced_from(self) -> int:
+        """The first global batch (position) whose training is in no reduced exchange yet, for some fragment: what a
+        worker lost now would take with it (exact without fragments; with them, some fragments hold a part of it)."""
+        return min(self.reduced_at, default=0)
+
     def settle(self) -> None:
         """Wait for every exchange in flight to be reduced and read its verdict (before a checkpoint: what it saves
         is then the same on every run); nothing lands early."""
@@ -406,6 +417,7 @@ class DiLoCoSync:
         totals = torch.stack([b.flat.float().square().sum() for b in buckets]) if buckets else torch.zeros(1)
         exchange.norm = math.sqrt(float(totals.sum()))
         compressor = exchange.fragment.compressor
+        self.reduced_at[exchange.fragment.index] = max(self.reduced_at[exchange.fragment.index], exchange.step)
         if math.isfinite(exchange.norm):
             compressor.commit()
         else:
@@ -571,6 +583,7 @@ class DiLoCoSync:
         return {"settings": self.settings.describe(), "workers": self.workers.count,
                 "outer_steps": self.outer_steps, "skipped": self.skipped,
                 "samples": samples[0] if len(samples) == 1 else samples, "inflight": inflight,
+                "reduced_at": list(self.reduced_at),
                 "bytes_total": self.bytes_total,
                 "global": {name: g.detach().clone() for name, g in zip(self._names, self._global)},
                 "momentum": momentum,
@@ -598,6 +611,7 @@ class DiLoCoSync:
                              f"sync={self.settings.describe()}: resume with the same DiLoCo settings")
         self.outer_steps, self.skipped = int(state["outer_steps"]), int(state["skipped"])
         self.bytes_total = int(state.get("bytes_total", 0))
+        self.reduced_at = [int(r) for r in state.get("reduced_at", [0] * len(self.fragments))]
         same = int(state["workers"]) == self.workers.count
         samples = state["samples"] if self.settings.fragments > 1 else [state["samples"]]
         if same:
