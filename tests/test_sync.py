@@ -32,6 +32,9 @@ N_SAMPLES, BATCH = 96, 8
 EVERY = 4
 EPOCHS = 2
 TOLERANCE = 2e-5  # relative to the parameters' largest value: float rounding of other summation orders
+# Net's parameters in the module's order: net.0.weight (512), net.0.bias (32), net.2.weight (160), net.2.bias (5);
+# the cut into about equal runs of whole parameters (streaming's fragments, tests/test_sync_streaming.py)
+CUTS = {1: [[0, 1, 2, 3]], 2: [[0], [1, 2, 3]]}
 SETTINGS = {"topk": {"ratio": 0.05}, "threshold": {"threshold": 1e-3, "max_ratio": 0.2}, "powersgd": {"rank": 2}}
 
 
@@ -68,13 +71,16 @@ class Poison(Callback):
 
 
 class Record(Callback):
-    """This rank's parameters after every optimizer step."""
+    """This rank's parameters after every optimizer step, and once more after the fit (what landed at its end)."""
 
     def __init__(self):
-        self.params = []
+        self.params, self.end = [], None
 
     def on_train_batch_end(self, trainer, pl_module, *args):
         self.params.append(_flat(pl_module))
+
+    def teardown(self, trainer, pl_module, stage):
+        self.end = _flat(pl_module)
 
 
 def _flat(module):
@@ -96,12 +102,15 @@ def _fit(strategy, world, hosts=1, model=None, callbacks=(), epochs=EPOCHS, ckpt
 
 # -- the one-process replay -----------------------------------------------------------------------------------------
 def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=0.7, outer_momentum=0.9, epochs=EPOCHS,
-           batches=None):
-    """Parameters after every step of each worker, by the contract alone: ``world`` ranks in ``hosts`` workers of
-    ``world // hosts`` ranks (``hosts=1``: a worker per rank). Rank ``r`` reads rows ``r, r + world, ...`` (an
-    unshuffled DistributedSampler), ``BATCH`` per step; ``batches`` (per rank, the ``(x, y)`` of every step: uneven
-    under heterogeneous batching) instead: ranks inside a worker weighted by samples, workers by the samples since
-    the last sync."""
+           batches=None, fragments=1, delay=0, mix=0.5, steps=None):
+    """Each worker's parameters after every step, and at the end of the fit, and the workers' ranks, by the contract
+    alone (the module's docstring; streaming's, tests/test_sync_streaming.py: ``fragments`` cut by :data:`CUTS`,
+    ``delay`` and ``mix``). ``hosts > 1``: workers of ``world // hosts`` ranks, whose gradient is the mean of their
+    ranks' mean-loss gradients weighted by samples; ``batches`` (per rank, every step's ``(x, y)``) replaces the
+    unshuffled DistributedSampler's rows, and workers are then weighted by the samples since each fragment's last
+    sync.
+    ``steps`` (``balance="steps"``, flat): per rank the inner steps of each training step, each its own mean-loss
+    step on one of the rank's ``batches`` (which then hold every inner step's ``(x, y)``)."""
     per = world // hosts if hosts > 1 else 1
     workers = [list(range(w * per, (w + 1) * per)) for w in range(world // per)]
     x, y = Net().data()
@@ -110,14 +119,42 @@ def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=0.7, outer_mom
     inner = [m.configure_optimizers() for m in models]
     theta = [p.detach().clone() for p in start.parameters()]
     outer = torch.optim.SGD(theta, lr=outer_lr, momentum=outer_momentum, nesterov=True)
-    steps_per_epoch = N_SAMPLES // (world * BATCH) if batches is None else len(batches[0]) // epochs
+    cut, spacing = CUTS[fragments], every // fragments
+    steps_per_epoch = N_SAMPLES // (world * BATCH) if batches is None else len(batches[-1]) // epochs
+    if steps is not None:  # each rank's inner steps, grouped by training step
+        batches = [[batches[r][i:i + steps[r]] for i in range(0, len(batches[r]), steps[r])] for r in range(world)]
+        steps_per_epoch = len(batches[0]) // epochs
     history = [[] for _ in workers]
-    samples = [0] * len(workers)
+    samples = [[0] * len(workers) for _ in cut]  # per fragment, per worker, since the fragment's last sync
+    pending = []  # (lands, fragment, mean pseudo-gradient per parameter, each worker's parameters at the start)
+
+    def land(fragment, mean, snapshots):
+        with torch.no_grad():
+            for i in cut[fragment]:
+                theta[i].grad = mean[i]
+            outer.step()
+            outer.zero_grad(set_to_none=True)
+            for w, model in enumerate(models):
+                params = list(model.parameters())
+                for i in cut[fragment]:
+                    if snapshots is None:
+                        params[i].copy_(theta[i])
+                    else:
+                        params[i].add_(theta[i] - snapshots[w][i], alpha=mix)
+
     step = 0
     for _ in range(epochs):
         for k in range(steps_per_epoch):
             for w, ranks in enumerate(workers):
                 model = models[w]
+                if steps is not None:  # flat: worker w is rank w
+                    for bx, by in batches[w][step]:
+                        inner[w].zero_grad()
+                        torch.nn.functional.cross_entropy(model.net(bx), by).backward()
+                        inner[w].step()
+                        for counts in samples:
+                            counts[w] += len(by)
+                    continue
                 inner[w].zero_grad()
                 if batches is None:
                     data = [(x[rows], y[rows]) for rows in
@@ -125,24 +162,33 @@ def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=0.7, outer_mom
                 else:
                     data = [batches[r][step] for r in ranks]
                 total = sum(len(by) for _, by in data)
-                samples[w] += total
+                for counts in samples:
+                    counts[w] += total
                 loss = sum(len(by) / total * torch.nn.functional.cross_entropy(model.net(bx), by) for bx, by in data)
                 loss.backward()
                 inner[w].step()
             step += 1
-            if step % every == 0:
-                mix = [1 / len(workers)] * len(workers) if batches is None else [s / sum(samples) for s in samples]
+            for item in [p for p in pending if p[0] == step]:
+                pending.remove(item)
+                land(*item[1:])
+            if step % spacing == 0:
+                fragment = (step % every) // spacing
+                counts = samples[fragment]
+                weights = [1 / len(workers)] * len(workers) if batches is None else [c / sum(counts) for c in counts]
+                samples[fragment] = [0] * len(workers)
                 with torch.no_grad():
-                    for i, g in enumerate(theta):
-                        g.grad = sum(m * (g - list(models[w].parameters())[i]) for w, m in enumerate(mix))
-                    outer.step()
-                    for model in models:
-                        for p, g in zip(model.parameters(), theta):
-                            p.copy_(g)
-                samples = [0] * len(workers)
+                    mean = {i: sum(m * (theta[i] - list(models[w].parameters())[i]) for w, m in enumerate(weights))
+                            for i in cut[fragment]}
+                    snapshots = [[p.detach().clone() for p in model.parameters()] for model in models]
+                if delay:
+                    pending.append((step + delay, fragment, mean, snapshots))
+                else:
+                    land(fragment, mean, None)
             for w in range(len(workers)):
                 history[w].append(_flat(models[w]))
-    return history, workers
+    for item in pending:  # the end of the fit: what is in flight lands
+        land(*item[1:])
+    return history, [_flat(m) for m in models], workers
 
 
 def _close(a, b):
@@ -261,7 +307,7 @@ def hosts(tmp_path_factory):
 
 
 def _check_replay(runs, world, hosts_, optimizer):
-    expected, workers = replay(world, hosts_, optimizer)
+    expected, _, workers = replay(world, hosts_, optimizer)
     got = [runs[rank][("replay", optimizer)] for rank in range(world)]
     for w, ranks in enumerate(workers):
         for rank in ranks:
@@ -297,7 +343,7 @@ def test_two_hosts_of_two_replay_diloco(hosts, optimizer):
 def test_hetero_batches_weigh_ranks_and_workers_by_samples(hosts):
     seen = [hosts[rank]["hetero"][1] for rank in range(4)]
     assert [len(bx) for bx, _ in seen[0][:2]] == [14, 14] and [len(bx) for bx, _ in seen[2][:2]] == [4, 4]
-    expected, workers = replay(4, 2, batches=seen)
+    expected, _, workers = replay(4, 2, batches=seen)
     for w, ranks in enumerate(workers):
         for rank in ranks:
             got = hosts[rank]["hetero"][0]

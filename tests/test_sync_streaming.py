@@ -1,6 +1,7 @@
 """Streaming DiLoCo (issue 32: fragments, a delay and mixing) on launched fork ranks, against a one-process replay.
 
-The replay (:func:`replay`) writes the contract out on one process: N workers (flat: a worker per rank), each a copy
+The replay (``tests/test_sync.py``'s :func:`replay`, part 1's with these settings) writes the contract out on one
+process: N workers (flat: a worker per rank), each a copy
 of the model with its own inner optimizer. The parameters are cut into F fragments (:data:`CUTS`, written out by hand
 from the model's parameter names and sizes); fragment ``f`` starts a sync after the steps where ``step % H == f H /
 F``: the workers' mean pseudo-gradient ``theta_global - theta_worker`` over the fragment's parameters, and each
@@ -13,54 +14,22 @@ One launched group of 2 flat ranks and one of 4 ranks posing as 2 hosts of 2 hol
 
 from __future__ import annotations
 
-import copy
 import warnings
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from test_sync import CUTS, EVERY, Net, Poison, _close, _fit, _flat, _strategy, replay
 
-from lightning_dist import RingDDPStrategy
 from lightning_dist.callbacks import NaNRecovery
 from lightning_dist.hetero import HeteroBatching
 from lightning_dist.sync import DiLoCo
-from lightning_dist.testing import RecordingLogger, ToyClassifier, launched_externally, quiet_trainer, run_ranks
+from lightning_dist.testing import RecordingLogger, launched_externally, run_ranks
 
 pytestmark = pytest.mark.slow
 
-N_SAMPLES, BATCH = 96, 8
-EVERY = 4
-EPOCHS = 2
-TOLERANCE = 2e-5  # relative to the parameters' largest value: float rounding of other summation orders
-# Net's parameters in the module's order: net.0.weight (512), net.0.bias (32), net.2.weight (160), net.2.bias (5);
-# the cut into about equal runs of whole parameters
-CUTS = {1: [[0, 1, 2, 3]], 2: [[0], [1, 2, 3]]}
 # (fragments, delay, mix): each replayed at 2 flat ranks
 CASES = ((2, 0, 0.5), (2, 1, 0.5), (1, 2, 1.0), (2, 3, 0.5))
-
-
-class Net(ToyClassifier):
-    """16 -> 32 -> 5 on 96 samples, SGD with momentum or AdamW; the batches it trained on kept in ``seen``."""
-
-    def __init__(self, optimizer="sgd", **kwargs):
-        super().__init__(features=16, hidden=(32,), classes=5, samples=N_SAMPLES, batch_size=BATCH, momentum=0.9,
-                         optimizer=optimizer, lr=0.1 if optimizer == "sgd" else 0.01, distributed_sampler=True,
-                         seed=0, **kwargs)
-        self.seen = []
-
-    def training_step(self, batch, batch_idx):
-        self.seen.append((batch[0].clone(), batch[1].clone()))
-        return super().training_step(batch, batch_idx)
-
-
-class Poison(Callback):
-    """After global step 5, rank 1's first weight turns +Inf: the exchange that starts after step 8 is not finite."""
-
-    def on_train_batch_end(self, trainer, pl_module, *args):
-        if trainer.global_rank == 1 and trainer.global_step == 5:
-            with torch.no_grad():
-                pl_module.net[0].weight[0, 0] = float("inf")
 
 
 class SavedInFlight(Callback):
@@ -73,129 +42,7 @@ class SavedInFlight(Callback):
         self.inflight.append([(ex.fragment.index, ex.step, ex.lands) for ex in trainer.strategy.features.sync.inflight])
 
 
-class Record(Callback):
-    """This rank's parameters after every optimizer step, and once more after the fit (what landed at its end)."""
-
-    def __init__(self):
-        self.params, self.end = [], None
-
-    def on_train_batch_end(self, trainer, pl_module, *args):
-        self.params.append(_flat(pl_module))
-
-    def teardown(self, trainer, pl_module, stage):
-        self.end = _flat(pl_module)
-
-
-def _flat(module):
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone()
-
-
-def _strategy(sync, **kwargs):
-    return RingDDPStrategy(sync=sync, timeout=60, start_method="fork", **kwargs)
-
-
-def _fit(strategy, world, hosts=1, model=None, callbacks=(), epochs=EPOCHS, ckpt_path=None, **kwargs):
-    pl.seed_everything(0, verbose=False)
-    record = Record()
-    trainer = quiet_trainer(devices=world // hosts, num_nodes=hosts, strategy=strategy, max_epochs=epochs,
-                            callbacks=[record, *callbacks], use_distributed_sampler=False, **kwargs)
-    trainer.fit(model or Net(), ckpt_path=ckpt_path)
-    return trainer, record
-
-
 # -- the one-process replay -----------------------------------------------------------------------------------------
-def replay(world, fragments, delay, mix, hosts=1, optimizer="sgd", every=EVERY, outer_lr=0.7, outer_momentum=0.9,
-           epochs=EPOCHS, batches=None, steps=None):
-    """Each worker's parameters after every step, and at the end of the fit, by the contract alone (see the module's
-    docstring). ``hosts > 1``: workers of ``world // hosts`` ranks, whose gradient is the mean of their ranks'
-    mean-loss gradients weighted by samples; ``batches`` (per rank, every step's ``(x, y)``) replaces the unshuffled
-    DistributedSampler's rows, and workers are then weighted by the samples since each fragment's last sync.
-    ``steps`` (``balance="steps"``, flat): per rank the inner steps of each training step, each its own mean-loss
-    step on one of the rank's ``batches`` (which then hold every inner step's ``(x, y)``)."""
-    per = world // hosts if hosts > 1 else 1
-    workers = [list(range(w * per, (w + 1) * per)) for w in range(world // per)]
-    x, y = Net().data()
-    start = Net(optimizer)
-    models = [copy.deepcopy(start) for _ in workers]
-    inner = [m.configure_optimizers() for m in models]
-    theta = [p.detach().clone() for p in start.parameters()]
-    outer = torch.optim.SGD(theta, lr=outer_lr, momentum=outer_momentum, nesterov=True)
-    cut, spacing = CUTS[fragments], every // fragments
-    steps_per_epoch = N_SAMPLES // (world * BATCH) if batches is None else len(batches[-1]) // epochs
-    if steps is not None:  # each rank's inner steps, grouped by training step
-        batches = [[batches[r][i:i + steps[r]] for i in range(0, len(batches[r]), steps[r])] for r in range(world)]
-        steps_per_epoch = len(batches[0]) // epochs
-    history = [[] for _ in workers]
-    samples = [[0] * len(workers) for _ in cut]  # per fragment, per worker, since the fragment's last sync
-    pending = []  # (lands, fragment, mean pseudo-gradient per parameter, each worker's parameters at the start)
-
-    def land(fragment, mean, snapshots):
-        with torch.no_grad():
-            for i in cut[fragment]:
-                theta[i].grad = mean[i]
-            outer.step()
-            outer.zero_grad(set_to_none=True)
-            for w, model in enumerate(models):
-                params = list(model.parameters())
-                for i in cut[fragment]:
-                    if snapshots is None:
-                        params[i].copy_(theta[i])
-                    else:
-                        params[i].add_(theta[i] - snapshots[w][i], alpha=mix)
-
-    step = 0
-    for _ in range(epochs):
-        for k in range(steps_per_epoch):
-            for w, ranks in enumerate(workers):
-                model = models[w]
-                if steps is not None:  # flat: worker w is rank w
-                    for bx, by in batches[w][step]:
-                        inner[w].zero_grad()
-                        torch.nn.functional.cross_entropy(model.net(bx), by).backward()
-                        inner[w].step()
-                        for counts in samples:
-                            counts[w] += len(by)
-                    continue
-                inner[w].zero_grad()
-                if batches is None:
-                    data = [(x[rows], y[rows]) for rows in
-                            ([(k * BATCH + j) * world + r for j in range(BATCH)] for r in ranks)]
-                else:
-                    data = [batches[r][step] for r in ranks]
-                total = sum(len(by) for _, by in data)
-                for counts in samples:
-                    counts[w] += total
-                loss = sum(len(by) / total * torch.nn.functional.cross_entropy(model.net(bx), by) for bx, by in data)
-                loss.backward()
-                inner[w].step()
-            step += 1
-            for item in [p for p in pending if p[0] == step]:
-                pending.remove(item)
-                land(*item[1:])
-            if step % spacing == 0:
-                fragment = (step % every) // spacing
-                counts = samples[fragment]
-                weights = [1 / len(workers)] * len(workers) if batches is None else [c / sum(counts) for c in counts]
-                samples[fragment] = [0] * len(workers)
-                with torch.no_grad():
-                    mean = {i: sum(m * (theta[i] - list(models[w].parameters())[i]) for w, m in enumerate(weights))
-                            for i in cut[fragment]}
-                    snapshots = [[p.detach().clone() for p in model.parameters()] for model in models]
-                if delay:
-                    pending.append((step + delay, fragment, mean, snapshots))
-                else:
-                    land(fragment, mean, None)
-            for w in range(len(workers)):
-                history[w].append(_flat(models[w]))
-    for item in pending:  # the end of the fit: what is in flight lands
-        land(*item[1:])
-    return history, [_flat(m) for m in models], workers
-
-
-def _close(a, b):
-    return (a - b).abs().max().item() <= TOLERANCE * max(1.0, b.abs().max().item())
-
-
 # -- the launched groups --------------------------------------------------------------------------------------------
 def _run_flat(rank, world, ckpt_dir):
     out = {}
@@ -287,7 +134,7 @@ def _check(runs, expected, workers, key):
 @pytest.mark.parametrize("case", CASES, ids=[f"F{f}-tau{t}-mix{m}" for f, t, m in CASES])
 def test_two_flat_ranks_replay_streaming(flat2, case, optimizer):
     fragments, delay, mix = case
-    history, end, workers = replay(2, fragments, delay, mix, optimizer=optimizer)
+    history, end, workers = replay(2, optimizer=optimizer, fragments=fragments, delay=delay, mix=mix)
     _check(flat2, (history, end), workers, ("replay", fragments, delay, mix, optimizer))
     if delay == 0:  # every rank bit-identical on the fragment that landed, after each landing step
         sizes = [512, 32, 160, 5]
@@ -319,7 +166,7 @@ def test_hetero_batches_weigh_each_fragments_workers_by_samples(flat2):
     params, end, seen = flat2[0]["hetero"]
     batches = [flat2[r]["hetero"][2] for r in (0, 1)]
     assert {len(bx) for bx, _ in batches[0]} == {12} and {len(bx) for bx, _ in batches[1]} == {4}
-    history, final, workers = replay(2, 2, 1, 0.5, batches=batches, epochs=EPOCHS)
+    history, final, workers = replay(2, batches=batches, fragments=2, delay=1)
     for r in (0, 1):
         got, got_end, _ = flat2[r]["hetero"]
         assert all(_close(a, b) for a, b in zip(got, history[r]))
@@ -332,7 +179,7 @@ def test_balance_steps_runs_more_inner_steps_on_the_faster_worker(flat2, fragmen
     batches = [flat2[r][key][2] for r in (0, 1)]
     # 96 samples in global batches of 24: 4 training steps an epoch; rank 0 ran 2 inner steps of 8 in each
     assert [len(by) for _, by in batches[0]] == [8] * 16 and [len(by) for _, by in batches[1]] == [8] * 8
-    history, final, _ = replay(2, fragments, delay, 0.5, batches=batches, steps=[2, 1])
+    history, final, _ = replay(2, batches=batches, fragments=fragments, delay=delay, steps=[2, 1])
     for r in (0, 1):
         got, got_end, _ = flat2[r][key]
         assert len(got) == len(history[r]) == 8
@@ -377,7 +224,7 @@ def test_two_hosts_of_two_stream_fragments_identically(hosts, compressor):
     for ranks in ((0, 1), (2, 3)):  # ranks of one host bit-identical after every step
         assert all(torch.equal(a, b) for a, b in zip(hosts[ranks[0]][key][0], hosts[ranks[1]][key][0]))
     if compressor is None:
-        history, end, workers = replay(4, 2, 1, 0.5, hosts=2)
+        history, end, workers = replay(4, hosts=2, fragments=2, delay=1)
         _check(hosts, (history, end), workers, key)
 
 
