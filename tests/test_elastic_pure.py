@@ -89,6 +89,7 @@ def test_loader_state_resumes_the_same_global_batch_at_another_world_size():
     state = before.state_dict()
     after = _loader(2, 1, ["a/0", "b/0"])
     after.load_state_dict(state)
+    assert after.batch_sampler.completed == after.batch_sampler.consumed == (0, 2)  # what the ledger starts from
     first = next(iter(after.batch_sampler))
     whole = _loader(1, 0, ["a/0"]).batch_sampler.global_order()
     assert first == whole[2 * 24 + 12: 3 * 24]  # batch 2's second half: rank 1 of 2

@@ -66,6 +66,7 @@ class HeteroDataLoader(DataLoader):
                              f"{sampler.world_size}: resuming mid-epoch at another world size needs elastic batching "
                              "(hetero.elastic=true with a fixed hetero.global_batch_size)")
         sampler.resume_at(int(state["epoch"]), int(state["next_batch"]))
+        sampler.completed = sampler.consumed = (int(state["epoch"]), int(state["next_batch"]))
 
     def _lost_pieces(self, state: dict[str, Any], saved_world: int) -> dict[int, list[int]]:
         """What the lost DiLoCo workers trained since the last sync, from the saved (old world's) plan."""
@@ -75,7 +76,6 @@ class HeteroDataLoader(DataLoader):
         plan.load_state_dict(state["plan"])
         until = int(state["epoch"]) * sampler.steps_per_epoch + int(state["next_batch"])
         return lost_pieces(sampler, plan, saved_world, ranks, since, until)
-        sampler.completed = sampler.consumed = (int(state["epoch"]), int(state["next_batch"]))
 
 
 def lost_pieces(sampler: HeteroBatchSampler, plan: BatchPlan, old_world: int, lost_ranks: list[int], since: int,
