@@ -3,9 +3,10 @@
 notice and leaves: the survivors go on, every global batch is the uninterrupted run's, each sample is applied once per
 epoch, the accuracy and the loss curve are the uninterrupted run's, no worker is left behind, and recovery is within
 its bound (:func:`lightning_dist.benchmarks.elastic.judge`). Under PowerSGD (per-rank and shared state), a restart
-without a host trains on and says once what was lost. Skipped, with the reason, where namespaces cannot be made.
+without a host trains on and says once what was lost. Syncing every H steps (DiLoCo), a lost worker's samples since the
+sync train again on the survivors. Skipped, with the reason, where namespaces cannot be made.
 
-The five jobs (the uninterrupted reference, on one host, and four with faults) run two at a time
+The six jobs (the uninterrupted reference, on one host, and five with faults) run two at a time
 (:func:`side_by_side`): a job spends much of its time starting processes on one core, or waiting for a rendezvous
 or a watchdog."""
 
@@ -37,6 +38,9 @@ TRIALS = {
     "powersgd": Trial("kill", host=1, position=5, compression="powersgd", epochs=1),
     # a spot instance's notice: SIGTERM to host 1's torchrun agent; it leaves, the others go on from the agreed stop
     "leave": Trial("leave", host=1, position=20, epochs=EPOCHS),
+    # syncing every 5 steps (DiLoCo): host 2 killed two batches after a sync; the survivors keep their own progress,
+    # and the lost worker's pieces since the sync train again in the same epoch
+    "diloco": Trial("kill", host=2, position=7, epochs=1, diloco_every=5),
 }
 
 
@@ -86,3 +90,15 @@ def test_a_host_that_gets_notice_leaves_at_an_agreed_step_and_the_others_go_on(r
     first = record["attempts"][1]["first"]
     assert record["resumed_from"][-1].startswith(str(out / "checkpoints" / f"preempted-step={first}.ckpt"))
     assert record["left_s"] <= 30 and record["recovery_s"] <= 20
+
+
+def test_a_diloco_worker_lost_with_its_host_costs_its_progress_since_the_sync_and_no_sample(runs):
+    record, out = runs["diloco"]
+    # the ledger has every global batch with every rank's piece and each sample once in the epoch; the bound, no
+    # leftovers (the accuracy is DiLoCo's at another worker count: not the reference's)
+    assert judge(record, None) == []
+    assert [a["world_size"] for a in record["attempts"]] == [3, 2]
+    lost = {p: s.lost for p, s in record["ledger"].items() if s.lost}
+    assert lost and min(lost) >= 5  # host 2's pieces since the sync after step 5, trained again later in the epoch
+    log = (out / "host0.log").read_text()
+    assert "were lost with their progress since global batch" in log and "they train again in global batches" in log

@@ -119,7 +119,7 @@ class ElasticTraining(Callback):
             count = sum(len(v) for v in sampler.lost.values())
             rank_zero_info(f"ElasticTraining: {count} samples of global batches {sorted(sampler.lost)} reached no "
                            "model for good (a DiLoCo worker lost since its last sync): they train again in global "
-                           f"batches {sorted(sampler.makeup[1])}")
+                           f"batches {[epoch * sampler.steps_per_epoch + b for b in sorted(sampler.makeup[1])]}")
         elsewhere = sampler.lost_elsewhere
         if elsewhere:
             rank_zero_warn(f"ElasticTraining: {len(elsewhere)} samples a lost DiLoCo worker trained in an earlier "
