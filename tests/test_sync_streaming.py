@@ -32,6 +32,15 @@ pytestmark = pytest.mark.slow
 CASES = ((2, 0, 0.5), (2, 1, 0.5), (1, 2, 1.0), (2, 3, 0.5))
 
 
+class LoggedNet(Net):
+    """Net, logging its loss reduced over every rank."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train/synced_loss", loss, sync_dist=True)
+        return loss
+
+
 class SavedInFlight(Callback):
     """The exchanges in flight when each checkpoint is written: ``(fragment, started after, lands after)``."""
 
@@ -64,12 +73,15 @@ def _run_flat(rank, world, ckpt_dir):
         _, record = _fit(_strategy(DiLoCo(every=EVERY, fragments=2, delay=1), hetero=HeteroBatching(
             batch_sizes=[12, 4])), world, model=model)
         out["hetero"] = (record.params, record.end, model.seen)
-        # balance="steps": rank 0's share of 16 runs as 2 inner steps of 8, rank 1's 8 as one; streamed too
+        # balance="steps": rank 0's share of 16 runs as 2 inner steps of 8, rank 1's 8 as one; streamed too. The model
+        # logs its loss with sync_dist=True (a reduction of every rank) beside the per-step exchange hetero batching
+        # makes: the ranks' collectives must meet in the same order whatever their inner steps
         for fragments, delay in ((1, 0), (2, 1)):
-            model = Net()
+            model = LoggedNet()
             hetero = HeteroBatching(batch_sizes=[16, 8], global_batch_size=24)
             _, record = _fit(_strategy(DiLoCo(every=EVERY, fragments=fragments, delay=delay, balance="steps"),
-                                       hetero=hetero), world, model=model)
+                                       hetero=hetero), world, model=model, logger=RecordingLogger(),
+                             log_every_n_steps=1)  # DistMetrics: the per-step exchange on every step
             out[("steps", fragments, delay)] = (record.params, record.end, model.seen)
         # a skip with a delay: rank 1 turns non-finite after step 5; the exchange started after step 8 lands skipped
         # after step 9, and every worker restarts that fragment from theta_global

@@ -26,6 +26,8 @@ With ``accumulate=False`` (syncing every H steps with ``DiLoCo(balance="steps")`
 steps) each micro-batch is an inner step of its own instead: the first one's backward and the optimizer step are
 Lightning's, and :meth:`MicroBatches.more_steps` (from the strategy's ``optimizer_step``) runs each further one's
 ``zero_grad``, ``training_step``, backward and optimizer step, each its own mean-loss gradient (the share whole).
+There the first inner step's ``self.log(sync_dist=True)`` reduces (where a rank of one inner step reduces: before the
+step's exchange), and the further ones' stay local.
 """
 
 from __future__ import annotations
@@ -97,9 +99,9 @@ class MicroBatches:
         :meth:`backward`. ``state`` carries the rank's share of the step, split by samples, to each backward.
         ``accumulate=False``: each micro-batch an inner step of its own (:meth:`more_steps`), with the share whole."""
         pieces = cut(batch, sizes)
-        if not accumulate:
+        if not accumulate:  # the first inner step's collectives run here, where a rank of one inner step runs its own
             self._steps = (pieces[1:], state.step_share(), rest)
-            with _logged_as(strategy.lightning_module.trainer, pieces[0]), self._inside():
+            with _logged_as(strategy.lightning_module.trainer, pieces[0]):
                 return step(pieces[0], *rest)
         self._pending = (pieces, sizes, state.step_share(), rest)
         state.share = self._pending[2] * sizes[0] / sum(sizes)
@@ -143,16 +145,17 @@ class MicroBatches:
                    take_step: Callable[[Any], None], state: RingHookState, step: Callable[..., Any]) -> None:
         """After Lightning's optimizer step of the first micro-batch: each further micro-batch as an inner step of
         its own (``zero_grad``, ``training_step``, ``backward(loss)`` with the share whole, ``take_step(output)``: the
-        strategy's step or skip); only the last may start a collective."""
+        strategy's step or skip). None of them may start a collective: a rank of one inner step ran its
+        ``self.log(sync_dist=True)`` reductions in its one ``training_step``, before the step's exchange, and so did
+        the first inner step here; a reduction now would meet the others' exchange instead (a deadlock)."""
         assert self._steps is not None
         pieces, share, rest = self._steps
         self._steps = None
         trainer = strategy.lightning_module.trainer
         normalize = trainer.accumulate_grad_batches
-        for j, piece in enumerate(pieces):
+        for piece in pieces:
             optimizer.zero_grad()
-            with _logged_as(trainer, piece), _fx(trainer.lightning_module, "training_step"), \
-                    (self._inside() if j < len(pieces) - 1 else contextlib.nullcontext()):
+            with _logged_as(trainer, piece), _fx(trainer.lightning_module, "training_step"), self._inside():
                 output = step(piece, *rest)
             state.share = share
             backward(loss_of(output) / normalize)
