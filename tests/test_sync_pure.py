@@ -286,3 +286,19 @@ def test_memory_counts_the_snapshots_of_exchanges_in_flight():
     largest = max(sum(delayed._params[i].numel() * 4 for i in f.params) for f in delayed.fragments)
     # spacing 2, delay 3: two exchanges in flight at once
     assert delayed.memory_bytes() - plain.memory_bytes() == 2 * largest
+
+
+def test_the_step_meter_counts_the_inner_steps_after_the_exchange_as_compute(monkeypatch):
+    # balance="steps": a faster worker's further inner steps run after the step's exchange; its speed (samples over
+    # compute) must cover them, or the plan gives it ever more samples (a runaway measured in the hetero benchmark)
+    from lightning_dist.comm import CommStats
+    from lightning_dist.strategy.step_meter import StepMeter
+
+    clock = iter([0.0, 1.0, 5.0])  # batch start, first inner step's backward done, step finished
+    monkeypatch.setattr("lightning_dist.strategy.step_meter.time.perf_counter", lambda: next(clock))
+    meter = StepMeter()
+    meter.batch_started(torch.zeros(16, 3))
+    meter.backward_done()
+    meter.add_compute(1.5)  # the second inner step; the 2.5 s left are the exchange's wait
+    meter.step_finished(CommStats(), exposed_s=0.0)
+    assert meter.last_step["samples"] == 16 and meter.last_step["compute_s"] == 2.5

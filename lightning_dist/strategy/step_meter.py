@@ -40,6 +40,7 @@ class StepMeter:
         self._backward_done: Optional[float] = None
         self._last_step_end: Optional[float] = None
         self._samples = 0  # samples this rank used in the current step
+        self._more_compute = 0.0  # compute after the step's exchange (DiLoCo(balance="steps")'s further inner steps)
         self.step = 0  # optimizer steps (taken or skipped) since fit started: the same count on every rank
         # this rank's own measurements of the last step, always available, no collective involved
         self.last_step: dict[str, float] = {}
@@ -59,6 +60,12 @@ class StepMeter:
     def backward_done(self) -> None:
         self._backward_done = time.perf_counter()
 
+    def add_compute(self, seconds: float) -> None:
+        """Compute this step did after its exchange (a faster worker's further inner steps under
+        ``DiLoCo(balance="steps")``): it counts in ``compute_s``, so that the speed measured covers every sample of
+        the step, while the wait inside the exchange does not."""
+        self._more_compute += seconds
+
     def exchanged(self, exchange: StepExchange, world_size: int) -> None:
         """Every rank's values arrived on this step's exchange: refresh what the metrics callback logs."""
         self.step_metrics = metrics_from(exchange, world_size)
@@ -70,7 +77,7 @@ class StepMeter:
         started = self._step_started or now
         self.last_step = {
             "samples": float(self._samples),
-            "compute_s": max((self._backward_done or now) - started - exposed_s, 0.0),
+            "compute_s": max((self._backward_done or now) - started - exposed_s, 0.0) + self._more_compute,
             "comm_s": stats.seconds,
             "exposed_s": exposed_s,
             "bytes_sent": float(stats.bytes_sent),
@@ -84,7 +91,7 @@ class StepMeter:
                            ("samples", self._samples),
                            *((f"bytes_{tier}", stats.tier_bytes.get(tier, 0)) for tier in TIERS)):
             self.totals[key] += value
-        self._samples = 0
+        self._samples, self._more_compute = 0, 0.0
         self.step += 1
         self._last_step_end, self._step_started, self._backward_done = now, None, None
 
