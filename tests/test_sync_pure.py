@@ -294,7 +294,7 @@ def test_the_step_meter_counts_the_inner_steps_after_the_exchange_as_compute(mon
     from lightning_dist.comm import CommStats
     from lightning_dist.strategy.step_meter import StepMeter
 
-    clock = iter([0.0, 1.0, 5.0])  # batch start, first inner step's backward done, step finished
+    clock = iter([10.0, 11.0, 15.0])  # batch start, first inner step's backward done, step finished
     monkeypatch.setattr("lightning_dist.strategy.step_meter.time.perf_counter", lambda: next(clock))
     meter = StepMeter()
     meter.batch_started(torch.zeros(16, 3))
