@@ -1,14 +1,19 @@
 """The sync benchmark (issue 31): its cycle timing, combination, targets and tables on hand-made records, and one quick
 run (loopback curves, a shaped cluster job with the validation run, the no-sync step cost) shared by every check of
-what it measured."""
+what it measured. Issue 32's scenarios (``--scenario streaming`` and ``hetero``): the peak window, the bandwidth that
+hides an exchange, the link sampler, the timing and balance summaries, verdicts and tables on hand-made records, and
+one quick run of each."""
 
 from __future__ import annotations
 
 import json
 import math
+import time
 
+import numpy as np
 import pytest
 
+from lightning_dist.benchmarks import _streaming as stream
 from lightning_dist.benchmarks import sync
 
 
@@ -216,3 +221,345 @@ def test_from_redoes_the_report_from_a_saved_run(quick, tmp_path):
     assert again["combined"] == payload["combined"] and again["targets"] == payload["targets"]
     assert (tmp_path / "sync.txt").read_text() == (out / "sync.txt").read_text()
     assert (tmp_path / "sync.png").exists()
+
+
+# -- issue 32: the streaming and heterogeneous scenarios -------------------------------------------------------------
+def test_peak_rate_takes_the_busiest_window_of_the_link_counter():
+    # a reading every 20 ms for 5 s: 100 B/s of background, and a 50 kB burst between 2.0 and 2.2 s
+    times = [0.02 * i for i in range(251)]
+    counter = [int(100 * t + 50_000 * min(max(t - 2.0, 0.0), 0.2) / 0.2) for t in times]
+    peak, window = stream.peak_rate(list(zip(times, counter)))
+    assert window == 1.0 and peak == pytest.approx(50_100, rel=0.01)
+    # a window that holds only background
+    quiet, _ = stream.peak_rate(list(zip(times[:90], counter[:90])))
+    assert quiet == pytest.approx(100, rel=0.05)
+    # readings that span less than a window: one window of the whole span
+    short, used = stream.peak_rate([(0.0, 0), (0.1, 500), (0.4, 800)])
+    assert used == pytest.approx(0.4) and short == pytest.approx(2000)
+    assert stream.peak_rate([(1.0, 5)]) == (None, None) and stream.peak_rate([(1.0, 5), (1.0, 9)]) == (None, None)
+
+
+def test_hidden_bandwidth_spreads_an_exchange_over_its_delay_or_its_sync_step():
+    assert stream.hidden_bandwidth(60_000, 2, 0.05, 0.5) == pytest.approx(600_000)  # over 2 steps of 50 ms
+    assert stream.hidden_bandwidth(60_000, 0, 0.05, 0.5) == pytest.approx(120_000)  # tau = 0: over the sync step
+    assert stream.hidden_bandwidth(None, 1, 0.05, 0.5) is None
+    assert stream.hidden_bandwidth(60_000, 1, None, 0.5) is None
+    assert stream.hidden_bandwidth(60_000, 0, 0.05, None) is None
+
+
+def test_link_sampler_reads_the_counter_on_a_thread_until_stopped():
+    reads = iter(range(0, 10**9, 1000))
+    sampler = stream.LinkSampler(lambda: next(reads), interval_s=0.005)
+    sampler.stop()  # never started: nothing
+    sampler.start()
+    time.sleep(0.1)
+    sampler.stop()
+    count = len(sampler.samples)
+    assert count >= 5  # the first reading, the thread's, the last
+    assert [b for _, b in sampler.samples] == list(range(0, 1000 * count, 1000))
+    assert all(b[0] > a[0] for a, b in zip(sampler.samples, sampler.samples[1:]))
+    time.sleep(0.03)
+    assert len(sampler.samples) == count  # stopped means stopped
+
+
+def _stream_ranks(every, fragments, delay, cycles, local_s, sync_s, slow_rank=None, waited_s=0.004):
+    """Hand-made raw records of 4 ranks: ``cycles`` cycles of H = ``every``, steps of ``local_s`` but the fragment
+    sync steps (``sync_s``); rank ``slow_rank`` 1.5x slower. Every fragment exchange reports at its landing step
+    (``s + delay``): waited ``waited_s``, 0.03 s of exchange, 8000 payload bytes. Rank 0's link: 10 000 bytes sent
+    at each landing step, read at every step end and on a 20 ms grid."""
+    interval = every // fragments
+    ranks = []
+    for rank in range(4):
+        scale = 1.5 if rank == slow_rank else 1.0
+        ends, now, trace = [], 0.0, []
+        for step in range(1, every * cycles + 1):
+            now += scale * (sync_s if step % interval == 0 else local_s)
+            ends.append(now)
+            if step > delay and (step - delay) % interval == 0:
+                trace.append([step, {"sync/waited_s": waited_s, "sync/seconds": 0.03 + 0.001 * step,
+                                     "sync/bytes_per_sync": 8000.0}])
+        ranks.append({"ends": ends, "trace": trace})
+    landed = [s for s in range(1, every * cycles + 1) if s > delay and (s - delay) % interval == 0]
+    ranks[0]["link_sent"] = [10_000 * sum(1 for s in landed if s <= step) for step in range(1, every * cycles + 1)]
+    first = every  # the sampler runs over the timed cycles
+    grid = np.arange(ranks[0]["ends"][first - 1], ranks[0]["ends"][-1], 0.02)
+    ranks[0]["link_samples"] = [[t, ranks[0]["link_sent"][int(np.searchsorted(ranks[0]["ends"], t, "right")) - 1]]
+                                for t in grid]
+    return ranks
+
+
+def test_nosync_step_is_the_slowest_hosts_mean_step():
+    bursty = [0.0] + list(np.cumsum([0.015, 0.015, 0.015, 0.045] * 10))  # a median would say 15 ms, the mean is 22.5
+    rec = stream.nosync_step([bursty, [0.01 * i for i in range(41)], [0.0, 1.0]], warmup=2)
+    assert rec["per_rank_s"][0] == pytest.approx((bursty[-1] - bursty[2]) / 38)
+    assert rec["per_rank_s"][1] == pytest.approx(0.01) and rec["per_rank_s"][2] is None
+    assert rec["step_s"] == rec["per_rank_s"][0]
+
+
+def test_stream_timing_reads_the_slowest_worker_its_waits_and_host_0s_link():
+    every, fragments, delay = 10, 2, 1
+    ranks = _stream_ranks(every, fragments, delay, cycles=4, local_s=0.05, sync_s=0.08, slow_rank=2)
+    cycles = [sync.cycle_timing(r["ends"], every, 1) for r in ranks]
+    rec = stream.stream_timing({"every": every, "fragments": fragments, "delay": delay}, cycles, ranks, 1, 0.05)
+    # a cycle: 8 local steps and 2 sync steps, 1.5x on the slowest rank
+    assert rec["slowest_rank"] == 2 and rec["per_step_s"] == pytest.approx(1.5 * (8 * 0.05 + 2 * 0.08) / 10)
+    assert rec["local_step_s"] == pytest.approx(0.075) and rec["sync_step_s"] == pytest.approx(0.12)
+    assert rec["timed_steps"] == 30 and rec["timed_cycles"] == 3 and rec["exchanges"] == 6
+    assert rec["reports"] == 6  # landing steps 11, 16, ..., 36 in the timed steps (10, 40]
+    assert rec["waited_per_step_s"] == pytest.approx(6 * 0.004 / 30)
+    assert rec["waited_fraction"] == pytest.approx(rec["waited_per_step_s"] / rec["per_step_s"])
+    assert rec["exposed_by_time_s"] == pytest.approx(rec["per_step_s"] - 0.05)
+    assert rec["exchange_s"] == pytest.approx(0.03 + 0.001 * np.median([11, 16, 21, 26, 31, 36]))
+    assert rec["payload_bytes_per_exchange"] == 8000 and rec["link_bytes_per_exchange"] == pytest.approx(10_000)
+    assert rec["link_bytes_per_step"] == pytest.approx(60_000 / 30)
+    assert rec["hidden_bytes_per_s"] == pytest.approx(10_000 / (1 * 0.05))  # over tau no-sync steps
+    # the busiest second of rank 0's link holds the landings of about 1 s / 0.058 s per step / 5 steps
+    assert 30_000 <= rec["peak_bytes_per_s"] <= 50_000 and rec["peak_window_s"] == 1.0
+    sync0 = stream.stream_timing({"every": every, "fragments": 1, "delay": 0}, cycles, ranks, 1, None)
+    assert sync0["exposed_by_time_s"] is None and sync0["hidden_bytes_per_s"] is not None  # over the sync step
+
+
+def _stream_curve(label, fragments, delay, codec, agreed, own=None):
+    """A streaming curve: ``agreed`` the final loss of theta_global, ``own`` rank 0's model's (default the same)."""
+    own = agreed if own is None else own
+    return {"label": label, "every": 50, "fragments": fragments, "delay": delay, "codec": codec,
+            "curve_steps": [50, 100], "curve_loss": [own + 0.5, own], "final_loss": own, "global_loss": agreed,
+            "samples_per_step": 32, "error": None}
+
+
+def _stream_time(label, peak, waited_fraction, by_time=0.03, per_step_s=0.1):
+    return {"label": label, "per_step_s": per_step_s, "local_step_s": 0.05, "nosync_step_s": 0.05,
+            "waited_per_step_s": waited_fraction * per_step_s, "waited_fraction": waited_fraction,
+            "exposed_by_time_s": by_time * per_step_s, "exposed_by_time_fraction": by_time, "exchange_s": 0.2,
+            "link_bytes_per_exchange": 50_000.0, "peak_bytes_per_s": peak, "hidden_bytes_per_s": 1e6, "error": None}
+
+
+STREAM_CURVES = [_stream_curve("diloco50", 1, 0, None, 2.0), _stream_curve("F1/tau0/int4", 1, 0, "int4", 2.01),
+                 _stream_curve("F5/tau1/int4", 5, 1, "int4", 2.015, own=2.03),
+                 _stream_curve("F10/tau5/int4", 10, 5, "int4", 2.03, own=2.01),
+                 _stream_curve("F1/tau1/int4", 1, 1, "int4", 2.0),
+                 {**_stream_curve("F5/tau5/int4", 5, 5, "int4", 2.0), "error": "rank 3 died", "final_loss": None,
+                  "global_loss": None}]
+STREAM_TIMES = [_stream_time("diloco50", 1_250_000, 0.5), _stream_time("F1/tau0/int4", 1_250_000, 0.3),
+                _stream_time("F5/tau1/int4", 50_000, 0.02), _stream_time("F10/tau5/int4", 100_000, 0.08),
+                _stream_time("F1/tau1/int4", 1_250_000, 0.01, by_time=0.2)]
+
+
+def test_stream_rows_targets_table_and_plot():
+    rows = stream.stream_rows(STREAM_CURVES, STREAM_TIMES, "diloco50")
+    by = {r["label"]: r for r in rows}
+    assert by["diloco50"]["reference"] and by["F5/tau1/int4"]["global_vs_ref"] == pytest.approx(0.0075)
+    assert by["F5/tau1/int4"]["loss_vs_ref"] == pytest.approx(0.015)  # rank 0's own model: shown, not judged
+    assert by["F5/tau1/int4"]["peak_vs_ref"] == pytest.approx(1 / 25)
+    assert by["F5/tau5/int4"]["timing_error"] == "not timed" and by["F5/tau5/int4"]["loss_vs_ref"] is None
+    targets = stream.stream_targets(rows)
+    assert targets["peak/F5/tau1/int4"]["met"] and targets["quality/F5/tau1/int4"]["met"]
+    assert not targets["peak/F10/tau5/int4"]["met"] and not targets["quality/F10/tau5/int4"]["met"]  # 1/12.5, +1.5%
+    assert targets["exposed/F5/tau1/int4"]["met"] and not targets["exposed/F10/tau5/int4"]["met"]
+    # the loop barely waited for the exchange, yet its steps took 20% longer than with no sync: missed
+    assert not targets["exposed/F1/tau1/int4"]["met"] and targets["exposed/F1/tau1/int4"]["by_time"] == 0.2
+    assert not any("F1/tau0" in key for key in targets)  # neither F >= 4 nor tau >= 1
+    lines = stream.stream_target_lines(targets, rows, "diloco50")
+    assert any("F=5, tau=1, int4: peak" in line and "MET (1/25.0 of diloco50's (50.0 KB/s))" in line
+               for line in lines)
+    assert any("F=10, tau=5, int4: final val loss within 1%" in line
+               and "MISSED (theta_global +1.50%; rank 0's own model +0.50%)" in line for line in lines)
+    assert any("F5/tau5/int4: exposed" in line and "MISSED (not measured)" in line for line in lines)
+    assert any("F10/tau5/int4: exposed" in line and "sync/waited_s 8.0% of the step; the step less the no-sync step "
+               "3.0%" in line for line in lines)
+    int8 = stream.stream_rows([_stream_curve("diloco50", 1, 0, None, 2.0), _stream_curve("F5/tau1/int8", 5, 1, "int8",
+                                                                                         2.0)], [], "diloco50")
+    assert "int8 (in place of int4)" in stream.stream_target_lines({}, int8, "diloco50")[0]
+    table = stream.stream_table(rows)
+    assert "diloco50 (ref)" in table and "1/25.0" in table and "+0.75%" in table and "+1.50%" in table
+    assert "rank 3 died" in table
+    assert stream.stream_plot(STREAM_CURVES, rows, "diloco50") is not None
+
+
+def test_stream_methods_pass_the_grid_to_diloco_and_leave_out_what_it_refuses():
+    methods, refused = sync.stream_methods("int8", 50, (1, 5, 4), (0, 1))
+    assert list(methods) == ["diloco50", "F1/tau0/int8", "F1/tau1/int8", "F5/tau0/int8", "F5/tau1/int8"]
+    assert set(refused) == {"F4/tau0/int8", "F4/tau1/int8"} and "fragments" in refused["F4/tau0/int8"]
+    reference = methods["diloco50"].settings()
+    assert reference.every == 50 and reference.compressor.name == "none"
+    settings = methods["F5/tau1/int8"].settings()
+    assert (settings.every, settings.fragments, settings.delay, settings.compressor.name) == (50, 5, 1, "int8")
+    assert sync.Method("x").settings() is None
+    assert sync.stream_timing_steps(50, quick=False) == (300, 1) and sync.stream_timing_steps(10, quick=True) == (30, 1)
+    mixed, _ = sync.stream_methods("int8", 50, (5,), (0, 1), mix=1.0)
+    assert mixed["F5/tau1/int8"].settings().mix == 1.0 and mixed["F5/tau0/int8"].mix is None  # no delay: no mix
+    assert sync.hetero_method("steps", "int8", quick=False).settings().balance == "steps"
+    sizes = sync.hetero_sizes(sync.FULL, quick=False)
+    assert sizes.train_bytes // (4 * sizes.batch_size * (sizes.context + 1)) == sync.HETERO_EPOCH_STEPS
+
+
+def _busy(cpu_s):
+    """Spend about ``cpu_s`` of this thread's CPU time."""
+    end = time.thread_time() + cpu_s
+    while time.thread_time() < end:
+        pass
+
+
+def test_cpu_slowdown_stretches_a_ranks_own_cpu_time_and_not_its_waits():
+    class Trainer:
+        global_rank = 1
+
+    slow, trainer = stream.CpuSlowdown({1: 3.0}), Trainer()
+    slow.on_train_batch_start(trainer, None, None, 0)
+    _busy(0.01)
+    started = time.perf_counter()
+    slow.on_before_backward(trainer, None, None)  # 2 x (10 ms forward + 20 ms, backward's guess)
+    assert 0.055 <= time.perf_counter() - started < 0.2
+    _busy(0.005)
+    slow.on_after_backward(trainer, None)
+    # an inner step whose forward window holds a 0.3 s wait for the other hosts: only its own 10 ms count
+    time.sleep(0.3)
+    _busy(0.01)
+    started = time.perf_counter()
+    slow.on_before_backward(trainer, None, None)  # 2 x (10 ms + 5 ms)
+    assert 0.025 <= time.perf_counter() - started < 0.2
+    trainer.global_rank = 0  # a rank without a factor never sleeps
+    started = time.perf_counter()
+    slow.on_before_backward(trainer, None, None)
+    assert time.perf_counter() - started < 0.01
+    with pytest.raises(ValueError, match="each must be >= 1"):
+        stream.CpuSlowdown({0: 0.5})
+    assert stream.slowdowns(4) == {0: 2.0, 1: 2.0, 2: 2.0, 3: 4.0}
+
+
+def _hetero_ranks(step_s, batches, epochs, batch=16):
+    """Raw records of hosts stepping every ``step_s[r]`` seconds through ``epochs`` epochs of ``batches[r]`` batches
+    of ``batch`` windows."""
+    ranks = []
+    for seconds, count in zip(step_s, batches):
+        starts, ends, epoch_of, now = [], [], [], 0.0
+        for epoch in range(epochs):
+            for _ in range(count):
+                starts.append(now)
+                now += seconds
+                ends.append(now)
+                epoch_of.append(epoch)
+        ranks.append({"starts": starts, "ends": ends, "epochs": epoch_of, "samples": [batch] * len(ends)})
+    return ranks
+
+
+def test_hetero_speeds_epochs_rows_targets_table_and_plot():
+    # own speeds: hosts of 0.1 s per step, host 3 of 0.2 s; the fast ones stop at 2 s, so host 3's later steps (alone
+    # on the cores) are not counted even though they are faster; nor host 0's first steps, slow while host 1 warmed up
+    own = _hetero_ranks([0.1, 0.1, 0.1, 0.2], [20, 20, 20, 20], 1)
+    own[3]["ends"] = own[3]["ends"][:10] + [2.0 + 0.05 * i for i in range(1, 11)]
+    own[0]["ends"] = [0.3 * i for i in range(1, 4)] + [0.9 + 0.1 * i for i in range(1, 12)]  # ends at 2.0 s too
+    own[1]["ends"][:2] = [0.35, 0.4]  # its warm-up ends at 0.4 s: the span counted is [0.4 s, 2.0 s]
+    speeds = stream.own_speeds(own, warmup=2)
+    assert speeds == pytest.approx([160, 160, 160, 80])
+    assert stream.own_speeds([own[0], {**own[1], "ends": [5.0 + i for i in range(20)]}], 2)[0] is None  # no overlap
+    # equal batches: everyone waits for host 3 (0.2 s a step); an epoch of 10 steps of 4 x 16 windows
+    equal = _hetero_ranks([0.2] * 4, [10] * 4, 2)
+    figures = stream.epoch_figures(equal, 1)
+    assert figures["wall_s"] == pytest.approx(2.0) and figures["samples"] == 640
+    assert figures["per_rank_batches"] == [10] * 4 and stream.epoch_figures(equal, 5)["wall_s"] is None
+    rows = [stream.hetero_row("equal", equal, speeds, [1]),
+            stream.hetero_row("batches", _hetero_ranks([0.115] * 4, [10] * 4, 2), speeds, [1]),
+            {"mode": "steps", "error": "not run: DiLoCo has no balance setting yet", "skipped": True}]
+    assert rows[0]["ideal_s"] == pytest.approx(640 / 560) and rows[0]["ratio"] == pytest.approx(1.75)
+    assert rows[1]["ratio"] == pytest.approx(1.15 * 560 / 640)  # 1.006
+    targets = stream.hetero_targets(rows)
+    assert set(targets) == {"hetero/batches"} and targets["hetero/batches"]["met"]
+    lines = stream.hetero_target_lines(targets, rows)
+    assert "MET (1.006x the ideal)" in lines[0]
+    assert "balance" in lines[1] and "MISSED (not run: DiLoCo has no balance setting yet)" in lines[1]
+    table = stream.hetero_table(rows, speeds)
+    assert "1.750x" in table and "not run" in table and "160 / 160 / 160 / 80" in table
+    assert stream.hetero_table([stream.hetero_row("x", equal, speeds, [4])], speeds).count("FAILED") == 1
+    assert stream.hetero_plot(rows, speeds) is not None
+
+
+def test_scenario_arguments():
+    assert sync._parse_args([]).scenarios == ("methods",)
+    assert sync._parse_args(["--scenario", "all"]).scenarios == sync.SCENARIOS
+    args = sync._parse_args(["--quick", "--scenario", "streaming", "--codec", "int8"])
+    assert sync.stream_grid(args) == (10, (2,), (1,))
+    args = sync._parse_args(["--scenario", "streaming", "--codec", "int8", "--fragments", "4", "--delays", "0", "1"])
+    assert sync.stream_grid(args) == (50, (4,), (0, 1))
+    assert sync.stream_grid(sync._parse_args(["--scenario", "streaming", "--codec", "int8"])) == (50, (1, 5, 10),
+                                                                                                   (0, 1, 5))
+    args = sync._parse_args(["--scenario", "streaming", "--codec", "int8", "--every", "40", "--fragments", "1", "4"])
+    assert sync.stream_grid(args) == (40, (1, 4), (0, 1, 5))
+    for bad in (["--scenario", "streaming", "--codec", "int8", "--steps", "420"],  # not a multiple of H = 50
+                ["--scenario", "hetero", "--codec", "nope"], ["--scenario", "streaming", "--delays", "-1"],
+                ["--scenario", "streaming", "--codec", "int8", "--every", "30"]):  # 400 steps: no multiple of 30
+        with pytest.raises(SystemExit):
+            sync._parse_args(bad)
+
+
+@pytest.fixture(scope="module")
+def streaming_quick(tmp_path_factory):
+    """One quick streaming run: the reference and F=2, tau=1 at H=10, curves on loopback, one shaped job."""
+    out = tmp_path_factory.mktemp("sync_streaming")
+    return sync.main(["--quick", "--scenario", "streaming", "--out", str(out)]), out
+
+
+@pytest.mark.slow
+def test_quick_streaming_run(streaming_quick, tmp_path):
+    payload, out = streaming_quick
+    for name in ("sync-streaming.json", "sync-streaming.txt", "sync-streaming.png"):
+        assert (out / name).stat().st_size > 0
+    curves = {c["label"]: c for c in payload["curves"]}
+    assert set(curves) == {"diloco10", f"F2/tau1/{stream.STREAM_CODEC}"} and not payload["refused"]
+    for c in curves.values():
+        assert c["error"] is None, c["error"]
+        assert 0 < c["final_loss"] < math.log(256) and c["samples_per_step"] == 32
+        assert c["final_loss"] == c["curve_loss"][-1]  # the model the fit leaves, at equal samples
+    assert curves["diloco10"]["curve_steps"] == [10, 20]
+    assert curves["diloco10"]["global_loss"] == pytest.approx(curves["diloco10"]["final_loss"], abs=1e-6)  # synced
+    # under a delay the points follow fragment 0's landings (step 11), and the last is the fit's end, every exchange
+    # landed
+    assert curves[f"F2/tau1/{stream.STREAM_CODEC}"]["curve_steps"] == [11, 20]
+    again = sync.main(["--from", str(out / "sync-streaming.json"), "--out", str(tmp_path)])
+    assert again["rows"] == payload["rows"] and again["targets"] == payload["targets"]
+    assert (tmp_path / "sync-streaming.txt").read_text() == (out / "sync-streaming.txt").read_text()
+    if payload["skipped"]:
+        pytest.skip(payload["skipped"])
+    timings = {t["label"]: t for t in payload["timings"]}
+    assert payload["nosync"]["step_s"] > 0
+    for t in timings.values():
+        assert t["error"] is None, t["error"]
+        assert t["per_step_s"] > 0 and t["timed_cycles"] == 2 and t["link_readings"] >= 2
+        assert t["peak_bytes_per_s"] > 0 and t["link_bytes_per_exchange"] > 0 and t["exchange_s"] > 0
+        assert t["reports"] == t["exchanges"]  # one sync/* report per fragment exchange
+        assert 0 <= t["waited_per_step_s"] < t["per_step_s"]
+    ref, streaming = timings["diloco10"], timings[f"F2/tau1/{stream.STREAM_CODEC}"]
+    assert ref["exchanges"] == 2 and streaming["exchanges"] == 4
+    # half the model at a time, in at most 8 bits instead of 32
+    assert streaming["payload_bytes_per_exchange"] < ref["payload_bytes_per_exchange"] / 6
+    assert f"exposed/F2/tau1/{stream.STREAM_CODEC}" in payload["targets"]
+
+
+@pytest.fixture(scope="module")
+def hetero_quick(tmp_path_factory):
+    """One quick heterogeneous run: the hosts' speeds, then the three modes, on loopback."""
+    out = tmp_path_factory.mktemp("sync_hetero")
+    return sync.main(["--quick", "--scenario", "hetero", "--out", str(out)]), out
+
+
+@pytest.mark.slow
+def test_quick_hetero_run(hetero_quick, tmp_path):
+    payload, out = hetero_quick
+    for name in ("sync-hetero.json", "sync-hetero.txt", "sync-hetero.png"):
+        assert (out / name).stat().st_size > 0
+    assert "error" not in payload["raw"], payload["raw"].get("error")
+    alone, speeds = payload["alone_speeds"], payload["speeds"]
+    assert alone[stream.SLOW_HOST] < 0.7 * alone[0]  # Slowdown's half speed, seen alone
+    assert all(s is not None and s > 0 for s in speeds), speeds
+    rows = {r["mode"]: r for r in payload["rows"]}
+    assert set(rows) == {*stream.HETERO_MODES, stream.FIXED_MODE}
+    epoch = sync.QUICK_HETERO_EPOCH_STEPS * 4 * sync.QUICK.batch_size
+    for mode in ("equal", "batches", stream.FIXED_MODE):
+        r = rows[mode]
+        assert r["error"] is None, r["error"]
+        assert r["samples"] == epoch and r["wall_s"] > 0 and r["ratio"] > 0.5
+    assert rows["equal"]["per_rank_samples"] == [epoch // 4] * 4
+    assert rows["batches"]["per_rank_samples"][stream.SLOW_HOST] < epoch // 4  # the slow host's batches shrank
+    assert "hetero/batches" in payload["targets"]
+    again = sync.main(["--from", str(out / "sync-hetero.json"), "--out", str(tmp_path)])
+    assert again["rows"] == payload["rows"] and again["targets"] == payload["targets"]

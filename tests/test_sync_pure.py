@@ -302,3 +302,14 @@ def test_the_step_meter_counts_the_inner_steps_after_the_exchange_as_compute(mon
     meter.add_compute(1.5)  # the second inner step; the 2.5 s left are the exchange's wait
     meter.step_finished(CommStats(), exposed_s=0.0)
     assert meter.last_step["samples"] == 16 and meter.last_step["compute_s"] == 2.5
+
+
+def test_the_workers_meet_on_the_loops_thread_only_where_a_sync_runs_in_the_step():
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    steps = range(1, 13)
+    synchronous = DiLoCoSync(DiLoCo(every=4, fragments=2), Workers(((0,), (1,)), rank=0), "auto", None)
+    synchronous.bind(module)
+    assert [s for s in steps if synchronous.meets(s)] == [2, 4, 6, 8, 10, 12]  # every fragment's sync
+    delayed = DiLoCoSync(DiLoCo(every=4, fragments=2, delay=1), Workers(((0,), (1,)), rank=0), "auto", None)
+    delayed.bind(module)
+    assert [s for s in steps if delayed.meets(s)] == [4, 8, 12]  # once per H: the first fragment's start

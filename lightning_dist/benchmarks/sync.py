@@ -40,11 +40,34 @@ bytes across workers per inner step at most 1/H of dense's (int8 at most 1/(3.5 
 10 Mbit/s at least 10x faster than dense and 2x faster than the best per-step compressor; the no-sync step <= 1.03x.
 Writes ``sync.{txt,json,png}``: the quality, bytes and time-to-loss tables, the timing table, the verdicts; the plot
 shows validation loss against wall time (per rate) and against bytes across workers.
+
+That is ``--scenario methods``, the default. Issue 32's two scenarios (their summaries, targets, tables and plots in
+:mod:`lightning_dist.benchmarks._streaming`; ``--scenario all`` runs all three):
+
+- ``--scenario streaming``: 4 hosts of 1 rank at 10 Mbit/s, H = 50; the reference (the dense DiLoCo H=50 above) and
+  Streaming DiLoCo at F in {1, 5, 10} x tau in {0, 1, 5} with int4 pseudo-gradients (``DiLoCo(fragments=F,
+  delay=tau)``, DiLoCo's default mix; F = 5 in place of the issue's 4, which does not divide H = 50). Loopback
+  curves to :attr:`Sizes.steps` (equal samples; after every landing of fragment 0, and after the fit, when every
+  exchange has landed: rank 0's own model and ``theta_global``, the model every worker agrees on, which the quality
+  target judges); one shaped job that times every configuration for a warm-up cycle and :data:`STREAM_TIMED_CYCLES`
+  cycles on every host, recording each rank's step ends and ``sync/*`` reports and host 0's link counter (every step,
+  and every ~20 ms over the timed cycles on a thread), then a fit that never syncs (the step with no sync). Writes
+  ``sync-streaming.{txt,json,png}``.
+- ``--scenario hetero``: 4 loopback ranks posing as 4 hosts, host 3 at half speed
+  (:class:`~lightning_dist.benchmarks._streaming.CpuSlowdown`, :class:`~lightning_dist.testing.Slowdown` by CPU time;
+  every host paced 2x so that the 4 fit 2 cores, host 3 4x), DiLoCo H = 50, int4, F = 5, tau = 1, under
+  equal batches, batches that follow speed (``HeteroBatching(window=5, every_n_steps=5)``) and
+  ``DiLoCo(balance="steps")`` (with the same HeteroBatching, which measures the speeds), and reported only, batches
+  sized once from the measured speeds (no rebalancing, so no exchange on every step); the hosts' own speeds from a
+  fit in which no host waits for another (and, for reference, each alone). Loopback, not the shaped cluster: the link
+  adds the exchange's time to every mode alike, and what is judged is how compute is balanced. Writes
+  ``sync-hetero.{txt,json,png}``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import json
 import math
@@ -65,8 +88,11 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_dist.benchmarks import _common as bench
+from lightning_dist.benchmarks import _streaming as stream
 from lightning_dist.benchmarks._cluster import failure_message, launch_job
+from lightning_dist.compression import COMPRESSORS
 from lightning_dist.examples import ByteLM, StdlibText
+from lightning_dist.hetero import HeteroBatching
 from lightning_dist.simcluster import link_bytes_sent, unavailable
 from lightning_dist.strategy import RingDDPStrategy, features_of
 from lightning_dist.sync import DiLoCo
@@ -122,23 +148,48 @@ QUICK = Sizes(width=32, depth=1, heads=2, context=32, batch_size=8, train_bytes=
 
 @dataclass(frozen=True)
 class Method:
-    """One way to train: a per-step compressor, or DiLoCo every ``every`` steps with a pseudo-gradient compressor."""
+    """One way to train: a per-step compressor, or DiLoCo every ``every`` steps with a pseudo-gradient compressor
+    (and, for part 2's scenarios, Streaming DiLoCo's settings, passed to :class:`~lightning_dist.sync.DiLoCo` as
+    they are wherever they differ from part 1's sync)."""
 
     label: str
     compressor: Optional[dict] = None  # the per-step gradient's (build_compressor's arguments); None: dense
     every: int = 1  # H; 1: a per-step method
     sync_compressor: Optional[dict] = None  # DiLoCo's pseudo-gradient's; None: dense
+    fragments: int = 1  # DiLoCo(fragments=F): the model synced in F fragments at staggered steps
+    delay: int = 0  # DiLoCo(delay=tau): inner steps a fragment's exchange overlaps before it lands
+    mix: Optional[float] = None  # DiLoCo(mix=alpha) for a delayed fragment; None: DiLoCo's default
+    balance: Optional[str] = None  # DiLoCo(balance=...) for workers of different speeds; None: DiLoCo's default
 
     @property
     def diloco(self) -> bool:
         return self.every > 1
 
-    def strategy(self, topology: str) -> RingDDPStrategy:
-        sync = (DiLoCo(every=self.every, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
-                       compressor=dict(self.sync_compressor) if self.sync_compressor else None)
-                if self.diloco else None)
+    @property
+    def codec(self) -> Optional[str]:
+        """The pseudo-gradient's compressor name (None: dense)."""
+        return self.sync_compressor["name"] if self.sync_compressor else None
+
+    def settings(self) -> Optional[DiLoCo]:
+        """The DiLoCo settings (None for a per-step method); raises DiLoCo's ValueError for a refused combination."""
+        if not self.diloco:
+            return None
+        streaming: dict[str, Any] = {}
+        if self.fragments != 1:
+            streaming["fragments"] = self.fragments
+        if self.delay != 0:
+            streaming["delay"] = self.delay
+        if self.mix is not None:
+            streaming["mix"] = self.mix
+        if self.balance is not None:
+            streaming["balance"] = self.balance
+        return DiLoCo(every=self.every, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
+                      compressor=dict(self.sync_compressor) if self.sync_compressor else None, **streaming)
+
+    def strategy(self, topology: str, hetero: Optional[HeteroBatching] = None) -> RingDDPStrategy:
         return RingDDPStrategy(algorithm=ALGORITHM, compressor=dict(self.compressor) if self.compressor else None,
-                               sync=sync, topology=topology, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                               sync=self.settings(), topology=topology, hetero=hetero,
+                               timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
 TOPK = {"name": "topk", "ratio": 0.01}
@@ -213,58 +264,116 @@ def val_loss(module: ByteLM, batch: tuple[torch.Tensor, torch.Tensor], chunk: in
 
 
 class FitRecord(Callback):
-    """Per optimizer step: its end (``perf_counter``) and, on a simulated host, what had left it through its link.
-    With ``every`` (the curve's interval), rank 0 evaluates the validation loss after every ``every``-th step while the
-    other ranks wait at a barrier (so a timed run can subtract the evaluations), timing it."""
+    """Per optimizer step: its start and end (``perf_counter``), its epoch and samples and, on a simulated host, what
+    had left it through its link. With ``every`` (the curve's interval), rank 0 evaluates the validation loss after
+    every ``every``-th step while the other ranks wait at a barrier (so a timed run can subtract the evaluations),
+    timing it (with ``offset``, after every ``k every + offset``-th step instead). With ``trace``, DiLoCo's ``sync/*``
+    metrics each time they change (``[step, metrics]``: one report per sync); with ``sample`` ``(first, last)``, a
+    :class:`~lightning_dist.benchmarks._streaming.LinkSampler` reads the host's link every ~20 ms from the end of step
+    ``first`` to the end of step ``last``."""
 
-    def __init__(self, every: Optional[int] = None, batch: Optional[tuple] = None, link: bool = False) -> None:
-        self.every, self.batch, self.link = every, batch, link
+    def __init__(self, every: Optional[int] = None, batch: Optional[tuple] = None, link: bool = False,
+                 trace: bool = False, sample: Optional[tuple[int, int]] = None, offset: int = 0) -> None:
+        self.every, self.batch, self.link, self.trace, self.sample = every, batch, link, trace, sample
+        self.offset = offset  # evaluate after the steps ``k every + offset`` (a delayed sync lands ``offset`` later)
         self.start: Optional[float] = None
+        self.starts: list[float] = []
         self.ends: list[float] = []
+        self.epochs: list[int] = []
+        self.samples: list[int] = []
         self.link_sent: list[int] = []
         self.curve: list[tuple[int, float, float, float]] = []  # (step, loss, step end, evaluation seconds)
+        self.sync_trace: list[tuple[int, dict[str, float]]] = []
+        self.sampler = stream.LinkSampler(link_bytes_sent) if sample else None
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.starts.append(time.perf_counter())
         if self.start is None:
-            self.start = time.perf_counter()
+            self.start = self.starts[0]
 
     @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           *args: Any) -> None:
         self.ends.append(time.perf_counter())
+        self.epochs.append(trainer.current_epoch)
+        self.samples.append(len(batch[0]))  # (inputs, targets), a window each
         if self.link:
             self.link_sent.append(link_bytes_sent())
         step = trainer.global_step
-        if self.every and step % self.every == 0:
+        if self.sampler is not None and step == self.sample[0]:
+            self.sampler.start()
+        elif self.sampler is not None and step == self.sample[1]:
+            self.sampler.stop()
+        features = features_of(trainer.strategy)
+        if self.trace and features is not None and features.sync is not None:
+            metrics = dict(features.sync.metrics)
+            if metrics and (not self.sync_trace or self.sync_trace[-1][1] != metrics):
+                self.sync_trace.append((step, metrics))
+        if self.every and step > self.offset and step % self.every == self.offset % self.every:
             started = time.perf_counter()
             if trainer.is_global_zero:
                 self.curve.append((step, val_loss(pl_module, self.batch), self.ends[-1], 0.0))
-            features = features_of(trainer.strategy)
             if features is not None and features.exchange_group is not None:
                 dist.barrier(group=features.exchange_group)
             if trainer.is_global_zero:
                 self.curve[-1] = (*self.curve[-1][:3], time.perf_counter() - started)
 
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.sampler is not None:
+            self.sampler.stop()  # a fit shorter than the sampled steps
 
-def fit(method: Method, shape: Shape, sizes: Sizes, steps: int, curve: bool, link: bool = False) -> dict[str, Any]:
-    """One fit of ByteLM under ``method`` on this rank (the process group is the launcher's); this rank's record."""
+
+def fit(method: Method, shape: Shape, sizes: Sizes, steps: int, curve: bool, link: bool = False,
+        record: Optional[FitRecord] = None, callbacks: Sequence[Callback] = (),
+        hetero: Optional[HeteroBatching] = None, epochs: Optional[int] = None) -> dict[str, Any]:
+    """One fit of ByteLM under ``method`` on this rank (the process group is the launcher's); this rank's record.
+    ``record``: the :class:`FitRecord` to use (default: the curve's, with ``link``; under a delayed sync its points
+    follow the landings, and the last is the model the fit leaves); ``callbacks`` after it;
+    ``hetero``: the strategy's heterogeneous batching; ``epochs``: train that many epochs (``steps`` then -1)."""
     L.seed_everything(SEED, verbose=False)
     model = ByteLM(width=sizes.width, depth=sizes.depth, heads=sizes.heads, context=sizes.context,
                    warmup_steps=sizes.warmup_steps)
     data = StdlibText(context=sizes.context, batch_size=sizes.batch_size, max_train_bytes=sizes.train_bytes,
                       max_val_bytes=sizes.context + 1, seed=SEED)
-    strategy = method.strategy(shape.topology)
-    record = FitRecord(eval_every(method, sizes) if curve else None, val_batch(sizes) if curve else None, link)
+    strategy = method.strategy(shape.topology, hetero=hetero)
+    if record is None:
+        record = FitRecord(eval_every(method, sizes) if curve else None, val_batch(sizes) if curve else None, link,
+                           offset=method.delay)
     trainer = quiet_trainer(devices=shape.per_host, num_nodes=shape.hosts, strategy=strategy, max_steps=steps,
-                            limit_val_batches=0, callbacks=[record])
+                            max_epochs=epochs if epochs is not None else -1, limit_val_batches=0,
+                            callbacks=[record, *callbacks])
     trainer.fit(model, data)
+    if record.every and trainer.is_global_zero and (not record.curve or record.curve[-1][0] != trainer.global_step):
+        # the model the fit leaves: a delayed sync still in flight after the last step has landed (DiLoCo settles it
+        # as training ends), so the last point holds every sync the fit started, as a synchronous sync's does
+        record.curve.append((trainer.global_step, val_loss(model, record.batch), time.perf_counter(), 0.0))
     features = features_of(trainer.strategy)
+    global_loss = None
+    if record.every and trainer.is_global_zero and features.sync is not None:
+        global_loss = val_loss(global_model(model, features.sync.state_dict()), record.batch)
     # DiLoCo's sync/* figures as of the last sync (its bytes per step: this rank's over the fit's steps)
     sync_metrics = dict(features.sync.metrics) if features.sync is not None else {}
     return {"method": method.label, "steps": trainer.global_step, "params": sum(p.numel() for p in model.parameters()),
-            "start": record.start, "ends": record.ends, "link_sent": record.link_sent,
+            "start": record.start, "starts": record.starts, "ends": record.ends, "epochs": record.epochs,
+            "samples": record.samples, "link_sent": record.link_sent,
             "curve": [list(point) for point in record.curve], "totals": dict(features.totals),
-            "sync_metrics": sync_metrics}
+            "sync_metrics": sync_metrics, "global_loss": global_loss,
+            "trace": [[step, m] for step, m in record.sync_trace],
+            "link_samples": [list(s) for s in record.sampler.samples] if record.sampler is not None else []}
+
+
+def global_model(model: ByteLM, state: dict[str, Any]) -> ByteLM:
+    """A copy of ``model`` holding DiLoCo's ``theta_global`` (and averaged buffers) from its sync's ``state_dict()``:
+    the model every worker agrees on. Under Streaming DiLoCo a worker's own model mixes each fragment's global value
+    with its progress since that fragment's last sync; the global one holds each fragment as of its last sync."""
+    agreed = copy.deepcopy(model)
+    named = {**dict(agreed.named_parameters()), **dict(agreed.named_buffers())}
+    with torch.no_grad():
+        for name, tensor in {**state["global"], **state.get("buffers", {})}.items():
+            named[name].copy_(tensor)
+    return agreed
 
 
 def _one_thread() -> None:
@@ -275,11 +384,12 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _curve_rank(rank: int, world_size: int, label: str, shape_name: str, sizes: Sizes) -> dict[str, Any]:
+def _curve_rank(rank: int, world_size: int, method: Method, shape_name: str, sizes: Sizes, steps: int
+                ) -> dict[str, Any]:
     _one_thread()
     shape = SHAPES[shape_name]
     with bench.quiet_lightning(), launched_externally(rank, world_size, hosts=shape.hosts):
-        return fit(METHODS[label], shape, sizes, sizes.steps if label == DENSE else sizes.horizon, curve=True)
+        return fit(method, shape, sizes, steps, curve=True)
 
 
 def _nosync_rank(rank: int, world_size: int, sizes: Sizes, rounds: int, steps: int) -> dict[str, Any]:
@@ -369,6 +479,7 @@ def curve_record(outs: Sequence[dict[str, Any]], shape: str, equal_steps: int) -
     return {"shape": shape, "method": rank0["method"], "params": rank0["params"], "steps": steps,
             "equal_steps": equal_steps, "curve_steps": [p[0] for p in curve], "curve_loss": [p[1] for p in curve],
             "final_loss": at_equal[0] if at_equal else None, "end_loss": curve[-1][1] if curve else None,
+            "global_loss": rank0.get("global_loss"),
             "bytes_across_per_step": (sum(synced) if synced and len(synced) == len(outs)
                                       else inter / steps if steps else None),
             "inter_host_bytes_per_step": inter / steps if steps else None,
@@ -642,19 +753,369 @@ def plot(curves: Sequence[dict[str, Any]], combined: Sequence[dict[str, Any]], r
     return fig
 
 
+# -- part 2 (issue 32): streaming fragments, workers of different speeds -----------------------------------------------
+SCENARIOS = ("methods", "streaming", "hetero")  # --scenario: one of them, or all
+STREAM_SHAPE = "flat"  # 4 hosts of 1 rank: 4 workers
+STREAM_TIMED_CYCLES, QUICK_STREAM_TIMED_CYCLES = 5, 2  # a streaming timing fit's, after one warm-up cycle
+HETERO_BATCH = 16  # windows per host and step before balancing: a global batch of 64, finer shares than 32 gives
+HETERO_EPOCH_STEPS, QUICK_HETERO_EPOCH_STEPS = 128, 15  # steps per epoch at equal batches
+HETERO_EPOCHS, QUICK_HETERO_EPOCHS = 3, 2  # per fit; every epoch after the first is timed (the first warms up and,
+# under batches that follow speed, measures and rebalances)
+OWN_SPEED_STEPS, QUICK_OWN_SPEED_STEPS = 60, 40  # the fits that measure each host's own speed
+HETERO_DEADLINE_S = 600.0  # one heterogeneous fit's (a fit takes about a minute; --run-timeout lowers it)
+
+
+def stream_grid(args: argparse.Namespace) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """H and the fragments and delays of the streaming scenario: the issue's grid, ``--quick``'s, or the command
+    line's."""
+    every, fragments, delays = ((stream.QUICK_STREAM if args.quick else
+                                 (stream.STREAM_EVERY, stream.STREAM_FRAGMENTS, stream.STREAM_DELAYS)))
+    return (args.every or every, tuple(args.fragments or fragments),
+            tuple(args.delays if args.delays is not None else delays))
+
+
+def stream_methods(codec: str, every: int, fragments: Sequence[int], delays: Sequence[int],
+                   mix: Optional[float] = None) -> tuple[dict[str, Method], dict[str, str]]:
+    """The reference (part 1's DiLoCo at H: dense pseudo-gradient, F = 1, tau = 0) and every (F, tau) with ``codec``
+    pseudo-gradients (``mix``: DiLoCo's mix; None, its default); a pair DiLoCo refuses is left out, in the second dict
+    with DiLoCo's reason."""
+    reference = Method(f"diloco{every}", every=every)
+    methods, refused = {reference.label: reference}, {}
+    for count in fragments:
+        for delay in delays:
+            method = Method(stream.stream_label(count, delay, codec), every=every, sync_compressor={"name": codec},
+                            fragments=count, delay=delay, mix=mix if delay else None)
+            try:
+                method.settings()
+            except ValueError as err:
+                refused[method.label] = str(err)
+                continue
+            methods[method.label] = method
+    return methods, refused
+
+
+def stream_timing_steps(every: int, quick: bool) -> tuple[int, int]:
+    """``(steps, warm-up cycles)`` of a streaming timing fit: one warm-up cycle, then 5 timed ones (``--quick`` 2)."""
+    return every * (1 + (QUICK_STREAM_TIMED_CYCLES if quick else STREAM_TIMED_CYCLES)), 1
+
+
+def _config(method: Method) -> dict[str, Any]:
+    return {"label": method.label, "every": method.every, "fragments": method.fragments, "delay": method.delay,
+            "codec": method.codec}
+
+
+def run_stream_curves(args: argparse.Namespace, methods: dict[str, Method]) -> list[dict[str, Any]]:
+    """Every streaming configuration's loopback curve, all to ``sizes.steps`` (equal samples)."""
+    sizes, shape = args.sizes, SHAPES[STREAM_SHAPE]
+    val_batch(sizes)  # read the library once, before the ranks fork
+    records = []
+    for label, method in methods.items():
+        started = time.perf_counter()
+        try:
+            outs = run_ranks(_curve_rank, shape.world, method, STREAM_SHAPE, sizes, sizes.steps,
+                             deadline_s=args.run_timeout)
+            rec = curve_record(outs, STREAM_SHAPE, sizes.steps)
+            bench.progress(f"[sync] streaming curve {label:<14} final val loss {bench.cell(rec['final_loss'], '.4f')} "
+                           f"({time.perf_counter() - started:.0f}s)")
+        except RanksFailed as exc:
+            rec = {"shape": STREAM_SHAPE, "method": label, "error": str(exc).splitlines()[-1][:200]}
+            bench.progress(f"[sync] streaming curve {label:<14} FAILED: {rec['error']}")
+        rec.update(_config(method), samples_per_step=shape.world * sizes.batch_size,
+                   wall_s=time.perf_counter() - started)
+        records.append(rec)
+    return records
+
+
+def run_stream_cluster(args: argparse.Namespace, methods: dict[str, Method], logs: Path) -> dict[str, Any]:
+    """One SimCluster job (4 hosts at 10 Mbit/s): every configuration's timing fit, then a no-sync fit; their raw
+    per-rank records (:func:`stream_timings` makes the figures)."""
+    every, fragments, delays = stream_grid(args)
+    shape = SHAPES[STREAM_SHAPE]
+    steps, warm = stream_timing_steps(every, args.quick)
+    with tempfile.TemporaryDirectory(prefix="lightning_dist_sync_stream_") as workdir:
+        out = Path(workdir)
+        worker = ["--worker", "--scenario", "streaming", "--codec", args.codec, "--out", str(out), "--every",
+                  str(every), "--fragments", *map(str, fragments), "--delays", *map(str, delays)]
+        worker += ["--steps", str(args.sizes.steps)] + (["--quick"] if args.quick else [])
+        worker += ["--mix", str(args.mix)] if args.mix is not None else []
+        log = logs / "streaming.log"
+        bench.progress(f"[sync] streaming timing, {shape.hosts} hosts @ {stream.STREAM_RATE:g} Mbit/s: "
+                       f"{' '.join(methods)}, no sync ({steps} steps each)")
+        codes, wall = launch_job(shape.hosts, stream.STREAM_RATE, worker, free_port(), args.run_timeout, log,
+                                 module=WORKER_MODULE)
+        error = None if codes == [0] * shape.hosts else failure_message(codes, log)
+
+        def ranks_of(name: str) -> Optional[list[dict[str, Any]]]:
+            paths = [out / f"stream_{name}_r{r}.json" for r in range(shape.world)]
+            return [json.loads(p.read_text()) for p in paths] if all(p.exists() for p in paths) else None
+
+        raw = {"warm_cycles": warm, "steps": steps, "error": error, "wall_s": wall, "nosync": ranks_of("nosync"),
+               "configs": {label: {"config": _config(m), "ranks": ranks_of(_safe(label))} for label, m in
+                           methods.items()}}
+    bench.progress(f"[sync] streaming timing job {wall:.0f}s" + (f": {error}" if error else ""))
+    return raw
+
+
+def stream_timings(raw: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The streaming job's figures from its raw records: every configuration's
+    (:func:`~lightning_dist.benchmarks._streaming.stream_timing`, a record with the error where it has none) and the
+    step with no sync."""
+    failed = raw.get("error") or "no result written"
+    nosync: dict[str, Any] = {"step_s": None, "error": failed}
+    if raw.get("nosync"):
+        nosync = {**stream.nosync_step([r["ends"] for r in raw["nosync"]], NOSYNC_WARMUP), "error": None}
+    timings = []
+    for label, entry in raw["configs"].items():
+        config, ranks = entry["config"], entry["ranks"]
+        if ranks is None:
+            timings.append({**config, "error": failed})
+            continue
+        cycles = [cycle_timing(r["ends"], config["every"], raw["warm_cycles"]) for r in ranks]
+        timings.append({**config, **stream.stream_timing(config, cycles, ranks, raw["warm_cycles"],
+                                                         nosync["step_s"])})
+    return timings, nosync
+
+
+def _stream_worker(args: argparse.Namespace) -> None:
+    """One host of the streaming job: every configuration's timing fit, then the no-sync fit; every rank writes its
+    step ends and sync reports, rank 0 (host 0) also its link's counter per step and every ~20 ms."""
+    torch.set_num_threads(1)  # hosts share the machine's cores
+    sizes, shape, out = args.sizes, SHAPES[STREAM_SHAPE], Path(args.out)
+    rank = int(os.environ.get("RANK", "0"))
+    every, fragments, delays = stream_grid(args)
+    methods, _ = stream_methods(args.codec, every, fragments, delays, args.mix)
+    steps, warm = stream_timing_steps(every, args.quick)
+    for label, method in methods.items():
+        record = FitRecord(link=rank == 0, trace=True, sample=(warm * every, steps) if rank == 0 else None)
+        raw = fit(method, shape, sizes, steps, curve=False, record=record)
+        kept = {key: raw[key] for key in ("ends", "trace", "link_sent", "link_samples", "sync_metrics")}
+        (out / f"stream_{_safe(label)}_r{rank}.json").write_text(json.dumps(kept))
+    # last, in processes as warm as the timed fits' (a process's first fit runs its first steps slower)
+    raw = fit(Method("nosync", every=NOSYNC_EVERY), shape, sizes, steps, curve=False)
+    (out / f"stream_nosync_r{rank}.json").write_text(json.dumps({"ends": raw["ends"]}))
+
+
+def run_streaming(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """The streaming scenario: loopback curves, the shaped timing job, ``sync-streaming.{txt,json,png}``."""
+    every, fragments, delays = stream_grid(args)
+    methods, refused = stream_methods(args.codec, every, fragments, delays, args.mix)
+    for label, reason in refused.items():
+        bench.progress(f"[sync] streaming: {label} left out, DiLoCo refuses it: {reason}")
+    steps, _ = stream_timing_steps(every, args.quick)
+    mix = args.mix if args.mix is not None else getattr(DiLoCo(), "mix", None)
+    meta = bench.environment("sync", scenario="streaming", sizes=asdict(args.sizes), every=every,
+                             fragments=list(fragments), delays=list(delays), codec=args.codec, mix=mix,
+                             outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, hosts=SHAPES[STREAM_SHAPE].hosts,
+                             rate_mbit=stream.STREAM_RATE, timing_steps=steps, peak_window_s=stream.PEAK_WINDOW_S,
+                             sample_every_s=stream.SAMPLE_EVERY_S)
+    started = time.perf_counter()
+    curves = run_stream_curves(args, methods)
+    reason = unavailable()
+    raw: dict[str, Any] = {"configs": {}, "nosync": None, "error": reason}
+    if reason is not None:
+        bench.progress(f"[sync] streaming: shaped timing skipped: {reason}")
+    else:
+        logs = out / "logs"
+        logs.mkdir(exist_ok=True)
+        raw = run_stream_cluster(args, methods, logs)
+    total = time.perf_counter() - started
+    bench.progress(f"[sync] streaming done in {total:.0f}s")
+    return stream_report(out, {**meta, "wall_s": total}, reason, curves, raw, refused)
+
+
+def stream_report(out: Path, meta: dict[str, Any], skipped: Optional[str], curves: list[dict[str, Any]],
+                  raw: dict[str, Any], refused: dict[str, str]) -> dict[str, Any]:
+    """The streaming table, verdicts, plot and JSON from the curves and the shaped job's raw records (``--from``
+    redoes them from a saved run's)."""
+    reference = f"diloco{meta['every']}"
+    timings, nosync = stream_timings(raw) if raw["configs"] else ([], {"step_s": None})
+    for t in timings:
+        if t.get("error") is None:
+            bench.progress(f"[sync] streaming timing {t['label']:<14} {1e3 * t['per_step_s']:8,.1f} ms/step, waited "
+                           f"{bench.cell(t['waited_per_step_s'], ',.1f', 1e3)} ms/step, peak "
+                           f"{bench.cell(t['peak_bytes_per_s'], ',.1f', 1e-3)} KB/s")
+    rows = stream.stream_rows(curves, timings, reference)
+    targets = stream.stream_targets(rows)
+    payload = {"meta": meta, "skipped": skipped, "curves": curves, "timings": timings, "nosync": nosync,
+               "refused": refused, "rows": rows, "targets": targets, "raw": raw}
+    notes = [f"{label}: left out, DiLoCo refuses it ({reason})" for label, reason in refused.items()]
+    notes.append(f"mix (alpha) {meta['mix']}; the step with no sync (DiLoCo with H beyond the fit, the same cluster): "
+                 f"{bench.cell(nosync.get('step_s'), ',.1f', 1e3)} ms (the slowest host's mean step)")
+    if skipped:
+        notes.append(f"shaped timing skipped: {skipped}")
+    blocks = [stream.stream_table(rows), notes, stream.stream_target_lines(targets, rows, reference)]
+    return bench.write_results(out, "sync-streaming", blocks, payload,
+                               lambda: stream.stream_plot(curves, rows, reference))
+
+
+def hetero_method(mode: str, codec: str, quick: bool) -> Method:
+    """The heterogeneous scenario's DiLoCo: H = 50, F = 5 (the issue's 4 does not divide 50), tau = 1 (``--quick``:
+    10, 2, 1) with ``codec`` pseudo-gradients; ``balance="steps"`` in mode ``steps``."""
+    every, fragments, delay = (10, 2, 1) if quick else (50, 5, 1)
+    return Method(f"hetero/{mode}", every=every, sync_compressor={"name": codec}, fragments=fragments, delay=delay,
+                  balance="steps" if mode == "steps" else None)
+
+
+def hetero_sizes(sizes: Sizes, quick: bool) -> Sizes:
+    """The model of ``sizes``; the batch and the training stream the scenario's (an epoch of
+    :data:`HETERO_EPOCH_STEPS` steps at equal batches)."""
+    batch = sizes.batch_size if quick else HETERO_BATCH
+    steps = QUICK_HETERO_EPOCH_STEPS if quick else HETERO_EPOCH_STEPS
+    hosts = SHAPES[STREAM_SHAPE].hosts
+    return replace(sizes, batch_size=batch, train_bytes=steps * hosts * batch * (sizes.context + 1))
+
+
+def _hetero_rank(rank: int, world_size: int, method: Method, mode: str, sizes: Sizes, steps: int,
+                 epochs: Optional[int], speeds: Optional[list[float]] = None) -> dict[str, Any]:
+    """One host of a heterogeneous fit: every host paced by :func:`~lightning_dist.benchmarks._streaming.slowdowns`,
+    host :data:`~lightning_dist.benchmarks._streaming.SLOW_HOST` at half the others' speed.
+    Modes ``batches`` and ``steps`` measure every host's speed as heterogeneous batching does
+    (``HeteroBatching(window=5, every_n_steps=5)``): under ``batches`` a host's batch follows it, under ``steps``
+    (``DiLoCo(balance="steps")``) a faster host runs its share as more inner steps of about the slowest's batch.
+    Mode ``fixed`` sizes the batches from ``speeds`` once (``HeteroBatching(speeds=...)``: no rebalancing, so no
+    exchange on every step)."""
+    _one_thread()
+    hetero = HeteroBatching(window=5, every_n_steps=5) if mode in ("batches", "steps") else None
+    if mode == "fixed":
+        hetero = HeteroBatching(speeds=list(speeds))
+    slow = stream.CpuSlowdown(stream.slowdowns(world_size))
+    with bench.quiet_lightning(), launched_externally(rank, world_size, hosts=SHAPES[STREAM_SHAPE].hosts):
+        raw = fit(method, SHAPES[STREAM_SHAPE], sizes, steps, curve=False, record=FitRecord(), callbacks=[slow],
+                  hetero=hetero, epochs=epochs)
+    return {key: raw[key] for key in ("starts", "ends", "epochs", "samples", "steps")}
+
+
+def _alone_rank(rank: int, world_size: int, sizes: Sizes, steps: int) -> dict[str, Any]:
+    """A fast host's and the slow host's speed alone (paced as in the scenario): one process, one thread, Lightning's
+    single device, nothing else training."""
+    _one_thread()
+    records = {}
+    pace = stream.slowdowns(stream.SLOW_HOST + 1)
+    for name, factor in (("fast", pace[0]), ("slow", pace[stream.SLOW_HOST])):
+        L.seed_everything(SEED, verbose=False)
+        model = ByteLM(width=sizes.width, depth=sizes.depth, heads=sizes.heads, context=sizes.context,
+                       warmup_steps=sizes.warmup_steps)
+        data = StdlibText(context=sizes.context, batch_size=sizes.batch_size, max_train_bytes=sizes.train_bytes,
+                          max_val_bytes=sizes.context + 1, seed=SEED)
+        record = FitRecord()
+        with bench.quiet_lightning():
+            trainer = quiet_trainer(devices=1, max_steps=steps, limit_val_batches=0,
+                                    callbacks=[record, stream.CpuSlowdown({0: factor})])
+            trainer.fit(model, data)
+        records[name] = {"ends": record.ends, "samples": record.samples}
+    return records
+
+
+def run_hetero(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """The heterogeneous scenario on 4 loopback ranks: the hosts' own speeds, then each mode's fit;
+    ``sync-hetero.{txt,json,png}``."""
+    sizes = hetero_sizes(args.sizes, args.quick)
+    epochs = QUICK_HETERO_EPOCHS if args.quick else HETERO_EPOCHS
+    own_steps = QUICK_OWN_SPEED_STEPS if args.quick else OWN_SPEED_STEPS
+    world = SHAPES[STREAM_SHAPE].world
+    deadline = min(args.run_timeout, HETERO_DEADLINE_S)
+    meta = bench.environment("sync", scenario="hetero", sizes=asdict(sizes), epochs=epochs,
+                             timed_epochs=list(range(1, epochs)), codec=args.codec,
+                             method=asdict(hetero_method("batches", args.codec, args.quick)),
+                             slow_host=stream.SLOW_HOST, slow_factor=stream.SLOW_FACTOR, own_speed_steps=own_steps,
+                             where="loopback: 4 local gloo ranks posing as 4 hosts")
+    started = time.perf_counter()
+    raw: dict[str, Any] = {}
+    try:
+        raw["own"] = run_ranks(_hetero_rank, world, Method("own speed", every=NOSYNC_EVERY), "own", sizes, own_steps,
+                               None, deadline_s=deadline)
+        raw["alone"] = run_ranks(_alone_rank, 1, sizes, own_steps, deadline_s=deadline)[0]
+    except RanksFailed as exc:
+        raw["error"] = str(exc).splitlines()[-1][:200]
+        bench.progress(f"[sync] hetero: measuring the hosts' own speeds FAILED: {raw['error']}")
+    runs: dict[str, Any] = {}
+    speeds = stream.own_speeds(raw["own"], NOSYNC_WARMUP) if "own" in raw else []
+    for mode in (*stream.HETERO_MODES, stream.FIXED_MODE):
+        method = hetero_method(mode, args.codec, args.quick)
+        begun = time.perf_counter()
+        try:
+            method.settings()
+            if mode == "steps" and "balance" not in DiLoCo.__dataclass_fields__:
+                raise ValueError("DiLoCo has no balance setting yet (issue 32, item 4): run again once it lands")
+            if mode == stream.FIXED_MODE and not (speeds and all(speeds)):
+                raise ValueError("no measured speeds to size the batches from")
+            runs[mode] = run_ranks(_hetero_rank, world, method, mode, sizes, -1, epochs, speeds,
+                                   deadline_s=deadline)
+            bench.progress(f"[sync] hetero {mode:<8} ({time.perf_counter() - begun:.0f}s)")
+        except ValueError as err:
+            runs[mode] = {"error": f"not run: {err}", "skipped": True}
+            bench.progress(f"[sync] hetero {mode:<8} not run: {err}")
+        except RanksFailed as exc:
+            runs[mode] = {"error": str(exc).splitlines()[-1][:200]}
+            bench.progress(f"[sync] hetero {mode:<8} FAILED: {runs[mode]['error']}")
+    raw["runs"] = runs
+    total = time.perf_counter() - started
+    bench.progress(f"[sync] hetero done in {total:.0f}s")
+    return hetero_report(out, {**meta, "wall_s": total}, raw)
+
+
+def hetero_report(out: Path, meta: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
+    """The heterogeneous table, verdicts, plot and JSON from the raw per-rank records (``--from`` redoes them)."""
+    slow = stream.SLOW_HOST
+    speeds: list[Optional[float]] = [None] * SHAPES[STREAM_SHAPE].world
+    alone: list[Optional[float]] = list(speeds)
+    if "own" in raw:
+        speeds = stream.own_speeds(raw["own"], NOSYNC_WARMUP)
+    if "alone" in raw:
+        fast, slow_alone = (stream.own_speeds([raw["alone"][name]], NOSYNC_WARMUP)[0] for name in ("fast", "slow"))
+        alone = [slow_alone if host == slow else fast for host in range(len(speeds))]
+    timed = meta["timed_epochs"]
+    rows = []
+    for mode, ranks in raw["runs"].items():
+        if isinstance(ranks, dict):  # an error
+            rows.append({"mode": mode, **ranks})
+        else:
+            rows.append(stream.hetero_row(mode, ranks, speeds, timed))
+    targets = stream.hetero_targets(rows)
+    lines = [f"where: {meta['where']} (the shaped cluster would add the link's time to every mode alike: the "
+             "exchange is the streaming scenario's subject; balance is about compute)"]
+    if all(s is not None for s in alone) and all(r.get("samples") for r in rows if not r.get("error")):
+        for r in rows:
+            if not r.get("error"):
+                ideal = r["samples"] / sum(alone)
+                lines.append(f"{r['mode']}: against each host's speed measured alone, one process at a time with a "
+                             f"core to itself ({' / '.join(f'{s:,.0f}' for s in alone)} windows/s), the ideal is "
+                             f"{ideal:.2f} s ({r['wall_s'] / ideal:.2f}x): 4 hosts share 2 cores here")
+    payload = {"meta": meta, "raw": raw, "speeds": speeds, "alone_speeds": alone, "rows": rows, "targets": targets}
+    blocks = [stream.hetero_table(rows, speeds), lines, stream.hetero_target_lines(targets, rows)]
+    return bench.write_results(out, "sync-hetero", blocks, payload, lambda: stream.hetero_plot(rows, speeds))
+
+
 # -- the driver --------------------------------------------------------------------------------------------------------
 def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     cli = bench.parser("sync", __doc__, f"flat (4 hosts of 1) at 100 Mbit/s, {' '.join(QUICK_METHODS)}, a tiny "
-                                        f"ByteLM, {QUICK.steps} steps")
+                                        f"ByteLM, {QUICK.steps} steps; --scenario streaming: H=10, F=2, tau=1; "
+                                        "hetero: H=10, F=2, tau=1, 2 epochs of 15 steps")
+    cli.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="methods",
+                     help="methods (issue 31's comparison, sync.*), streaming (sync-streaming.*: F x tau at "
+                          "10 Mbit/s), hetero (sync-hetero.*: one host at half speed), or all of them (default "
+                          "methods)")
     cli.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None, help="default flat two_tier")
     cli.add_argument("--rates", type=float, nargs="+", default=None, help="link rates, Mbit/s (default 10 100)")
     cli.add_argument("--methods", nargs="+", choices=list(METHODS), default=None,
                      help=f"default all: {' '.join(METHODS)}".replace("%", "%%"))
+    cli.add_argument("--codec", default=stream.STREAM_CODEC,
+                     help=f"streaming and hetero: the pseudo-gradient's compressor (default {stream.STREAM_CODEC})")
+    cli.add_argument("--every", type=int, default=None,
+                     help=f"streaming: H of the reference and every configuration (default {stream.STREAM_EVERY}, "
+                          f"--quick {stream.QUICK_STREAM[0]})")
+    cli.add_argument("--fragments", type=int, nargs="+", default=None,
+                     help=f"streaming: F values (default {' '.join(map(str, stream.STREAM_FRAGMENTS))}, --quick 2)")
+    cli.add_argument("--delays", type=int, nargs="+", default=None,
+                     help=f"streaming: tau values (default {' '.join(map(str, stream.STREAM_DELAYS))}, --quick 1)")
+    cli.add_argument("--mix", type=float, default=None,
+                     help="streaming: DiLoCo(mix=alpha) of the delayed configurations (default DiLoCo's)")
     cli.add_argument("--run-timeout", type=float, default=None,
                      help="one job's hard deadline, s (default 1800, --quick 150)")
     cli.add_argument("--no-validate", action="store_true", help="skip the full shaped run that checks the prediction")
     cli.add_argument("--from", dest="from_json", default=None,
-                     help="redo the tables, verdicts and plot from a saved run's sync.json (nothing is measured)")
+                     help="redo the tables, verdicts and plot from a saved run's sync.json, sync-streaming.json or "
+                          "sync-hetero.json (nothing is measured)")
     cli.add_argument("--nosync-rounds", type=int, default=None, help=f"default {NOSYNC_ROUNDS} (--quick 2)")
     cli.add_argument("--steps", type=int, default=None,
                      help=f"steps of every curve, a multiple of {FULL.eval_every} and of every H (default "
@@ -674,14 +1135,27 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     args.sizes = QUICK if args.quick else FULL
     if args.steps is not None:
         args.sizes = replace(args.sizes, steps=args.steps, horizon=2 * args.steps)
-    if not args.worker:
+    args.scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
+    if not args.worker and not args.from_json:
         bench.check_counts(cli, nosync_rounds=args.nosync_rounds, steps=args.steps)
-        uneven = [m for m in args.methods if args.sizes.steps % eval_every(METHODS[m], args.sizes)]
-        if uneven:
-            cli.error(f"--steps {args.sizes.steps} does not end on a curve point of {' '.join(uneven)}; use a "
-                      f"multiple of {math.lcm(*(eval_every(METHODS[m], args.sizes) for m in args.methods))}")
-        if DENSE not in args.methods:
-            cli.error(f"--methods {' '.join(args.methods)}: dense is every comparison's base; add it")
+        if "methods" in args.scenarios:
+            uneven = [m for m in args.methods if args.sizes.steps % eval_every(METHODS[m], args.sizes)]
+            if uneven:
+                cli.error(f"--steps {args.sizes.steps} does not end on a curve point of {' '.join(uneven)}; use a "
+                          f"multiple of {math.lcm(*(eval_every(METHODS[m], args.sizes) for m in args.methods))}")
+            if DENSE not in args.methods:
+                cli.error(f"--methods {' '.join(args.methods)}: dense is every comparison's base; add it")
+        if {"streaming", "hetero"} & set(args.scenarios) and args.codec not in COMPRESSORS:
+            cli.error(f"--codec {args.codec}: no such compressor; pick one of {', '.join(COMPRESSORS)}")
+        if "streaming" in args.scenarios:
+            every = stream_grid(args)[0]
+            point = eval_every(Method("", every=every), args.sizes)
+            if args.sizes.steps % point:
+                cli.error(f"--steps {args.sizes.steps}: the streaming curves end on a sync's curve point; use a "
+                          f"multiple of {point}")
+            bad = [v for v in (args.fragments or []) if v < 1] + [v for v in (args.delays or []) if v < 0]
+            if bad or every < 2:
+                cli.error(f"--every {every} --fragments / --delays {bad}: H is >= 2, fragments >= 1, delays >= 0")
     return args
 
 
@@ -694,8 +1168,8 @@ def run_curves(args: argparse.Namespace) -> list[dict[str, Any]]:
         for label in args.methods:
             started = time.perf_counter()
             try:
-                outs = run_ranks(_curve_rank, SHAPES[shape].world, label, shape, sizes,
-                                 deadline_s=args.run_timeout)
+                outs = run_ranks(_curve_rank, SHAPES[shape].world, METHODS[label], shape, sizes,
+                                 sizes.steps if label == DENSE else sizes.horizon, deadline_s=args.run_timeout)
                 rec = curve_record(outs, shape, sizes.steps)
                 bench.progress(f"[sync] curve {shape:<8} {label:<15} final val loss "
                                f"{bench.cell(rec['final_loss'], '.4f')}, "
@@ -797,18 +1271,34 @@ def validation_record(raw: Optional[dict[str, Any]], curves: Sequence[dict[str, 
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    """Run the benchmark (or, with --worker, one rank of a cluster job); returns the JSON payload."""
+    """Run the benchmark (or, with --worker, one rank of a cluster job); returns the JSON payload (with
+    ``--scenario all``: a dict of the scenarios' payloads)."""
     args = _parse_args(argv)
     if args.worker:
-        _cluster_worker(args)
+        if args.scenario == "streaming":
+            _stream_worker(args)
+        else:
+            _cluster_worker(args)
         return {}
-    sizes = args.sizes
     out = bench.output_dir(args.out, "sync")
     if args.from_json:  # the same measurements, this code's arithmetic, tables and plot
         saved = json.loads(Path(args.from_json).read_text())
-        meta = saved["meta"]
-        return report(out, {**meta, "from": str(args.from_json)}, saved["skipped"], saved["curves"], saved["timings"],
-                      saved["validation"], saved["nosync"], meta["rates_mbit"], list(meta["methods"]))
+        meta = {**saved["meta"], "from": str(args.from_json)}
+        scenario = meta.get("scenario", "methods")
+        if scenario == "streaming":
+            return stream_report(out, meta, saved["skipped"], saved["curves"], saved["raw"], saved["refused"])
+        if scenario == "hetero":
+            return hetero_report(out, meta, saved["raw"])
+        return report(out, meta, saved["skipped"], saved["curves"], saved["timings"], saved["validation"],
+                      saved["nosync"], meta["rates_mbit"], list(meta["methods"]))
+    runners = {"methods": run_methods, "streaming": run_streaming, "hetero": run_hetero}
+    payloads = {name: runners[name](args, out) for name in args.scenarios}
+    return payloads[args.scenarios[0]] if len(args.scenarios) == 1 else payloads
+
+
+def run_methods(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Issue 31's comparison: curves, the no-sync step cost, the shaped timing jobs; ``sync.{txt,json,png}``."""
+    sizes = args.sizes
     meta = bench.environment("sync", shapes={s: asdict(SHAPES[s]) for s in args.shapes}, rates_mbit=list(args.rates),
                              methods={m: asdict(METHODS[m]) for m in args.methods}, sizes=asdict(sizes),
                              outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,

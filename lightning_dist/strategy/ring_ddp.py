@@ -692,14 +692,16 @@ def _check_steps_balance(hetero: Optional[HeteroBatching], topology: str) -> Non
 def _sigterm_broadcast_before_syncs(trainer: Any, diloco: DiLoCoSync) -> None:
     """Lightning broadcasts rank zero's SIGTERM flag to every rank before every training batch: a collective across
     every worker on every step, which syncing every H steps exists to avoid (on a slow link it costs a round trip per
-    step, and every worker waits for the slowest at each). Under DiLoCo it runs only before the batches of a step that
-    ends with a sync, where the workers meet anyway: a SIGTERM on rank zero stops every rank together within H steps.
+    step, and every worker waits for the slowest at each). Under DiLoCo it runs only before the batches of a step
+    where the workers meet anyway (:meth:`DiLoCoSync.meets`: a sync in the step), so a SIGTERM on rank zero stops
+    every rank together within H steps. With a delay the workers never meet on the training loop's thread (the
+    exchanges run beside it), and it runs once per H steps: before the first fragment's sync starts.
     (``FaultTolerance`` agrees on a stop through the strategy's exchange instead, on the steps it asks for.)"""
     loop = trainer.fit_loop.epoch_loop
     broadcast = type(loop)._broadcast_sigterm_tensor  # private, hence lightning<2.7 and a test that fails if it goes
 
     def before_syncs() -> None:
-        if diloco.due(trainer.global_step + 1):
+        if diloco.meets(trainer.global_step + 1):
             broadcast(loop)
 
     loop._broadcast_sigterm_tensor = before_syncs

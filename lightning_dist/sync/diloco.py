@@ -278,6 +278,14 @@ class DiLoCoSync:
         (the same on every rank)."""
         return self._starting(global_step) is not None or any(ex.lands == global_step for ex in self.inflight)
 
+    def meets(self, global_step: int) -> bool:
+        """Whether the workers meet on the training loop's thread in the step that makes ``global_step``: a sync runs
+        in it (no delay), or, with a delay (the exchanges run beside the loop), the first fragment's sync starts after
+        it: once per H steps. Where a collective of every rank costs no extra wait (the strategy's SIGTERM
+        broadcast)."""
+        fragment = self._starting(global_step)
+        return fragment is not None and (not self.settings.delay or fragment.index == 0)
+
     def _starting(self, global_step: int) -> Optional[Fragment]:
         """The fragment whose sync starts after the optimizer step that made ``global_step`` (at most one: the
         offsets differ)."""
