@@ -527,7 +527,8 @@ def test_quick_streaming_run(streaming_quick, tmp_path):
         assert t["per_step_s"] > 0 and t["timed_cycles"] == 2 and t["link_readings"] >= 2
         assert t["peak_bytes_per_s"] > 0 and t["link_bytes_per_exchange"] > 0 and t["exchange_s"] > 0
         assert t["reports"] == t["exchanges"]  # one sync/* report per fragment exchange
-        assert 0 <= t["waited_per_step_s"] < t["per_step_s"]
+        # (no upper bound: with a delay rank 0's wait at landing includes slower workers' part of the collective)
+        assert t["waited_per_step_s"] >= 0
     ref, streaming = timings["diloco10"], timings[f"F2/tau1/{stream.STREAM_CODEC}"]
     assert ref["exchanges"] == 2 and streaming["exchanges"] == 4
     # half the model at a time, in at most 8 bits instead of 32

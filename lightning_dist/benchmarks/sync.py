@@ -325,6 +325,16 @@ class FitRecord(Callback):
             self.sampler.stop()  # a fit shorter than the sampled steps
 
 
+def workload(sizes: Sizes) -> tuple[ByteLM, StdlibText]:
+    """The LM and its data at ``sizes``, seeded: every fit of the benchmark starts from the same weights and samples."""
+    L.seed_everything(SEED, verbose=False)
+    model = ByteLM(width=sizes.width, depth=sizes.depth, heads=sizes.heads, context=sizes.context,
+                   warmup_steps=sizes.warmup_steps)
+    data = StdlibText(context=sizes.context, batch_size=sizes.batch_size, max_train_bytes=sizes.train_bytes,
+                      max_val_bytes=sizes.context + 1, seed=SEED)
+    return model, data
+
+
 def fit(method: Method, shape: Shape, sizes: Sizes, steps: int, curve: bool, link: bool = False,
         record: Optional[FitRecord] = None, callbacks: Sequence[Callback] = (),
         hetero: Optional[HeteroBatching] = None, epochs: Optional[int] = None) -> dict[str, Any]:
@@ -332,11 +342,7 @@ def fit(method: Method, shape: Shape, sizes: Sizes, steps: int, curve: bool, lin
     ``record``: the :class:`FitRecord` to use (default: the curve's, with ``link``; under a delayed sync its points
     follow the landings, and the last is the model the fit leaves); ``callbacks`` after it;
     ``hetero``: the strategy's heterogeneous batching; ``epochs``: train that many epochs (``steps`` then -1)."""
-    L.seed_everything(SEED, verbose=False)
-    model = ByteLM(width=sizes.width, depth=sizes.depth, heads=sizes.heads, context=sizes.context,
-                   warmup_steps=sizes.warmup_steps)
-    data = StdlibText(context=sizes.context, batch_size=sizes.batch_size, max_train_bytes=sizes.train_bytes,
-                      max_val_bytes=sizes.context + 1, seed=SEED)
+    model, data = workload(sizes)
     strategy = method.strategy(shape.topology, hetero=hetero)
     if record is None:
         record = FitRecord(eval_every(method, sizes) if curve else None, val_batch(sizes) if curve else None, link,
@@ -400,11 +406,7 @@ def _nosync_rank(rank: int, world_size: int, sizes: Sizes, rounds: int, steps: i
     method = Method("diloco-nosync", every=NOSYNC_EVERY)
     for r in range(rounds):
         for name in (("diloco", "single") if r % 2 == 0 else ("single", "diloco")):
-            L.seed_everything(SEED, verbose=False)
-            model = ByteLM(width=sizes.width, depth=sizes.depth, heads=sizes.heads, context=sizes.context,
-                           warmup_steps=sizes.warmup_steps)
-            data = StdlibText(context=sizes.context, batch_size=sizes.batch_size, max_train_bytes=sizes.train_bytes,
-                              max_val_bytes=sizes.context + 1, seed=SEED)
+            model, data = workload(sizes)
             record = FitRecord()
             with bench.quiet_lightning():
                 if name == "diloco":
@@ -992,11 +994,7 @@ def _alone_rank(rank: int, world_size: int, sizes: Sizes, steps: int) -> dict[st
     records = {}
     pace = stream.slowdowns(stream.SLOW_HOST + 1)
     for name, factor in (("fast", pace[0]), ("slow", pace[stream.SLOW_HOST])):
-        L.seed_everything(SEED, verbose=False)
-        model = ByteLM(width=sizes.width, depth=sizes.depth, heads=sizes.heads, context=sizes.context,
-                       warmup_steps=sizes.warmup_steps)
-        data = StdlibText(context=sizes.context, batch_size=sizes.batch_size, max_train_bytes=sizes.train_bytes,
-                          max_val_bytes=sizes.context + 1, seed=SEED)
+        model, data = workload(sizes)
         record = FitRecord()
         with bench.quiet_lightning():
             trainer = quiet_trainer(devices=1, max_steps=steps, limit_val_batches=0,
