@@ -66,7 +66,7 @@ ACCURACY_COST: list[tuple[str, dict[str, Any], float, str]] = [
     ("fp16", {}, +0.09, "98.33%"),
     ("bf16", {}, -0.09, "98.15%"),
     ("int8", {}, +0.09, "EF: 98.33%"),
-    ("int4", {}, +0.09, "EF: 98.24%, dense 98.15% in that session"),
+    ("int4", {}, +0.09, "EF, against dense's 98.15% of the same session: 98.24%"),
     ("topk", {"ratio": 0.01, "error_feedback": True}, -5.0, "1%, EF: 93.24%"),
     ("topk", {"ratio": 0.01, "error_feedback": False}, -1.85, "1%, no EF: 96.39%"),
     ("threshold", {"threshold": 0.1}, -1.48, "0.1, EF: 96.76%"),
