@@ -528,5 +528,6 @@ def test_the_lm_trains_with_diloco_from_the_command(tmp_path):
     assert 0 < summary["metrics"]["val/loss"] < 6.0  # nats per byte, from ln 256 = 5.55 down
     assert 0 <= summary["metrics"]["val/acc"] <= 1  # next-byte accuracy: what the checkpoint callback monitors
     assert summary["config"]["sync"] == {"name": "diloco", "every": 2, "outer_lr": 0.7, "outer_momentum": 0.9,
-                                         "compressor": None}
+                                         "compressor": None, "fragments": 1, "delay": 0, "mix": 0.5,
+                                         "balance": "batches"}
     assert summary["config"]["model"]["_target_"] == "lightning_dist.examples.lm.ByteLM"
