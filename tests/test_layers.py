@@ -21,8 +21,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_dist"
 # The layers, lowest first: a module may import from its own layer and the ones below, never from one above. Each
 # entry is a top-level module or subpackage of lightning_dist ("__init__" is the package root, lightning_dist/__init__).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    # torch.distributed's collectives, the launch environment, and leaves that import nothing of the package
-    ("base", ("_deprecation", "comm", "examples", "identities", "launch", "loss_scaler", "perf", "profiling",
+    # torch.distributed's collectives, the launch environment, and leaves that import nothing of the package (conf:
+    # the Hydra configs' package)
+    ("base", ("_deprecation", "comm", "conf", "examples", "identities", "launch", "loss_scaler", "perf", "profiling",
               "simcluster")),
     # gradient compressors over a Transport (comm's collectives)
     ("compression", ("compression",)),
@@ -37,9 +38,14 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("features", ("__init__", "callbacks", "testing")),
     # the Hydra command: its schema and checks, and the command itself
     ("command", ("config", "train")),
-    # tools built on the command and the features: lightning-dist-advise, benchmarks, experiments
-    ("tools", ("advise", "benchmarks", "experiments")),
+    # tools built on the command and the features: lightning-dist-advise (a product command: it reads no benchmark)
+    ("tools", ("advise",)),
+    # what measures the product and nothing imports: the benchmarks, and the notebooks' experiments (which borrow the
+    # benchmarks' table printer); a table the product quotes is product data the benchmark writes
+    ("benchmarks", ("benchmarks", "experiments")),
 )
+# The top layer: no module below it imports anything of it
+MEASUREMENT = LAYERS[-1][1]
 
 
 def layer_of(module: str) -> int:
@@ -161,12 +167,26 @@ def test_no_import_circles():
     assert not circles, "import circles:\n  " + "\n  ".join(details)
 
 
+def _upward(graph: dict[str, dict[str, int]]) -> list[tuple[str, str]]:
+    """Every (module, imported module) edge of ``graph`` that runs up the layers."""
+    return [(module, imported) for module, edges in graph.items() for imported in edges
+            if layer_of(imported) > layer_of(module)]
+
+
 def test_no_import_runs_up_the_layers():
     graph = import_graph()
     upward = [f"{_where(graph, module, imported)} ({LAYERS[layer_of(module)][0]} -> "
-              f"{LAYERS[layer_of(imported)][0]}, a higher layer)"
-              for module, edges in graph.items() for imported in edges if layer_of(imported) > layer_of(module)]
+              f"{LAYERS[layer_of(imported)][0]}, a higher layer)" for module, imported in _upward(graph)]
     assert not upward, "imports up the layers:\n  " + "\n  ".join(upward)
+
+
+def test_no_product_module_imports_the_benchmarks():
+    # the rule the layers above enforce, said once by name: the product (advise included) reads no benchmark
+    graph = import_graph()
+    found = [_where(graph, module, imported) for module, edges in graph.items() for imported in edges
+             if imported.split(".")[1] in MEASUREMENT and module.split(".")[1:2] != [] and
+             module.split(".")[1] not in MEASUREMENT]
+    assert not found, "product modules import benchmarks or experiments:\n  " + "\n  ".join(found)
 
 
 def test_the_checks_see_what_they_must():
@@ -177,7 +197,12 @@ def test_the_checks_see_what_they_must():
     real = import_graph()
     assert "lightning_dist.strategy.features" in real["lightning_dist.callbacks.rank_values"]  # a top-level import
     assert layer_of("lightning_dist.comm.ring") < layer_of("lightning_dist.strategy.hook") < layer_of(
-        "lightning_dist.callbacks.nan_recovery") < layer_of("lightning_dist.benchmarks.cluster")
+        "lightning_dist.callbacks.nan_recovery") < layer_of("lightning_dist.advise") < layer_of(
+        "lightning_dist.benchmarks.cluster")
+    # advise reading its accuracy table from the compression benchmark (as it did) is an import up the layers
+    old = {"lightning_dist.advise": {"lightning_dist.benchmarks.compression": 78}}
+    assert _upward(old) == [("lightning_dist.advise", "lightning_dist.benchmarks.compression")]
+    assert "lightning_dist.compression.accuracy" in real["lightning_dist.advise"]
 
 
 # -- renamed callbacks: the old names import for one release, with a warning ----------------------------------------
