@@ -31,8 +31,9 @@ The prediction (:func:`predict_step`) replays the communication worker's FIFO qu
 measured ready times, each taking coding + wire, one after the other; what runs past backward's end adds to the
 compute-only step. The speed-up is the predicted dense step over the compressor's. What it leaves out: coding
 competes with backward for the cores (on a loaded CPU the prediction is optimistic), and the accuracy cost is the
-compression benchmark's digits measurement (:data:`lightning_dist.benchmarks.compression.ACCURACY_COST`), not this
-model's. Rank zero prints the table and writes ``advise.json`` into the run's output directory.
+compression benchmark's digits measurement (:data:`lightning_dist.compression.accuracy.ACCURACY_COST`, which the
+benchmark writes), not this model's. Rank zero prints the table and writes ``advise.json`` into the run's output
+directory.
 
 Below the compressors, DiLoCo's rows (:func:`sync_predictions`; syncing every H steps, :mod:`lightning_dist.sync`):
 between syncs a worker exchanges nothing with the others, so a step is the compute-only step; every H-th step also
@@ -75,9 +76,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from typing_extensions import override
 
 from lightning_dist._deprecation import renamed
-from lightning_dist.benchmarks.compression import ACCURACY_COST
 from lightning_dist.comm import CommStats
 from lightning_dist.compression import COMPRESSORS, BucketLayout, Transport, build_compressor
+from lightning_dist.compression.accuracy import ACCURACY_COST
 from lightning_dist.compression.registry import error_feedback_default
 from lightning_dist.config import StrategyConf, resolve_devices
 from lightning_dist.strategy import BucketObserver, RingDDPStrategy, features_of
@@ -86,8 +87,9 @@ from lightning_dist.train import build, hydra_command, hydra_main
 
 
 def accuracy_cost(kwargs: dict[str, Any]) -> tuple[Optional[float], str]:
-    """The compression benchmark's figure (:data:`ACCURACY_COST`) for these ``build_compressor`` arguments: the row
-    measured at the same settings, else the compressor's first row marked as measured at other settings, else none."""
+    """The measured accuracy cost (:data:`~lightning_dist.compression.accuracy.ACCURACY_COST`) for these
+    ``build_compressor`` arguments: the row measured at the same settings, else the compressor's first row marked as
+    measured at other settings, else none."""
     name = kwargs.get("name")
     given = {**kwargs, "error_feedback": kwargs.get("error_feedback")}
     if given["error_feedback"] is None:

@@ -4,6 +4,7 @@ hooks, the summaries and the target verdicts are checked on their own."""
 import gc
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,16 +16,22 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_dist.benchmarks.compression import (
     CONFIGS,
     DENSE,
+    TABLE_ROWS,
     WORKLOADS,
     HookMeter,
     _labels,
     _parse_args,
+    accuracy_rows,
     counting_hook,
     judge,
     main,
     powersgd_allreduce_numels,
+    render_accuracy_table,
     summarize_configs,
+    write_accuracy_table,
 )
+from lightning_dist.compression import accuracy
+from lightning_dist.compression.accuracy import ACCURACY_COST
 from lightning_dist.examples import DigitsCNN
 from lightning_dist.testing import run_ranks
 
@@ -198,3 +205,34 @@ def test_configurations_and_command_line():
     assert _labels(mlp, some) == [DENSE, "int8", "torch-fp16"]
     with pytest.raises(SystemExit):
         _parse_args(["--seeds", "0"])
+
+
+# ---- the accuracy table lightning-dist-advise quotes ------------------------------------------------------------
+
+def test_the_accuracy_module_is_what_the_benchmark_writes():
+    # the product's table is exactly the writer's output: a rerun rewrites it and nothing else
+    assert render_accuracy_table(ACCURACY_COST) == Path(accuracy.__file__).read_text()
+    assert set(TABLE_ROWS) <= set(CONFIGS) and {row[0] for row in TABLE_ROWS.values()} == {r[0] for r in ACCURACY_COST}
+
+
+def test_writing_the_accuracy_table_from_a_run(tmp_path):
+    summary = [_row(DENSE, 0.9815), _row("int8", 0.9833), _row("topk1%-noEF", 0.9601), _row("int4", 0.9824),
+               {**_row("fp16", 0.5), "workload": "mlp"}]  # another workload's row: not the table's
+    rows = write_accuracy_table(summary, tmp_path / "accuracy.py")
+    table = {(name, tuple(settings.items())): (points, what) for name, settings, points, what in rows}
+    assert table[("none", ())] == (0.0, "dense 98.15%")
+    assert table[("int8", ())] == (0.18, "EF: 98.33%") and table[("int4", ())] == (0.09, "EF: 98.24%")
+    assert table[("topk", (("ratio", 0.01), ("error_feedback", False)))] == (-2.14, "1%, no EF: 96.01%")
+    kept = dict(((r[0], tuple(r[1].items())), r) for r in ACCURACY_COST)  # not measured: as they were
+    assert rows[1] == kept[("fp16", ())] and len(rows) == len(ACCURACY_COST)
+    assert [r[:2] for r in rows] == [r[:2] for r in ACCURACY_COST]  # the same rows, in the same order
+    namespace: dict = {}
+    exec((tmp_path / "accuracy.py").read_text(), namespace)
+    assert namespace["ACCURACY_COST"] == [tuple(r) for r in rows]
+    with pytest.raises(ValueError, match="against dense"):
+        accuracy_rows([_row("int8", 0.98)])
+    assert _parse_args(["--write-accuracy-table"]).write_accuracy_table == accuracy.__file__
+    assert _parse_args(["--quick", "--write-accuracy-table", "x.py"]).write_accuracy_table == "x.py"
+    for bad in (["--quick", "--write-accuracy-table"], ["--workloads", "mlp", "--write-accuracy-table", "x.py"]):
+        with pytest.raises(SystemExit):
+            _parse_args(bad)

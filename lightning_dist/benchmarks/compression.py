@@ -35,10 +35,12 @@ workload, quality (mean, min-max over seeds) against bytes per step, log x.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import lightning as L
@@ -53,26 +55,12 @@ from lightning_dist.benchmarks import _common as bench
 from lightning_dist.benchmarks import workloads
 from lightning_dist.benchmarks.workloads import DIGITS, MLP, Workload
 from lightning_dist.comm import ring_bytes_sent
-from lightning_dist.compression import build_compressor
+from lightning_dist.compression import accuracy, build_compressor
+from lightning_dist.compression.accuracy import ACCURACY_COST
 from lightning_dist.examples import WideMLP
 from lightning_dist.strategy import features_of
 from lightning_dist.testing import RanksFailed, launched_externally, quiet_trainer, run_ranks
 
-# What this benchmark measured on digits (the docs' table of it: 2 ranks, 22 k-parameter CNN, Adam, 8 epochs, mean of
-# 3 seeds), as validation accuracy against dense, in points: (compressor, the settings it was measured at, points,
-# what). The one copy in code, which lightning-dist-advise quotes beside its speed-ups; update it from a rerun.
-ACCURACY_COST: list[tuple[str, dict[str, Any], float, str]] = [
-    ("none", {}, 0.0, "dense 98.24%"),
-    ("fp16", {}, +0.09, "98.33%"),
-    ("bf16", {}, -0.09, "98.15%"),
-    ("int8", {}, +0.09, "EF: 98.33%"),
-    ("int4", {}, +0.09, "EF, against dense's 98.15% of the same session: 98.24%"),
-    ("topk", {"ratio": 0.01, "error_feedback": True}, -5.0, "1%, EF: 93.24%"),
-    ("topk", {"ratio": 0.01, "error_feedback": False}, -1.85, "1%, no EF: 96.39%"),
-    ("threshold", {"threshold": 0.1}, -1.48, "0.1, EF: 96.76%"),
-    ("powersgd", {"rank": 2}, -0.55, "r2, EF: 97.69%"),
-    ("powersgd", {"rank": 1}, -0.93, "r1, EF: 97.31%"),
-]
 TORCH_POWERSGD_START_ITER = 2  # torch's minimum with error feedback or warm start
 LOSS_WINDOW = 10  # mlp: the loss at the fixed step is the mean over this many last steps
 MLP_LR = 0.05  # WideMLP's default 0.01 barely moves the loss in 200 steps: no signal
@@ -96,7 +84,7 @@ class Config:
     def compressor_kwargs(self, seed: int) -> dict[str, Any]:
         """build_compressor's arguments for this run: the compressor's random seed follows the run's."""
         kwargs = dict(self.compressor or {"name": "none"})
-        if kwargs["name"] in ("int8", "powersgd"):
+        if kwargs["name"] in ("int8", "int4", "powersgd"):
             kwargs.setdefault("seed", seed)
         return kwargs
 
@@ -136,6 +124,7 @@ CONFIGS = {c.label: c for c in (
     Config("fp16", {"name": "fp16"}),
     Config("bf16", {"name": "bf16"}),
     Config("int8", {"name": "int8"}),
+    Config("int4", {"name": "int4"}),
     Config("topk1%", TOPK),
     Config("topk1%-noEF", {**TOPK, "error_feedback": False}),
     Config("threshold", THRESHOLD),
@@ -452,6 +441,81 @@ def _judge_workload(workload: str, rows: dict[str, dict[str, Any]]) -> list[dict
     return out
 
 
+# -- the accuracy table lightning-dist-advise quotes (lightning_dist/compression/accuracy.py) -------------------------
+# Each digits configuration's row: the compressor, the settings it runs at, and how the note names them ("" none)
+TABLE_ROWS = {
+    DENSE: ("none", {}, ""),
+    "fp16": ("fp16", {}, ""),
+    "bf16": ("bf16", {}, ""),
+    "int8": ("int8", {}, "EF"),
+    "int4": ("int4", {}, "EF"),
+    "topk1%": ("topk", {"ratio": 0.01, "error_feedback": True}, "1%, EF"),
+    "topk1%-noEF": ("topk", {"ratio": 0.01, "error_feedback": False}, "1%, no EF"),
+    "threshold": ("threshold", {"threshold": 0.1}, "0.1, EF"),
+    "powersgd-r2": ("powersgd", {"rank": 2}, "r2, EF"),
+    "powersgd-r1": ("powersgd", {"rank": 1}, "r1, EF"),
+}
+
+
+def accuracy_rows(summary: Sequence[dict[str, Any]], kept: Sequence[tuple] = ACCURACY_COST) -> list[tuple]:
+    """The accuracy table from a run's digits rows: per configuration of :data:`TABLE_ROWS` measured, its mean val
+    acc against dense's, in points; a row the run did not measure is ``kept`` as it was."""
+    acc = {s["config"]: round(100 * s["quality_mean"], 2) for s in summary
+           if s["workload"] == "digits" and s["quality_mean"] is not None}
+    if DENSE not in acc:
+        raise ValueError("the accuracy table is measured against dense on digits: run --workloads digits with dense")
+    old = {(row[0], json.dumps(row[1], sort_keys=True)): tuple(row) for row in kept}
+    rows = []
+    for label, (name, settings, what) in TABLE_ROWS.items():
+        before = old.pop((name, json.dumps(settings, sort_keys=True)), None)
+        if label in acc:
+            note = f"dense {acc[DENSE]:.2f}%" if label == DENSE else f"{what}: {acc[label]:.2f}%".removeprefix(": ")
+            rows.append((name, settings, round(acc[label] - acc[DENSE], 2), note))
+        elif before is not None:
+            rows.append(before)
+    return rows + list(old.values())
+
+
+def _literal(value: Any) -> str:
+    """``value`` as Python source, strings double-quoted."""
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_literal(k)}: {_literal(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
+ACCURACY_MODULE = '''\
+"""What each compressor costs in accuracy, measured: the table ``lightning-dist-advise`` quotes beside its speed-ups.
+
+Written by ``python -m lightning_dist.benchmarks.compression --write-accuracy-table`` from its digits workload (2 ranks,
+the 22 k-parameter CNN, Adam, 8 epochs, the mean of 3 seeds): validation accuracy against dense, in points. A guide to
+the order of the cost, not your model's. Rerun the benchmark to change it; docs/compression.md shows it row for row.
+"""
+
+from typing import Any
+
+# (compressor, the settings it was measured at, points against dense, what was measured)
+ACCURACY_COST: list[tuple[str, dict[str, Any], float, str]] = [
+<rows>]
+'''
+
+
+def render_accuracy_table(rows: Sequence[tuple]) -> str:
+    """The text of ``lightning_dist/compression/accuracy.py`` holding ``rows``."""
+    return ACCURACY_MODULE.replace("<rows>", "".join(f"    ({', '.join(map(_literal, row))}),\n" for row in rows))
+
+
+def write_accuracy_table(summary: Sequence[dict[str, Any]], path: Path) -> list[tuple]:
+    """Rewrite the accuracy table at ``path`` from a run's digits rows; returns the rows written."""
+    rows = accuracy_rows(summary)
+    path.write_text(render_accuracy_table(rows))
+    table = "\n".join(f"  {name} {_literal(settings)} {points:+.2f} pt ({what})" for name, settings, points, what
+                      in rows)
+    bench.progress(f"[compression] wrote {path} (docs/compression.md shows it row for row):\n{table}")
+    return rows
+
+
 # -- output ------------------------------------------------------------------------------------------------------------
 def table(summary: Sequence[dict[str, Any]]) -> str:
     rows = []
@@ -531,8 +595,15 @@ def _parse_args(argv: Optional[Sequence[str]]) -> Any:
                      help="seeds per configuration, 0..N-1 (default: the workload's, 1 with --quick)")
     cli.add_argument("--epochs", type=int, default=None, help="digits: epochs per run (default 8)")
     cli.add_argument("--steps", type=int, default=None, help="mlp: optimizer steps per run (default 200)")
+    cli.add_argument("--write-accuracy-table", nargs="?", const=accuracy.__file__, default=None, metavar="PATH",
+                     help="rewrite the accuracy table lightning-dist-advise quotes from this run's digits rows "
+                          "(default PATH: lightning_dist/compression/accuracy.py; rows not measured are kept)")
     args = cli.parse_args(argv)
     bench.check_counts(cli, args.steps, WORKLOADS["mlp"].warmup, seeds=args.seeds, epochs=args.epochs)
+    if args.write_accuracy_table and "digits" not in args.workloads:
+        cli.error("--write-accuracy-table measures on digits: add digits to --workloads")
+    if args.write_accuracy_table == accuracy.__file__ and args.quick:
+        cli.error("--write-accuracy-table with --quick: a smoke run's accuracy is no measurement; give a PATH")
     if args.quick:
         args.seeds = args.seeds or 1
     return args
@@ -593,6 +664,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     bench.progress(f"[compression] {len(runs)} runs in {total_s:.0f}s")
 
     targets = judge(summary)
+    if args.write_accuracy_table:
+        write_accuracy_table(summary, Path(args.write_accuracy_table))
     meta = bench.environment("compression", world_size=bench.WORLD_SIZE, quick=args.quick, workloads=meta_workloads,
                              torch_powersgd_start_iter=TORCH_POWERSGD_START_ITER, loss_window=LOSS_WINDOW,
                              total_s=total_s, loadavg_at_end=os.getloadavg() if hasattr(os, "getloadavg") else None)
