@@ -30,7 +30,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from lightning_dist.comm.dispatch import ALGORITHMS
 from lightning_dist.comm.topology import TOPOLOGIES
 from lightning_dist.launch import LaunchEnv, connect_store
-from lightning_dist.strategy.ring_ddp import START_METHODS
+from lightning_dist.strategy.arguments import START_METHODS
 from lightning_dist.sync import as_sync
 
 RUN_DIR_TIMEOUT_S = 120.0  # how long the other ranks wait for rank 0 to name a static torchrun rendezvous's run
@@ -48,7 +48,7 @@ def _choices(name: str, values: Sequence[str]) -> type[Enum]:
 
 Algorithm = _choices("Algorithm", ALGORITHMS)  # lightning_dist.comm.dispatch
 TopologyKind = _choices("TopologyKind", TOPOLOGIES)  # lightning_dist.comm.topology
-StartMethod = _choices("StartMethod", START_METHODS)  # lightning_dist.strategy.ring_ddp
+StartMethod = _choices("StartMethod", START_METHODS)  # lightning_dist.strategy.arguments
 
 
 @dataclass

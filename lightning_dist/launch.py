@@ -102,6 +102,16 @@ class LaunchEnv:
             world_size=_positive(env, "SLURM_NTASKS" if launcher == "slurm" else "WORLD_SIZE") if launcher else None,
         )
 
+    def check_num_nodes(self, num_nodes: int) -> None:
+        """Under torchrun, ``Trainer(num_nodes=...)`` must be the nodes torchrun runs now; Lightning's own check would
+        say only that the product does not match, so say what to pass."""
+        if self.launcher == "torchrun" and self.num_nodes is not None and num_nodes != self.num_nodes:
+            raise ValueError(
+                f"Trainer(num_nodes={num_nodes}) but torchrun runs {self.num_nodes} node(s) now (world size "
+                f"{self.world_size}, {self.local_world_size} per node); under torchrun --nnodes MIN:MAX the count "
+                "changes between restarts: pass Trainer(num_nodes=lightning_dist.launch.LaunchEnv.current().num_nodes, "
+                "devices=LaunchEnv.current().local_world_size) (lightning-dist-train reads both from the launcher)")
+
     @property
     def num_nodes(self) -> Optional[int]:
         """The nodes this launch has now (world size / processes per node): what ``Trainer(num_nodes=...)`` must say

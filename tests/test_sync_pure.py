@@ -62,7 +62,7 @@ def test_workers_are_ranks_under_flat_and_hosts_under_two_tier():
 
 def test_workers_weigh_by_the_samples_they_processed_since_the_sync():
     sync = DiLoCoSync(DiLoCo(every=2), Workers(((0, 1), (2, 3)), rank=2), "auto", None)
-    sync.bind(torch.nn.Linear(2, 2))
+    sync.attach(torch.nn.Linear(2, 2))
     assert sync.weight() == 0.5  # nothing counted: even batches
     sync.count_samples([14, 6, 4, 8])
     sync.count_samples([14, 6, 4, 8])
@@ -81,7 +81,7 @@ def test_buckets_keep_the_modules_order_and_split_at_the_cap(monkeypatch):
 
 def _bound(settings, module):
     sync = DiLoCoSync(settings, Workers(((0,),), rank=0), "auto", None)
-    sync.bind(module)
+    sync.attach(module)
     return sync
 
 
@@ -99,7 +99,7 @@ def test_one_worker_outer_step_is_nesterov_sgd_on_the_pseudo_gradient():
             for r, p in zip(reference, model.parameters()):
                 r.grad = r - p
         outer.step()
-        result, = sync.after_step(step=cycle + 1)
+        result, = sync.sync_after(step=cycle + 1)
         assert not result.skipped and result.bytes_sent == 0
         for r, p in zip(reference, model.parameters()):
             assert torch.equal(r, p)
@@ -113,7 +113,7 @@ def test_outer_lr_one_without_momentum_takes_the_workers_parameters():
         for p in model.parameters():
             p.mul_(2.0)
     moved = [p.detach().clone() for p in model.parameters()]
-    sync.after_step(step=1)
+    sync.sync_after(step=1)
     assert all(torch.equal(a, b) for a, b in zip(moved, model.parameters()))
 
 
@@ -123,7 +123,7 @@ def test_a_non_finite_worker_skips_and_restarts_from_theta_global():
     sync = _bound(DiLoCo(every=1), model)
     with torch.no_grad():
         model.weight[1, 2] = float("nan")
-    result, = sync.after_step(step=1)
+    result, = sync.sync_after(step=1)
     assert result.skipped and result.bad_workers == [0] and sync.skipped == 1 and sync.outer_steps == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
@@ -133,7 +133,7 @@ def test_state_dict_round_trip_restores_theta_global_and_momentum():
     sync = _bound(DiLoCo(every=1), model)
     with torch.no_grad():
         model.weight.add_(1.0)
-    sync.after_step(step=1)
+    sync.sync_after(step=1)
     state = sync.state_dict()
     assert set(state["momentum"]) == {"weight", "bias"}
     other_model = torch.nn.Linear(3, 2)
@@ -164,12 +164,12 @@ def test_buffers_are_kept_and_restored_at_a_skip():
     model.train()
     model(torch.randn(8, 4))  # running statistics move
     moved = model[1].running_mean.clone()
-    sync.after_step(step=1)  # one worker: the mean over workers is its own
+    sync.sync_after(step=1)  # one worker: the mean over workers is its own
     assert torch.equal(model[1].running_mean, moved)
     with torch.no_grad():
         model[0].weight[0, 0] = float("inf")
     model(torch.randn(8, 4))
-    sync.after_step(step=2)  # skipped: the buffers of the last sync come back
+    sync.sync_after(step=2)  # skipped: the buffers of the last sync come back
     assert torch.equal(model[1].running_mean, moved)
 
 
@@ -222,7 +222,7 @@ def test_fragments_follow_the_parameter_names_not_the_bucket_order():
     # the same module built twice: the same cut; buckets (DDP's, rebuilt after the first step) play no part
     module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
     a = DiLoCoSync(DiLoCo(every=4, fragments=2), Workers(((0,), (1,)), rank=0), "auto", None)
-    a.bind(module)
+    a.attach(module)
     names = [[a._names[i] for i in f.params] for f in a.fragments]
     # 128 + 16 elements, then 256 + 16 + 64 + 4: 1.weight lies mostly past the half (242) and starts the second
     assert names == [["0.weight", "0.bias"], ["1.weight", "1.bias", "2.weight", "2.bias"]]
@@ -238,16 +238,16 @@ def test_one_worker_delayed_landing_mixes_theta_global_with_the_progress_since_t
     module = torch.nn.Linear(3, 2)
     sync = DiLoCoSync(DiLoCo(every=2, outer_lr=0.5, outer_momentum=0.0, delay=1, mix=0.5),
                       Workers(((0,),), rank=0), "auto", None)
-    sync.bind(module)
+    sync.attach(module)
     start = [p.detach().clone() for p in module.parameters()]
     with torch.no_grad():
         for p in module.parameters():
             p.add_(1.0)  # the inner steps up to the sync step
-    assert sync.after_step(step=2) == [] and len(sync.inflight) == 1  # started, in flight
+    assert sync.sync_after(step=2) == [] and len(sync.inflight) == 1  # started, in flight
     with torch.no_grad():
         for p in module.parameters():
             p.add_(0.5)  # the inner step the exchange overlaps
-    result, = sync.after_step(step=3)
+    result, = sync.sync_after(step=3)
     assert not result.skipped and not sync.inflight
     # one worker, outer lr 0.5, no momentum: theta_global moves half way to the worker's value at the start
     # (start + 0.5); the landing: p_now + 0.5 (theta_global - p_at_s) = (start + 1.5) + 0.5 (-0.5) = start + 1.25
@@ -280,9 +280,9 @@ def test_balance_steps_needs_hetero_batching_a_flat_topology_and_no_caps():
 def test_memory_counts_the_snapshots_of_exchanges_in_flight():
     module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
     plain = DiLoCoSync(DiLoCo(every=4, fragments=2), Workers(((0,), (1,)), rank=0), "auto", None)
-    plain.bind(module)
+    plain.attach(module)
     delayed = DiLoCoSync(DiLoCo(every=4, fragments=2, delay=3), Workers(((0,), (1,)), rank=0), "auto", None)
-    delayed.bind(module)
+    delayed.attach(module)
     largest = max(sum(delayed._params[i].numel() * 4 for i in f.params) for f in delayed.fragments)
     # spacing 2, delay 3: two exchanges in flight at once
     assert delayed.memory_bytes() - plain.memory_bytes() == 2 * largest
@@ -308,8 +308,8 @@ def test_the_workers_meet_on_the_loops_thread_only_where_a_sync_runs_in_the_step
     module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
     steps = range(1, 13)
     synchronous = DiLoCoSync(DiLoCo(every=4, fragments=2), Workers(((0,), (1,)), rank=0), "auto", None)
-    synchronous.bind(module)
+    synchronous.attach(module)
     assert [s for s in steps if synchronous.meets(s)] == [2, 4, 6, 8, 10, 12]  # every fragment's sync
     delayed = DiLoCoSync(DiLoCo(every=4, fragments=2, delay=1), Workers(((0,), (1,)), rank=0), "auto", None)
-    delayed.bind(module)
+    delayed.attach(module)
     assert [s for s in steps if delayed.meets(s)] == [4, 8, 12]  # once per H: the first fragment's start

@@ -71,7 +71,7 @@ class DistMetrics(Callback):
         features = features_of(trainer.strategy)
         if features is not None:  # ask the strategy to exchange on the steps we log
             features.request_exchange(self._interval, "metrics")
-            self._syncs_logged = 0 if features.sync is None else features.sync.outer_steps + features.sync.skipped
+            self._syncs_logged = 0 if features.sync is None else features.sync.syncs
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -92,9 +92,9 @@ class DistMetrics(Callback):
 
 
     def _log_sync(self, trainer: pl.Trainer, features: Any) -> None:
-        """DiLoCo's ``sync/*`` metrics after every sync (rare: every H steps), whatever the interval."""
+        """The sync driver's ``sync/*`` metrics after every sync (DiLoCo's: every H steps), whatever the interval."""
         sync = features.sync
-        done = 0 if sync is None else sync.outer_steps + sync.skipped
+        done = 0 if sync is None else sync.syncs
         if done == self._syncs_logged or sync is None or not sync.metrics:
             return
         self._syncs_logged = done

@@ -40,14 +40,14 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning_dist.comm.topology import Topology, state_layout
 from lightning_dist.compression import Compressor
 from lightning_dist.hetero import HeteroBatching
-from lightning_dist.strategy.checkpoint import CHECKPOINT_KEY, local_entry, sync_entry, worker_state
+from lightning_dist.strategy.checkpoint import CHECKPOINT_KEY, local_entry
 from lightning_dist.strategy.exchange import StepExchange
 from lightning_dist.strategy.hook import BucketObserver, RingHookState
 from lightning_dist.strategy.schedule import ExchangeSchedule
 from lightning_dist.strategy.skip import StepGuard
 from lightning_dist.strategy.step_meter import StepMeter
 from lightning_dist.strategy.stepping import loss_scaler_of
-from lightning_dist.sync.diloco import DiLoCoSync
+from lightning_dist.sync.driver import SyncDriver
 
 
 class RingFeatures:
@@ -62,7 +62,8 @@ class RingFeatures:
         self._meter, self._schedule, self._guard, self._hook_state = meter, schedule, guard, hook_state
         self._hetero = hetero
         self.identities: Optional[list[str]] = None  # every rank's node identity, in rank order (elastic runs)
-        self.sync: Optional[DiLoCoSync] = None  # sync=DiLoCo: the outer loop, bound at set-up (its metrics, state)
+        # sync=: the running sync driver, bound at set-up (its metrics and state), None when syncing every step
+        self.sync: Optional[SyncDriver] = None
 
     # -- the step counter -------------------------------------------------------------------------------------
     @property
@@ -159,11 +160,9 @@ class RingFeatures:
         strategy = self._strategy
         entry = local_entry(self._hook_state.compressor, strategy.global_rank, strategy.world_size, self.identities,
                             state_layout(self.topology))
-        if self.sync is not None:
-            # every rank its worker's state: an emergency checkpoint holds one rank's entry only
-            entry[CHECKPOINT_KEY]["sync"] = sync_entry(self.sync, worker_state(strategy), strategy.global_rank,
-                                                       strategy.world_size, None, local=True,
-                                                       identities=self.identities)
+        sync = self.sync.checkpoint_entry(local=True) if self.sync is not None else None
+        if sync is not None:
+            entry[CHECKPOINT_KEY]["sync"] = sync
         return entry
 
     @property

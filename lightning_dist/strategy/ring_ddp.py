@@ -10,17 +10,17 @@ delegate; each mechanism lives in a module beside it:
   a communication thread while backward computes the next, on a process group of the strategy's own;
 - :mod:`.stepping`: the rank's share of the step applied in autograd, and step-or-skip on every rank together
   (:mod:`.skip` holds the finiteness mechanism, :class:`~lightning_dist.callbacks.NaNRecovery` the policy);
-- :mod:`.schedule` (with :mod:`.exchange`): the one small per-step exchange of measurements and agreed values,
-  on the steps features ask for, complete before the optimizer steps;
+- :mod:`.schedule` (with :mod:`.exchange`, stepped by :mod:`.cycle`): the one small per-step exchange of
+  measurements and agreed values, on the steps features ask for, complete before the optimizer steps;
 - :mod:`.step_meter` and :mod:`.dist_metrics`: each rank's per-step measurements, logged from rank zero by
   DistMetrics, which the strategy adds to the Trainer when the user has not;
 - :mod:`.checkpoint`: every rank's compressor state in checkpoints, and its restore;
 - :mod:`lightning_dist.hetero`: with ``hetero=``, the training loader rebuilt so each rank's share of the
   global batch follows its speed, rebalanced from the exchange; :mod:`.micro` runs a share above the rank's memory
   cap as several micro-batches inside the one training step;
-- :mod:`lightning_dist.sync`: with ``sync=DiLoCo(...)``, the workers (ranks, or hosts under two_tier) train alone
-  and meet every H steps in an outer step (:class:`~lightning_dist.sync.diloco.DiLoCoSync`); the comm hook then
-  reduces inside a worker only;
+- :mod:`lightning_dist.sync`: ``sync=`` takes a sync driver (:class:`~lightning_dist.sync.SyncDriver`, such as
+  ``DiLoCo(every=H)``), whose hooks the strategy calls around Lightning's step without knowing which way of syncing
+  it drives; the comm hook then reduces inside the driver's workers only;
 - :mod:`lightning_dist.launch`: under torchrun, a view of the launcher's store private to the restart attempt.
 
 Features (callbacks, experiments, benchmarks) use the strategy only through :attr:`RingDDPStrategy.features`
@@ -47,23 +47,17 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_dist.comm import check_algorithm, release_scratch
-from lightning_dist.comm.topology import TOPOLOGIES, Topology, resolve_topology, state_layout
-from lightning_dist.compression import Compressor, NoCompressor, as_compressor
+from lightning_dist.comm import release_scratch
+from lightning_dist.comm.topology import Topology, resolve_topology, state_layout
+from lightning_dist.compression import Compressor, as_compressor
 from lightning_dist.elastic import complete_from_siblings
-from lightning_dist.hetero import HeteroBatching, micro_batch_sizes
-from lightning_dist.hetero.batching import as_hetero, describe_event
+from lightning_dist.hetero import HeteroBatching
+from lightning_dist.hetero.batching import as_hetero
 from lightning_dist.launch import LaunchEnv, attempt_store
 from lightning_dist.strategy import stepping
-from lightning_dist.strategy.checkpoint import (
-    CHECKPOINT_KEY,
-    compressor_entry,
-    gather_states,
-    restore_compressor,
-    restore_sync,
-    sync_entry,
-    worker_state,
-)
+from lightning_dist.strategy.arguments import as_timedelta, check_arguments
+from lightning_dist.strategy.checkpoint import CHECKPOINT_KEY, compressor_entry, gather_states, restore_compressor
+from lightning_dist.strategy.cycle import StepCycle
 from lightning_dist.strategy.dist_metrics import DistMetrics
 from lightning_dist.strategy.features import RingFeatures
 from lightning_dist.strategy.hook import RingHookState, ring_comm_hook
@@ -71,9 +65,8 @@ from lightning_dist.strategy.micro import MicroBatches
 from lightning_dist.strategy.schedule import ExchangeSchedule
 from lightning_dist.strategy.skip import StepGuard, StepVerdict
 from lightning_dist.strategy.step_meter import StepMeter
-from lightning_dist.strategy.tiers import TwoTier
-from lightning_dist.sync import DiLoCo, as_sync
-from lightning_dist.sync.diloco import DiLoCoSync, SyncResult, inner_steps
+from lightning_dist.strategy.tiers import gradient_groups
+from lightning_dist.sync import EveryStep, SyncContext, SyncDriver, as_sync
 
 if not callable(getattr(DDPStrategy, "_register_ddp_hooks", None)):  # pragma: no cover - guarded by a test too
     raise ImportError(
@@ -81,10 +74,6 @@ if not callable(getattr(DDPStrategy, "_register_ddp_hooks", None)):  # pragma: n
         "install lightning>=2.6,<2.7 (the range in lightning_dist's pyproject.toml)."
     )
 
-# How ranks are started on one machine (Lightning's launchers; "popen" re-runs the script per rank): the one list,
-# read by the strategy's check, the Hydra schema (lightning_dist.config) and the errors
-START_METHODS = ("popen", "spawn", "fork", "forkserver")
-DEFAULT_TIMEOUT_S = default_pg_timeout.total_seconds()  # torch.distributed's: a hung collective fails then
 WORKER_JOIN_TIMEOUT_S = 10.0  # teardown waits this long for the communication worker to end
 
 
@@ -116,10 +105,10 @@ class RingDDPStrategy(DDPStrategy):
             two_tier on at least 2 hosts of at least 2 ranks each, the same count on every host; flat
             otherwise). Hosts are the launcher's nodes (Lightning's node rank: torchrun's ``GROUP_RANK``,
             SLURM's ``SLURM_NODEID``, ``NODE_RANK``).
-        sync: how often the workers synchronise: None or ``"every_step"`` (default: the gradient all-reduce of every
-            step), or a :class:`~lightning_dist.sync.DiLoCo` (``"diloco"``, or a dict of its arguments): each worker
-            (a host under two_tier, a rank under flat) trains alone for ``every`` steps, then the workers average
-            their progress through an outer Nesterov step (:mod:`lightning_dist.sync.diloco`).
+        sync: how the workers synchronise: None or ``"every_step"`` (default: the gradient all-reduce of every
+            step), a :class:`~lightning_dist.sync.DiLoCo` (``"diloco"``, or a dict of its arguments: each worker, a
+            host under two_tier or a rank under flat, trains alone for ``every`` steps, then the workers average
+            their progress through an outer Nesterov step), or any :class:`~lightning_dist.sync.SyncDriver`.
         **kwargs: every other keyword of :class:`~torch.nn.parallel.DistributedDataParallel` that
             DDPStrategy passes through (``find_unused_parameters``, ``static_graph``, ``bucket_cap_mb``, ...).
 
@@ -147,60 +136,36 @@ class RingDDPStrategy(DDPStrategy):
         overlap: bool = True,
         hetero: Union[HeteroBatching, dict, None] = None,
         topology: str = "auto",
-        sync: Union[DiLoCo, dict, str, None] = None,
+        sync: Union[SyncDriver, dict, str, None] = None,
         **kwargs: Any,
     ) -> None:
-        given = {"ddp_comm_state": ddp_comm_state, "ddp_comm_hook": ddp_comm_hook,
-                 "ddp_comm_wrapper": ddp_comm_wrapper, "model_averaging_period": model_averaging_period}
-        conflicting = sorted(name for name, value in given.items() if value is not None)
-        if conflicting:
-            raise ValueError(
-                f"RingDDPStrategy installs its own DDP comm hook, so {conflicting} would collide with it. "
-                "Remove them; to change how gradients travel use algorithm=... or compressor=..., or use "
-                "Lightning's DDPStrategy if you need your own hook."
-            )
-        algorithm = check_algorithm(getattr(algorithm, "value", algorithm))  # an enum from Hydra's structured config
-        topology = getattr(topology, "value", topology)  # Hydra's structured config passes an enum
-        if topology not in TOPOLOGIES:
-            raise ValueError(f"topology={topology!r}; use one of {', '.join(TOPOLOGIES)} ('auto': two_tier on 2 or "
-                             "more hosts of 2 or more ranks each).")
-        start_method = getattr(start_method, "value", start_method)  # Hydra's structured config passes an enum
-        if start_method not in START_METHODS:
-            raise ValueError(f"start_method={start_method!r}; use one of {', '.join(START_METHODS)} ('popen' re-runs "
-                             "the script per rank, the robust default; 'fork' starts fastest on CPU).")
+        algorithm, topology, start_method = check_arguments(
+            algorithm, topology, start_method, overlap, ddp_comm_state=ddp_comm_state, ddp_comm_hook=ddp_comm_hook,
+            ddp_comm_wrapper=ddp_comm_wrapper, model_averaging_period=model_averaging_period)
         self._sync = as_sync(sync)
         compressor = as_compressor(compressor)
-        if self._sync is not None and not isinstance(compressor, NoCompressor):
-            raise ValueError(f"compressor={compressor.describe()} compresses the per-step gradient, which "
-                             "sync=DiLoCo does not send between workers; compress the pseudo-gradient instead: "
-                             f"sync=DiLoCo(every={self._sync.every}, compressor={compressor.name!r}) (on the command "
-                             f"line sync.compressor={compressor.name}), and drop compressor=")
-        if not isinstance(overlap, bool):
-            raise ValueError(f"overlap={overlap!r} must be True (reduce on a communication thread) or False.")
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend, timeout=_as_timedelta(timeout),
+            process_group_backend=process_group_backend, timeout=as_timedelta(timeout),
             start_method=start_method, **kwargs,
         )
         self._algorithm = algorithm
         self._overlap = overlap
         self._hetero = as_hetero(hetero)
         self._topology_request = topology
-        if self._sync is not None and self._sync.balance == "steps":
-            _check_steps_balance(self._hetero, topology)
+        if self._sync is not None:
+            self._sync.check(compressor=compressor, hetero=self._hetero, topology=topology)
         self.topology: Optional[Topology] = None  # what topology resolved to at set-up (every rank alike)
-        self._tier_groups: list[dist.ProcessGroup] = []  # two_tier: its host's two groups, its part's
+        self._hook_groups: list[dist.ProcessGroup] = []  # the comm hook's (flat: one; two_tier: three)
         self._guard = StepGuard()  # step-or-skip, armed by NaNRecovery
         self._hook_state = RingHookState(algorithm=algorithm, compressor=compressor, guard=self._guard)
-        self._comm_group: Optional[dist.ProcessGroup] = None  # the gradient buckets' own group
         self._schedule = ExchangeSchedule()  # the per-step exchange, on a gloo group of its own
         self._meter = StepMeter()  # this rank's per-step measurements; its step count is the strategy's
-        self._micro = MicroBatches()  # a share run as several micro-batches (hetero accumulate)
-        self._inner_counts: Optional[list[int]] = None  # DiLoCo(balance="steps"): each rank's inner steps per step
-        self._diloco: Optional[DiLoCoSync] = None  # sync=DiLoCo: the outer loop, made at set-up
-        self._sync_restore: Optional[dict[str, Any]] = None  # a checkpoint's DiLoCo entry, applied at set-up
-        self._worker_optimizers: Optional[list[Any]] = None  # this worker's inner optimizer states from it
+        self._micro = MicroBatches()  # a share run as several micro-batches (hetero accumulate), or as inner steps
+        self._driver: SyncDriver = EveryStep()  # the sync driver of this fit, bound at set-up (sync=, or every step)
+        self._restoring: Optional[dict[str, Any]] = None  # a resumed checkpoint's entry, for the driver's bind
+        self._cycle = StepCycle(self._meter, self._schedule, self._hook_state, self._hetero)  # one step's bookkeeping
         self._features = RingFeatures(self, self._meter, self._schedule, self._guard, self._hook_state,
                                        self._hetero)
 
@@ -218,8 +183,8 @@ class RingDDPStrategy(DDPStrategy):
         return self._overlap
 
     @property
-    def sync(self) -> Optional[DiLoCo]:
-        """How often the workers synchronise: None (every step) or the DiLoCo settings (the running outer loop, its
+    def sync(self) -> Optional[SyncDriver]:
+        """How the workers synchronise: None (every step) or the sync driver given as ``sync=`` (the running one, its
         metrics and state, is ``features.sync`` during and after a fit)."""
         return self._sync
 
@@ -249,22 +214,12 @@ class RingDDPStrategy(DDPStrategy):
         # launch nothing, whatever start_method says. (Lightning's own DDPStrategy with "fork" or "spawn"
         # forks N more ranks inside each worker.) The subprocess launcher is the one that checks for this.
         assert self.cluster_environment is not None
-        launch = LaunchEnv.current()
-        if launch.launcher == "torchrun" and launch.num_nodes is not None and self.num_nodes != launch.num_nodes:
-            # Lightning's own check would say only that the product does not match; say what to pass
-            raise ValueError(
-                f"Trainer(num_nodes={self.num_nodes}) but torchrun runs {launch.num_nodes} node(s) now (world size "
-                f"{launch.world_size}, {launch.local_world_size} per node); under torchrun --nnodes MIN:MAX the count "
-                "changes between restarts: pass Trainer(num_nodes=lightning_dist.launch.LaunchEnv.current().num_nodes, "
-                "devices=LaunchEnv.current().local_world_size) (lightning-dist-train reads both from the launcher)")
+        LaunchEnv.current().check_num_nodes(self.num_nodes)
         if self._hetero is not None and self.parallel_devices:  # list lengths, in the launching process
             self._hetero.check_world(self.num_nodes * len(self.parallel_devices))
         if self._topology_request == "two_tier" and self.num_nodes < 2:
-            one_worker = " (with sync=DiLoCo a worker is a host: one host is one worker, with nothing to sync)" \
-                if self._sync is not None else ""
-            raise ValueError(f"topology='two_tier' needs at least 2 nodes, and Trainer(num_nodes={self.num_nodes})"
-                             f"{one_worker}: run on 2 or more hosts (num_nodes=2, ...), or use topology='auto' or "
-                             "'flat'.")
+            raise ValueError(f"topology='two_tier' needs at least 2 nodes, and Trainer(num_nodes={self.num_nodes}): "
+                             "run on 2 or more hosts (num_nodes=2, ...), or use topology='auto' or 'flat'.")
         if self._start_method != "popen" and self.cluster_environment.creates_processes_externally:
             rank_zero_info(
                 f"RingDDPStrategy: {type(self.cluster_environment).__name__} created the processes; "
@@ -285,68 +240,40 @@ class RingDDPStrategy(DDPStrategy):
             change = self._hetero.without_micro_batches()  # the user's training_step runs its own backward
             if change is not None:
                 rank_zero_info(f"RingDDPStrategy: {change}")
-        if self._diloco is not None:
-            _sigterm_broadcast_before_syncs(trainer, self._diloco)
+        self._driver.setup(trainer)
 
     @override
     def _register_ddp_hooks(self) -> None:
         # Lightning registers hooks only when root_device is CUDA; ours must run on CPU as well.
         assert isinstance(self.model, DistributedDataParallel)
         self._stop_worker()  # a fit that failed before teardown may have left one
-        # The gradient buckets' own group (the default backend, so NCCL for CUDA tensors), made by every rank here
-        # in the same order, driven by the worker thread, never interleaving with what DDP and Lightning run on
-        # the default group from the main thread. With a two-tier topology, this rank's host's groups and its
-        # part's across hosts replace it.
-        tiers, world, spans_hosts = None, self.world_size, self.topology is not None and len(self.topology.hosts) > 1
-        if self._sync is not None:  # DiLoCo: the hook reduces inside a worker only; the outer loop syncs the workers
-            world, spans_hosts = self._bind_sync()
-        elif self.topology is not None and self.topology.kind == "two_tier":
-            tiers = TwoTier.create(self.topology, self.global_rank, self._algorithm, self._hook_state.stats,
-                                   self._timeout)
-            self._tier_groups = tiers.groups
-        elif self.world_size > 1:
-            self._comm_group = dist.new_group(timeout=self._timeout)
+        reduction = gradient_groups(self.topology, self.global_rank, self.world_size, self._algorithm,
+                                    self._hook_state.stats, self._timeout, workers=self._bind_driver())
+        self._hook_groups = reduction.owned
         self._schedule.every_step = bool(self._hetero is not None and self._hetero.rebalance)
         state = self._hook_state
-        state.bind(self.model.module, self._comm_group, world, on_last_bucket=self._start_exchange_early,
-                   tiers=tiers, spans_hosts=spans_hosts)
+        automatic = self.lightning_module.automatic_optimization
+        state.bind(self.model.module, reduction.group, reduction.world, tiers=reduction.tiers,
+                   spans_hosts=reduction.spans_hosts,
+                   on_last_bucket=lambda: self._cycle.start_exchange_early(automatic))
         if self._overlap:
             state.start_worker(f"rank{self.global_rank}", self.root_device)
         self.model.register_comm_hook(state, ring_comm_hook)
 
-    def _bind_sync(self) -> tuple[int, bool]:
-        """DiLoCo's outer loop on groups of its own; DDP's synchronisation kept inside a worker: off for a worker of
-        one rank (no byte leaves it between syncs), on the host's group for a host (dense, over its own links). DDP's
-        buffer broadcast (from rank 0, across workers) is off: buffers are averaged at the sync instead, and a host's
-        first rank broadcasts them inside the host before each forward. Returns the hook's world (the worker's
-        ranks) and whether its traffic crosses hosts (never)."""
-        assert isinstance(self.model, DistributedDataParallel) and self._sync is not None
-        diloco = self._diloco = DiLoCoSync.create(self._sync, self.topology, self.global_rank, self.world_size,
-                                                  self._algorithm, self._timeout)
-        workers = diloco.workers
-        if self._sync.balance == "steps" and workers.local_size > 1:
-            _check_steps_balance(self._hetero, "two_tier")  # topology="auto" resolved to two_tier
-        self.model.broadcast_buffers = False
-        if workers.local_size == 1:
-            self.model.require_backward_grad_sync = False  # what DDP's no_sync() sets, for the whole fit
-        else:
-            self._comm_group = dist.new_subgroups_by_enumeration([list(r) for r in workers.ranks],
-                                                                 timeout=self._timeout)[0]
-        diloco.bind(self.model.module)
-        self._features.sync = diloco
-        if self._sync_restore is not None:
-            self._worker_optimizers = restore_sync(diloco, self.model.module, self._sync_restore, self.global_rank,
-                                                   self.world_size, self._features.identities)
-            self._sync_restore = None
-            if diloco.lost_workers and self._hetero is not None:  # their samples since the last sync train again
-                self._hetero.lost_workers = (diloco.unsynced_from, list(diloco.lost_workers))
-                rank_zero_info(f"RingDDPStrategy: DiLoCo workers of old ranks {diloco.lost_workers} were lost with "
-                               f"their progress since global batch {diloco.unsynced_from}: their samples since then "
-                               "train again on the survivors")
-        self._tier_groups = diloco.groups
-        rank_zero_info(f"RingDDPStrategy: {self._sync.describe()} over {workers.count} workers "
-                       f"({'hosts' if workers.local_size > 1 else 'ranks'}: {[list(r) for r in workers.ranks]})")
-        return workers.local_size, False
+    def _bind_driver(self) -> Optional[Any]:
+        """The sync driver of this fit, bound to the wrapped model; returns its workers' ranks (None: every rank)."""
+        assert isinstance(self.model, DistributedDataParallel)
+        context = SyncContext(strategy=self, ddp=self.model, topology=self.topology, algorithm=self._algorithm,
+                              timeout=self._timeout, stats=self._hook_state.stats, guard=self._guard,
+                              hetero=self._hetero, checkpoint=self._restoring, record_skip=self._record_skipped_sync)
+        self._restoring = None
+        self._driver = (self._sync or EveryStep()).bind(context)
+        self._features.sync = self._driver if self._sync is not None else None
+        return self._driver.gradient_ranks
+
+    def _record_skipped_sync(self, step: int, reason: str) -> None:
+        if self._guard.armed:  # NaNRecovery hears of a skipped sync as of a skipped step
+            self._guard.record(StepVerdict(step=step, skipped=True, reason=reason))
 
     def _resolve_topology(self) -> Topology:
         """Every rank's node rank, gathered, and the topology they imply (the same decision on every rank)."""
@@ -365,10 +292,7 @@ class RingDDPStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        # a new fit starts counting afresh (the same strategy object may fit twice)
-        self._meter.reset()
-        self._schedule.step_finished()
-        self._hook_state.reset_step()
+        self._cycle.restart()
 
     # -- each step --------------------------------------------------------------------------------------------
     @override
@@ -383,34 +307,19 @@ class RingDDPStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
         self._meter.batch_started(batch)
-        diloco, micro = self._diloco, None
+        micro, accumulate, driver = None, True, self._driver
         if self._hetero is not None and self._hetero.attached:  # the share, from the plan every rank holds
             batch_idx = args[1] if len(args) > 1 else kwargs["batch_idx"]
             epoch = self.lightning_module.trainer.current_epoch
-            among = diloco.workers.mine if diloco is not None else None  # DiLoCo: averaged inside the worker only
-            self._hook_state.share = self._hetero.start_batch(epoch, batch_idx, self.global_rank, among)
-            if diloco is not None:  # each worker's samples weigh its pseudo-gradient
-                diloco.count_samples(self._hetero.sizes_of(epoch, batch_idx))
-            micro = self._hetero.micro_sizes(epoch, batch_idx, self.global_rank)
-            if diloco is not None and diloco.settings.balance == "steps":  # the share as inner steps of its own
-                micro = self._inner_step_sizes(self._hetero.sizes_of(epoch, batch_idx))
-        if diloco is not None:
-            diloco.broadcast_buffers()
-        if micro is not None and len(micro) > 1:  # the share as several micro-batches (lightning_dist.strategy.micro)
+            self._hook_state.share = self._hetero.start_batch(epoch, batch_idx, self.global_rank, driver.averaged_among)
+            micro, accumulate = driver.before_batch(self._hetero.sizes_of(epoch, batch_idx),
+                                                    self._hetero.micro_sizes(epoch, batch_idx, self.global_rank))
+        driver.before_forward()
+        if micro is not None and len(micro) > 1:  # several passes in this step (lightning_dist.strategy.micro)
             args = (*args, *kwargs.values())  # Lightning passes (batch, batch_idx) by position
             return self._micro.start(self, args[0], args[1:], micro, self._hook_state, super().training_step,
-                                     accumulate=diloco is None or diloco.settings.balance != "steps")
+                                     accumulate=accumulate)
         return super().training_step(*args, **kwargs)
-
-    def _inner_step_sizes(self, shares: list[int]) -> list[int]:
-        """``DiLoCo(balance="steps")``: this rank's share cut into its inner steps (:func:`inner_steps`, from every
-        rank's share, so every rank agrees); a change of the counts is logged."""
-        counts = inner_steps(shares)
-        if counts != self._inner_counts:
-            self._inner_counts = counts
-            rank_zero_info(f"RingDDPStrategy: DiLoCo(balance='steps'): inner steps per training step {counts} "
-                           f"(shares {shares})")
-        return micro_batch_sizes(shares[self.global_rank], count=counts[self.global_rank])
 
     # -- collectives from inside a micro-batch (lightning_dist.strategy.micro) -----------------------------------
     @override
@@ -465,142 +374,69 @@ class RingDDPStrategy(DDPStrategy):
             result = closure()
             if not exchanged:
                 exchanged = True
-                self._complete_exchange()
+                self._cycle.complete_exchange(self.world_size, self.lightning_module.trainer.num_training_batches)
             return result
 
+        def step(run: Callable[[], Any]) -> Any:  # Lightning's step, around which the sync driver may do its own
+            return super(RingDDPStrategy, self).optimizer_step(optimizer, run, model, **kwargs)
+
         if not self._guard.armed:
-            output = super().optimizer_step(optimizer, closure_then_exchange, model, **kwargs)
+            output = self._driver.optimizer_step(optimizer, closure_then_exchange, step)
             if exchanged:
-                self._more_inner_steps(optimizer, model, **kwargs)
-                self._sync_if_due()
-                self._finish_step(skipped=False)
+                self._after_step(optimizer, model, skipped=False, **kwargs)
             return output
-        # The step-or-skip point: backward first, then every rank decides alike whether the optimizer steps (under
-        # DiLoCo every rank of a worker: the workers step alone between syncs).
+        # The step-or-skip point: backward first, then every rank decides alike whether the optimizer steps (every
+        # rank of the sync driver's group: under DiLoCo a worker's, since the workers step alone between syncs).
         result = closure_then_exchange()
+        verdict = self._decide(optimizer)
+        if not verdict.skipped:
+            result = self._driver.optimizer_step(optimizer, stepping.replay(result, closure_then_exchange), step)
+        self._after_step(optimizer, model, skipped=verdict.skipped, **kwargs)
+        return result
+
+    def _decide(self, optimizer: Any) -> StepVerdict:
+        """Step or skip (NaNRecovery armed the guard), agreed in the sync driver's group; a skip is taken here."""
         scaler = self._features.loss_scaler
-        group, rank, size = self._schedule.group, self.global_rank, self.world_size
-        if self._diloco is not None:
-            group, rank, size = self._diloco.worker_verdict_group(self._guard, self.model.module)
+        group, rank, size = self._driver.verdict_group() or (self._schedule.group, self.global_rank, self.world_size)
         verdict = stepping.decide_step(self._guard, optimizer, scaler, group, rank, size,
                                        step=self.lightning_module.trainer.global_step)
         if verdict.skipped:
             stepping.skip_step(optimizer, scaler)
-        else:
-            result = super().optimizer_step(optimizer, stepping.replay(result, closure_then_exchange), model,
-                                            **kwargs)
-        self._more_inner_steps(optimizer, model, **kwargs)
-        self._sync_if_due()
-        self._finish_step(skipped=verdict.skipped)
-        return result
+        return verdict
 
-    def _more_inner_steps(self, optimizer: Any, model: Any, **kwargs: Any) -> None:
-        """``DiLoCo(balance="steps")``: a faster worker's further inner steps of this training step, each stepped or
-        skipped by its own verdict (lightning_dist.strategy.micro)."""
-        if not self._micro.steps_pending:
-            return
-        scaler = self._features.loss_scaler
+    def _after_step(self, optimizer: Any, model: Any, skipped: bool, **kwargs: Any) -> None:
+        """After the optimizer stepped or skipped: the training step's further inner steps, the sync driver's hook
+        (Lightning counts this step once optimizer_step returns, hence + 1), the step's bookkeeping."""
+        if self._micro.steps_pending:  # each inner step stepped or skipped by its own verdict
+            def take_step(output: Any) -> None:
+                if not self._guard.armed or not self._decide(optimizer).skipped:
+                    super(RingDDPStrategy, self).optimizer_step(optimizer, lambda: output, model, **kwargs)
 
-        def take_step(output: Any) -> None:
-            if self._guard.armed:
-                group, rank, size = self._diloco.worker_verdict_group(self._guard, self.model.module)
-                verdict = stepping.decide_step(self._guard, optimizer, scaler, group, rank, size,
-                                               step=self.lightning_module.trainer.global_step)
-                if verdict.skipped:
-                    stepping.skip_step(optimizer, scaler)
-                    return
-            super(RingDDPStrategy, self).optimizer_step(optimizer, lambda: output, model, **kwargs)
-
-        started = time.perf_counter()
-        self._micro.more_steps(self, optimizer, lambda loss: self.backward(loss, optimizer), take_step,
-                               self._hook_state, super().training_step)
-        self._meter.add_compute(time.perf_counter() - started)  # the measured speed covers every inner step
-
-    def _start_exchange_early(self) -> None:
-        """From the last bucket's hook: the exchange travels beside that bucket when nothing in it can change."""
-        self._schedule.start_early(self._meter.step, self._meter.last_step,
-                                   self.lightning_module.automatic_optimization)
-
-    def _complete_exchange(self) -> None:
-        """After backward: the exchange, if due, done; then the hetero plan may rebalance from it."""
-        self._meter.backward_done()
-        if not self._schedule.complete(self._meter.step, self._meter.last_step):
-            return
-        exchange = self._schedule.exchange
-        self._meter.exchanged(exchange, self.world_size)
-        hetero = self._hetero
-        if hetero is None or not hetero.rebalance or not hetero.attached:
-            return
-        # every rank holds the same measurements now, so every rank decides alike
-        event = hetero.after_exchange(exchange.per_rank("rank_compute_s"), exchange.per_rank("rank_samples"),
-                                      self._meter.step, self.lightning_module.trainer.num_training_batches)
-        for line in describe_event(event) if event is not None else ():
-            rank_zero_info(f"RingDDPStrategy: {line}")
-        if self._meter.step_metrics:  # empty on the first step: no previous step to describe
-            self._meter.step_metrics["hetero/rebalances"] = float(len(hetero.events))
-
-    def _sync_if_due(self) -> None:
-        """DiLoCo: after every optimizer step (taken or skipped: Lightning counts both), the fragment syncs that land
-        and start there, on every rank together (:meth:`DiLoCoSync.after_step`)."""
-        diloco = self._diloco
-        step = self.lightning_module.trainer.global_step + 1  # Lightning counts this step once it returns
-        if diloco is None or not diloco.due(step):
-            return
-        self._report_syncs(diloco.after_step(step, self._hook_state.stats, self._sync_tier(),
-                                             flags_group=self._schedule.group))
-
-    def _sync_tier(self) -> str:
-        return "inter_host" if self.topology is not None and len(self.topology.hosts) > 1 else "intra_host"
-
-    def _report_syncs(self, results: list[SyncResult]) -> None:
-        """A skipped outer step is warned of, and NaNRecovery hears of it as of a skipped step."""
-        for result in results:
-            if not result.skipped:
-                continue
-            step, fragment = result.step, f" (fragment {result.fragment})" if self._sync.fragments > 1 else ""
-            workers = result.bad_workers or "none of them alone (the sum overflowed)"
-            rank_zero_warn(f"RingDDPStrategy: DiLoCo skipped the outer step{fragment} after global step {step}: a "
-                           f"non-finite pseudo-gradient (workers {workers}); every worker restarts from theta_global")
-            if self._guard.armed:
-                self._guard.record(StepVerdict(step=step, skipped=True, reason=(
-                    f"non-finite pseudo-gradient on worker(s) {result.bad_workers} at the DiLoCo sync{fragment}: the "
-                    "outer step skipped on every worker")))
-
-    def _finish_step(self, skipped: bool) -> None:
-        """The compressor's staged state kept (the optimizer stepped) or dropped (every rank skipped); this step's
-        own measurements recorded (the next exchange carries them to every rank)."""
-        state = self._hook_state
-        if skipped:
-            state.compressor.discard()
-        else:
-            state.compressor.commit()
-        self._meter.step_finished(state.stats, state.exposed_s)
-        state.reset_step()
-        self._schedule.step_finished()
-        if self._hetero is not None and self._hetero.attached:
-            self._hetero.finish_step()
+            started = time.perf_counter()
+            self._micro.more_steps(self, optimizer, lambda loss: self.backward(loss, optimizer), take_step,
+                                   self._hook_state, super().training_step)
+            self._meter.add_compute(time.perf_counter() - started)  # the measured speed covers every inner step
+        self._driver.after_step(self.lightning_module.trainer.global_step + 1)
+        self._cycle.finish(skipped)
 
     # -- end of a fit -----------------------------------------------------------------------------------------
     @override
     def on_train_end(self) -> None:
         self._schedule.drain()  # every rank started it, so every rank can finish it
-        if self._diloco is not None:  # exchanges still in flight land: the fit's model holds every sync it started
-            self._report_syncs(self._diloco.finish(self._hook_state.stats, self._sync_tier(), self._schedule.group))
+        self._driver.end_of_fit()
         super().on_train_end()
 
     @override
     def teardown(self) -> None:
         self._stop_worker()  # first: it may still use the comm group
-        if self._diloco is not None:
-            self._diloco.close()
-        for group in (self._comm_group, self._schedule.group, *self._tier_groups):
+        self._driver.close()  # (it stays readable, its metrics and counts, until the next set-up)
+        for group in (*self._hook_groups, self._schedule.group):
             if group is not None and dist.is_initialized():
                 try:
                     dist.destroy_process_group(group)
                 except (RuntimeError, ValueError) as err:  # already gone with the default group after a fault
                     rank_zero_debug(f"RingDDPStrategy.teardown: {type(err).__name__}: {err}")
-        self._comm_group = self._schedule.group = None
-        self._tier_groups = []  # (a DiLoCo sync stays readable, its metrics and counts, until the next set-up)
+        self._schedule.group, self._hook_groups = None, []
         self._hook_state.unbind()
         release_scratch()
         super().teardown()
@@ -612,11 +448,7 @@ class RingDDPStrategy(DDPStrategy):
         # state (residuals, random generator) is its own, so all of them travel to rank zero first.
         compressor = self._hook_state.compressor
         states = gather_states(compressor, self.world_size, self._schedule.group)
-        sync = None
-        if self._diloco is not None:  # every worker's own state: mid-cycle, the workers differ
-            leader = self.global_rank == self._diloco.workers.mine[0]  # a worker's ranks hold the same state
-            sync = sync_entry(self._diloco, worker_state(self) if leader else None, self.global_rank,
-                              self.world_size, self._schedule.group, identities=self._features.identities)
+        sync = self._driver.checkpoint_entry()  # a collective too (DiLoCo: every worker's own state)
         if self.is_global_zero:
             entry = compressor_entry(compressor, self.world_size, states, self._features.identities,
                                      state_layout(self.topology))
@@ -637,19 +469,12 @@ class RingDDPStrategy(DDPStrategy):
         super().load_model_state_dict(checkpoint, strict=strict)
         restore_compressor(self._hook_state.compressor, checkpoint, self.global_rank, self.world_size,
                            self._features.identities, state_layout(self.topology))
-        # DiLoCo's state applies once the sync is bound: after DDP's wrap, which copies rank zero's parameters
-        self._sync_restore = (checkpoint.get(CHECKPOINT_KEY) or {}).get("sync") if self._sync is not None else None
-        if self._sync is not None and self._sync_restore is None:
-            rank_zero_warn("The checkpoint holds no DiLoCo state (written without sync=DiLoCo): theta_global starts "
-                           "as the restored parameters, with no outer momentum.")
+        # the sync driver's state applies once it is bound: after DDP's wrap, which copies rank zero's parameters
+        self._restoring = checkpoint.get(CHECKPOINT_KEY) or {}
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if self._worker_optimizers is not None:  # DiLoCo: this worker's own inner optimizer state
-            checkpoint = {**checkpoint, "optimizer_states": self._worker_optimizers}
-            self._worker_optimizers = None
-        super().load_optimizer_state_dict(checkpoint)
-
+        super().load_optimizer_state_dict(self._driver.restore_optimizers(checkpoint))
 
     @classmethod
     @override
@@ -669,48 +494,3 @@ class RingDDPStrategy(DDPStrategy):
                 description=f"Ring all-reduce DDP, find_unused_parameters=True, start_method={start_method!r}",
                 override=True, start_method=start_method, find_unused_parameters=True,
             )
-
-
-def _check_steps_balance(hetero: Optional[HeteroBatching], topology: str) -> None:
-    """``DiLoCo(balance="steps")`` needs heterogeneous batching (it measures each worker's speed and gives the shares
-    the inner steps are cut from) and a worker of one rank (``flat``: the ranks of a host would have to run the same
-    inner steps); caps per pass are the accumulation's, which this replaces."""
-    if hetero is None:
-        raise ValueError("sync=DiLoCo(balance='steps') runs more inner steps on a faster worker, from the speeds "
-                         "heterogeneous batching measures: pass hetero=HeteroBatching() (on the command line "
-                         "hetero=balanced), or use balance='batches'")
-    if topology == "two_tier":
-        raise ValueError("sync=DiLoCo(balance='steps') with topology='two_tier': a worker is then a host, whose ranks "
-                         "would have to run the same inner steps; use topology='flat' (a worker per rank) or "
-                         "balance='batches'")
-    if hetero.memory_caps is not None or hetero.max_batch_size is not None or hetero.accumulate not in ("auto", "off"):
-        raise ValueError("sync=DiLoCo(balance='steps') cuts each share into inner steps of about the smallest share; "
-                         "HeteroBatching's memory_caps, max_batch_size and accumulate counts do not apply: drop them, "
-                         "or use balance='batches'")
-
-
-def _sigterm_broadcast_before_syncs(trainer: Any, diloco: DiLoCoSync) -> None:
-    """Lightning broadcasts rank zero's SIGTERM flag to every rank before every training batch: a collective across
-    every worker on every step, which syncing every H steps exists to avoid (on a slow link it costs a round trip per
-    step, and every worker waits for the slowest at each). Under DiLoCo it runs only before the batches of a step
-    where the workers meet anyway (:meth:`DiLoCoSync.meets`: a sync in the step), so a SIGTERM on rank zero stops
-    every rank together within H steps. With a delay the workers never meet on the training loop's thread (the
-    exchanges run beside it), and it runs once per H steps: before the first fragment's sync starts.
-    (``FaultTolerance`` agrees on a stop through the strategy's exchange instead, on the steps it asks for.)"""
-    loop = trainer.fit_loop.epoch_loop
-    broadcast = type(loop)._broadcast_sigterm_tensor  # private, hence lightning<2.7 and a test that fails if it goes
-
-    def before_syncs() -> None:
-        if diloco.meets(trainer.global_step + 1):
-            broadcast(loop)
-
-    loop._broadcast_sigterm_tensor = before_syncs
-
-
-def _as_timedelta(timeout: Union[float, int, timedelta, None]) -> timedelta:
-    if timeout is None:  # as DDPStrategy: torch's default
-        return default_pg_timeout
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds <= 0:
-        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds (default {DEFAULT_TIMEOUT_S}).")
-    return timedelta(seconds=float(seconds))

@@ -37,7 +37,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -163,3 +163,34 @@ class InFlight:
     parts: torch.Tensor
     mine: torch.Tensor
     work: dist.Work
+
+
+@dataclass
+class GradientGroups:
+    """Where the comm hook reduces the gradient buckets (:func:`gradient_groups`)."""
+
+    group: Optional[dist.ProcessGroup]  # flat: the buckets' own group (None with one rank, or a worker of one rank)
+    tiers: Optional[TwoTier]  # two_tier: the host's groups and the part's across hosts
+    world: int  # the ranks a bucket is reduced over
+    spans_hosts: bool  # whether that traffic crosses hosts (its bytes are counted as inter_host)
+    owned: list[dist.ProcessGroup]  # every group made here, destroyed at teardown
+
+
+def gradient_groups(topology: Optional[Topology], rank: int, world_size: int, algorithm: str, stats: CommStats,
+                    timeout: Optional[timedelta], workers: Optional[Sequence[Sequence[int]]] = None) -> GradientGroups:
+    """The comm hook's groups, made by every rank in the same order (a collective call): the default backend's (NCCL for
+    CUDA tensors), driven by the communication worker, never interleaving with what DDP and Lightning run on the
+    default group from the main thread. ``workers`` (a sync driver's, :attr:`~lightning_dist.sync.SyncDriver
+    .gradient_ranks`): each rank reduces inside its own worker only; else two_tier's groups under that topology, or
+    one group of every rank."""
+    spans_hosts = topology is not None and len(topology.hosts) > 1
+    if workers is not None:
+        mine = next(ranks for ranks in workers if rank in ranks)
+        group = dist.new_subgroups_by_enumeration([list(r) for r in workers], timeout=timeout)[0] \
+            if len(mine) > 1 else None
+        return GradientGroups(group, None, len(mine), False, [group] if group is not None else [])
+    if topology is not None and topology.kind == "two_tier":
+        tiers = TwoTier.create(topology, rank, algorithm, stats, timeout)
+        return GradientGroups(None, tiers, world_size, spans_hosts, tiers.groups)
+    group = dist.new_group(timeout=timeout) if world_size > 1 else None
+    return GradientGroups(group, None, world_size, spans_hosts, [group] if group is not None else [])

@@ -1,6 +1,55 @@
-"""Synchronising the workers every H steps instead of every step: DiLoCo (:class:`DiLoCo`), for links too slow for any
-per-step exchange. ``RingDDPStrategy(sync=DiLoCo(every=50))``; docs/sync.md says when it pays."""
+"""Ways of syncing the workers, as sync drivers (:mod:`lightning_dist.sync.driver`): every step (the default) or every H
+steps (:class:`DiLoCo`, for links too slow for any per-step exchange). ``RingDDPStrategy(sync=DiLoCo(every=50))``;
+docs/sync.md says when it pays, docs/contributing/feature-seam.md how to write a driver of your own."""
 
-from lightning_dist.sync.settings import BALANCES, SYNCS, DiLoCo, as_sync
+from __future__ import annotations
 
-__all__ = ["BALANCES", "SYNCS", "DiLoCo", "as_sync"]
+from dataclasses import fields
+from typing import Any, Optional
+
+from lightning_dist.sync.diloco_driver import DiLoCo
+from lightning_dist.sync.driver import EveryStep, SyncContext, SyncDriver
+from lightning_dist.sync.settings import BALANCES
+
+# What ``sync=`` may name: the default (every step: today's gradient all-reduce, unchanged) and the drivers by name. The
+# one list, read by the strategy's check, the Hydra group (conf/sync/) and the errors.
+DRIVERS: dict[str, type[SyncDriver]] = {"every_step": EveryStep, "diloco": DiLoCo}
+SYNCS = tuple(DRIVERS)
+
+__all__ = ["BALANCES", "DRIVERS", "SYNCS", "DiLoCo", "EveryStep", "SyncContext", "SyncDriver", "as_sync"]
+
+
+def as_sync(sync: Any) -> Optional[SyncDriver]:
+    """What ``RingDDPStrategy(sync=...)`` accepts, as the driver the strategy calls (None: every step, the default):
+    None or ``"every_step"``; any :class:`SyncDriver` (a :class:`DiLoCo`, or a driver of your own), as it is; a name
+    of :data:`DRIVERS` (its defaults); or a dict of a driver's arguments, optionally with ``name`` (``"diloco"`` when
+    absent; Hydra's ``sync`` group passes one)."""
+    sync = getattr(sync, "value", sync)  # an enum from a structured config
+    if sync is None or isinstance(sync, EveryStep):
+        return None
+    if isinstance(sync, SyncDriver):
+        return sync
+    if isinstance(sync, str):
+        if sync not in DRIVERS:
+            raise ValueError(f"sync={sync!r}; use one of {', '.join(SYNCS)}, a DiLoCo(every=..., ...), a dict of its "
+                             "arguments, or a lightning_dist.sync.SyncDriver of your own")
+        return as_sync(DRIVERS[sync]())
+    if isinstance(sync, dict):
+        settings = dict(sync)
+        name = settings.pop("name", "diloco")
+        if name not in DRIVERS:
+            raise ValueError(f"sync={{'name': {name!r}, ...}}; name must be one of {', '.join(SYNCS)}")
+        if name == "every_step":
+            if settings:
+                raise ValueError(f"sync=every_step has no settings, got {sorted(settings)}: they are DiLoCo's; pick "
+                                 "sync=diloco (on the command line: sync=diloco sync.every=50 ...)")
+            return None
+        known = [f.name for f in fields(DRIVERS[name])]
+        unknown = sorted(set(settings) - set(known))
+        if unknown:
+            raise ValueError(f"sync={sync!r}: {DRIVERS[name].__name__} has no setting(s) {unknown}; its settings are "
+                             f"{', '.join(known)}")
+        return DRIVERS[name](**settings)
+    raise ValueError(f"sync={sync!r}; use None or 'every_step' (every step), 'diloco', a "
+                     "lightning_dist.sync.DiLoCo(every=..., ...), a dict of its arguments, or a "
+                     "lightning_dist.sync.SyncDriver of your own")

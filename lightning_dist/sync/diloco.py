@@ -1,6 +1,7 @@
 """DiLoCo's outer loop, as one rank runs it: the workers train alone and meet every H steps.
 
-``RingDDPStrategy(sync=DiLoCo(every=H, ...))`` (:class:`~lightning_dist.sync.DiLoCo`) drives a :class:`DiLoCoSync`:
+``RingDDPStrategy(sync=DiLoCo(every=H, ...))`` (:class:`~lightning_dist.sync.DiLoCo`) runs a :class:`DiLoCoSync` (as the
+sync driver :class:`~lightning_dist.sync.diloco_driver.DiLoCoDriver`, which adds what it does around Lightning's step):
 
 **Workers.** A worker is a host under ``topology="two_tier"`` (its ranks all-reduce their gradients every step, dense,
 over the host's own links: the strategy's comm hook on the host's group) and a rank under ``"flat"`` (DDP's gradient
@@ -80,7 +81,7 @@ from lightning_dist.comm.stats import CallRecord
 from lightning_dist.comm.topology import Topology
 from lightning_dist.compression import BucketLayout, Compressor, NoCompressor, Transport
 from lightning_dist.compression.parts import PartPlan
-from lightning_dist.sync.settings import DiLoCo
+from lightning_dist.sync.settings import DiLoCoSettings
 
 BUCKET_BYTES = 25 << 20  # the pseudo-gradient's buckets: DDP's default bucket size
 THREAD_NAME = "lightning_dist-comm-sync"  # the streaming exchanges' thread (tests look for it)
@@ -185,11 +186,11 @@ class Exchange:
 
 class DiLoCoSync:
     """One rank's share of DiLoCo's outer loop (see the module's docstring). Built by the strategy at set-up:
-    :meth:`create` makes its process groups (a collective: every rank, in the same order), :meth:`bind` attaches it
+    :meth:`create` makes its process groups (a collective: every rank, in the same order), :meth:`attach` attaches it
     to the wrapped module once DDP has made every rank's parameters equal."""
 
-    def __init__(self, settings: DiLoCo, workers: Workers, algorithm: str, cross_group: Optional[dist.ProcessGroup],
-                 host_group: Optional[dist.ProcessGroup] = None,
+    def __init__(self, settings: DiLoCoSettings, workers: Workers, algorithm: str,
+                 cross_group: Optional[dist.ProcessGroup], host_group: Optional[dist.ProcessGroup] = None,
                  worker_flags_group: Optional[dist.ProcessGroup] = None,
                  buffers_group: Optional[dist.ProcessGroup] = None) -> None:
         self.settings = settings
@@ -222,7 +223,7 @@ class DiLoCoSync:
         self._outer: Optional[torch.optim.SGD] = None
 
     @classmethod
-    def create(cls, settings: DiLoCo, topology: Optional[Topology], rank: int, world_size: int, algorithm: str,
+    def create(cls, settings: DiLoCoSettings, topology: Optional[Topology], rank: int, world_size: int, algorithm: str,
                timeout: Optional[timedelta] = None) -> DiLoCoSync:
         """The sync's groups, made by every rank in the same order: under two_tier each part's group across hosts,
         each host's group for the parts' all-gather and a gloo one for the inner step's verdict; under flat one
@@ -252,7 +253,7 @@ class DiLoCoSync:
         return self.fragments[0].samples
 
     # -- set-up ---------------------------------------------------------------------------------------------------
-    def bind(self, module: torch.nn.Module) -> None:
+    def attach(self, module: torch.nn.Module) -> None:
         """Attach to ``module`` (every rank holds the same parameters now): ``theta_global`` starts as them (a
         checkpoint's replace them through :meth:`load_state_dict`)."""
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
@@ -320,7 +321,7 @@ class DiLoCoSync:
             dist.broadcast(buf, src=leader, group=self.buffers_group)
 
     # -- the sync -------------------------------------------------------------------------------------------------
-    def after_step(self, step: int, stats: Optional[CommStats] = None, tier: str = "inter_host",
+    def sync_after(self, step: int, stats: Optional[CommStats] = None, tier: str = "inter_host",
                    flags_group: Optional[dist.ProcessGroup] = None) -> list[SyncResult]:
         """After optimizer step ``step``, on every rank together: the exchanges due to land land (in the order they
         started), then the fragment due to sync starts (and, without a delay, lands at once). Returns the syncs that
@@ -610,10 +611,10 @@ class DiLoCoSync:
                 for ex in self.inflight if ex.norm is not None and ex.snapshot is not None]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (after :meth:`bind`); then :meth:`load_rank_state` and
+        """Restore :meth:`state_dict`'s output (after :meth:`attach`); then :meth:`load_rank_state` and
         :meth:`load_worker_state`."""
         if self._outer is None:
-            raise RuntimeError("DiLoCoSync.load_state_dict before bind: the parameters are not known yet")
+            raise RuntimeError("DiLoCoSync.load_state_dict before attach: the parameters are not known yet")
         if state["settings"] != self.settings.describe():
             raise ValueError(f"the checkpoint was written with sync={state['settings']}, this run has "
                              f"sync={self.settings.describe()}: resume with the same DiLoCo settings")

@@ -1,21 +1,21 @@
-"""What ``RingDDPStrategy(sync=...)`` accepts: :class:`DiLoCo`'s settings, checked before any process starts."""
+"""DiLoCo's settings (:class:`DiLoCoSettings`), checked when the object is built, before any process starts.
+
+:class:`~lightning_dist.sync.DiLoCo` (:mod:`lightning_dist.sync.diloco_driver`) is these settings as a sync driver, the
+object users pass to ``RingDDPStrategy(sync=...)``; the outer loop (:mod:`lightning_dist.sync.diloco`) reads them."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import Any, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Union
 
 from lightning_dist.compression import Compressor, as_compressor
 
-# What ``sync=`` may name: the default (every step: today's gradient all-reduce, unchanged) and DiLoCo. The one list,
-# read by the strategy's check, the Hydra group (conf/sync/) and the errors.
-SYNCS = ("every_step", "diloco")
 BALANCES = ("batches", "steps")  # how workers of different speeds meet at a sync (DiLoCo(balance=...))
 
 
 @dataclass
-class DiLoCo:
+class DiLoCoSettings:
     """Synchronise the workers every ``every`` optimizer steps instead of every step (DiLoCo, Douillard et al. 2023).
 
     A *worker* is a host under ``topology="two_tier"`` (its ranks all-reduce their gradients every step over the links
@@ -120,37 +120,6 @@ class DiLoCo:
             extra += f", balance={self.balance}"
         return (f"DiLoCo(every={self.every}, outer_lr={self.outer_lr:g}, outer_momentum={self.outer_momentum:g}, "
                 f"compressor={self.compressor.describe()}{extra})")
-
-
-def as_sync(sync: Any) -> Optional[DiLoCo]:
-    """What ``RingDDPStrategy(sync=...)`` accepts: None or ``"every_step"`` (every step, the default), ``"diloco"``
-    (DiLoCo's defaults), a :class:`DiLoCo`, or a dict of its arguments, optionally with ``name`` (``"diloco"`` or
-    ``"every_step"``: Hydra's ``sync`` group passes one)."""
-    sync = getattr(sync, "value", sync)  # an enum from a structured config
-    if sync is None or isinstance(sync, DiLoCo):
-        return sync
-    if isinstance(sync, str):
-        if sync not in SYNCS:
-            raise ValueError(f"sync={sync!r}; use one of {', '.join(SYNCS)}, a DiLoCo(every=..., ...) or a dict of "
-                             "its arguments")
-        return None if sync == "every_step" else DiLoCo()
-    if isinstance(sync, dict):
-        settings = dict(sync)
-        name = settings.pop("name", "diloco")
-        if name not in SYNCS:
-            raise ValueError(f"sync={{'name': {name!r}, ...}}; name must be one of {', '.join(SYNCS)}")
-        if name == "every_step":
-            if settings:
-                raise ValueError(f"sync=every_step has no settings, got {sorted(settings)}: they are DiLoCo's; pick "
-                                 "sync=diloco (on the command line: sync=diloco sync.every=50 ...)")
-            return None
-        known = [f.name for f in fields(DiLoCo)]
-        unknown = sorted(set(settings) - set(known))
-        if unknown:
-            raise ValueError(f"sync={sync!r}: DiLoCo has no setting(s) {unknown}; its settings are {', '.join(known)}")
-        return DiLoCo(**settings)
-    raise ValueError(f"sync={sync!r}; use None or 'every_step' (every step), 'diloco', a "
-                     "lightning_dist.sync.DiLoCo(every=..., ...) or a dict of its arguments")
 
 
 def _hint(every: int, fragments: Any) -> str:

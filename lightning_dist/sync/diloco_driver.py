@@ -1,0 +1,298 @@
+"""DiLoCo as a sync driver (:mod:`lightning_dist.sync.driver`): what it does around Lightning's step, its checkpoints.
+
+:class:`DiLoCo` is what users pass (``RingDDPStrategy(sync=DiLoCo(every=50))``): the settings
+(:class:`~lightning_dist.sync.settings.DiLoCoSettings`) plus the driver's two hooks that run before a fit, its checks
+and :meth:`DiLoCo.bind`, which makes the running :class:`DiLoCoDriver`: the outer loop
+(:class:`~lightning_dist.sync.diloco.DiLoCoSync`) with the hooks the strategy calls at every step:
+
+- *set-up*: the outer loop's groups; DDP's gradient synchronisation kept inside a worker (off for a worker of one rank,
+  whose gradients then never leave it; on the host's group for a host, dense, over its own links); DDP's buffer
+  broadcast off (the sync averages buffers, and a host's first rank broadcasts them inside the host before each
+  forward); a resumed checkpoint's state applied (this rank's worker's own parameters, inner optimizer states and
+  exchanges in flight, or ``theta_global`` when they are gone);
+- Lightning's SIGTERM broadcast before every batch (a collective across every worker, which syncing every H steps
+  exists to avoid) runs only before the steps where the workers meet anyway (:meth:`DiLoCoSync.meets`);
+- *every batch*: each worker's samples weigh its pseudo-gradient; ``balance="steps"`` runs a faster worker's share as
+  more inner steps (:func:`~lightning_dist.sync.diloco.inner_steps`, agreed from every rank's share);
+- *after every optimizer step*: the fragment syncs that land and start there; a skipped outer step is warned of and
+  reported to NaNRecovery as a skipped step;
+- *checkpoints*: :func:`sync_entry` (every rank's part gathered to rank zero) and :func:`restore_sync`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional, Sequence
+
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_dist.compression import NoCompressor
+from lightning_dist.hetero import micro_batch_sizes
+from lightning_dist.identities import map_ranks
+from lightning_dist.sync.diloco import DiLoCoSync, SyncResult, inner_steps
+from lightning_dist.sync.driver import SyncContext, SyncDriver
+from lightning_dist.sync.settings import DiLoCoSettings
+
+
+class DiLoCo(DiLoCoSettings, SyncDriver):
+    __doc__ = DiLoCoSettings.__doc__
+    name = "diloco"
+
+    def check(self, *, compressor: Any, hetero: Any, topology: str) -> None:
+        if not isinstance(compressor, NoCompressor):
+            raise ValueError(f"compressor={compressor.describe()} compresses the per-step gradient, which "
+                             "sync=DiLoCo does not send between workers; compress the pseudo-gradient instead: "
+                             f"sync=DiLoCo(every={self.every}, compressor={compressor.name!r}) (on the command "
+                             f"line sync.compressor={compressor.name}), and drop compressor=")
+        if self.balance == "steps":
+            check_steps_balance(hetero, topology)
+
+    def bind(self, context: SyncContext) -> DiLoCoDriver:
+        return DiLoCoDriver.start(self, context)
+
+
+class DiLoCoDriver(DiLoCoSync, SyncDriver):
+    """One rank's running DiLoCo: the outer loop and the hooks the strategy calls (the module's docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.context: Optional[SyncContext] = None  # what the strategy handed at set-up (bind)
+        self.inner_counts: Optional[list[int]] = None  # balance="steps": each rank's inner steps per training step
+        self.worker_optimizers: Optional[list[Any]] = None  # this worker's inner optimizer states, from a checkpoint
+
+    @classmethod
+    def start(cls, settings: DiLoCoSettings, context: SyncContext) -> DiLoCoDriver:
+        """Made by every rank at set-up, in the same order (its groups are collectives)."""
+        driver = cls.create(settings, context.topology, context.rank, context.world_size, context.algorithm,
+                            context.timeout)
+        driver.context = context
+        workers, ddp = driver.workers, context.ddp
+        if settings.balance == "steps" and workers.local_size > 1:
+            check_steps_balance(context.hetero, "two_tier")  # topology="auto" resolved to two_tier
+        ddp.broadcast_buffers = False
+        if workers.local_size == 1:
+            ddp.require_backward_grad_sync = False  # what DDP's no_sync() sets, for the whole fit
+        driver.attach(context.module)
+        driver._restore(context.checkpoint)
+        rank_zero_info(f"RingDDPStrategy: {settings.describe()} over {workers.count} workers "
+                       f"({'hosts' if workers.local_size > 1 else 'ranks'}: {[list(r) for r in workers.ranks]})")
+        return driver
+
+    def _restore(self, checkpoint: Optional[dict[str, Any]]) -> None:
+        if checkpoint is None:  # not resuming
+            return
+        entry = checkpoint.get("sync")
+        if entry is None:
+            rank_zero_warn("The checkpoint holds no DiLoCo state (written without sync=DiLoCo): theta_global starts "
+                           "as the restored parameters, with no outer momentum.")
+            return
+        context = self.context
+        identities = context.strategy.features.identities
+        self.worker_optimizers = restore_sync(self, context.module, entry, context.rank, context.world_size,
+                                              identities)
+        hetero = context.hetero
+        if self.lost_workers and hetero is not None:  # their samples since the last sync train again
+            hetero.lost_workers = (self.unsynced_from, list(self.lost_workers))
+            rank_zero_info(f"RingDDPStrategy: DiLoCo workers of old ranks {self.lost_workers} were lost with their "
+                           f"progress since global batch {self.unsynced_from}: their samples since then train again "
+                           "on the survivors")
+
+    @property
+    def gradient_ranks(self) -> Sequence[Sequence[int]]:
+        return self.workers.ranks  # a worker of one rank reduces nothing (DDP's synchronisation is off)
+
+    def setup(self, trainer: Any) -> None:
+        _sigterm_broadcast_before_syncs(trainer, self)
+
+    # -- every step ---------------------------------------------------------------------------------------------
+    @property
+    def averaged_among(self) -> Sequence[int]:
+        return self.workers.mine  # the gradient is averaged inside the worker only
+
+    def before_batch(self, sizes: Sequence[int], micro: Optional[list[int]]) -> tuple[Optional[list[int]], bool]:
+        self.count_samples(sizes)  # each worker's samples weigh its pseudo-gradient
+        if self.settings.balance != "steps":
+            return micro, True
+        counts = inner_steps(sizes)  # the share as inner steps of about the smallest share, alike on every rank
+        if counts != self.inner_counts:
+            self.inner_counts = counts
+            rank_zero_info(f"RingDDPStrategy: DiLoCo(balance='steps'): inner steps per training step {counts} "
+                           f"(shares {list(sizes)})")
+        rank = self.context.rank
+        return micro_batch_sizes(sizes[rank], count=counts[rank]), False
+
+    def before_forward(self) -> None:
+        self.broadcast_buffers()
+
+    def verdict_group(self) -> tuple[Optional[dist.ProcessGroup], int, int]:
+        return self.worker_verdict_group(self.context.guard, self.context.module)
+
+    def after_step(self, global_step: int) -> None:
+        if self.due(global_step):
+            context = self.context
+            self._report(self.sync_after(global_step, context.stats, self._tier(), flags_group=context.exchange_group))
+
+    def end_of_fit(self) -> None:  # exchanges still in flight land: the fit's model holds every sync it started
+        self._report(self.finish(self.context.stats, self._tier(), self.context.exchange_group))
+
+    def _tier(self) -> str:
+        topology = self.context.topology
+        return "inter_host" if topology is not None and len(topology.hosts) > 1 else "intra_host"
+
+    def _report(self, results: list[SyncResult]) -> None:
+        """A skipped outer step is warned of, and NaNRecovery hears of it as of a skipped step."""
+        for result in results:
+            if not result.skipped:
+                continue
+            fragment = f" (fragment {result.fragment})" if self.settings.fragments > 1 else ""
+            workers = result.bad_workers or "none of them alone (the sum overflowed)"
+            rank_zero_warn(f"RingDDPStrategy: DiLoCo skipped the outer step{fragment} after global step {result.step}: "
+                           f"a non-finite pseudo-gradient (workers {workers}); every worker restarts from theta_global")
+            self.context.record_skip(result.step, f"non-finite pseudo-gradient on worker(s) {result.bad_workers} at "
+                                                  f"the DiLoCo sync{fragment}: the outer step skipped on every worker")
+
+    # -- checkpoints and reports ----------------------------------------------------------------------------------
+    def checkpoint_entry(self, local: bool = False) -> dict[str, Any]:
+        context = self.context
+        leader = local or context.rank == self.workers.mine[0]  # a worker's ranks hold the same state
+        return sync_entry(self, worker_state(context.strategy) if leader else None, context.rank, context.world_size,
+                          None if local else context.exchange_group, local=local,
+                          identities=context.strategy.features.identities)
+
+    def restore_optimizers(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        if self.worker_optimizers is None:
+            return checkpoint
+        states, self.worker_optimizers = self.worker_optimizers, None
+        return {**checkpoint, "optimizer_states": states}  # this worker's own inner optimizer states
+
+    @property
+    def syncs(self) -> int:
+        return self.outer_steps + self.skipped
+
+    def close(self) -> None:
+        super().close()  # the exchanges' thread
+        for group in self.groups:
+            try:
+                dist.destroy_process_group(group)
+            except (RuntimeError, ValueError):  # already gone with the default group after a fault
+                pass
+
+
+def check_steps_balance(hetero: Any, topology: str) -> None:
+    """``DiLoCo(balance="steps")`` needs heterogeneous batching (it measures each worker's speed and gives the shares
+    the inner steps are cut from) and a worker of one rank (``flat``: the ranks of a host would have to run the same
+    inner steps); caps per pass are the accumulation's, which this replaces."""
+    if hetero is None:
+        raise ValueError("sync=DiLoCo(balance='steps') runs more inner steps on a faster worker, from the speeds "
+                         "heterogeneous batching measures: pass hetero=HeteroBatching() (on the command line "
+                         "hetero=balanced), or use balance='batches'")
+    if topology == "two_tier":
+        raise ValueError("sync=DiLoCo(balance='steps') with topology='two_tier': a worker is then a host, whose ranks "
+                         "would have to run the same inner steps; use topology='flat' (a worker per rank) or "
+                         "balance='batches'")
+    if hetero.memory_caps is not None or hetero.max_batch_size is not None or hetero.accumulate not in ("auto", "off"):
+        raise ValueError("sync=DiLoCo(balance='steps') cuts each share into inner steps of about the smallest share; "
+                         "HeteroBatching's memory_caps, max_batch_size and accumulate counts do not apply: drop them, "
+                         "or use balance='batches'")
+
+
+def _sigterm_broadcast_before_syncs(trainer: Any, diloco: DiLoCoSync) -> None:
+    """Lightning broadcasts rank zero's SIGTERM flag to every rank before every training batch: a collective across
+    every worker on every step, which syncing every H steps exists to avoid (on a slow link it costs a round trip per
+    step, and every worker waits for the slowest at each). Under DiLoCo it runs only before the batches of a step
+    where the workers meet anyway (:meth:`DiLoCoSync.meets`: a sync in the step), so a SIGTERM on rank zero stops
+    every rank together within H steps. With a delay the workers never meet on the training loop's thread (the
+    exchanges run beside it), and it runs once per H steps: before the first fragment's sync starts.
+    (``FaultTolerance`` agrees on a stop through the strategy's exchange instead, on the steps it asks for.)"""
+    loop = trainer.fit_loop.epoch_loop
+    broadcast = type(loop)._broadcast_sigterm_tensor  # private, hence lightning<2.7 and a test that fails if it goes
+
+    def before_syncs() -> None:
+        if diloco.meets(trainer.global_step + 1):
+            broadcast(loop)
+
+    loop._broadcast_sigterm_tensor = before_syncs
+
+
+# -- checkpoints ------------------------------------------------------------------------------------------------------
+def worker_state(strategy: Any) -> dict[str, Any]:
+    """A rank's (so its DiLoCo worker's) parameters, buffers and inner optimizer states, as Lightning saves rank
+    zero's."""
+    return {"module": strategy.lightning_module.state_dict(),
+            "optimizers": [strategy.optimizer_state(optimizer) for optimizer in strategy.optimizers]}
+
+
+def sync_entry(diloco: DiLoCoSync, worker_state: Optional[dict[str, Any]], rank: int, world_size: int,
+               group: Optional[dist.ProcessGroup], local: bool = False,
+               identities: Optional[list[str]] = None) -> dict[str, Any]:
+    """DiLoCo's part of the checkpoint (under ``"lightning_dist"``, key ``"sync"``): what every rank holds alike
+    (``theta_global``, the outer momentum, the averaged buffers, the reduced sums of exchanges in flight), and per rank
+    its compressors' state and, from a worker's first rank, the worker's own parameters, inner optimizer state and
+    parameters at the start of each exchange in flight (``worker_state``): mid-cycle, the workers differ, and
+    Lightning saves rank zero's alone. A collective on ``group`` (every rank's part goes to rank zero), unless
+    ``local`` (an emergency checkpoint: this rank's part only, and exchanges in flight are not waited for). In an
+    elastic run ``identities`` (every rank's node identity) let a restart at another size find each survivor's own
+    worker (:func:`restore_sync`)."""
+    state = diloco.state_dict(settle=not local)  # first: what is in flight is settled (or dropped) here
+    if worker_state is not None:
+        worker_state = {**worker_state, "inflight": diloco.worker_state()}
+    mine = {"rank": diloco.rank_state(), "worker": worker_state}
+    ranks: list[Any] = [None] * world_size
+    if local or world_size == 1 or not dist.is_initialized():
+        ranks[rank] = mine
+    else:
+        dist.gather_object(mine, ranks if rank == 0 else None, dst=0, group=group)
+    return {"state": state, "world_size": world_size, "ranks": ranks, "identities": identities}
+
+
+def restore_sync(diloco: DiLoCoSync, module: Any, entry: dict[str, Any], rank: int, world_size: int,
+                 identities: Optional[list[str]] = None) -> Optional[list[Any]]:
+    """This rank's DiLoCo state from :func:`sync_entry`'s output, once the sync is bound: ``theta_global`` and the
+    outer momentum, this rank's compressor state and its worker's own parameters; returns the worker's inner
+    optimizer states for Lightning to load (None: they are not in the checkpoint, and the worker restarts from
+    ``theta_global``, losing its progress since the last sync, with a warning).
+
+    In an elastic run (``identities`` given, and saved in the entry) a worker of one rank takes the state of the old
+    rank with its node identity at any world size: a survivor goes on from the inner state it reached, and a newcomer
+    starts from ``theta_global`` (silently: it had no progress to lose)."""
+    diloco.load_state_dict(entry["state"])
+    ranks = entry["ranks"]
+    same = entry["world_size"] == world_size and entry["state"]["workers"] == diloco.workers.count
+    own: Optional[int] = rank if same else None
+    mapped = identities is not None and entry.get("identities") and diloco.workers.local_size == 1
+    if mapped:
+        own = map_ranks(entry["identities"], identities)[rank]
+    if own is not None and ranks[own] is not None:
+        diloco.load_rank_state(_rank_part(ranks[own]))
+    else:
+        first = next((r for r in ranks if r is not None), None)
+        diloco.load_rank_state(_rank_part(first), shared_only=True)
+    # this rank's own entry (an emergency checkpoint's, or its old rank's), else its worker's first rank's
+    candidates = (own,) if mapped else ((rank, diloco.workers.mine[0]) if same else ())
+    found = [ranks[r]["worker"] for r in candidates if r is not None and ranks[r] is not None]
+    worker = next((w for w in found if w is not None), None)
+    if mapped:  # the old ranks whose workers are gone with their progress since the last sync
+        new = set(identities or ())
+        diloco.lost_workers = [r for r, identity in enumerate(entry["identities"])
+                               if identity not in new or ranks[r] is None or ranks[r].get("worker") is None]
+    if worker is None and mapped and own is None:  # a newcomer: theta_global is where it starts
+        diloco.restart_from_global()
+        return None
+    if worker is None:
+        warnings.warn(f"rank {rank}: the checkpoint holds no parameters of this rank's DiLoCo worker (written by "
+                      f"{entry['world_size']} ranks, or an emergency checkpoint of another rank): it restarts from "
+                      "theta_global, and its inner progress since the last sync is lost", stacklevel=3)
+        diloco.restart_from_global()
+        return None
+    module.load_state_dict(worker["module"])
+    diloco.load_worker_state(worker.get("inflight"))
+    return worker["optimizers"]
+
+
+def _rank_part(saved: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """A rank's entry's own part (:meth:`DiLoCoSync.rank_state`); a checkpoint written before fragments held the one
+    compressor's state under ``"compressor"``."""
+    if saved is None:
+        return None
+    return saved["rank"] if "rank" in saved else {"compressors": [saved["compressor"]], "finite": []}
