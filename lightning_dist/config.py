@@ -67,6 +67,9 @@ class TrainerConf:
     # a fraction (a float <= 1.0) or a number of batches (an int); Any, so that 1 stays the int 1
     limit_train_batches: Any = None
     limit_val_batches: Any = None
+    # validate every N training batches (an int) or after this fraction of an epoch (a float); None: each epoch's end
+    val_check_interval: Any = None
+    check_val_every_n_epoch: Optional[int] = 1  # None: an int val_check_interval counts batches across epochs
     num_sanity_val_steps: int = 0
     enable_progress_bar: bool = True
     enable_model_summary: bool = True
@@ -402,6 +405,15 @@ def validate(cfg: DictConfig) -> None:
         problems.append(f"trainer.max_epochs={t.max_epochs} and max_steps={t.max_steps}: set one of them >= 1")
     if t.accumulate_grad_batches < 1:
         problems.append(f"trainer.accumulate_grad_batches={t.accumulate_grad_batches}: use 1 or more")
+    interval = t.get("val_check_interval")
+    if not (interval is None or (isinstance(interval, int) and not isinstance(interval, bool) and interval >= 1) or (
+            isinstance(interval, float) and 0.0 < interval <= 1.0)):
+        problems.append(f"trainer.val_check_interval={interval!r}: use a number of training batches (int >= 1), a "
+                        "fraction of an epoch in (0, 1], or null (each epoch's end)")
+    every_n = t.get("check_val_every_n_epoch", 1)
+    if every_n is not None and every_n < 1:
+        problems.append(f"trainer.check_val_every_n_epoch={every_n}: use 1 or more, or null (with an int "
+                        "val_check_interval: every that many batches across epochs)")
     for key in ("limit_train_batches", "limit_val_batches"):
         value = t[key]
         ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0) or (

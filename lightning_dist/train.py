@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+from collections import deque
 from typing import Any, Callable, Optional, Sequence
 
 import hydra
@@ -70,15 +71,41 @@ def _snake(name: str) -> str:
     return "".join(f"_{c.lower()}" if c.isupper() and i else c.lower() for i, c in enumerate(name))
 
 
-class RunSummaryCallback(Callback):
-    """Writes ``summary.json`` from rank zero when fitting ends (atomically: a temp file, then a rename)."""
+TRAIN_LOSS_WINDOW = 50  # summary.json's train_loss: rank zero's logged train/loss averaged over the fit's last steps
 
-    def __init__(self, path: str, config: dict[str, Any], started: float) -> None:
-        self.path, self.config, self.started = path, config, started
+
+class RunSummaryCallback(Callback):
+    """Writes ``summary.json`` from rank zero when fitting ends (atomically: a temp file, then a rename).
+
+    Its ``val/*`` metrics are of the model the fit ends with: when ``trainer.max_steps`` stops the fit between two
+    validations (Lightning validates at an epoch's end and every ``val_check_interval``, not where ``max_steps`` stops
+    mid-epoch), the callback asks Lightning to stop after the last step as early stopping does, and Lightning then
+    validates before it stops (``validate_at_end=False`` leaves the last validation where it fell).
+    ``validated_at_step`` records the optimizer step the last validation ran after, and ``train_loss`` the mean of
+    rank zero's logged ``train/loss`` over the last :data:`TRAIN_LOSS_WINDOW` steps (one batch's loss is noisy)."""
+
+    def __init__(self, path: str, config: dict[str, Any], started: float, validate_at_end: bool = True) -> None:
+        self.path, self.config, self.started, self.validate_at_end = path, config, started, validate_at_end
         self._first_step: Optional[int] = None
+        self._validated_step: Optional[int] = None
+        self._train_losses: deque[float] = deque(maxlen=TRAIN_LOSS_WINDOW)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._first_step = trainer.global_step  # after a resume: the checkpoint's
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = trainer.callback_metrics.get("train/loss")
+        if trainer.is_global_zero and loss is not None:
+            self._train_losses.append(float(loss))
+        if self.validate_at_end and 0 < trainer.max_steps <= trainer.global_step:
+            # the fit's last step (every rank agrees on global_step): Lightning validates a fit that is asked to stop
+            # (as by EarlyStopping) before it stops, so the summary's val/* are the final model's
+            trainer.should_stop = True
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._validated_step = trainer.global_step
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.is_global_zero:
@@ -96,6 +123,10 @@ class RunSummaryCallback(Callback):
             "wall_time_s": time.time() - self.started,
             "global_step": trainer.global_step,
             "epochs": trainer.fit_loop.epoch_progress.current.completed,  # completed epochs
+            # the step the metrics' val/* were measured after (global_step: the model the fit ends with)
+            "validated_at_step": self._validated_step,
+            "train_loss": ({"mean": sum(self._train_losses) / len(self._train_losses), "steps": len(self._train_losses)}
+                           if self._train_losses else None),
             "world_size": trainer.world_size,
             "strategy": type(strategy).__name__,
             "algorithm": strategy.algorithm if features is not None else None,
@@ -187,6 +218,20 @@ def run(cfg: DictConfig, output_dir: str, extra_callbacks: Sequence[Callback] = 
     return {}
 
 
+def describe_result(summary: dict[str, Any]) -> str:
+    """The printed summary's result: ``val/*`` and the step they were measured after, and the train loss's mean over
+    the last steps, e.g. ``val/acc=0.4000  val/loss=1.9000 (validated after step 600 of 600)  train/loss=1.8500 (mean
+    of the last 50 steps)``."""
+    metrics = summary.get("metrics", {})
+    parts = ["  ".join(f"{key}={value:.4f}" for key, value in sorted(metrics.items()) if key.startswith("val/"))]
+    if summary.get("validated_at_step") is not None:
+        parts[0] += f" (validated after step {summary['validated_at_step']} of {summary.get('global_step')})"
+    train = summary.get("train_loss")
+    if train:
+        parts.append(f"train/loss={train['mean']:.4f} (mean of the last {train['steps']} steps)")
+    return "  ".join(part for part in parts if part)
+
+
 def hydra_main(task: Callable[[DictConfig], Any]) -> Callable[[], Any]:
     """``task`` as a Hydra entry point on ``conf/config.yaml`` (the training command's, and advise's)."""
     return hydra.main(config_path="pkg://lightning_dist.conf", config_name="config", version_base="1.3")(task)
@@ -198,8 +243,7 @@ def _train(cfg: DictConfig) -> float:
     summary = run(cfg, output_dir)
     metrics = summary.get("metrics", {})
     if summary:
-        validation = "  ".join(f"{key}={value:.4f}" for key, value in sorted(metrics.items()) if key.startswith("val/"))
-        print(f"summary: {os.path.join(output_dir, 'summary.json')}  {validation}")
+        print(f"summary: {os.path.join(output_dir, 'summary.json')}  {describe_result(summary)}")
     return float(metrics.get("val/acc", 0.0))  # what a Hydra sweeper would maximise
 
 

@@ -2,6 +2,7 @@
 own schema, bad overrides fail before any rank starts naming the fix (DiLoCo's included), one short end-to-end run
 plus a resume, and the LM with DiLoCo from the command (tests/test_wheel.py runs the installed wheel)."""
 
+import csv
 import json
 import os
 import subprocess
@@ -91,6 +92,9 @@ def test_callbacks_take_a_list():
         ("trainer.devices=0", ValueError, "trainer.devices=0"),
         ("strategy.timeout=-1", ValueError, "strategy.timeout=-1"),
         ("trainer.limit_train_batches=1.5", ValueError, "limit_train_batches=1.5"),
+        ("trainer.val_check_interval=0", ValueError, "val_check_interval=0"),
+        ("trainer.val_check_interval=1.5", ValueError, "val_check_interval=1.5"),
+        ("trainer.check_val_every_n_epoch=0", ValueError, "check_val_every_n_epoch=0"),
         ("trainer=gpu", ValueError, "start_method=popen"),
         ("model.chanels=8", ConfigCompositionException, "chanels"),
         ("model.channels=eight", ConfigCompositionException, "eight"),
@@ -492,19 +496,91 @@ def test_stock_ddp_refuses_diloco():
         assert type(stock_ddp_strategy(timeout=60.0, sync=sync)).__name__ == "DDPStrategy"
 
 
+def _documented_lm_command() -> list[str]:
+    """The overrides of the LM command docs/sync.md shows (its code block's line, without the comment)."""
+    (line,) = [line for line in (REPO / "docs" / "sync.md").read_text().splitlines()
+               if line.startswith("lightning-dist-train model=lm data=stdlib")]
+    return line.split("#")[0].split()[1:]
+
+
+def test_the_documented_lm_command_runs_500_steps_under_one_pass():
+    """The sync page's LM command: the model=lm option sets its run (500 steps, validated every 100 and after the
+    last), the data is every training file, so 500 steps at 2 ranks read a fifth of it and no window twice, and the
+    page states the steps and syncs the config gives. The command line still wins over the option's trainer keys."""
+    overrides = _documented_lm_command()
+    assert overrides == ["model=lm", "data=stdlib", "sync=diloco", "sync.every=50", "sync.compressor=int8"]
+    cfg = _compose(*complete_overrides(overrides))
+    validate(cfg)
+    t = cfg.trainer
+    assert (t.max_steps, t.val_check_interval, t.check_val_every_n_epoch, t.devices) == (500, 100, None, 2)
+    assert (cfg.model.width, cfg.model.depth, cfg.model.context, cfg.data.batch_size) == (128, 4, 128, 16)
+    assert cfg.data.max_train_bytes is None and cfg.data.max_val_bytes == 2**17
+    trainer, model, data = build(cfg, "unused", 0.0, summary=False)
+    data.setup("fit")
+    read = t.max_steps * t.devices * cfg.data.batch_size  # windows the run reads
+    assert read < len(data.train_set) / 2  # under half a pass (a fifth on Python 3.11)
+    assert sum(p.numel() for p in model.parameters()) == 875_520
+    page = " ".join((REPO / "docs" / "sync.md").read_text().split())  # its lines joined
+    assert f"{t.max_steps} steps" in page and f"{t.max_steps // cfg.sync.every} syncs" in page
+    assert _compose("model=lm", "data=stdlib", "trainer.max_steps=7").trainer.max_steps == 7
+    gpu = _compose("model=lm", "data=stdlib", "trainer=gpu", "strategy.start_method=popen").trainer
+    assert gpu.max_steps == 500 and gpu.accelerator == "gpu"  # the option's run length over either trainer
+    assert _compose().trainer.max_steps == -1  # the digits job is untouched
+
+
+def test_the_summary_asks_for_a_validation_after_the_last_step():
+    """max_steps stopping a fit mid-epoch: at the last step the summary callback asks Lightning to stop (Lightning then
+    validates, as after early stopping); validations are recorded by step; the train loss is averaged."""
+    from types import SimpleNamespace
+
+    from lightning_dist.train import TRAIN_LOSS_WINDOW, RunSummaryCallback, describe_result
+
+    callback = RunSummaryCallback("unused", {}, started=0.0)
+    trainer = SimpleNamespace(is_global_zero=True, max_steps=120, global_step=0, should_stop=False,
+                              sanity_checking=False, callback_metrics={})
+    for step in range(1, 121):
+        trainer.global_step, trainer.callback_metrics = step, {"train/loss": torch.tensor(float(step))}
+        callback.on_train_batch_end(trainer, None, None, None, step - 1)
+        assert trainer.should_stop == (step == 120)
+        if step in (100, 120):
+            callback.on_validation_end(trainer, None)
+    assert callback._validated_step == 120
+    assert list(callback._train_losses) == [float(s) for s in range(121 - TRAIN_LOSS_WINDOW, 121)]
+    trainer = SimpleNamespace(is_global_zero=True, max_steps=-1, global_step=7, should_stop=False,
+                              callback_metrics={})
+    callback.on_train_batch_end(trainer, None, None, None, 6)
+    assert not trainer.should_stop  # a fit by epochs validates at each epoch's end already
+    assert describe_result({"metrics": {"val/loss": 1.5, "train/loss": 1.2}, "global_step": 600,
+                            "validated_at_step": 600, "train_loss": {"mean": 1.4, "steps": 50}}) == (
+        "val/loss=1.5000 (validated after step 600 of 600)  train/loss=1.4000 (mean of the last 50 steps)")
+
+
 @pytest.mark.slow  # the command on 2 ranks
 def test_the_lm_trains_with_diloco_from_the_command(tmp_path):
-    proc = subprocess.run(CLI + ["model=lm", "data=stdlib", "sync=diloco", "sync.every=2", "trainer.max_steps=4",
-                                 "trainer.devices=2", "trainer.max_epochs=1", "trainer.limit_train_batches=4",
-                                 "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false",
-                                 f"hydra.run.dir={tmp_path}"],
+    """The sync page's LM command, as documented but for 4 steps (syncs every 2): the summary holds the validation of
+    the model the run ends with (a validation every 3 steps would leave step 4 unvalidated; the final one runs after
+    step 4), and the run's configuration is the documented command's."""
+    shorter = ["sync.every=2", "trainer.max_steps=4", "trainer.val_check_interval=3", "trainer.limit_val_batches=2",
+               "trainer.enable_progress_bar=false"]
+    proc = subprocess.run(CLI + _documented_lm_command() + shorter + [f"hydra.run.dir={tmp_path}"],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["global_step"] == 4 and summary["world_size"] == 2
+    assert summary["validated_at_step"] == 4  # the final model's, not step 3's
     assert 0 < summary["metrics"]["val/loss"] < 6.0  # nats per byte, from ln 256 = 5.55 down
     assert 0 <= summary["metrics"]["val/acc"] <= 1  # next-byte accuracy: what the checkpoint callback monitors
+    assert summary["train_loss"]["steps"] == 4 and 0 < summary["train_loss"]["mean"] < 6.0
+    rows = [row for row in csv.DictReader(open(tmp_path / "csv" / "metrics.csv")) if row.get("val/loss")]
+    assert [int(row["step"]) for row in rows] == [2, 3]  # Lightning's logging step is the step index: 3 and 4 trained
+    assert float(rows[-1]["val/loss"]) == pytest.approx(summary["metrics"]["val/loss"])
+    assert "validated after step 4 of 4" in proc.stdout and "train/loss=" in proc.stdout
+    # the documented command's configuration, with only the test's shortenings changed
+    expected = OmegaConf.to_container(_compose(*complete_overrides(_documented_lm_command() + shorter)), resolve=True,
+                                      enum_to_str=True)
+    expected["callbacks"]["checkpoint"]["dirpath"] = str(tmp_path / "checkpoints")
+    assert summary["config"] == expected
     assert summary["config"]["sync"] == {"name": "diloco", "every": 2, "outer_lr": 0.7, "outer_momentum": 0.9,
-                                         "compressor": None, "fragments": 1, "delay": 0, "mix": 0.5,
+                                         "compressor": "int8", "fragments": 1, "delay": 0, "mix": 0.5,
                                          "balance": "batches"}
-    assert summary["config"]["model"]["_target_"] == "lightning_dist.examples.lm.ByteLM"
+    assert summary["sync"].startswith("DiLoCo(every=2, ") and "int8" in summary["sync"]
