@@ -1,9 +1,9 @@
 """DiLoCo as a sync driver (:mod:`lightning_dist.sync.driver`): what it does around Lightning's step, its checkpoints.
 
-:class:`DiLoCo` is what users pass (``RingDDPStrategy(sync=DiLoCo(every=50))``): the settings
-(:class:`~lightning_dist.sync.settings.DiLoCoSettings`) plus the driver's two hooks that run before a fit, its checks
-and :meth:`DiLoCo.bind`, which makes the running :class:`DiLoCoDriver`: the outer loop
-(:class:`~lightning_dist.sync.diloco.DiLoCoSync`) with the hooks the strategy calls at every step:
+:class:`DiLoCo` is what users pass (``RingDDPStrategy(sync=DiLoCo(every=50))``): its settings
+(:class:`~lightning_dist.sync.settings.DiLoCoSettings`, checked before any process starts) and the driver's first two
+hooks, :meth:`DiLoCo.check` and :meth:`DiLoCo.bind`. At set-up ``bind`` makes the running :class:`DiLoCoDriver`: the
+outer loop (:class:`~lightning_dist.sync.diloco.DiLoCoSync`) with the hooks the strategy calls from then on:
 
 - *set-up*: the outer loop's groups; DDP's gradient synchronisation kept inside a worker (off for a worker of one rank,
   whose gradients then never leave it; on the host's group for a host, dense, over its own links); DDP's buffer
