@@ -299,7 +299,8 @@ def test_nosync_step_is_the_slowest_hosts_mean_step():
 def test_stream_timing_reads_the_slowest_worker_its_waits_and_host_0s_link():
     every, fragments, delay = 10, 2, 1
     ranks = _stream_ranks(every, fragments, delay, cycles=4, local_s=0.05, sync_s=0.08, slow_rank=2)
-    cycles = [sync.cycle_timing(r["ends"], every, 1) for r in ranks]
+    cycles = [sync.cycle_timing(r["ends"], every, 1, r.get("link_sent", ()), interval=every // fragments)
+              for r in ranks]
     rec = stream.stream_timing({"every": every, "fragments": fragments, "delay": delay}, cycles, ranks, 1, 0.05)
     # a cycle: 8 local steps and 2 sync steps, 1.5x on the slowest rank
     assert rec["slowest_rank"] == 2 and rec["per_step_s"] == pytest.approx(1.5 * (8 * 0.05 + 2 * 0.08) / 10)

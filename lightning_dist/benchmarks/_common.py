@@ -1,17 +1,11 @@
-"""The benchmark pipeline every benchmark here shares: one step recorder, one timed fit (on
-:func:`lightning_dist.testing.quiet_trainer`), one summary statistic, one paired ratio, one verdict line, and the
-output files.
+"""The benchmark pipeline every benchmark here shares: the step recorder, the timed fit, the statistics (medians and
+quartiles, paired ratios), targets and verdicts, tables, figures and the output files.
 
-Conventions: contenders run interleaved (round-robin over rounds or seeds), so that drift and other processes'
-bursts hit every contender alike, and one is compared with another by the *paired* ratio: per round the one's
-time over the other's in the same round, then the median over rounds, which cancels drift slower than a round.
-A timed quantity is summarised by its median and quartiles (a mean is dragged by the one repeat that met a page
-fault or a scheduler hiccup). A training step's time is the gap between two consecutive batch ends of one epoch
-(:class:`StepRecorder`), so it holds all that a step costs, and a run's is the median of its steps after a
-warm-up; a collective's time is the maximum over ranks, since it is done only when its slowest rank is. Every
-benchmark prints its tables and :func:`verdict` lines and writes them to ``<name>.txt``, with ``<name>.json``
-(``meta``: the environment and command line; ``records``: one flat dict per measurement) and a plot
-``<name>.png``, into ``--out`` (default ``bench_results/<name>/``, gitignored).
+Contenders run interleaved (round-robin over rounds or seeds) and are compared by the *paired* ratio: per round one's
+time over the other's, then the median over rounds, which cancels drift slower than a round. A step's time is the gap
+between two consecutive batch ends of one epoch (:class:`StepRecorder`); a collective's, the slowest rank's. Every
+benchmark prints its tables and verdicts and writes ``<name>.txt``, ``<name>.json`` (``meta``: the environment and
+command line; ``records``) and ``<name>.png`` into ``--out`` (default ``bench_results/<name>/``).
 """
 
 from __future__ import annotations
@@ -22,6 +16,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -79,6 +74,11 @@ def summarize(values: Sequence[float], suffix: str = "_s") -> dict[str, float]:
             f"p75{suffix}": float(np.percentile(array, 75)), f"min{suffix}": float(array.min())}
 
 
+def ratio(mine: Optional[float], base: Optional[float]) -> Optional[float]:
+    """``mine / base``, or None when either is unknown (or ``base`` is 0)."""
+    return mine / base if mine is not None and base else None
+
+
 def median(values: Sequence[float]) -> Optional[float]:
     """The median, or None when there is nothing to take it of."""
     return float(np.median(values)) if len(values) else None
@@ -89,6 +89,18 @@ def paired(mine: Mapping[Any, float], base: Mapping[Any, float]) -> Optional[dic
     ``p75``, ``min``); None when no key pairs."""
     ratios = [mine[key] / base[key] for key in mine if key in base]
     return summarize(ratios, suffix="") if ratios else None
+
+
+def paired_runs(mine: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]], key: str = "median_s",
+                by: str = "round") -> Optional[dict[str, float]]:
+    """Runs paired by ``by`` (a round, a seed): :func:`paired` of their ``key`` (``median``, ``p25``, ``p75``,
+    ``min``), the medians over the paired runs (``mine``, ``base``) and how many pair (``pairs``); None when none."""
+    ours, theirs = ({r[by]: r[key] for r in runs if r.get(key)} for runs in (mine, base))
+    keys = [k for k in ours if k in theirs]
+    if not keys:
+        return None
+    return {**paired(ours, theirs), "mine": median([ours[k] for k in keys]), "base": median([theirs[k] for k in keys]),
+            "pairs": len(keys)}
 
 
 def step_times(ends: Sequence[float], epochs: Sequence[int], warmup: int) -> list[float]:
@@ -249,6 +261,32 @@ def verdict(what: str, met: bool, detail: str) -> str:
     return f"target {what}: {'MET' if met else 'MISSED'} ({detail})"
 
 
+def judged(what: str, record: Optional[dict[str, Any]], detail: str | Callable[[dict[str, Any]], str]) -> str:
+    """:func:`verdict` on a :func:`target` record, ``detail`` a format string over its keys or a function of it;
+    MISSED and "not measured" where there is no record."""
+    if record is None:
+        return verdict(what, False, "not measured")
+    return verdict(what, record["met"], detail(record) if callable(detail) else detail.format(**record))
+
+
+def target(value: float, bound: float, most: bool = True) -> dict[str, Any]:
+    """A target's record: ``value`` against ``bound`` (at most; ``most=False``: at least), and whether it is ``met``."""
+    return {"value": value, "bound": bound, "met": bool(value <= bound if most else value >= bound)}
+
+
+def table(records: Iterable[dict[str, Any]], headers: Sequence[str], lead: Callable[[dict[str, Any]], list],
+          cells: Callable[[dict[str, Any]], list], error_width: int = 40) -> str:
+    """:func:`format_table` of ``records``, a row each: ``lead(record)`` then ``cells(record)``, or for a record
+    with an ``error``, ``FAILED``, dashes and the error's first ``error_width`` characters."""
+    def row(r: dict[str, Any]) -> list:
+        first = lead(r)
+        if not r.get("error"):
+            return [*first, *cells(r)]
+        return [*first, "FAILED", *["-"] * (len(headers) - len(first) - 2), r["error"][:error_width]]
+
+    return format_table(headers, [row(r) for r in records])
+
+
 def cell(value: Optional[float], spec: str, scale: float = 1.0, unit: str = "") -> str:
     """A table cell: ``scale * value`` formatted by ``spec``, then ``unit``; ``-`` where there is no value."""
     return "-" if value is None else format(scale * value, spec) + unit
@@ -266,15 +304,31 @@ def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return "\n".join([line(cells[0]), rule] + [line(row) for row in cells[1:]])
 
 
-def figure_row(panels: int, width: float, height: float = 4.2, **subplots: Any) -> tuple[Any, list[Any]]:
-    """A matplotlib figure (Agg, no display needed) with ``panels`` axes side by side; ``subplots`` go to
-    ``Figure.subplots`` (``width_ratios=[2, 1]``)."""
+def figure_grid(rows: int, cols: int, width: float, height: float, **subplots: Any) -> tuple[Any, list[list[Any]]]:
+    """A matplotlib figure (Agg, no display needed) of ``width`` x ``height`` inches with ``rows`` x ``cols`` axes;
+    ``subplots`` go to ``Figure.subplots`` (``width_ratios=[2, 1]``)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)
-    return fig, list(fig.subplots(1, panels, squeeze=False, **subplots)[0])
+    return fig, [list(row) for row in fig.subplots(rows, cols, squeeze=False, **subplots)]
+
+
+def figure_row(panels: int, width: float, height: float = 4.2, **subplots: Any) -> tuple[Any, list[Any]]:
+    """:func:`figure_grid` of one row of ``panels`` axes."""
+    fig, grid = figure_grid(1, panels, width, height, **subplots)
+    return fig, grid[0]
+
+
+def style(ax: Any, grid: Optional[str] = "both", legend: Optional[str] = None, **settings: Any) -> None:
+    """``ax.set(**settings)``, a light grid along ``grid`` (``"both"``, ``"x"``, ``"y"``; None: none) and, with
+    ``legend`` (a font size), the legend."""
+    ax.set(**settings)
+    if grid:
+        ax.grid(alpha=0.3, axis=grid)
+    if legend:
+        ax.legend(fontsize=legend)
 
 
 def step_boxplot(ax: Any, data: Sequence[Sequence[float]], labels: Sequence[str], title: str,
@@ -284,13 +338,25 @@ def step_boxplot(ax: Any, data: Sequence[Sequence[float]], labels: Sequence[str]
     ax.set_xticks(range(1, len(labels) + 1), labels, **tick_options)
     for i, values in enumerate(data, start=1):
         ax.plot(np.full(len(values), i) + np.linspace(-0.08, 0.08, len(values)), values, "o", ms=3, alpha=0.6)
-    ax.set(ylabel="step time, ms (per-run median)", title=title)
-    ax.grid(alpha=0.3, axis="y")
+    style(ax, "y", ylabel="step time, ms (per-run median)", title=title)
 
 
 def progress(message: str) -> None:
     """A progress line on stderr, so stdout holds only the results."""
     print(message, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def scratch(name: str, keep: bool = False) -> Iterator[Path]:
+    """A directory for a benchmark's runs, removed at the end unless ``keep`` (then its path is printed)."""
+    path = Path(tempfile.mkdtemp(prefix=f"lightning_dist_{name}_"))
+    try:
+        yield path
+    finally:
+        if keep:
+            progress(f"[{name}] run directories kept in {path}")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager

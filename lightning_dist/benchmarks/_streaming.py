@@ -1,23 +1,12 @@
 """Part 2 of the sync benchmark (issue 32): what its two scenarios compute from their raw records, judge and draw.
 
-:mod:`lightning_dist.benchmarks.sync` runs them (``--scenario streaming`` and ``--scenario hetero``) and keeps the
-training machinery; this module holds what needs no rank: the grid of streaming configurations, the link sampler a
-cluster rank runs on a thread, and the pure summaries, verdicts, tables and plots, tested on hand-made records.
-
-**Streaming** (Streaming DiLoCo, Douillard et al. 2025): ``DiLoCo(every=H, fragments=F, delay=tau)`` with 4-bit
-pseudo-gradients against part 1's DiLoCo at the same H (dense pseudo-gradient, F = 1, tau = 0, the *reference*).
-From a configuration's timing fit on the shaped cluster (:func:`stream_timing`): the slowest worker's time per step
-(its median cycle / H), the loop's wait for the exchanges (``sync/waited_s`` per step) and the step time less the
-same cluster's step time with no sync at all, the exchange's own wall time (``sync/seconds``), the peak bytes per
-second on host 0's link over 1 s sliding windows (:func:`peak_rate`, from :class:`LinkSampler`'s readings of the
-link's counter, headers included) and the bandwidth the exchange needs to stay hidden (:func:`hidden_bandwidth`).
-
-**Heterogeneous workers**: one host at half the others' speed (:class:`CpuSlowdown`, Slowdown by CPU time; every
-host paced so that the 4 fit this machine's 2 cores: :data:`PACE`), DiLoCo H = 50, int4,
-F = 5 (the issue's 4 does not divide 50), tau = 1, under equal batches (the baseline), batches that follow speed and
-``balance="steps"`` (and, reported only, batches sized once from the measured speeds): wall time per epoch against the
-ideal, the epoch's samples over the sum of every host's own
-throughput (:func:`own_speeds`).
+:mod:`lightning_dist.benchmarks.sync` runs them (``--scenario streaming`` and ``hetero``); this module holds what needs
+no rank: the streaming grid, the link sampler a cluster rank runs on a thread, the CPU-time slowdown, and the pure
+summaries, verdicts, tables and plots. **Streaming** (Streaming DiLoCo, Douillard et al. 2025):
+``DiLoCo(every=H, fragments=F, delay=tau)`` with 4-bit pseudo-gradients against part 1's DiLoCo at the same H (the
+*reference*), judged on quality, the peak bytes per second on host 0's link and the loop's wait for the exchanges.
+**Heterogeneous workers**: one host at half the others' speed, wall time per epoch against the ideal under equal
+batches, batches that follow speed and ``balance="steps"``. Method and results: docs/benchmarks.md (``sync``).
 """
 
 from __future__ import annotations
@@ -55,10 +44,9 @@ FIXED_MODE = "fixed"
 JUDGED_MODES = ("batches", "steps")
 HETERO_BOUND = 1.10  # wall time per epoch at most 10% above the ideal
 SLOW_HOST, SLOW_FACTOR = 3, 2.0  # the last host at half the others' speed
-# Every host's compute stretched 2x by CpuSlowdown's sleep, the slow host's 4x: the 4 hosts then need 3 x 1/2 + 1/4 =
-# 1.75 of this machine's 2 cores. Without it they need 3.5, and a host that sleeps leaves its core to the others (and
-# wakes with the scheduler's credit for it): with Slowdown({3: 2.0}) alone the "half-speed" host measured barely 10%
-# slower than the rest.
+# Every host's compute stretched 2x, the slow host's 4x: the 4 hosts need 3 x 1/2 + 1/4 = 1.75 of this machine's 2
+# cores. Unpaced they need 3.5, and a sleeping host leaves its core to the others: with Slowdown({3: 2.0}) alone the
+# "half-speed" host measured barely 10% slower than the rest.
 PACE = 2.0
 
 
@@ -69,16 +57,11 @@ def slowdowns(hosts: int) -> dict[int, float]:
 
 class CpuSlowdown(Callback):
     """:class:`~lightning_dist.testing.Slowdown` measured in CPU time: ``CpuSlowdown({3: 4.0})`` makes rank 3 take 4x
-    its own compute. Before each backward pass it sleeps ``factor - 1`` times the CPU time its training thread spent on
-    this forward pass (and whatever ran since the last backward: the optimizer step of an inner step) plus the
-    previous backward pass's (twice the forward until one is measured).
-
-    Slowdown measures wall time, which holds every wait that falls in its window. Under ``DiLoCo(balance="steps")`` a
-    faster host runs further inner steps inside one training step, and the step's exchange (where every host waits
-    for the slowest) falls in the next inner step's forward window: a host that sleeps in proportion to it makes the
-    others wait longer at the next exchange, and with every host paced the sleeps grow without bound (one sleep of
-    535 s hung a run). CPU time holds no wait, and on this oversubscribed machine it is also the host's own work, not
-    its share of the cores."""
+    its own compute. Before each backward pass it sleeps ``factor - 1`` times the CPU time its training thread spent
+    since the last backward (this forward, an inner step's optimizer step) plus the previous backward's (until one
+    is measured, twice the forward). Wall time would hold the waits in that window: under ``balance="steps"`` the
+    step's exchange falls in the next inner step's forward, and with every host paced the sleeps grew without bound
+    (one of 535 s hung a run). CPU time holds no wait, and on this oversubscribed machine it is the host's own work."""
 
     def __init__(self, factors: dict[int, float]) -> None:
         bad = {r: f for r, f in factors.items() if not (isinstance(f, (int, float)) and f >= 1)}
@@ -196,51 +179,39 @@ def nosync_step(ends_per_rank: Sequence[Sequence[float]], warmup: int) -> dict[s
 
 def stream_timing(config: dict[str, Any], cycles: Sequence[dict[str, Any]], ranks: Sequence[dict[str, Any]],
                   warm_cycles: int, nosync_step_s: Optional[float]) -> dict[str, Any]:
-    """A configuration's shaped-cluster figures.
-
-    ``config``: ``every`` (H), ``fragments`` (F), ``delay`` (tau). ``cycles``: every rank's
-    :func:`~lightning_dist.benchmarks.sync.cycle_timing` of the fit (H steps a cycle, ``warm_cycles`` dropped).
-    ``ranks``: every rank's raw record, ``ends`` (step ends), ``trace`` (``[step, sync metrics]`` at each change)
-    and, on rank 0 (host 0), ``link_sent`` (its link's counter at every step end) and ``link_samples`` (the
-    counter every ~20 ms over the timed steps). ``nosync_step_s``: the same cluster's step with no sync at all.
-    """
+    """A configuration's shaped-cluster figures. ``config``: ``every`` (H), ``fragments`` (F), ``delay`` (tau).
+    ``cycles``: every rank's :func:`~lightning_dist.benchmarks.sync.cycle_timing` of the fit (a sync step every H / F,
+    rank 0's with its link's bytes). ``ranks``: every rank's raw record, ``ends``, ``trace`` (``[step, sync
+    metrics]`` at each change) and, on rank 0, ``link_samples`` (its link's counter every ~20 ms over the timed
+    steps). ``nosync_step_s``: the same cluster's step with no sync at all."""
     every, fragments, delay = config["every"], config["fragments"], config["delay"]
-    interval = every // fragments  # steps between two fragments' syncs
     first = warm_cycles * every  # the timed steps are (first, last]
     last = (len(ranks[0]["ends"]) // every) * every
     timed = last - first
     slowest = int(np.argmax([c["per_step_s"] for c in cycles]))
     per_step = cycles[slowest]["per_step_s"]
-
-    def gaps(ends: Sequence[float], due: bool) -> list[float]:
-        # step s's time is ends[s - 1] - ends[s - 2]; a sync step is one after which a fragment's exchange starts
-        return [ends[s - 1] - ends[s - 2] for s in range(first + 1, last + 1) if (s % interval == 0) == due]
-
-    local = [bench.median(gaps(r["ends"], due=False)) for r in ranks]
-    sync_steps = [bench.median(gaps(r["ends"], due=True)) for r in ranks]
     reports = [sync_reports(r.get("trace", []), first, last) for r in ranks]
     waited = [sum(rep.get("sync/waited_s", 0.0) for rep in mine) / timed for mine in reports]
     seconds = [rep["sync/seconds"] for mine in reports for rep in mine if "sync/seconds" in rep]
     payload = [rep["sync/bytes_per_sync"] for rep in reports[0] if "sync/bytes_per_sync" in rep]
     exchanges = (timed // every) * fragments  # fragment exchanges started in the timed steps (a steady state)
-    link_sent = ranks[0].get("link_sent") or []
-    link_total = link_sent[last - 1] - link_sent[first - 1] if len(link_sent) >= last and first >= 1 else None
-    link_per_exchange = link_total / exchanges if link_total is not None and exchanges else None
+    link_step = cycles[0]["link_bytes_per_step"]
+    link_per_exchange = link_step * timed / exchanges if link_step is not None and exchanges else None
     peak, window = peak_rate(ranks[0].get("link_samples") or [])
-    sync_step_s = max((s for s in sync_steps if s is not None), default=None)
+    local_step_s, sync_step_s = (max((c[k] for c in cycles if c[k] is not None), default=None)
+                                 for k in ("local_step_s", "sync_step_s"))
     waited_step = max(waited) if waited else None
     exposed = per_step - nosync_step_s if nosync_step_s is not None else None
     return {"every": every, "fragments": fragments, "delay": delay, "timed_steps": timed,
             "timed_cycles": cycles[slowest]["timed_cycles"], "slowest_rank": slowest, "per_step_s": per_step,
-            "per_rank_step_s": [c["per_step_s"] for c in cycles],
-            "local_step_s": max((s for s in local if s is not None), default=None), "sync_step_s": sync_step_s,
-            "nosync_step_s": nosync_step_s, "waited_per_step_s": waited_step,
+            "per_rank_step_s": [c["per_step_s"] for c in cycles], "local_step_s": local_step_s,
+            "sync_step_s": sync_step_s, "nosync_step_s": nosync_step_s, "waited_per_step_s": waited_step,
             "waited_fraction": waited_step / per_step if waited_step is not None and per_step else None,
             "exposed_by_time_s": exposed,
             "exposed_by_time_fraction": exposed / per_step if exposed is not None and per_step else None,
             "exchange_s": bench.median(seconds), "reports": len(reports[0]), "exchanges": exchanges,
             "payload_bytes_per_exchange": bench.median(payload), "link_bytes_per_exchange": link_per_exchange,
-            "link_bytes_per_step": link_total / timed if link_total is not None and timed else None,
+            "link_bytes_per_step": link_step,
             "peak_bytes_per_s": peak, "peak_window_s": window, "link_readings": len(ranks[0].get("link_samples") or []),
             "hidden_bytes_per_s": hidden_bandwidth(link_per_exchange, delay, nosync_step_s, sync_step_s),
             "error": None}
@@ -249,55 +220,44 @@ def stream_timing(config: dict[str, Any], cycles: Sequence[dict[str, Any]], rank
 def stream_rows(curves: Sequence[dict[str, Any]], timings: Sequence[dict[str, Any]], reference: str
                 ) -> list[dict[str, Any]]:
     """Per configuration (curve order): its curve's final losses and shaped figures, and both against the
-    reference's: ``global_vs_ref`` (the agreed model's loss, ``theta_global``, over the reference's, less 1; what the
-    quality target judges), ``loss_vs_ref`` (rank 0's own model's, likewise) and ``peak_vs_ref`` (peak bytes/s over
-    the reference's)."""
+    reference's: ``global_vs_ref`` (``theta_global``'s loss over the reference's, less 1: what the quality target
+    judges), ``loss_vs_ref`` (rank 0's own model's) and ``peak_vs_ref`` (peak bytes/s over the reference's)."""
     timing = {t["label"]: t for t in timings}
-    ref_curve = next((c for c in curves if c["label"] == reference and not c.get("error")), None)
-    ref_time = timing.get(reference, {})
-    ref_peak = ref_time.get("peak_bytes_per_s")
+    ref = next((c for c in curves if c["label"] == reference and not c.get("error")), {})
+    ref_peak = timing.get(reference, {}).get("peak_bytes_per_s")
+
+    def vs_ref(c: dict[str, Any], key: str) -> Optional[float]:
+        value = bench.ratio(c.get(key), ref.get(key))
+        return None if value is None else value - 1
+
     rows = []
     for c in curves:
         t = timing.get(c["label"], {"error": "not timed"})
-        row = {**{k: c.get(k) for k in ("label", "every", "fragments", "delay", "codec", "final_loss",
-                                          "global_loss")},
-               **{k: v for k, v in t.items() if k not in ("label", "every", "fragments", "delay")},
-               "curve_error": c.get("error"), "timing_error": t.get("error")}
-        row["reference"] = c["label"] == reference
-        loss = c.get("final_loss")
-        row["loss_vs_ref"] = (loss / ref_curve["final_loss"] - 1 if loss is not None and ref_curve
-                              and ref_curve.get("final_loss") else None)
-        agreed = c.get("global_loss")
-        row["global_vs_ref"] = (agreed / ref_curve["global_loss"] - 1 if agreed is not None and ref_curve
-                                and ref_curve.get("global_loss") else None)
-        peak = t.get("peak_bytes_per_s")
-        row["peak_vs_ref"] = peak / ref_peak if peak is not None and ref_peak else None
-        rows.append(row)
+        rows.append({**{k: c.get(k) for k in ("label", "every", "fragments", "delay", "codec", "final_loss",
+                                             "global_loss")},
+                     **{k: v for k, v in t.items() if k not in ("label", "every", "fragments", "delay")},
+                     "curve_error": c.get("error"), "timing_error": t.get("error"),
+                     "reference": c["label"] == reference, "loss_vs_ref": vs_ref(c, "final_loss"),
+                     "global_vs_ref": vs_ref(c, "global_loss"),
+                     "peak_vs_ref": bench.ratio(t.get("peak_bytes_per_s"), ref_peak)})
     return rows
 
 
 def stream_targets(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Issue 32's streaming targets: for F >= 4 and tau >= 1, peak bytes/s at most 1/20 of the reference's and final
-    validation loss within 1% of it (the agreed model's: ``theta_global`` is the same on every worker, where each
-    worker's own model holds its private progress since each fragment's last sync); for tau >= 1, the loop's wait for
-    the exchange at most 5% of the step time, by both measures: ``sync/waited_s`` per step (what DiLoCo counts) and
-    the step time less the step with no sync (what the loop lost, whatever held it: a collective that queues behind
-    the exchange on the link, the exchange's coding competing for the cores). A target whose measurement is missing
-    is absent."""
+    """Issue 32's streaming targets: for F >= 4 and tau >= 1, peak bytes/s at most 1/20 of the reference's and the
+    final loss of ``theta_global`` (the model every worker agrees on) within 1% of it; for tau >= 1, the loop's wait
+    for the exchange at most 5% of the step, by both ``sync/waited_s`` per step and the step less the step with no
+    sync (whatever held the loop). A target whose measurement is missing is absent."""
     out: dict[str, dict[str, Any]] = {}
-    for r in rows:
-        if r["reference"]:
-            continue
+    for r in (r for r in rows if not r["reference"]):
         if judged(r) and r["peak_vs_ref"] is not None:
-            out[f"peak/{r['label']}"] = {"value": r["peak_vs_ref"], "bound": 1 / PEAK_FACTOR,
-                                         "met": r["peak_vs_ref"] <= 1 / PEAK_FACTOR}
+            out[f"peak/{r['label']}"] = bench.target(r["peak_vs_ref"], 1 / PEAK_FACTOR)
         if judged(r) and r["global_vs_ref"] is not None:
-            out[f"quality/{r['label']}"] = {"value": r["global_vs_ref"], "bound": QUALITY_BOUND,
-                                            "met": r["global_vs_ref"] <= QUALITY_BOUND,
+            out[f"quality/{r['label']}"] = {**bench.target(r["global_vs_ref"], QUALITY_BOUND),
                                             "worker": r["loss_vs_ref"]}
         if r["delay"] >= 1 and r.get("waited_fraction") is not None:
             by_time = r.get("exposed_by_time_fraction")
-            out[f"exposed/{r['label']}"] = {"value": r["waited_fraction"], "bound": EXPOSED_BOUND, "by_time": by_time,
+            out[f"exposed/{r['label']}"] = {**bench.target(r["waited_fraction"], EXPOSED_BOUND), "by_time": by_time,
                                             "met": r["waited_fraction"] <= EXPOSED_BOUND and by_time is not None
                                             and by_time <= EXPOSED_BOUND}
     return out
@@ -307,32 +267,22 @@ def stream_target_lines(targets: dict[str, dict[str, Any]], rows: Sequence[dict[
                         ) -> list[str]:
     """A verdict per judged configuration and target (``not measured`` where a figure is missing)."""
     lines = []
-    where = f"{STREAM_HOSTS} hosts @ {STREAM_RATE:g} Mbit/s"
-    for r in rows:
-        if r["reference"] or not judged(r):
-            continue
+    for r in (r for r in rows if not r["reference"] and judged(r)):
         codec = r["codec"] + ("" if r["codec"] == STREAM_CODEC else f" (in place of {STREAM_CODEC})")
-        what = f"F={r['fragments']}, tau={r['delay']}, {codec}"
-        t = targets.get(f"peak/{r['label']}")
-        detail = (f"1/{1 / t['value']:.1f} of {reference}'s ({bench.cell(r['peak_bytes_per_s'], ',.1f', 1e-3)} KB/s)"
-                  if t and t["value"] else "not measured")
-        lines.append(bench.verdict(f"{where}: {what}: peak bytes/s on host 0's link <= 1/{PEAK_FACTOR:g} of "
-                                   f"{reference}'s", bool(t and t["met"]), detail))
-        t = targets.get(f"quality/{r['label']}")
-        detail = (f"theta_global {t['value']:+.2%}; rank 0's own model {bench.cell(t['worker'], '+.2%')}" if t
-                  else "not measured")
-        lines.append(bench.verdict(f"{what}: final val loss within {QUALITY_BOUND:.0%} of {reference}'s at equal "
-                                   "samples", bool(t and t["met"]), detail))
-    for r in rows:
-        if r["reference"] or r["delay"] < 1:
-            continue
-        t = targets.get(f"exposed/{r['label']}")
-        detail = "not measured"
-        if t:
-            detail = (f"sync/waited_s {t['value']:.1%} of the step; the step less the no-sync step "
-                      f"{bench.cell(t['by_time'], '.1%')}")
-        lines.append(bench.verdict(f"{r['label']}: exposed sync time <= {EXPOSED_BOUND:.0%} of the step time, by "
-                                   "both measures", bool(t and t["met"]), detail))
+        what, peak = f"F={r['fragments']}, tau={r['delay']}, {codec}", targets.get(f"peak/{r['label']}")
+        lines.append(bench.judged(
+            f"{STREAM_HOSTS} hosts @ {STREAM_RATE:g} Mbit/s: {what}: peak bytes/s on host 0's link <= "
+            f"1/{PEAK_FACTOR:g} of {reference}'s", peak if peak and peak["value"] else None,
+            lambda t: f"1/{1 / t['value']:.1f} of {reference}'s ({bench.cell(r['peak_bytes_per_s'], ',.1f', 1e-3)} "
+                      "KB/s)"))
+        lines.append(bench.judged(f"{what}: final val loss within {QUALITY_BOUND:.0%} of {reference}'s at equal "
+                                  "samples", targets.get(f"quality/{r['label']}"), lambda t: f"theta_global "
+                                  f"{t['value']:+.2%}; rank 0's own model {bench.cell(t['worker'], '+.2%')}"))
+    for r in (r for r in rows if not r["reference"] and r["delay"] >= 1):
+        lines.append(bench.judged(f"{r['label']}: exposed sync time <= {EXPOSED_BOUND:.0%} of the step time, by "
+                                  "both measures", targets.get(f"exposed/{r['label']}"),
+                                  lambda t: f"sync/waited_s {t['value']:.1%} of the step; the step less the no-sync "
+                                            f"step {bench.cell(t['by_time'], '.1%')}"))
     return lines
 
 
@@ -340,32 +290,25 @@ def stream_table(rows: Sequence[dict[str, Any]]) -> str:
     """The streaming table: quality at equal samples, then the shaped cluster's figures."""
     out = []
     for r in rows:
-        error = r["curve_error"] or r["timing_error"]
-
-        def ms(key: str, r: dict[str, Any] = r) -> str:
-            return bench.cell(r.get(key), ",.1f", 1e3)
-
-        out.append([r["label"] + (" (ref)" if r["reference"] else ""), r["fragments"], r["delay"],
-                    r["codec"] or "dense", bench.cell(r["global_loss"], ".4f"),
-                    "-" if r["reference"] else bench.cell(r["global_vs_ref"], "+.2%"),
-                    bench.cell(r["final_loss"], ".4f"), "-" if r["reference"] else bench.cell(r["loss_vs_ref"], "+.2%"),
-                    ms("per_step_s"),
-                    ms("local_step_s"), ms("nosync_step_s"), ms("waited_per_step_s"),
-                    bench.cell(r.get("waited_fraction"), ".1%"), ms("exposed_by_time_s"), ms("exchange_s"),
-                    bench.cell(r.get("link_bytes_per_exchange"), ",.1f", 1e-3),
-                    bench.cell(r.get("peak_bytes_per_s"), ",.1f", 1e-3),
-                    "-" if r["reference"] or not r["peak_vs_ref"] else f"1/{1 / r['peak_vs_ref']:.1f}",
-                    bench.cell(r.get("hidden_bytes_per_s"), ",.1f", 1e-3), (error or "")[:40]])
+        ref, ms = r["reference"], {k: bench.cell(r.get(k), ",.1f", 1e3) for k in (
+            "per_step_s", "local_step_s", "nosync_step_s", "waited_per_step_s", "exposed_by_time_s", "exchange_s")}
+        out.append([r["label"] + " (ref)" * ref, r["fragments"], r["delay"], r["codec"] or "dense",
+                    bench.cell(r["global_loss"], ".4f"), "-" if ref else bench.cell(r["global_vs_ref"], "+.2%"),
+                    bench.cell(r["final_loss"], ".4f"), "-" if ref else bench.cell(r["loss_vs_ref"], "+.2%"),
+                    *list(ms.values())[:4], bench.cell(r.get("waited_fraction"), ".1%"), *list(ms.values())[4:],
+                    *(bench.cell(r.get(k), ",.1f", 1e-3) for k in ("link_bytes_per_exchange", "peak_bytes_per_s")),
+                    "-" if ref or not r["peak_vs_ref"] else f"1/{1 / r['peak_vs_ref']:.1f}",
+                    bench.cell(r.get("hidden_bytes_per_s"), ",.1f", 1e-3),
+                    (r["curve_error"] or r["timing_error"] or "")[:40]])
     headers = ["config", "F", "tau", "codec", "val loss (global)", "vs ref", "rank 0's", "vs ref", "step ms",
                "local step ms", "no-sync step ms", "waited ms/step", "waited/step", "step - no-sync ms", "exchange ms",
                "KB/exchange", "peak KB/s", "peak vs ref", "needed KB/s", "error"]
     return ("streaming: final val loss (nats/byte) at equal samples on loopback, of theta_global (the model every "
             "worker agrees on) and of rank 0's own model, after the fit (every exchange landed); on the shaped "
-            "cluster the slowest "
-            "worker's step (median cycle / H), its median local step, the step with no sync, the loop's wait for the "
-            "exchanges (sync/waited_s) per step, the exchange's own time (sync/seconds, median), host 0's link: "
-            f"bytes per fragment exchange, the peak over {PEAK_WINDOW_S:g} s windows, and the bandwidth that hides "
-            "the exchange (bytes / (tau x no-sync step); tau = 0: / the sync step)\n"
+            "cluster the slowest worker's step (median cycle / H), its median local step, the step with no sync, the "
+            "loop's wait for the exchanges (sync/waited_s) per step, the exchange's own time (sync/seconds, median), "
+            f"host 0's link: bytes per fragment exchange, the peak over {PEAK_WINDOW_S:g} s windows, and the "
+            "bandwidth that hides the exchange (bytes / (tau x no-sync step); tau = 0: / the sync step)\n"
             + bench.format_table(headers, out))
 
 
@@ -381,16 +324,13 @@ def stream_plot(curves: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]]
     hidden = [(x, r["hidden_bytes_per_s"] / 1e3) for x, r in zip(xs, timed) if r.get("hidden_bytes_per_s")]
     if hidden:
         bars.plot(*zip(*hidden), "kD", ms=4, label="bandwidth that hides the exchange")
-    ref = next((r for r in timed if r["reference"]), None)
-    if ref is not None:
-        bars.axhline(ref["peak_bytes_per_s"] / 1e3, color="grey", ls=":", lw=1, label=f"{reference}'s peak")
-        bars.axhline(ref["peak_bytes_per_s"] / 1e3 / PEAK_FACTOR, color="red", ls="--", lw=1,
+    for r in (r for r in timed if r["reference"]):
+        bars.axhline(r["peak_bytes_per_s"] / 1e3, color="grey", ls=":", lw=1, label=f"{reference}'s peak")
+        bars.axhline(r["peak_bytes_per_s"] / 1e3 / PEAK_FACTOR, color="red", ls="--", lw=1,
                      label=f"target: 1/{PEAK_FACTOR:g} of it")
     bars.set_xticks(list(xs), [r["label"] for r in timed], rotation=45, ha="right", fontsize="small")
-    bars.set(yscale="log", ylabel=f"KB/s on host 0's link (peak over {PEAK_WINDOW_S:g} s windows; log)",
-             title=f"peak bandwidth, {STREAM_HOSTS} hosts @ {STREAM_RATE:g} Mbit/s")
-    bars.grid(alpha=0.3, axis="y")
-    bars.legend(fontsize="x-small")
+    bench.style(bars, "y", "x-small", yscale="log", title=f"peak bandwidth, {STREAM_HOSTS} hosts @ {STREAM_RATE:g} "
+                f"Mbit/s", ylabel=f"KB/s on host 0's link (peak over {PEAK_WINDOW_S:g} s windows; log)")
     for i, c in enumerate(c for c in curves if not c.get("error") and c.get("curve_steps")):
         style = dict(color="k", lw=2) if c["label"] == reference else dict(color=f"C{i % 10}", lw=1.1)
         losses.plot(np.array(c["curve_steps"]) * c["samples_per_step"], c["curve_loss"], label=c["label"], **style)
@@ -398,9 +338,8 @@ def stream_plot(curves: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]]
             losses.plot(c["curve_steps"][-1] * c["samples_per_step"], c["global_loss"], "o", ms=5, mfc="none",
                         color=style["color"])
     losses.plot([], [], "ko", mfc="none", label="theta_global at the end")
-    losses.set(xlabel="samples (windows, all workers)", ylabel="val loss, nats/byte",
-               title="validation loss against samples (loopback; lines: rank 0's model)")
-    losses.grid(alpha=0.3)
+    bench.style(losses, xlabel="samples (windows, all workers)", ylabel="val loss, nats/byte",
+                title="validation loss against samples (loopback; lines: rank 0's model)")
     losses.legend(fontsize="x-small", ncol=2)
     return fig
 
@@ -408,14 +347,13 @@ def stream_plot(curves: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]]
 # -- pure summaries: heterogeneous workers ---------------------------------------------------------------------------
 def own_speeds(ranks: Sequence[dict[str, Any]], warmup: int) -> list[Optional[float]]:
     """Every host's own samples per second in a fit where no host waits for another: its median batch over its
-    median gap between step ends, counting the steps that ran while every host was past its first ``warmup`` steps
-    and none had finished (a host that finishes early leaves the cores to the others, which would speed them up; one
-    still starting has not taken its share yet). None for a host with no step in that span."""
+    median step, over the steps that ran while every host was past its first ``warmup`` steps and none had finished
+    (a host that finished leaves the cores to the others; one still starting has not taken its share). None for a
+    host with no step in that span."""
     begin = max(r["ends"][min(warmup, len(r["ends"]) - 1)] for r in ranks)
     cutoff = min(r["ends"][-1] for r in ranks)
     speeds: list[Optional[float]] = []
-    for r in ranks:
-        ends, samples = r["ends"], r["samples"]
+    for ends, samples in ((r["ends"], r["samples"]) for r in ranks):
         kept = [i for i in range(1, len(ends)) if begin <= ends[i - 1] and ends[i] <= cutoff]
         step = bench.median([ends[i] - ends[i - 1] for i in kept])
         speeds.append(bench.median([samples[i] for i in kept]) / step if step else None)
@@ -425,17 +363,13 @@ def own_speeds(ranks: Sequence[dict[str, Any]], warmup: int) -> list[Optional[fl
 def epoch_figures(ranks: Sequence[dict[str, Any]], epoch: int) -> dict[str, Any]:
     """Epoch ``epoch`` over every host: its wall time (the first batch's start on any host to the last batch's end
     on any), its samples (every host's), and per host the samples and batches it ran."""
-    starts, ends, samples, batches = [], [], [], []
-    for r in ranks:
-        mine = [i for i, e in enumerate(r["epochs"]) if e == epoch]
-        if not mine:
-            return {"epoch": epoch, "wall_s": None, "samples": 0, "per_rank_samples": [], "per_rank_batches": []}
-        starts.append(r["starts"][mine[0]])
-        ends.append(r["ends"][mine[-1]])
-        samples.append(sum(r["samples"][i] for i in mine))
-        batches.append(len(mine))
-    return {"epoch": epoch, "wall_s": max(ends) - min(starts), "samples": sum(samples), "per_rank_samples": samples,
-            "per_rank_batches": batches}
+    mine = [[i for i, e in enumerate(r["epochs"]) if e == epoch] for r in ranks]
+    if not all(mine):
+        return {"epoch": epoch, "wall_s": None, "samples": 0, "per_rank_samples": [], "per_rank_batches": []}
+    samples = [sum(r["samples"][i] for i in m) for r, m in zip(ranks, mine)]
+    return {"epoch": epoch, "wall_s": max(r["ends"][m[-1]] for r, m in zip(ranks, mine))
+            - min(r["starts"][m[0]] for r, m in zip(ranks, mine)), "samples": sum(samples),
+            "per_rank_samples": samples, "per_rank_batches": [len(m) for m in mine]}
 
 
 def hetero_row(mode: str, ranks: Sequence[dict[str, Any]], speeds: Sequence[Optional[float]],
@@ -446,50 +380,42 @@ def hetero_row(mode: str, ranks: Sequence[dict[str, Any]], speeds: Sequence[Opti
     done = [e for e in epochs if e["wall_s"] is not None]
     if not done:
         return {"mode": mode, "error": f"no timed epoch ran (epochs {list(timed_epochs)})"}
-    total = sum(speeds) if all(s is not None for s in speeds) else None
     median = sorted(done, key=lambda e: e["wall_s"])[(len(done) - 1) // 2]  # the lower median: an epoch that ran
-    ideal = median["samples"] / total if total else None
-    return {"mode": mode, "epochs": epochs, "wall_s": median["wall_s"], "samples": median["samples"],
-            "per_rank_samples": median["per_rank_samples"], "per_rank_batches": median["per_rank_batches"],
-            "ideal_s": ideal, "ratio": median["wall_s"] / ideal if ideal else None, "error": None}
+    ideal = bench.ratio(median["samples"], sum(speeds) if all(s is not None for s in speeds) else None)
+    return {"mode": mode, "epochs": epochs, **{k: median[k] for k in ("wall_s", "samples", "per_rank_samples",
+                                                                      "per_rank_batches")},
+            "ideal_s": ideal, "ratio": bench.ratio(median["wall_s"], ideal), "error": None}
 
 
 def hetero_targets(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Within 10% of the ideal under batches that follow speed and under ``balance="steps"``."""
-    return {f"hetero/{r['mode']}": {"value": r["ratio"], "bound": HETERO_BOUND, "met": r["ratio"] <= HETERO_BOUND}
-            for r in rows if r["mode"] in JUDGED_MODES and r.get("ratio") is not None}
+    return {f"hetero/{r['mode']}": bench.target(r["ratio"], HETERO_BOUND) for r in rows
+            if r["mode"] in JUDGED_MODES and r.get("ratio") is not None}
 
 
 def hetero_target_lines(targets: dict[str, dict[str, Any]], rows: Sequence[dict[str, Any]]) -> list[str]:
-    lines = []
     described = {"batches": "batches that follow speed (HeteroBatching)", "steps": 'DiLoCo(balance="steps")'}
+    lines = []
     for mode in JUDGED_MODES:
-        t = targets.get(f"hetero/{mode}")
-        row = next((r for r in rows if r["mode"] == mode), None)
-        why = row["error"] if row and row.get("error") else "not measured"
+        t, row = targets.get(f"hetero/{mode}"), next((r for r in rows if r["mode"] == mode), {})
         lines.append(bench.verdict(f"one host at half speed, {described[mode]}: wall time per epoch within "
                                    f"{HETERO_BOUND - 1:.0%} of the ideal", bool(t and t["met"]),
-                                   f"{t['value']:.3f}x the ideal" if t else why))
+                                   f"{t['value']:.3f}x the ideal" if t else row.get("error") or "not measured"))
     return lines
 
 
 def hetero_table(rows: Sequence[dict[str, Any]], speeds: Sequence[Optional[float]]) -> str:
-    out = []
-    for r in rows:
-        if r.get("error"):
-            out.append([r["mode"], "FAILED" if not r.get("skipped") else "not run", "-", "-", "-", "-", "-",
-                        r["error"][:60]])
-            continue
-        out.append([r["mode"], f"{r['wall_s']:.2f}", r["samples"], bench.cell(r["ideal_s"], ".2f"),
-                    bench.cell(r["ratio"], ".3f", unit="x"), " / ".join(str(s) for s in r["per_rank_samples"]),
-                    " / ".join(str(b) for b in r["per_rank_batches"]), ""])
+    out = [[r["mode"], "not run" if r.get("skipped") else "FAILED", "-", "-", "-", "-", "-", r["error"][:60]]
+           if r.get("error") else
+           [r["mode"], f"{r['wall_s']:.2f}", r["samples"], bench.cell(r["ideal_s"], ".2f"),
+            bench.cell(r["ratio"], ".3f", unit="x"), " / ".join(map(str, r["per_rank_samples"])),
+            " / ".join(map(str, r["per_rank_batches"])), ""] for r in rows]
     headers = ["mode", "epoch s", "samples", "ideal s", "vs ideal", "samples per host", "batches per host", "error"]
     own = " / ".join(bench.cell(s, ",.0f") for s in speeds)
     return (f"one host (host {SLOW_HOST}) at 1/{SLOW_FACTOR:g} the others' speed (CpuSlowdown "
-            f"{slowdowns(len(speeds))}): "
-            "wall time per epoch (median of the timed epochs) "
-            f"against the ideal, the epoch's samples over the hosts' own throughput ({own} windows/s, measured in a "
-            "fit where no host waits for another)\n" + bench.format_table(headers, out))
+            f"{slowdowns(len(speeds))}): wall time per epoch (median of the timed epochs) against the ideal, the "
+            f"epoch's samples over the hosts' own throughput ({own} windows/s, measured in a fit where no host waits "
+            "for another)\n" + bench.format_table(headers, out))
 
 
 def hetero_plot(rows: Sequence[dict[str, Any]], speeds: Sequence[Optional[float]]) -> Any:
@@ -504,21 +430,15 @@ def hetero_plot(rows: Sequence[dict[str, Any]], speeds: Sequence[Optional[float]
         walls.plot(*zip(*ideal), "k_", ms=30, mew=2, label="ideal")
         walls.plot(*zip(*[(x, HETERO_BOUND * v) for x, v in ideal]), "r_", ms=30, mew=1,
                    label=f"target: {HETERO_BOUND:.2f}x ideal")
-        walls.legend(fontsize="x-small")
     walls.set_xticks(list(xs), [r["mode"] for r in done])
-    walls.set(ylabel="wall time per epoch, s", title="epoch time against the ideal")
-    walls.grid(alpha=0.3, axis="y")
-    width = 0.8 / (len(done) + 1)
-    hosts = range(len(speeds))
+    bench.style(walls, "y", "x-small" if ideal else None, ylabel="wall time per epoch, s",
+                title="epoch time against the ideal")
+    width, hosts = 0.8 / (len(done) + 1), range(len(speeds))
     if all(s is not None for s in speeds) and done:
-        total = sum(speeds)
-        share = [s / total * done[0]["samples"] for s in speeds]
-        shares.bar([h - 0.4 + width / 2 for h in hosts], share, width, color="k", alpha=0.3,
-                   label="by own speed (ideal)")
+        shares.bar([h - 0.4 + width / 2 for h in hosts], [s / sum(speeds) * done[0]["samples"] for s in speeds],
+                   width, color="k", alpha=0.3, label="by own speed (ideal)")
     for k, r in enumerate(done, start=1):
         shares.bar([h - 0.4 + width / 2 + k * width for h in hosts], r["per_rank_samples"], width, label=r["mode"])
     shares.set_xticks(list(hosts), [f"host {h}" + (" (slow)" if h == SLOW_HOST else "") for h in hosts])
-    shares.set(ylabel="samples (windows) in the epoch", title="who trained what")
-    shares.grid(alpha=0.3, axis="y")
-    shares.legend(fontsize="x-small")
+    bench.style(shares, "y", "x-small", ylabel="samples (windows) in the epoch", title="who trained what")
     return fig

@@ -1,20 +1,9 @@
 """All-reduce benchmark: the ring, the tree and ``auto`` against gloo's native ``all_reduce``, side by side.
 
-Each world size is one group of local gloo ranks (:func:`lightning_dist.testing.run_ranks`, one intra-op thread
-per rank). For each message size (float32, 1 KiB to 64 MiB) the algorithms run in rounds, each once per round,
-after ``--warmup`` untimed rounds; the order within a round is shuffled with a seed all ranks share, since in a
-fixed order an algorithm inherits whatever the one before it leaves behind. Before each call the tensor is
-refilled with ``rank + 1`` (a fresh gradient; the sums never overflow) and the ranks meet at a barrier; after it
-the result is checked against ``N (N + 1) / 2``, so a fast but wrong collective cannot win. A size's time is the
-median over repeats of the slowest rank's; from 16 MiB a quarter of ``--repeats`` (at least 5), which already
-gives a stable median on messages that long.
-
-As in nccl-tests (``doc/PERFORMANCE.md``): ``algbw = bytes / time`` and ``busbw = algbw * 2 (N - 1) / N``, the
-rate each rank's link carries in a bandwidth-optimal algorithm, comparable across world sizes and against the
-hardware (GB/s: 1e9 bytes/s). Ranks beyond the core count share cores: there the figures measure the algorithms
-under oversubscription, not a network. The tree/native crossover justifies ``AUTO_TREE_MAX_BYTES`` and
-``--segment-sweep`` (written as ``segment_sweep.*``) ``DEFAULT_SEGMENT_BYTES``; each prints a recommendation.
-The plot: busbw per algorithm, one panel per world size, and below it the latency of small messages.
+Per world size (one group of local gloo ranks) and message size (1 KiB to 64 MiB), the algorithms run once per round in
+a shuffled order (:func:`time_rounds`: each call after a barrier, its result checked), the slowest rank's median over
+rounds; ``busbw = bytes / time * 2 (N - 1) / N`` as in nccl-tests. The tree/native crossover justifies
+``AUTO_TREE_MAX_BYTES``, ``--segment-sweep`` ``DEFAULT_SEGMENT_BYTES``. Method and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -83,10 +72,11 @@ def _call(case: Case, tensor: torch.Tensor) -> None:
 
 
 def time_rounds(calls: Mapping[str, Callable[[torch.Tensor], Any]], tensor: torch.Tensor,
-                orders: Sequence[Sequence[str]], warmup: int) -> dict[str, list[float]]:
+                orders: Sequence[Sequence[str]], warmup: int, slowest: bool = False) -> dict[str, list[float]]:
     """On one rank of the group: a round per entry of ``orders`` (the same on every rank), the first ``warmup``
     untimed; in each, the calls it names in turn, each on ``tensor`` refilled with ``rank + 1`` after a barrier
-    and checked against ``N (N + 1) / 2``. Returns this rank's seconds per timed call, by name."""
+    and checked against ``N (N + 1) / 2``. Returns this rank's seconds per timed call, by name (``slowest``: the
+    slowest rank's, on every rank: a collective is done when its slowest rank is)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     expected = world_size * (world_size + 1) / 2  # sum over ranks of (rank + 1), exact in float32
     times: dict[str, list[float]] = {name: [] for name in calls}
@@ -104,6 +94,10 @@ def time_rounds(calls: Mapping[str, Callable[[torch.Tensor], Any]], tensor: torc
                     "tests/ for the comm package before benchmarking it.")
             if k >= warmup:
                 times[name].append(elapsed)
+    for name, mine in times.items() if slowest else ():
+        seconds = torch.tensor(mine, dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        times[name] = seconds.tolist()
     return times
 
 
@@ -205,14 +199,10 @@ def main_table(records: Sequence[dict[str, Any]]) -> str:
     rows = []
     for n, nbytes in sorted({(r["world_size"], r["bytes"]) for r in records}):
         rec = {c.label: by_key[n, nbytes, c.label] for c in MAIN_CASES}
-        rows.append([
-            n, bench.size_label(nbytes),
-            *(_us(rec[c.label]["median_s"]) for c in MAIN_CASES),
-            rec["auto"]["resolved_algorithm"],
-            f"{rec['native']['busbw_GBps']:.3f}", f"{rec['ring']['busbw_GBps']:.3f}",
-            f"{rec['ring']['busbw_ratio_vs_native']:.2f}x",
-            f"{1 / rec['tree']['busbw_ratio_vs_native']:.2f}x",
-        ])
+        rows.append([n, bench.size_label(nbytes), *(_us(rec[c.label]["median_s"]) for c in MAIN_CASES),
+                     rec["auto"]["resolved_algorithm"], f"{rec['native']['busbw_GBps']:.3f}",
+                     f"{rec['ring']['busbw_GBps']:.3f}", f"{rec['ring']['busbw_ratio_vs_native']:.2f}x",
+                     f"{1 / rec['tree']['busbw_ratio_vs_native']:.2f}x"])
     headers = ["N", "size", "native us", "ring us", "tree us", "auto us", "auto=",
                "native busbw GB/s", "ring busbw GB/s", "ring/native busbw", "tree/native time"]
     return bench.format_table(headers, rows)
@@ -220,35 +210,26 @@ def main_table(records: Sequence[dict[str, Any]]) -> str:
 
 def sweep_table(records: Sequence[dict[str, Any]], cases: Sequence[Case]) -> str:
     by_key = _lookup(records)
-    rows = []
-    for n, nbytes in sorted({(r["world_size"], r["bytes"]) for r in records}):
-        row: list[Any] = [n, bench.size_label(nbytes), f"{by_key[n, nbytes, 'native']['busbw_GBps']:.3f}"]
-        for case in cases[1:]:
-            rec = by_key[n, nbytes, case.label]
-            row.append(f"{rec['busbw_GBps']:.3f} ({rec['busbw_ratio_vs_native']:.2f}x)")
-        rows.append(row)
+    rows = [[n, bench.size_label(nbytes), f"{by_key[n, nbytes, 'native']['busbw_GBps']:.3f}",
+             *(f"{r['busbw_GBps']:.3f} ({r['busbw_ratio_vs_native']:.2f}x)"
+               for r in (by_key[n, nbytes, case.label] for case in cases[1:]))]
+            for n, nbytes in sorted({(r["world_size"], r["bytes"]) for r in records})]
     headers = ["N", "size", "native"] + [f"{c.label}" for c in cases[1:]]
     return "busbw GB/s (ratio to native)\n" + bench.format_table(headers, rows)
 
 
 def plot(records: Sequence[dict[str, Any]], labels: Sequence[str], latency_max_bytes: int = MIB) -> Any:
     """busbw vs message size per algorithm, one column per world size; below, latency of small messages."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg: no display, no pyplot global state
-    from matplotlib.figure import Figure
-
     world_sizes = sorted({r["world_size"] for r in records})
     with_latency = any(r["bytes"] <= latency_max_bytes for r in records)
     rows = 2 if with_latency else 1
-    fig = Figure(figsize=(4.2 * len(world_sizes), 3.4 * rows), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(rows, len(world_sizes), squeeze=False)
+    fig, axes = bench.figure_grid(rows, len(world_sizes), 4.2 * len(world_sizes), 3.4 * rows)
     for col, n in enumerate(world_sizes):
         for label in labels:
             mine = sorted((r for r in records if r["world_size"] == n and r["algorithm"] == label),
                           key=lambda r: r["bytes"])
             style = {"linestyle": "--", "marker": "x"} if label == "auto" else {"marker": "o", "ms": 3}
-            sizes = [r["bytes"] for r in mine]
-            axes[0][col].plot(sizes, [r["busbw_GBps"] for r in mine], label=label, **style)
+            axes[0][col].plot([r["bytes"] for r in mine], [r["busbw_GBps"] for r in mine], label=label, **style)
             if with_latency:
                 small = [r for r in mine if r["bytes"] <= latency_max_bytes]
                 med = [r["median_s"] * 1e6 for r in small]
@@ -256,16 +237,14 @@ def plot(records: Sequence[dict[str, Any]], labels: Sequence[str], latency_max_b
                        [r["p75_s"] * 1e6 - m for m, r in zip(med, small)]]
                 axes[1][col].errorbar([r["bytes"] for r in small], med, yerr=err, label=label, capsize=2,
                                       **style)
-        axes[0][col].set(title=f"{n} ranks", xscale="log", ylabel="busbw (GB/s)", xlabel="message size")
+        axes[0][col].set(title=f"{n} ranks", ylabel="busbw (GB/s)")
         if with_latency:
-            axes[1][col].set(xscale="log", yscale="log", ylabel="latency (us, median, IQR)",
-                             xlabel="message size")
-        for ax in axes[:, col]:
-            top = ax is axes[0][col]
-            ticks = sorted({r["bytes"] for r in records if top or r["bytes"] <= latency_max_bytes})
+            axes[1][col].set(yscale="log", ylabel="latency (us, median, IQR)")
+        for row, ax in enumerate(axes[r][col] for r in range(rows)):
+            ticks = sorted({r["bytes"] for r in records if row == 0 or r["bytes"] <= latency_max_bytes})
+            bench.style(ax, xscale="log", xlabel="message size")
             ax.set_xticks(ticks, [bench.size_label(t) for t in ticks], rotation=45)
             ax.minorticks_off()
-            ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize="small")
     return fig
 

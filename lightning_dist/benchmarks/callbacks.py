@@ -1,23 +1,9 @@
-"""What a callback costs a training step when it has nothing to do: ``NaNRecovery`` on a clean run and
-``MemoryMonitor`` at its default interval, each with and without, side by side.
+"""What a callback costs a step when it has nothing to do: ``NaNRecovery`` on a clean run and ``MemoryMonitor`` at its
+default interval, each with and without, round-robin (:data:`CASES`).
 
-Each case (:data:`CASES`) is a workload of :mod:`lightning_dist.benchmarks.workloads` on 2 CPU ranks under
-ring_ddp ``auto`` or stock DDP, run with the callback and without, round-robin (for MemoryMonitor the order
-alternates by round, and a run is long enough for several readings at the Trainer's ``log_every_n_steps``).
-Two measures of the cost, since the first is at the mercy of the machine's noise:
-
-1. **Step time, paired**: the run with the callback over the same round's run without it.
-2. **Self-timed work, as a fraction of the median step**, on rank 0. NaNRecovery: per step, the guard's two
-   float64 sums per bucket in the hook (local before compression, reduced after the all-reduce; on the
-   communication worker, overlapped with backward but for the last bucket), its decision after backward (on the
-   training thread) and the callback's bookkeeping; a good step's agreement costs no collective. MemoryMonitor:
-   its own thread CPU time, the first step's share (the estimate, the activation probe, the first reading) apart
-   as a one-off; the rest per remaining step is the **steady** fraction, which is judged, and ``all-in``
-   divides everything by steps x median step.
-
-Targets (from the issues): each callback's own work below 1% of the step (NaNRecovery: all of the guard's work,
-on both workloads; MemoryMonitor: steady, at the default interval). The plot has a row per callback: per case
-every run's step time with and without it, then the self-timed fractions.
+Two measures: the step time paired with the same round's run without it, and the callback's self-timed work on rank 0
+as a fraction of the median step (MemoryMonitor's first-step one-off apart from the **steady** rest, which is judged).
+Target: each below 1% of the step. Method and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -188,26 +174,20 @@ def run_once(case: Case, on: bool, steps: int, warmup: int, every: Optional[int]
 
 
 def summarize_runs(runs: Sequence[dict[str, Any]], subject: Any) -> list[dict[str, Any]]:
-    """Per workload and strategy: the paired step-time ratio (the run with the callback over the same round's run
-    without it: median and quartiles over rounds), the medians over rounds of both runs' step times, and the
-    callback's own work in the runs with it."""
+    """Per workload and strategy: the step time with the callback paired with the same round's without it (median
+    and quartiles over rounds), both runs' medians over rounds, and the callback's own work in the runs with it."""
     out = []
     for workload, strategy in dict.fromkeys((r["workload"], r["strategy"]) for r in runs):
         mine = [r for r in runs if (r["workload"], r["strategy"]) == (workload, strategy)]
-        base = {r["round"]: r for r in mine if "+" not in r["config"]}
-        watched = {r["round"]: r for r in mine if "+" in r["config"]}
-        rounds = sorted(set(base) & set(watched))
-        if not rounds:
+        watched = [r for r in mine if "+" in r["config"]]
+        ratio = bench.paired_runs(watched, [r for r in mine if "+" not in r["config"]])
+        if ratio is None:
             continue
-        ratio = bench.paired({k: watched[k]["median_s"] for k in rounds}, {k: base[k]["median_s"] for k in rounds})
-        out.append({
-            "workload": workload, "strategy": strategy, "rounds": len(rounds),
-            "description": WORKLOADS[workload].description,
-            "base_median_s": bench.median([base[k]["median_s"] for k in rounds]),
-            f"{subject.watched}_median_s": bench.median([watched[k]["median_s"] for k in rounds]),
-            "paired_ratio": ratio["median"], "paired_p25": ratio["p25"], "paired_p75": ratio["p75"],
-            **subject.summary([watched[k] for k in rounds]),
-        })
+        paired = [r for r in watched if any(o["round"] == r["round"] and "+" not in o["config"] for o in mine)]
+        out.append({"workload": workload, "strategy": strategy, "rounds": ratio["pairs"],
+                    "description": WORKLOADS[workload].description, "base_median_s": ratio["base"],
+                    f"{subject.watched}_median_s": ratio["mine"], "paired_ratio": ratio["median"],
+                    "paired_p25": ratio["p25"], "paired_p75": ratio["p75"], **subject.summary(paired)})
     return out
 
 

@@ -1,38 +1,10 @@
 """Simulated-cluster benchmark: training steps and all-reduce bus bandwidth across real, shaped network links.
 
-Needs root and iproute2 (where :func:`lightning_dist.simcluster.unavailable` gives a reason, it prints it and
-returns a payload that says it was skipped). Every run gets a fresh :class:`lightning_dist.simcluster.SimCluster`,
-so a run that hung cannot leave anything to the next: N network namespaces on a bridge, each link shaped to the
-rate both ways (``tbf`` where the kernel has no ``netem``: no added delay). Each host runs one rank under a
-static multi-node ``torchrun`` (``--worker`` or ``--worker-allreduce``), gloo on its ``eth0``; all hosts share
-the machine's cores, so with more hosts than cores compute is oversubscribed too. Every rank's output is kept
-in ``logs/``.
-
-Training: ``WideMLP(depth=5)`` (5.3 M parameters, 21 MiB of fp32 gradients), batch 16 per rank,
-``RingDDPStrategy(bucket_cap_mb=4)``, one intra-op thread per rank, seed 0, under :data:`CONFIGS`: ``dense``
-(``algorithm="native"``, what ``auto`` resolves to for these buckets), ``dense/ring`` (the library's ring against
-gloo's) and compressors with the library's defaults under ``auto``. Step times as in
-:mod:`lightning_dist.benchmarks.step`; rank 0 also keeps each step's ``exposed_s`` (communication backward waited
-for), ``comm_s`` (inside the transport, summed over buckets, so more than the step when several are in flight)
-and ``bytes_sent``, each a median over the timed steps. ``vs dense`` is dense's step time over the
-configuration's (> 1: faster). Accuracy is not measured: a compressor's arithmetic does not depend on the link.
-
-All-reduce: 16 MiB float32 through :func:`lightning_dist.comm.ring_allreduce_` and gloo's ``dist.all_reduce``,
-alternating (the order swapped every iteration) after one untimed call of each
-(:func:`lightning_dist.benchmarks.allreduce.time_rounds`); the median over ``--iterations`` of the slowest rank's
-time; ``busbw = 2 (N - 1) / N * bytes / time`` as in nccl-tests, the line rate its ceiling.
-
-Advise: at each setting one more job runs :mod:`lightning_dist.advise` on the same hosts, model and buckets
-(``--worker-advise``: :data:`ADVISE_STEPS` dense steps, then :data:`ADVISE_ROUNDS` rounds of every compressor
-configuration over the real buckets); each record gets its ``predicted_s`` and ``predicted_vs_measured`` (the
-prediction over the measured median step; ``dense/ring`` has none, advise measures under ``auto``).
-
-``--two-tier`` runs :mod:`lightning_dist.benchmarks.tiers` instead: flat against two_tier on 2 hosts of several ranks
-each (the workers here take ``--topology``; each host's ranks under one ``torchrun --nproc-per-node``).
-
-Targets (at 2 hosts and 100 Mbit/s): ``topk1%`` at least 5x faster per step than ``dense``; ring
-busbw at least 0.9x native's. The plot: step time per configuration grouped by (hosts, rate), log scale; busbw
-of ring and native against the line rate.
+Every run gets a fresh :class:`~lightning_dist.simcluster.SimCluster` (root and iproute2; else the payload says why it
+was skipped), one rank per host under a static multi-node ``torchrun``, every rank's output in ``logs/``: the WideMLP
+under :data:`CONFIGS` (with advise's prediction of each from one more job), and a 16 MiB all-reduce, ring vs gloo's.
+``--two-tier`` runs :mod:`~lightning_dist.benchmarks.tiers` instead. Targets (2 hosts, 100 Mbit/s): ``topk1%`` >= 5x
+faster per step than dense; ring busbw >= 0.9x native's. Method and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -42,7 +14,6 @@ import itertools
 import json
 import os
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 from datetime import timedelta
@@ -69,18 +40,17 @@ from lightning_dist.benchmarks._cluster import (
     QUICK_ITERATIONS,
     QUICK_STEPS,
     TOPK,
-    failure_message,
-    launch_job,
+    Jobs,
     mb_cell,
     ms_cell,
-    run_record,
+    skipped,
 )
 from lightning_dist.benchmarks.allreduce import time_rounds
 from lightning_dist.comm import ring_allreduce_
 from lightning_dist.comm.topology import TOPOLOGIES
 from lightning_dist.compression import build_compressor
 from lightning_dist.examples import SyntheticDataModule, WideMLP
-from lightning_dist.simcluster import link_bytes_sent, unavailable
+from lightning_dist.simcluster import link_bytes_sent
 from lightning_dist.strategy import RingDDPStrategy
 from lightning_dist.testing import quiet_trainer
 
@@ -151,11 +121,7 @@ def _allreduce_worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=args.collective_timeout))
     orders = [("ring", "native") if k % 2 == 0 else ("native", "ring") for k in range(-1, args.iterations)]
     times = time_rounds({"ring": ring_allreduce_, "native": dist.all_reduce},
-                        torch.empty(args.nbytes // 4, dtype=torch.float32), orders, warmup=1)
-    for name, mine in times.items():  # the collective is done when its slowest rank is
-        slowest = torch.tensor(mine, dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        times[name] = slowest.tolist()
+                        torch.empty(args.nbytes // 4, dtype=torch.float32), orders, warmup=1, slowest=True)
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps({"world_size": dist.get_world_size(), "bytes": args.nbytes,
                                               "times": times}))
@@ -194,58 +160,43 @@ def check_targets(records: Sequence[dict[str, Any]], busbw: Sequence[dict[str, A
     out: dict[str, dict[str, Any]] = {}
     topk = next((r for r in records if (r["hosts"], r["rate_mbit"], r["config"]) == (hosts, rate_mbit, TOPK)), None)
     if topk is not None and topk.get("speedup_vs_dense") is not None:
-        out["topk_speedup_vs_dense"] = {"value": topk["speedup_vs_dense"], "bound": TOPK_SPEEDUP_TARGET,
-                                        "met": topk["speedup_vs_dense"] >= TOPK_SPEEDUP_TARGET}
+        out["topk_speedup_vs_dense"] = bench.target(topk["speedup_vs_dense"], TOPK_SPEEDUP_TARGET, most=False)
     bus = next((b for b in busbw if (b["hosts"], b["rate_mbit"]) == (hosts, rate_mbit)), None)
     if bus is not None and bus.get("ring_vs_native") is not None:
-        out["ring_busbw_vs_native"] = {"value": bus["ring_vs_native"], "bound": RING_BUSBW_TARGET,
-                                       "met": bus["ring_vs_native"] >= RING_BUSBW_TARGET}
+        out["ring_busbw_vs_native"] = bench.target(bus["ring_vs_native"], RING_BUSBW_TARGET, most=False)
     return out
 
 
 def target_lines(targets: dict[str, dict[str, Any]], hosts: int = TARGET_HOSTS,
                  rate_mbit: float = TARGET_RATE) -> list[str]:
     where = f"{hosts} hosts @ {rate_mbit:g} Mbit/s"
-    lines = []
-    t = targets.get("topk_speedup_vs_dense")
-    lines.append(f"{where}: topk 1% + EF vs dense: " + (
-        f"{t['value']:.1f}x faster per step (target >= {t['bound']:g}x): {'MET' if t['met'] else 'MISSED'}"
-        if t else "not measured: MISSED"))
-    t = targets.get("ring_busbw_vs_native")
-    lines.append(f"{where}: ring busbw / native busbw: " + (
-        f"{t['value']:.2f}x (target >= {t['bound']:g}x): {'MET' if t['met'] else 'MISSED'}"
-        if t else "not measured: MISSED"))
-    return lines
+    topk, ring = targets.get("topk_speedup_vs_dense"), targets.get("ring_busbw_vs_native")
+    return [bench.verdict(f"{where}: topk 1% + EF >= {TOPK_SPEEDUP_TARGET:g}x faster per step than dense",
+                          bool(topk and topk["met"]), f"{topk['value']:.1f}x" if topk else "not measured"),
+            bench.verdict(f"{where}: ring busbw >= {RING_BUSBW_TARGET:g}x native's", bool(ring and ring["met"]),
+                          f"{ring['value']:.2f}x" if ring else "not measured")]
 
 
 def step_table(records: Sequence[dict[str, Any]]) -> str:
-    rows = []
-    for r in records:
-        if r.get("error"):
-            rows.append([r["hosts"], f"{r['rate_mbit']:g}", r["config"], "FAILED", "-", "-", "-", "-", "-", "-",
-                         r["error"][:40]])
-            continue
-        rows.append([r["hosts"], f"{r['rate_mbit']:g}", r["config"], ms_cell(r["median_s"]),
-                     ms_cell(r["exposed_median_s"]), ms_cell(r["comm_median_s"]), mb_cell(r["bytes_sent_per_step"]),
-                     bench.cell(r.get("speedup_vs_dense"), ".2f", unit="x"), ms_cell(r.get("predicted_s")),
-                     bench.cell(r.get("predicted_vs_measured"), ".2f", unit="x"), f"{r['wall_s']:.0f}"])
-    headers = ["hosts", "Mbit/s", "config", "median step ms", "exposed comm ms", "comm ms", "MB sent/step",
-               "vs dense", "advise ms", "advise/measured", "run s"]
-    return bench.format_table(headers, rows)
+    def times(value: Optional[float]) -> str:
+        return bench.cell(value, ".2f", unit="x")
+
+    return bench.table(records, ["hosts", "Mbit/s", "config", "median step ms", "exposed comm ms", "comm ms",
+                                 "MB sent/step", "vs dense", "advise ms", "advise/measured", "run s"],
+                       lambda r: [r["hosts"], f"{r['rate_mbit']:g}", r["config"]],
+                       lambda r: [*map(ms_cell, (r["median_s"], r["exposed_median_s"], r["comm_median_s"])),
+                                  mb_cell(r["bytes_sent_per_step"]), times(r.get("speedup_vs_dense")),
+                                  ms_cell(r.get("predicted_s")), times(r.get("predicted_vs_measured")),
+                                  f"{r['wall_s']:.0f}"])
 
 
 def busbw_table(busbw: Sequence[dict[str, Any]]) -> str:
-    rows = []
-    for b in busbw:
-        if b.get("error"):
-            rows.append([b["hosts"], f"{b['rate_mbit']:g}", "FAILED", "-", "-", "-", "-", b["error"][:40]])
-            continue
-        rows.append([b["hosts"], f"{b['rate_mbit']:g}", ms_cell(b["ring_median_s"]), ms_cell(b["native_median_s"]),
-                     *(bench.cell(b[key], ".4f") for key in ("ring_busbw_GBps", "native_busbw_GBps", "line_GBps")),
-                     bench.cell(b["ring_vs_native"], ".2f", unit="x")])
-    headers = ["hosts", "Mbit/s", "ring ms", "native ms", "ring busbw GB/s", "native busbw GB/s", "line GB/s",
-               "ring/native"]
-    return f"all-reduce of {ALLREDUCE_BYTES >> 20} MiB float32\n" + bench.format_table(headers, rows)
+    return f"all-reduce of {ALLREDUCE_BYTES >> 20} MiB float32\n" + bench.table(
+        busbw, ["hosts", "Mbit/s", "ring ms", "native ms", "ring busbw GB/s", "native busbw GB/s", "line GB/s",
+                "ring/native"], lambda b: [b["hosts"], f"{b['rate_mbit']:g}"],
+        lambda b: [ms_cell(b["ring_median_s"]), ms_cell(b["native_median_s"]),
+                   *(bench.cell(b[key], ".4f") for key in ("ring_busbw_GBps", "native_busbw_GBps", "line_GBps")),
+                   bench.cell(b["ring_vs_native"], ".2f", unit="x")])
 
 
 def plot(records: Sequence[dict[str, Any]], busbw: Sequence[dict[str, Any]]) -> Any:
@@ -259,9 +210,8 @@ def plot(records: Sequence[dict[str, Any]], busbw: Sequence[dict[str, Any]]) -> 
         values = [1e3 * (by_key.get((*g, config), {}).get("median_s") or np.nan) for g in groups]
         ax.bar(np.arange(len(groups)) + (i - (len(configs) - 1) / 2) * width, values, width, label=config)
     ax.set_xticks(range(len(groups)), [f"{h} hosts\n{r:g} Mbit/s" for h, r in groups])
-    ax.set(yscale="log", ylabel="median step time, ms (log)", title="WideMLP, 5.3M params: median step time")
-    ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize="x-small")
+    bench.style(ax, "y", "x-small", yscale="log", ylabel="median step time, ms (log)",
+                title="WideMLP, 5.3M params: median step time")
     bgroups = [b for b in busbw if not b.get("error")]
     x = np.arange(len(bgroups))
     for offset, name in ((-0.2, "ring"), (0.2, "native")):
@@ -270,8 +220,8 @@ def plot(records: Sequence[dict[str, Any]], busbw: Sequence[dict[str, Any]]) -> 
         bx.bar_label(bars, [f"{b[f'{name}_busbw_GBps'] * 1e3:.0f}" for b in bgroups], fontsize="x-small")
     bx.axhline(1.0, color="red", ls="--", lw=1, label="line rate")
     bx.set_xticks(x, [f"{b['hosts']}h\n{b['rate_mbit']:g}" for b in bgroups])
-    bx.set(ylim=(0, 1.2), ylabel="busbw / line rate (labels: MB/s)", title=f"all-reduce {ALLREDUCE_BYTES >> 20} MiB")
-    bx.grid(alpha=0.3, axis="y")
+    bench.style(bx, "y", ylim=(0, 1.2), ylabel="busbw / line rate (labels: MB/s)",
+                title=f"all-reduce {ALLREDUCE_BYTES >> 20} MiB")
     bx.legend(fontsize="x-small", loc="lower right")
     return fig
 
@@ -350,74 +300,49 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                              model=f"WideMLP(width={MLP_WIDTH}, depth={MLP_DEPTH})", batch_size=BATCH_SIZE,
                              bucket_cap_mb=BUCKET_CAP_MB,
                              configs={label: asdict(CONFIGS[label]) for label in args.configs})
-    reason = unavailable()
-    if reason is not None:
-        bench.progress(f"[cluster] skipped: {reason}")
-        print(f"cluster benchmark skipped: {reason}")
-        return {"meta": meta, "skipped": reason, "records": [], "allreduce": [], "targets": {}}
-
-    logs = out / "logs"
-    logs.mkdir(exist_ok=True)
+    if (payload := skipped("cluster", meta, "records", "allreduce")) is not None:
+        return payload
     records: list[dict[str, Any]] = []
     busbw: list[dict[str, Any]] = []
     advice: dict[tuple[int, float], dict[str, Any]] = {}  # (hosts, rate) -> advise's report
-    ports = itertools.count(BASE_PORT + 1)
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="lightning_dist_cluster_") as workdir:
-        def job(hosts: int, rate: float, tag: str, *worker_args: str) -> tuple[Optional[dict], Optional[str], float]:
-            """One torchrun job: rank 0's JSON (None if the job failed), why it failed, its wall time."""
-            result, log = Path(workdir) / f"h{hosts}_r{rate:g}_{tag}.json", logs / f"h{hosts}_r{rate:g}_{tag}.log"
-            codes, wall = launch_job(hosts, rate, [*worker_args, "--out", str(result)], next(ports), args.run_timeout,
-                                     log)
-            if codes == [0] * hosts and result.exists():
-                return json.loads(result.read_text()), None, wall
-            return None, failure_message(codes, log), wall
-
-        for rate in args.rates:
-            for hosts in args.hosts:
-                where = f"{hosts} hosts @ {rate:g} Mbit/s"
-                for label in args.configs:
-                    raw, error, wall = job(hosts, rate, label.replace("/", "_").replace("%", "pct"), "--worker",
-                                           "--config", label, "--steps", str(args.steps))
-                    rec: dict[str, Any] = {"hosts": hosts, "rate_mbit": rate, "config": label,
-                                           "algorithm": CONFIGS[label].algorithm,
-                                           "compressor": CONFIGS[label].compressor, "wall_s": wall}
-                    if raw is None:
-                        rec.update(median_s=None, error=error)
-                        bench.progress(f"[cluster] {where} {label:<12} FAILED: {error}")
-                    else:
-                        rec.update(run_record(raw, args.warmup), error=None)
-                        bench.progress(f"[cluster] {where} {label:<12} {ms_cell(rec['median_s']):>9} ms/step, exposed "
-                                       f"{ms_cell(rec['exposed_median_s'])} ms, "
-                                       f"{mb_cell(rec['bytes_sent_per_step'])} MB/step (run {wall:.0f}s)")
-                    records.append(rec)
-                raw, error, wall = job(hosts, rate, "advise", "--worker-advise", "--configs", *args.configs,
-                                       "--advise-steps", str(args.advise_steps), "--advise-rounds",
-                                       str(args.advise_rounds))
-                advice[(hosts, rate)] = raw or {"error": error}
-                bench.progress(f"[cluster] {where} advise FAILED: {error}" if raw is None else
-                               f"[cluster] {where} advise: " + ", ".join(
-                                   f"{label} {ms_cell(row['predicted_step_s'])} ms"
-                                   for label, row in raw["compressors"].items()) + f" (run {wall:.0f}s)")
-                raw, error, wall = job(hosts, rate, "allreduce", "--worker-allreduce", "--iterations",
-                                       str(args.iterations))
-                bus = {"hosts": hosts, "rate_mbit": rate} if raw is None else busbw_record(raw, hosts, rate)
-                bus.update(error=error, wall_s=wall)
-                busbw.append(bus)
-                bench.progress(f"[cluster] {where} all-reduce FAILED: {error}" if raw is None else
-                               f"[cluster] {where} all-reduce: ring {bus['ring_busbw_GBps'] * 1e3:.1f} MB/s, native "
-                               f"{bus['native_busbw_GBps'] * 1e3:.1f} MB/s busbw ({bus['ring_vs_native']:.2f}x; "
-                               f"run {wall:.0f}s)")
+    with Jobs(out, "cluster", args.run_timeout, BASE_PORT + 1) as jobs:
+        for rate, hosts in itertools.product(args.rates, args.hosts):
+            where = f"{hosts} hosts @ {rate:g} Mbit/s"
+            for label in args.configs:
+                config = CONFIGS[label]
+                records.append(jobs.train(hosts, rate, f"h{hosts}_r{rate:g}_{_safe(label)}", [
+                    "--worker", "--config", label, "--steps", str(args.steps)], args.warmup, {
+                    "hosts": hosts, "rate_mbit": rate, "config": label, "algorithm": config.algorithm,
+                    "compressor": config.compressor}, f"{where} {label:<12}"))
+            raw, error, wall = jobs.json(hosts, rate, f"h{hosts}_r{rate:g}_advise", [
+                "--worker-advise", "--configs", *args.configs, "--advise-steps", str(args.advise_steps),
+                "--advise-rounds", str(args.advise_rounds)])
+            advice[(hosts, rate)] = raw or {"error": error}
+            bench.progress(f"[cluster] {where} advise FAILED: {error}" if raw is None else
+                           f"[cluster] {where} advise: " + ", ".join(
+                               f"{label} {ms_cell(row['predicted_step_s'])} ms"
+                               for label, row in raw["compressors"].items()) + f" (run {wall:.0f}s)")
+            raw, error, wall = jobs.json(hosts, rate, f"h{hosts}_r{rate:g}_allreduce", [
+                "--worker-allreduce", "--iterations", str(args.iterations)])
+            bus = {"hosts": hosts, "rate_mbit": rate} if raw is None else busbw_record(raw, hosts, rate)
+            busbw.append({**bus, "error": error, "wall_s": wall})
+            bench.progress(f"[cluster] {where} all-reduce FAILED: {error}" if raw is None else
+                           f"[cluster] {where} all-reduce: ring {bus['ring_busbw_GBps'] * 1e3:.1f} MB/s, native "
+                           f"{bus['native_busbw_GBps'] * 1e3:.1f} MB/s busbw ({bus['ring_vs_native']:.2f}x; "
+                           f"run {wall:.0f}s)")
     total = time.perf_counter() - start
     bench.progress(f"[cluster] {len(records)} training runs and {len(busbw)} all-reduce runs in {total:.0f}s")
-
-    add_speedups(records)
-    add_predictions(records, advice)
+    add_predictions(add_speedups(records), advice)
     targets = check_targets(records, busbw)
     payload = {"meta": {**meta, "wall_s": total}, "skipped": None, "records": records, "allreduce": busbw,
                "targets": targets, "advise": [{"hosts": h, "rate_mbit": r, **rep} for (h, r), rep in advice.items()]}
     return bench.write_results(out, "cluster", [step_table(records), busbw_table(busbw), target_lines(targets)],
                                payload, lambda: plot(records, busbw))
+
+
+def _safe(label: str) -> str:
+    return label.replace("/", "_").replace("%", "pct")
 
 
 if __name__ == "__main__":

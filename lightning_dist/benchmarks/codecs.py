@@ -1,39 +1,16 @@
 """Codec cost: milliseconds per bucket and passes over the bucket for every compressor, against one elementwise pass.
 
-Each compressor reduces one DDP-like bucket through a :class:`~lightning_dist.compression.emulate.MirrorTransport`
-(rank 0 of ``--world-size`` ranks that hold the same bucket: no wire, no waiting), so what is timed is the codec's
-own arithmetic at that world size, error feedback included where it is the default, one intra-op thread (as a rank
-has on these machines; ``--threads`` to change).
-
-The unit is one **pass**: :func:`unit_pass`, ``torch.abs(bucket, out=bucket)``, one read and one write of every
-element in place. It is timed exactly as each codec is (``_timed``): the bucket is restored from the gradient
-by a copy, the clock starts, the contender runs on that freshly written buffer, the clock stops. So the pass meets
-the bucket in the cache state a codec's input has, and a codec's "passes" count warm elementwise passes. A pass
-that wrote to a second buffer, one the restoring copy has just pushed out of the cache, would pay for fetching that
-buffer as well: a longer unit, and every codec would look cheaper in passes than it is. The pass is timed in
-the same rounds as the codecs, and a codec's figure is the paired ratio (per round its time over the pass's, then
-the median over rounds), so that it does not drift with the machine's load. Each round restores the bucket,
-reduces it, and commits the step (state evolves as in training); contenders run in an order rotated every round.
-``first ms`` is a fresh compressor's first call (its buffers allocated, its tables built). ``mass kept``: for
-the sparse codecs with a sampled selection, the magnitude they select over the magnitude the exact selection
-(``torch.topk``, or the exact threshold) selects from the same corrected gradient, 1.000 when both agree.
-
-Buckets: ``mlp`` is a 4.26 M-element bucket (WideMLP's five 1024-wide weight matrices: one 1024 x 64, four
-1024 x 1024); ``1M``, ``4M`` and ``25M`` are MiB of float32 in 1024-wide layers. Gradients are normal with a spread
-of 1e-2, so threshold's default of 1e-3 (a tenth of the spread) is crossed by most entries and its cap binds.
-With a GPU, every bucket runs on CUDA as well (times after ``torch.cuda.synchronize``).
-
-Targets (the ``mlp`` bucket, one thread, in passes): int8 <= 10, top-k 1% <= 10, threshold <= 8, PowerSGD rank 2
-<= 10. The plot: passes per codec and bucket, log scale, with the targets.
+Each compressor reduces one bucket through a :class:`~lightning_dist.compression.emulate.MirrorTransport` (no wire),
+one thread; the unit (:func:`unit_pass`) is timed exactly as each codec is (:func:`_timed`, on the freshly restored
+bucket) in the same rotating rounds, and a codec's figure is the paired ratio. Targets (the mlp bucket, in passes):
+int8 <= 10, top-k 1% <= 10, threshold <= 8, PowerSGD r2 <= 10. Method and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -116,10 +93,8 @@ def gradient(layout: BucketLayout, seed: int, device: torch.device) -> torch.Ten
 
 
 def unit_pass(bucket: torch.Tensor) -> None:
-    """The unit every codec is counted in: one elementwise pass over ``bucket``, read and written in place.
-
-    In place, so that it touches no memory a codec's input does not: its cache state is the bucket's own.
-    """
+    """The unit every codec is counted in: one elementwise pass over ``bucket``, read and written in place (so it
+    touches no memory a codec's input does not)."""
     torch.abs(bucket, out=bucket)
 
 
@@ -170,11 +145,6 @@ def measure_bucket(bucket: str, codecs: Sequence[str], rounds: int, world_size: 
     return records
 
 
-def replot(path: str) -> Any:
-    """The plot again from a saved ``codecs.json`` (no measuring)."""
-    return plot(json.loads(Path(path).read_text())["records"])
-
-
 def table(records: Sequence[dict[str, Any]]) -> str:
     rows = [(f"{r['bucket']} ({r['numel'] / 1e6:.2f} M) {r['device']}", r["codec"], bench.cell(r["ms"], ".2f"),
              f"{r['passes']:.1f} [{r['passes_p25']:.1f}-{r['passes_p75']:.1f}]", bench.cell(r["first_ms"], ".1f"),
@@ -213,8 +183,8 @@ def plot(records: Sequence[dict[str, Any]]) -> Any:
     ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.yaxis.set_minor_formatter(ScalarFormatter())
     ax.set_xticks(range(len(codecs)), codecs, rotation=20, ha="right")
-    ax.set(ylabel="passes over the bucket (one in-place torch.abs = 1)",
-           title="codec cost per bucket, one thread (dashed: the targets on the mlp bucket)")
+    bench.style(ax, None, ylabel="passes over the bucket (one in-place torch.abs = 1)",
+                title="codec cost per bucket, one thread (dashed: the targets on the mlp bucket)")
     ax.grid(alpha=0.3, axis="y", which="both")
     ax.legend(fontsize="small", ncols=2)
     return fig

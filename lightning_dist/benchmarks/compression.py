@@ -1,35 +1,11 @@
-"""Gradient-compression benchmark: every compressor of :mod:`lightning_dist.compression` under
-``RingDDPStrategy``, side by side with PyTorch's own DDP comm hooks (fp16 and PowerSGD) as the peer
-reference: what each costs in accuracy, what it saves in bytes, and what it does to the step time.
+"""Gradient-compression benchmark: every compressor of :mod:`lightning_dist.compression` under ``RingDDPStrategy``,
+beside PyTorch's own DDP comm hooks (fp16, PowerSGD) as the peer reference: accuracy, bytes and step time.
 
-Workloads (:data:`WORKLOADS`; 2 CPU ranks, gloo; seeds 0, 1, 2): ``digits``, the default training job, 8 epochs,
-judged by the final ``val/acc``; ``digits30``, the same for 30 epochs with top-k only (at 1% per step a
-coordinate waits ~100 steps for its turn on the wire: whether error feedback pays off once each coordinate has
-had several turns); ``mlp``, ``WideMLP`` with SGD + momentum at ``lr=0.05`` (at its default 0.01, 200 steps
-barely move the loss: no signal), judged by the training loss at the last step (the mean over the last 10 steps
-of the ranks' mean batch loss). ``dense`` is ring_ddp without compression, the reference of every ratio; the
-ring_ddp compressors take the library's defaults and the run's seed (``threshold``'s 0.1 sends about as many
-bytes as ``topk1%`` on digits; PowerSGD starts after the 2 dense steps torch's hook must take, so the same
-protocol and bytes as its peer). The peers are stock ``DDPStrategy`` with ``fp16_compress_hook`` or
-``powerSGD_hook`` (error feedback, warm start), registered on CPU by :class:`TorchHookDDPStrategy` through
-:func:`counting_hook`, which runs PowerSGD one bucket at a time (on mlp it does not overlap backward).
-
-Method: each run is one fit on a fresh pair of forked gloo ranks (:func:`lightning_dist.testing.run_ranks`, a
-hard deadline), Lightning in-process, from ``L.seed_everything(seed)``; every configuration runs once per seed,
-in turn. **Bytes**: what rank 0 hands to the wire for gradients per step, the mean over the run: under ring_ddp
-the strategy's own count (a ring all-reduce as ``2 (N - 1) / N`` of its payload, an all-gather as ``N - 1``
-times it, an all-to-all as all parts but one's own), for the torch hooks :func:`counting_hook`'s at the same
-rate, checked against PowerSGD's own (``torch_count_mismatches`` must be 0); ``ratio`` is what the dense fp32
-ring would send over what was sent (the per-step exchange and the metrics' sync are not counted). **Step
-time** as in :mod:`lightning_dist.benchmarks.step`; ``vs dense`` is the paired ratio over seeds; ``codec ms`` is
-rank 0's time per step inside the compressor. **Quality**: mean, standard deviation, minimum and maximum over
-seeds.
-
-Targets (from the issue, on digits, mean accuracy): ``topk1%`` within 1 point of dense at >= 50x fewer bytes;
-``int8`` within 0.5 point at a ratio >= 3.5; ``powersgd-r2`` within 1 point and no lower than
-``torch-powersgd-r2``; ``topk1%-noEF`` worse than ``topk1%`` by more than the error-feedback runs' seed spread
-(also on ``digits30`` and, by loss, ``mlp``; top-k's distance to dense also on ``digits30``). The plot: per
-workload, quality (mean, min-max over seeds) against bytes per step, log x.
+Workloads (:data:`WORKLOADS`; 2 CPU ranks, seeds 0-2): ``digits`` (its rows also write the accuracy table advise
+quotes: :func:`write_accuracy_table`), ``digits30`` and ``mlp``; each run one fit on fresh ranks. Bytes are what rank 0
+hands to the wire per step (torch's hooks counted by :func:`counting_hook` at the same ring rate). Targets (digits):
+``topk1%`` within 1 point of dense at >= 50x, ``int8`` within 0.5 at >= 3.5x, ``powersgd-r2`` within 1 and no lower than
+torch's, ``topk1%-noEF`` worse than ``topk1%`` by more than its seed spread. Method and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -344,34 +320,28 @@ def _stats(values: Sequence[float]) -> dict[str, Optional[float]]:
 
 def summarize_configs(runs: Sequence[dict[str, Any]], job: Job, labels: Sequence[str]) -> list[dict[str, Any]]:
     """Per configuration of one workload: quality over seeds (mean, std, min, max), mean bytes per step, the
-    compression ratio, the median step time over seeds and its paired ratio to dense."""
+    compression ratio, the median step time over seeds and its ratio to dense's, paired by seed."""
     ok = [r for r in runs if r["workload"] == job.name and r.get("error") is None]
-    dense_time = {r["seed"]: r["step_median_s"] for r in ok if r["config"] == DENSE and r["step_median_s"]}
     out = []
     for label in labels:
         mine = [r for r in ok if r["config"] == label]
-        failed = sum(1 for r in runs if r["workload"] == job.name and r["config"] == label and r.get("error"))
-        row: dict[str, Any] = {"workload": job.name, "config": label, "seeds": len(mine), "failed": failed,
-                               "compressor": CONFIGS[label].describe(), "torch_peer": CONFIGS[label].is_torch,
-                               "quality": job.quality}
+        sent, dense = [r["bytes_per_step"] for r in mine], [r["dense_bytes_per_step"] for r in mine]
+        vs_dense = bench.paired_runs(mine, [r for r in ok if r["config"] == DENSE], "step_median_s", by="seed")
         quality = _stats([q for r in mine if (q := quality_of(r, job.quality)) is not None])
-        row.update({f"quality_{k}": v for k, v in quality.items()})
-        if job.quality == "val_acc":
-            row["val_loss_mean"] = _stats([r["val_loss"] for r in mine if r["val_loss"] is not None])["mean"]
-        sent = [r["bytes_per_step"] for r in mine]
-        dense = [r["dense_bytes_per_step"] for r in mine]
-        vs_dense = bench.paired({r["seed"]: r["step_median_s"] for r in mine if r["step_median_s"]}, dense_time)
-        row.update({
-            "bytes_per_step": float(np.mean(sent)) if sent else None,
-            "dense_bytes_per_step": float(np.mean(dense)) if dense else None,
-            "ratio": float(np.sum(dense) / np.sum(sent)) if sent and np.sum(sent) > 0 else None,
-            "step_median_s": bench.median([r["step_median_s"] for r in mine if r["step_median_s"]]),
-            "step_vs_dense": vs_dense["median"] if vs_dense else None,
-            "codec_s_per_step": bench.median([r["codec_s_per_step"] for r in mine
-                                              if r["codec_s_per_step"] is not None]),
-            "wall_s_mean": float(np.mean([r["wall_s"] for r in mine])) if mine else None,
-        })
-        out.append(row)
+        out.append({"workload": job.name, "config": label, "seeds": len(mine), "quality": job.quality,
+                    "failed": sum(1 for r in runs if (r["workload"], r["config"]) == (job.name, label) and r["error"]),
+                    "compressor": CONFIGS[label].describe(), "torch_peer": CONFIGS[label].is_torch,
+                    **{f"quality_{k}": v for k, v in quality.items()},
+                    **({"val_loss_mean": _stats([r["val_loss"] for r in mine if r["val_loss"] is not None])["mean"]}
+                       if job.quality == "val_acc" else {}),
+                    "bytes_per_step": float(np.mean(sent)) if sent else None,
+                    "dense_bytes_per_step": float(np.mean(dense)) if dense else None,
+                    "ratio": float(np.sum(dense) / np.sum(sent)) if sent and np.sum(sent) > 0 else None,
+                    "step_median_s": bench.median([r["step_median_s"] for r in mine if r["step_median_s"]]),
+                    "step_vs_dense": vs_dense["median"] if vs_dense else None,
+                    "codec_s_per_step": bench.median([r["codec_s_per_step"] for r in mine
+                                                      if r["codec_s_per_step"] is not None]),
+                    "wall_s_mean": float(np.mean([r["wall_s"] for r in mine])) if mine else None})
     return out
 
 
@@ -386,58 +356,46 @@ def judge(summary: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _judge_workload(workload: str, rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    point = 0.01
-    higher_is_better = workload != "mlp"
-
     def acc(label: str) -> Optional[float]:
         return rows[label]["quality_mean"] if label in rows else None
 
-    out = []
-
-    def add(name: str, needs: Sequence[str], text: str, check: Callable[[], tuple[bool, str]]) -> None:
-        if not all(label in rows for label in needs):
-            return
-        if any(acc(label) is None for label in needs):
-            out.append({"workload": workload, "target": name, "text": text, "met": False,
-                        "detail": "no successful run"})
-            return
-        met, detail = check()
-        out.append({"workload": workload, "target": name, "text": text, "met": bool(met), "detail": detail})
-
     def near_dense(label: str, points: float, min_ratio: float) -> tuple[bool, str]:
-        gap = (acc(DENSE) - acc(label)) / point  # points below dense (negative: above)
+        gap = (acc(DENSE) - acc(label)) / 0.01  # points below dense (negative: above)
         ratio = rows[label]["ratio"] or 0.0
         return (gap <= points and ratio >= min_ratio,
                 f"{100 * acc(label):.2f}% vs dense {100 * acc(DENSE):.2f}% ({-gap:+.2f} points), ratio {ratio:.1f}x")
 
+    def powersgd() -> tuple[bool, str]:
+        close, detail = near_dense("powersgd-r2", 1.0, 0.0)
+        peer = acc("torch-powersgd-r2")
+        return (close and acc("powersgd-r2") >= peer,
+                f"{detail}; torch-powersgd-r2 {100 * peer:.2f}% ({100 * (acc('powersgd-r2') - peer):+.2f} points)")
+
     def error_feedback() -> tuple[bool, str]:
         ef, no_ef = rows["topk1%"], rows["topk1%-noEF"]
-        spread = ef["quality_max"] - ef["quality_min"]
-        lead = ef["quality_mean"] - no_ef["quality_mean"]
-        if not higher_is_better:  # a loss: lower is better
-            lead = -lead
-            return (lead > spread, f"loss EF {ef['quality_mean']:.4f} vs noEF {no_ef['quality_mean']:.4f} "
-                                   f"(EF lower by {lead:+.4f}; EF seed spread {spread:.4f})")
+        spread, lead = ef["quality_max"] - ef["quality_min"], ef["quality_mean"] - no_ef["quality_mean"]
+        if workload == "mlp":  # a loss: lower is better
+            return (-lead > spread, f"loss EF {ef['quality_mean']:.4f} vs noEF {no_ef['quality_mean']:.4f} "
+                                    f"(EF lower by {-lead:+.4f}; EF seed spread {spread:.4f})")
         return (lead > spread, f"EF {100 * ef['quality_mean']:.2f}% vs noEF {100 * no_ef['quality_mean']:.2f}% "
                                f"(EF ahead by {100 * lead:+.2f} points; EF seed spread {100 * spread:.2f})")
 
-    if higher_is_better:
-        add("topk1%", (DENSE, "topk1%"), f"{workload} topk1% (EF) within 1 point of dense at >= 50x fewer bytes",
-            lambda: near_dense("topk1%", 1.0, 50.0))
+    checks = [] if workload == "mlp" else [
+        ("topk1%", (DENSE, "topk1%"), f"{workload} topk1% (EF) within 1 point of dense at >= 50x fewer bytes",
+         lambda: near_dense("topk1%", 1.0, 50.0))]
     if workload == "digits":
-        add("int8", (DENSE, "int8"), "digits int8 within 0.5 point of dense at a ratio >= 3.5",
-            lambda: near_dense("int8", 0.5, 3.5))
-
-        def powersgd() -> tuple[bool, str]:
-            close, detail = near_dense("powersgd-r2", 1.0, 0.0)
-            peer = acc("torch-powersgd-r2")
-            return (close and acc("powersgd-r2") >= peer,
-                    f"{detail}; torch-powersgd-r2 {100 * peer:.2f}% ({100 * (acc('powersgd-r2') - peer):+.2f} points)")
-
-        add("powersgd-r2", (DENSE, "powersgd-r2", "torch-powersgd-r2"),
-            "digits powersgd-r2 within 1 point of dense and no lower than torch-powersgd-r2", powersgd)
-    add("topk1%-noEF", ("topk1%", "topk1%-noEF"),
-        f"{workload} topk1%-noEF worse than topk1% (EF) by more than the EF runs' seed spread", error_feedback)
+        checks += [("int8", (DENSE, "int8"), "digits int8 within 0.5 point of dense at a ratio >= 3.5",
+                    lambda: near_dense("int8", 0.5, 3.5)),
+                   ("powersgd-r2", (DENSE, "powersgd-r2", "torch-powersgd-r2"),
+                    "digits powersgd-r2 within 1 point of dense and no lower than torch-powersgd-r2", powersgd)]
+    checks.append(("topk1%-noEF", ("topk1%", "topk1%-noEF"),
+                   f"{workload} topk1%-noEF worse than topk1% (EF) by more than the EF runs' seed spread",
+                   error_feedback))
+    out = []
+    for name, needs, text, check in checks:
+        if all(label in rows for label in needs):  # a target whose configurations are missing is left out
+            met, detail = (False, "no successful run") if any(acc(label) is None for label in needs) else check()
+            out.append({"workload": workload, "target": name, "text": text, "met": bool(met), "detail": detail})
     return out
 
 
@@ -485,31 +443,17 @@ def _literal(value: Any) -> str:
     return repr(value)
 
 
-ACCURACY_MODULE = '''\
-"""What each compressor costs in accuracy, measured: the table ``lightning-dist-advise`` quotes beside its speed-ups.
-
-Written by ``python -m lightning_dist.benchmarks.compression --write-accuracy-table`` from its digits workload (2 ranks,
-the 22 k-parameter CNN, Adam, 8 epochs, the mean of 3 seeds): validation accuracy against dense, in points. A guide to
-the order of the cost, not your model's. Rerun the benchmark to change it; docs/compression.md shows it row for row.
-"""
-
-from typing import Any
-
-# (compressor, the settings it was measured at, points against dense, what was measured)
-ACCURACY_COST: list[tuple[str, dict[str, Any], float, str]] = [
-<rows>]
-'''
-
-
-def render_accuracy_table(rows: Sequence[tuple]) -> str:
-    """The text of ``lightning_dist/compression/accuracy.py`` holding ``rows``."""
-    return ACCURACY_MODULE.replace("<rows>", "".join(f"    ({', '.join(map(_literal, row))}),\n" for row in rows))
+def render_accuracy_table(rows: Sequence[tuple], text: str) -> str:
+    """``text`` (``lightning_dist/compression/accuracy.py``'s) with its ``ACCURACY_COST`` list holding ``rows``."""
+    head, rest = text.split("ACCURACY_COST: list[tuple[str, dict[str, Any], float, str]] = [\n", 1)
+    return (head + "ACCURACY_COST: list[tuple[str, dict[str, Any], float, str]] = [\n"
+            + "".join(f"    ({', '.join(map(_literal, row))}),\n" for row in rows) + rest[rest.index("]\n"):])
 
 
 def write_accuracy_table(summary: Sequence[dict[str, Any]], path: Path) -> list[tuple]:
-    """Rewrite the accuracy table at ``path`` from a run's digits rows; returns the rows written."""
+    """Rewrite the accuracy table at ``path`` (the package's module, or a copy of it) from a run's digits rows."""
     rows = accuracy_rows(summary)
-    path.write_text(render_accuracy_table(rows))
+    path.write_text(render_accuracy_table(rows, Path(accuracy.__file__).read_text()))
     table = "\n".join(f"  {name} {_literal(settings)} {points:+.2f} pt ({what})" for name, settings, points, what
                       in rows)
     bench.progress(f"[compression] wrote {path} (docs/compression.md shows it row for row):\n{table}")

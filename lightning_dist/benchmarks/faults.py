@@ -1,31 +1,10 @@
 """FaultTolerance under real faults: how fast every rank is gone after a fault, what was saved, and whether the
 job resumes.
 
-Each trial draws (``--seed``) a fault kind (``raise``: a RuntimeError in the training step; ``kill``: SIGKILL, no
-cleanup at all; ``stall``: the rank sleeps at the start of a step, alive with its sockets open), a victim rank
-(rank 0 matters as much: it hosts the launchers' rendezvous TCPStore) and a global step in [3, 18]; the (kind,
-victim) pairs come in shuffled rounds of all six, so that each gets its share. The job is the default training
-command (digits CNN, 2 CPU ranks, fork, one epoch of 23 steps) with ``callbacks=[checkpoint,fault_tolerance]``
-(``timeout_s=--timeout``, ``poll_s=1``) and :class:`lightning_dist.testing.InjectFault`, run and watched by
-:func:`lightning_dist.testing.watch_job` under ``--deadline``. Per trial:
-
-* **Seconds until each rank is gone**, from when InjectFault's line (flushed just before the fault) reaches the
-  benchmark; the job's processes are looked at every 50 ms, so times are upper bounds by one poll. The ranks are
-  the launcher's forked children, rank 0 first; **all gone** counts the launcher too (it exits last).
-* **Within the bound**: every process gone within ``timeout_s + 3 * poll_s + 15`` s of a stall (no progress for
-  ``timeout_s``, noticed within a poll on every rank, then an emergency checkpoint and exit) and within 30 s of
-  an exception or a SIGKILL (the survivor's collective fails within seconds; ``exit_grace_s``, 15 s, ends a
-  teardown that hangs); the job's exit code is not 0.
-* **Nothing lost**: every surviving rank wrote an emergency checkpoint that passes
-  :func:`lightning_dist.fault.checkpoint.verify`, and nothing else in the checkpoint directory fails it, lacks
-  its sidecar or is the temporary file of an unfinished write.
-* **Resume**: the same job with ``resume=auto`` and no fault exits 0, resumes from an emergency checkpoint at the
-  fault's step (or the nearest written) and ends at step 23. Not bit for bit: an emergency checkpoint holds one
-  rank's state, so the others' compressor residuals and generators restart (a regular checkpoint resumes
-  bit-identically: ``tests/test_fault_tolerance.py``).
-
-Target: every trial with every rank gone within its bound and nothing lost. The report lists every problem and
-every watchdog verdict other than the stall's; the plot shows each trial's all-gone time against the bounds.
+Each trial (:func:`plan_trials`) injects ``raise``, ``kill`` or ``stall`` into a rank of the default training command
+at a random step (:class:`~lightning_dist.testing.InjectFault`, watched by :func:`~lightning_dist.testing.watch_job`),
+then resumes it with ``resume=auto``; :func:`judge_trial`. Target: every trial with every rank gone within its bound
+(:func:`bound_s`) and nothing lost. Method and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -34,9 +13,7 @@ import json
 import math
 import random
 import re
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -366,7 +343,7 @@ def plot(records: Sequence[dict[str, Any]]) -> Any:
            title=f"FaultTolerance: {len(records)} faults on {WORLD_SIZE} CPU ranks (small dots: each rank)")
     ax.set_xticks(range(1, len(records) + 1))
     ax.set_ylim(bottom=min(0.0, *[g for r in records for g in r["rank_gone_s"] if g is not None]) - 0.5)
-    ax.grid(alpha=0.3, axis="y")
+    bench.style(ax, "y")
     ax.legend(fontsize="small", loc="upper left")
     return fig
 
@@ -385,26 +362,20 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         cli.error(f"--timeout {args.timeout}: must be at least twice poll_s={POLL_S:g}")
     out = bench.output_dir(args.out, "faults")
     faults = plan_trials(args.trials, args.seed, args.quick)
-    workdir = Path(tempfile.mkdtemp(prefix="lightning_dist_faults_"))
     started = time.monotonic()
     records = []
-    try:
+    with bench.scratch("faults", args.keep_runs) as workdir:
         bench.progress(f"[faults] {len(faults)} trials, timeout_s={args.timeout:g}, poll_s={POLL_S:g}; "
                        f"runs in {workdir}")
         for i, fault in enumerate(faults, start=1):
-            record = run_trial(fault, workdir / f"trial-{i:02d}", args.timeout, POLL_S, args.deadline)
-            records.append(record)
+            records.append(record := run_trial(fault, workdir / f"trial-{i:02d}", args.timeout, POLL_S,
+                                               args.deadline))
             bench.progress(f"  trial {i}/{len(faults)}: {fault[0]} on rank {fault[1]} at step {fault[2]}: "
                            f"exit {record['rc']}, ranks gone {' / '.join(_secs(g) for g in record['rank_gone_s'])} s, "
                            f"all gone {_secs(record['all_gone_s'])} s (bound {record['bound_s']:.0f}), checkpoints "
                            f"{len(record['found_ranks'])}/{len(record['expected_ranks'])}, resume "
                            f"{'ok' if record['resume_ok'] else 'FAILED'} ({record['resume']['seconds']:.1f} s)"
                            + ("" if record["ok"] else f": {'; '.join(record['problems'])}"))
-    finally:
-        if args.keep_runs:
-            bench.progress(f"[faults] run directories kept in {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
     wall_s = time.monotonic() - started
     bench.progress(f"[faults] {len(records)} trials in {wall_s:.0f} s")
     summary, goal = summarize_kinds(records), target(records)

@@ -1,46 +1,10 @@
-"""Heterogeneous-batching benchmark: epoch time of even batches against batches that follow measured speed,
-on ranks made slower by a known factor (:class:`lightning_dist.testing.Slowdown`); then what per-rank gradient
-accumulation (``HeteroBatching(accumulate=...)``) buys a rank whose memory cannot hold its share, and what it costs
-a rank that runs one micro-batch.
+"""Heterogeneous-batching benchmark: epoch time of even batches against batches that follow measured speed, on ranks
+slowed by a known factor (:class:`~lightning_dist.testing.Slowdown`); what per-rank accumulation buys a rank whose
+memory cannot hold its share (:data:`CAPPED`), and what one micro-batch costs (:data:`COST`), paired by round.
 
-Scenarios:
-
-1. **Balance** (:data:`SCENARIOS`): speeds ``1 / 0.5`` on 2 ranks (judged) and ``1 / 1 / 0.33`` on 3 (reported
-   only: 3 processes on 2 cores mostly measure contention). Each runs three modes from ``seed_everything(seed)``:
-   ``uniform`` (``RingDDPStrategy()``, the slow rank sets the pace), ``balanced`` (``HeteroBatching(window=5,
-   every_n_steps=5)``: starts even, measures every rank's compute time per sample and moves work to the fast ranks,
-   the global batch staying ``N x 64``) and ``static`` (``HeteroBatching(speeds=...)``: the true speeds' sizes from
-   the first step). 10 epochs, validated once at the end.
-2. **A capped fast rank** (:data:`CAPPED`): speeds ``1 / 0.5`` (rank 1 twice as slow), shares 85 / 43 of B = 128,
-   and rank 0's memory capped at :data:`CAP` = 29 samples, a third of its share. Three modes: ``uncapped``
-   (``HeteroBatching(speeds=[1, 0.5])``), ``capped, off`` (``memory_caps=[29, 128], accumulate="off"``: the cap
-   bounds rank 0's share, and the 56 samples it leaves go to the slow rank: shares 29 / 99) and ``capped, auto``
-   (``memory_caps=[29, 128]``, accumulate's default ``"auto"``: rank 0 keeps 85 and runs it as 3 micro-batches of
-   29 / 28 / 28 inside one step). Each rank counts its ``training_step`` calls and their samples
-   (:class:`CountedCNN`): the micro-batches it actually ran per step (the most frequent pattern goes in the table).
-3. **One micro-batch's cost** (:data:`COST`): ``today`` (``HeteroBatching(speeds=[1, 0.5])``, accumulate off) and
-   ``one micro-batch`` (the same with ``memory_caps=[128, 128]``: caps that never bind, accumulate ``"auto"``, so
-   every rank takes the accumulation path with a single micro-batch); no validation.
-
-Both run round-robin (:data:`CAPPED_ROUNDS` rounds of :data:`CAPPED_EPOCHS` epochs per run, validated at the end;
-:data:`COST_ROUNDS` of :data:`COST_EPOCHS`), the order turning by round, and compare step times paired by round:
-one mode's median step over the same round's reference run's, then the median and quartiles of that ratio over
-rounds (a slow spell of the machine slows the runs of a round alike, rather than one mode's).
-
-The model is a wider ``DigitsCNN(channels=128, hidden=256)``, so that a step's compute grows with its samples rather
-than being fixed overhead; batch 64 per rank. A run's epoch time is the median of its last 5 epochs (the balance
-scenarios, after rebalancing has settled; the paired ones time all but their first epoch), on rank 0 from an epoch's
-first batch start to its last batch end; its step time is the median gap between consecutive batch ends on rank 0
-within those epochs (an epoch's first batch, which waits for the loader, makes no gap). The compute-time spread is
-``max / min - 1`` of the ranks' mean compute time per step (less the communication each waited for) over those
-epochs: what the balancer equalises (per step, it would add every step's noise).
-
-Targets (2 ranks): ``balanced``'s speed-up over ``uniform`` at least 0.9 of the ideal ``sum(s) / (N x min(s))``;
-compute-time spread after rebalancing <= 6%; final accuracy within one point of uniform's (a point is about 4 of the
-360 validation digits). Per-rank accumulation: ``capped, auto``'s step time within 10% of ``uncapped``'s, paired
-(``capped, off``'s slowdown is reported beside it); ``one micro-batch``'s paired step time 1.00 +/- 0.02 of
-``today``'s. The plot: epoch time per epoch, per mode and balance scenario; the capped scenario's step time per mode
-and run (with the micro-batches each rank ran); the cost's per-run step times.
+Targets (2 ranks): balanced's speed-up >= 0.9 of the ideal, compute spread <= 6%, accuracy within a point of uniform's;
+capped, auto within 10% of uncapped's step; one micro-batch 1.00 +/- 0.02 of today's. Method and results:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -155,21 +119,16 @@ def run_once(name: str, mode: str, epochs: int, seed: int, timed_epochs: Optiona
         return {"scenario": name, "mode": mode, "seed": seed, "error": str(err)[-2000:]}
     out = outs[0]
     timed = min(timed_epochs or TIMED_EPOCHS, len(out["epoch_s"]))
-    last_epochs = set(range(epochs - timed, epochs))
     # rank 0's step time: gaps between consecutive batch ends of one timed epoch
-    gaps = [b - a for a, b, e0, e1 in zip(out["ends"], out["ends"][1:], out["epochs"], out["epochs"][1:])
-            if e0 == e1 and e1 in last_epochs]
-    timed_steps = [s for s in out["steps"] if s["epoch"] in last_epochs and min(s["compute_s"]) > 0]
-    n = len(speeds)
-    means = [statistics.fmean(s["compute_s"][r] for s in timed_steps) for r in range(n)] if timed_steps else None
-    sizes = out["steps"][-1]["samples"] if out["steps"] else None
+    gaps = bench.step_times(out["ends"], out["epochs"], out["epochs"].index(epochs - timed))
+    timed_steps = [s for s in out["steps"] if s["epoch"] >= epochs - timed and min(s["compute_s"]) > 0]
+    means = [statistics.fmean(s["compute_s"][r] for s in timed_steps) for r in range(len(speeds)) if timed_steps]
     return {"scenario": name, "mode": mode, "seed": seed, "speeds": list(speeds), "epoch_s": out["epoch_s"],
             "epoch_median_s": statistics.median(out["epoch_s"][-timed:]),
             **({f"step_{k}": v for k, v in bench.summarize(gaps).items()} if gaps else {"step_median_s": None}),
-            "timed_steps": len(gaps),
-            "compute_spread": max(means) / min(means) - 1 if means else None,
-            "compute_ms_mean": [1e3 * m for m in means] if means else None,
-            "val_acc": out["val_acc"], "final_sizes": sizes, "events": out["events"],
+            "timed_steps": len(gaps), "compute_spread": max(means) / min(means) - 1 if means else None,
+            "compute_ms_mean": [1e3 * m for m in means] if means else None, "val_acc": out["val_acc"],
+            "final_sizes": out["steps"][-1]["samples"] if out["steps"] else None, "events": out["events"],
             "micro_sizes": [o["micro"]["sizes"] for o in outs],
             "micro_calls_per_step": [o["micro"]["calls_per_step"] for o in outs],
             "wall_s": time.perf_counter() - started}
@@ -198,34 +157,30 @@ def judge(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def paired_summary(records: Sequence[dict[str, Any]], scenario: str, mode: str, base: str) -> Optional[dict[str, Any]]:
     """``scenario``'s runs paired by round: ``mode``'s median step time over the same round's ``base`` run's (median
-    and quartiles over rounds; the epoch times' paired median too), and both modes' median step and epoch times over
-    rounds; None when no round holds both."""
-    runs = [r for r in records if r["scenario"] == scenario and "error" not in r and r.get("step_median_s")]
-    mine = {r["round"]: r for r in runs if r["mode"] == mode}
-    other = {r["round"]: r for r in runs if r["mode"] == base}
-    rounds = sorted(set(mine) & set(other))
-    if not rounds:
+    and quartiles over rounds; the epoch times' paired median too), and both modes' median step times over rounds;
+    None when no round holds both."""
+    mine, other = _timed(records, scenario, mode), _timed(records, scenario, base)
+    step = bench.paired_runs(mine, other, "step_median_s")
+    if step is None:
         return None
-
-    def over_rounds(runs: dict[int, dict[str, Any]], key: str) -> dict[int, float]:
-        return {k: runs[k][key] for k in rounds}
-
-    step = bench.paired(over_rounds(mine, "step_median_s"), over_rounds(other, "step_median_s"))
-    epoch = bench.paired(over_rounds(mine, "epoch_median_s"), over_rounds(other, "epoch_median_s"))
-    return {"rounds": len(rounds), "step_s": bench.median(list(over_rounds(mine, "step_median_s").values())),
-            "base_step_s": bench.median(list(over_rounds(other, "step_median_s").values())),
+    return {"rounds": step["pairs"], "step_s": step["mine"], "base_step_s": step["base"],
             "paired_ratio": step["median"], "paired_p25": step["p25"], "paired_p75": step["p75"],
-            "epoch_ratio": epoch["median"], "timed_steps": min(r["timed_steps"] for r in runs)}
+            "epoch_ratio": bench.paired_runs(mine, other, "epoch_median_s")["median"],
+            "timed_steps": min(r["timed_steps"] for r in mine + other)}
+
+
+def _timed(records: Sequence[dict[str, Any]], scenario: str, mode: str) -> list[dict[str, Any]]:
+    """``scenario``'s runs of ``mode`` that ran and timed steps."""
+    return [r for r in records if (r["scenario"], r["mode"]) == (scenario, mode) and r.get("step_median_s")]
 
 
 def judge_accumulation(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The per-rank accumulation targets, on step times paired by round (rank 0's median step): ``capped, auto``
-    against ``uncapped`` on :data:`CAPPED` (``capped, off``'s ratio in the detail), and ``one micro-batch`` against
-    ``today`` on :data:`COST`. A target without its runs is left out."""
+    """The per-rank accumulation targets, on rank 0's median step paired by round: ``capped, auto`` against
+    ``uncapped`` on :data:`CAPPED` (``capped, off``'s ratio in the detail), and ``one micro-batch`` against ``today``
+    on :data:`COST`. A target without its runs is left out."""
     verdicts = []
-    auto = paired_summary(records, CAPPED, "capped, auto", "uncapped")
+    auto, off = (paired_summary(records, CAPPED, mode, "uncapped") for mode in ("capped, auto", "capped, off"))
     if auto is not None:
-        off = paired_summary(records, CAPPED, "capped, off", "uncapped")
         slower = "" if off is None else (f"; capped, off {off['paired_ratio']:.2f}x [{off['paired_p25']:.2f}, "
                                          f"{off['paired_p75']:.2f}] (epoch {off['epoch_ratio']:.2f}x)")
         verdicts.append({
@@ -234,14 +189,12 @@ def judge_accumulation(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]
             "detail": f"{auto['paired_ratio']:.3f}x [{auto['paired_p25']:.3f}, {auto['paired_p75']:.3f}] over "
                       f"{auto['rounds']} round(s), {1e3 * auto['step_s']:.1f} against {1e3 * auto['base_step_s']:.1f} "
                       f"ms/step (epoch {auto['epoch_ratio']:.3f}x){slower}"})
-    cost = paired_summary(records, COST, "one micro-batch", "today")
-    if cost is not None:
-        ratio = cost["paired_ratio"]
+    if (cost := paired_summary(records, COST, "one micro-batch", "today")) is not None:
         verdicts.append({
             "target": f"one micro-batch: paired step time 1.00 +/- {COST_TOLERANCE:.2f} of today's",
-            "met": abs(ratio - 1.0) <= COST_TOLERANCE,
-            "detail": f"{ratio:.3f}x [{cost['paired_p25']:.3f}, {cost['paired_p75']:.3f}] over {cost['rounds']} "
-                      f"round(s); today {1e3 * cost['base_step_s']:.1f} ms/step, one micro-batch "
+            "met": abs(cost["paired_ratio"] - 1.0) <= COST_TOLERANCE,
+            "detail": f"{cost['paired_ratio']:.3f}x [{cost['paired_p25']:.3f}, {cost['paired_p75']:.3f}] over "
+                      f"{cost['rounds']} round(s); today {1e3 * cost['base_step_s']:.1f} ms/step, one micro-batch "
                       f"{1e3 * cost['step_s']:.1f} ms/step (medians over rounds)"})
     return verdicts
 
@@ -276,8 +229,7 @@ def capped_table(records: Sequence[dict[str, Any]]) -> str:
     over rounds) and the step time paired with the same round's ``uncapped``."""
     rows = []
     for mode in CAPPED_MODES:
-        runs = [r for r in records if r["scenario"] == CAPPED and r["mode"] == mode]
-        done = [r for r in runs if "error" not in r and r.get("step_median_s")]
+        runs, done = [r for r in records if (r["scenario"], r["mode"]) == (CAPPED, mode)], _timed(records, CAPPED, mode)
         if not done:
             rows.append([mode, f"failed ({len(runs)} runs)" if runs else "not run", "", "", "", "", "", ""])
             continue
@@ -303,8 +255,8 @@ def cost_table(records: Sequence[dict[str, Any]]) -> str:
     cost = paired_summary(records, COST, "one micro-batch", "today")
     if cost is None:
         return f"{COST}: no round with both runs"
-    micro = next(r for r in records if r["scenario"] == COST and r["mode"] == "one micro-batch" and "error" not in r)
-    row = [cost["rounds"], cost["timed_steps"], _micro_cell(micro), f"{1e3 * cost['base_step_s']:.1f}",
+    row = [cost["rounds"], cost["timed_steps"], _micro_cell(_timed(records, COST, "one micro-batch")[0]),
+           f"{1e3 * cost['base_step_s']:.1f}",
            f"{1e3 * cost['step_s']:.1f}",
            f"{cost['paired_ratio']:.3f}x [{cost['paired_p25']:.3f}, {cost['paired_p75']:.3f}]"]
     headers = ["rounds", "timed steps per run", "micro-batches run (rank 0 | rank 1)", "today ms",
@@ -315,12 +267,10 @@ def cost_table(records: Sequence[dict[str, Any]]) -> str:
 
 def _plot_capped(ax: Any, records: Sequence[dict[str, Any]]) -> None:
     colors = {"uncapped": "tab:gray", "capped, off": "tab:red", "capped, auto": "tab:green"}
-    modes = [m for m in CAPPED_MODES if any(r["scenario"] == CAPPED and r["mode"] == m and "error" not in r
-                                            and r.get("step_median_s") for r in records)]
+    modes = [m for m in CAPPED_MODES if _timed(records, CAPPED, m)]
     top = 0.0
     for i, mode in enumerate(modes):
-        runs = [r for r in records if r["scenario"] == CAPPED and r["mode"] == mode and "error" not in r
-                and r.get("step_median_s")]
+        runs = _timed(records, CAPPED, mode)
         steps = [1e3 * r["step_median_s"] for r in runs]
         ax.bar(i, bench.median(steps), color=colors[mode], alpha=0.8)
         ax.plot([i] * len(steps), steps, "k.", ms=5)
@@ -335,9 +285,8 @@ def _plot_capped(ax: Any, records: Sequence[dict[str, Any]]) -> None:
                    label=f"target for auto: {AUTO_TARGET:.2f}x uncapped")
         ax.legend(fontsize="x-small", loc="upper left")
     ax.set_xticks(range(len(modes)), modes)
-    ax.set(ylabel="step time, ms (rank 0; bar: median over rounds)", ylim=(0, 1.3 * top or 1))
+    bench.style(ax, "y", ylabel="step time, ms (rank 0; bar: median over rounds)", ylim=(0, 1.3 * top or 1))
     ax.set_title(f"rank 0 capped at {CAP}: micro-batches run, rank 0 | rank 1", fontsize="small")
-    ax.grid(alpha=0.3, axis="y")
 
 
 def plot(records: Sequence[dict[str, Any]]) -> Any:
@@ -350,16 +299,13 @@ def plot(records: Sequence[dict[str, Any]]) -> Any:
         for r in records:
             if r["scenario"] == name and "error" not in r:
                 ax.plot(range(1, len(r["epoch_s"]) + 1), r["epoch_s"], marker="o", label=r["mode"])
-        ax.set(xlabel="epoch", ylabel="epoch time, s (rank 0)", ylim=(0, None))
+        bench.style(ax, legend="small", xlabel="epoch", ylabel="epoch time, s (rank 0)", ylim=(0, None))
         ax.set_title(f"{name} (relative speeds)", fontsize="small")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
     rest = axes[len(names):]
     if capped:
         _plot_capped(rest.pop(0), records)
     if cost is not None:
-        data = [[1e3 * r["step_median_s"] for r in records if r["scenario"] == COST and r["mode"] == mode
-                 and "error" not in r and r.get("step_median_s")] for mode in COST_MODES]
+        data = [[1e3 * r["step_median_s"] for r in _timed(records, COST, mode)] for mode in COST_MODES]
         bench.step_boxplot(rest.pop(0), data, list(COST_MODES),
                            f"one micro-batch vs today: paired {cost['paired_ratio']:.3f}x, {cost['rounds']} round(s)")
     fig.suptitle("heterogeneous batching: even batches against batches that follow measured speed; "

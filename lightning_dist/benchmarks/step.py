@@ -1,19 +1,9 @@
 """Training-step benchmark: ``RingDDPStrategy`` (overlapped and blocking hook, per algorithm) against Lightning's
 stock ``DDPStrategy``, on the latency-bound ``digits`` and the bandwidth-bound ``mlp`` workload.
 
-Every run is one fit of a workload of :mod:`lightning_dist.benchmarks.workloads` on 2 CPU ranks (gloo, fork, no
-validation) from ``L.seed_everything(seed)``: the same weights and data order for every configuration. A
-workload's configurations run round-robin for its rounds. A run's step time is the median of its steps after
-``--warmup`` (DDP rebuilds its buckets after step one; caches warm up); a configuration's is the median over
-rounds, with quartiles; ``vs ddp`` divides those medians and ``paired`` is the paired ratio to the round's ddp
-run (the targets are judged on it). Rank 0 also records ``cpu ms``, its process CPU time per step (the work a
-step does), and under ring_ddp each step's ``comm`` (time inside the transport) and ``exposed comm`` (what
-backward waited for). Correctness in the same run: each run's final weights (rank 0's, which Lightning's
-launcher loads back into the parent's model) are compared with its round's ddp run.
-
-Targets (from the issues): on ``mlp``, ``auto`` and ``native`` (overlapped, the default) at most 1.02x ddp's
-step (paired, >= 8 rounds); on ``digits``, ``auto`` at most 1.05x. The plot: every run's median per
-configuration, one panel per workload, with the ddp median and the bound.
+Configurations run round-robin, each a :func:`~lightning_dist.benchmarks._common.timed_fit` from the same seed, its
+final weights compared with the round's ddp run. Targets, on the paired ratio: on mlp, ``auto`` and ``native`` <= 1.02x
+ddp's step; on digits, ``auto`` <= 1.05x. Method and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -88,55 +78,42 @@ def run_once(plan: Plan, config: Config, steps: int, warmup: int, seed: int) -> 
     return record, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
-
-
 def summarize_configs(runs: Sequence[dict[str, Any]], configs: Sequence[Config]) -> list[dict[str, Any]]:
-    """Per configuration of one workload: median and quartiles over rounds of the per-run medians, the
-    ratios to ddp, and the medians of the per-run comm and exposed times."""
-    def per_round(rows: Sequence[dict[str, Any]]) -> dict[int, float]:
-        return {r["round"]: r["median_s"] for r in rows}
-
+    """Per configuration of one workload: median and quartiles over rounds of the per-run medians, the ratios to ddp
+    (of the medians, and paired by round), and the medians of the per-run CPU, comm and exposed times."""
     stock = [r for r in runs if r["config"] == STOCK.label]
-    stock_s = bench.median([r["median_s"] for r in stock])
-    stock_cpu_s = bench.median([r["cpu_median_s"] for r in stock])
     out = []
     for config in configs:
         mine = [r for r in runs if r["config"] == config.label]
         stats = bench.summarize([r["median_s"] for r in mine])
-        cpu_s = bench.median([r["cpu_median_s"] for r in mine])
-        out.append({
-            "workload": mine[0]["workload"], "config": config.label, "algorithm": config.algorithm,
-            "overlap": mine[0]["overlap"], "rounds": len(mine), **stats,
-            "ratio_vs_ddp": stats["median_s"] / stock_s,
-            "paired_ratio_vs_ddp": bench.paired(per_round(mine), per_round(stock))["median"],
-            "cpu_median_s": cpu_s,
-            "cpu_ratio_vs_ddp": cpu_s / stock_cpu_s,
-            **{key: bench.median([r[key] for r in mine if r[key] is not None])
-               for key in ("comm_median_s", "exposed_median_s")},
-            "max_abs_weight_diff_vs_ddp": max(r["max_abs_weight_diff_vs_ddp"] for r in mine),
-        })
+        medians = {key: bench.median([r[key] for r in mine if r[key] is not None])
+                   for key in ("cpu_median_s", "comm_median_s", "exposed_median_s")}
+        out.append({"workload": mine[0]["workload"], "config": config.label, "algorithm": config.algorithm,
+                    "overlap": mine[0]["overlap"], "rounds": len(mine), **stats,
+                    "ratio_vs_ddp": stats["median_s"] / bench.median([r["median_s"] for r in stock]),
+                    "paired_ratio_vs_ddp": bench.paired_runs(mine, stock)["median"],
+                    "cpu_median_s": medians["cpu_median_s"],
+                    "cpu_ratio_vs_ddp": medians["cpu_median_s"] / bench.median([r["cpu_median_s"] for r in stock]),
+                    "comm_median_s": medians["comm_median_s"], "exposed_median_s": medians["exposed_median_s"],
+                    "max_abs_weight_diff_vs_ddp": max(r["max_abs_weight_diff_vs_ddp"] for r in mine)})
     return out
 
 
 def judge(plan: Plan, summary: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The workload's targets: each target configuration's paired ratio against its bound."""
-    out = []
-    for label in plan.targets:
-        rec = next((s for s in summary if s["config"] == label), None)
-        if rec is not None:
-            out.append({"workload": plan.workload.name, "config": label, "bound": plan.target_ratio,
-                        "paired_ratio": rec["paired_ratio_vs_ddp"], "ratio": rec["ratio_vs_ddp"],
-                        "met": bool(rec["paired_ratio_vs_ddp"] <= plan.target_ratio)})
-    return out
+    return [{"workload": plan.workload.name, "config": s["config"], "bound": plan.target_ratio,
+             "paired_ratio": s["paired_ratio_vs_ddp"], "ratio": s["ratio_vs_ddp"],
+             "met": bool(s["paired_ratio_vs_ddp"] <= plan.target_ratio)}
+            for s in summary if s["config"] in plan.targets]
 
 
 def table(summary: Sequence[dict[str, Any]]) -> str:
-    rows = [[s["workload"], s["config"], *(bench.cell(s[k], ".2f", 1e3) for k in ("median_s", "p25_s", "p75_s")),
-             f"{s['ratio_vs_ddp']:.3f}x", f"{s['paired_ratio_vs_ddp']:.3f}x", bench.cell(s["cpu_median_s"], ".2f", 1e3),
-             f"{s['cpu_ratio_vs_ddp']:.3f}x", bench.cell(s["comm_median_s"], ".2f", 1e3),
-             bench.cell(s["exposed_median_s"], ".2f", 1e3), f"{s['max_abs_weight_diff_vs_ddp']:.1e}"] for s in summary]
+    def ms(s: dict[str, Any], *keys: str) -> list[str]:
+        return [bench.cell(s[k], ".2f", 1e3) for k in keys]
+
+    rows = [[s["workload"], s["config"], *ms(s, "median_s", "p25_s", "p75_s"), f"{s['ratio_vs_ddp']:.3f}x",
+             f"{s['paired_ratio_vs_ddp']:.3f}x", *ms(s, "cpu_median_s"), f"{s['cpu_ratio_vs_ddp']:.3f}x",
+             *ms(s, "comm_median_s", "exposed_median_s"), f"{s['max_abs_weight_diff_vs_ddp']:.1e}"] for s in summary]
     headers = ["workload", "config", "median step ms", "p25 ms", "p75 ms", "vs ddp", "paired vs ddp", "cpu ms",
                "cpu vs ddp", "comm ms", "exposed comm ms", "max |w - w_ddp|"]
     return bench.format_table(headers, rows)
@@ -149,13 +126,11 @@ def plot(runs: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]]) -> A
     widths = [len([s for s in summary if s["workload"] == n]) for n in names]
     fig, axes = bench.figure_row(len(names), 1.1 * sum(widths) + 2.5 * len(names), width_ratios=widths)
     for ax, name in zip(axes, names):
-        plan = WORKLOADS[name]
-        mine = [s for s in summary if s["workload"] == name]
-        labels = [s["config"] for s in mine]
-        data = [[1e3 * r["median_s"] for r in runs if r["workload"] == name and r["config"] == label]
+        plan, labels = WORKLOADS[name], [s["config"] for s in summary if s["workload"] == name]
+        data = [[1e3 * r["median_s"] for r in runs if (r["workload"], r["config"]) == (name, label)]
                 for label in labels]
         bench.step_boxplot(ax, data, labels, f"{name}: {plan.workload.description}", rotation=35, ha="right")
-        stock_ms = 1e3 * mine[0]["median_s"]
+        stock_ms = 1e3 * next(s["median_s"] for s in summary if s["workload"] == name)
         ax.axhline(stock_ms, color="gray", lw=1, label="ddp median")
         ax.axhline(plan.target_ratio * stock_ms, color="red", ls="--", lw=1,
                    label=f"{plan.target_ratio}x ddp (target: {', '.join(plan.targets)})")
@@ -178,8 +153,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> Any:
                      help=f"leading steps dropped per run (default: the workload's, {QUICK_WARMUP} with --quick)")
     args = cli.parse_args(argv)
     if args.quick:
-        args.rounds = args.rounds or 1
-        args.steps = args.steps or QUICK_STEPS
+        args.rounds, args.steps = args.rounds or 1, args.steps or QUICK_STEPS
         args.warmup = QUICK_WARMUP if args.warmup is None else args.warmup
     bench.check_counts(cli, rounds=args.rounds)
     for name in args.workloads:
@@ -210,9 +184,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                 for config in configs:  # STOCK first: the round's other runs are compared with its weights
                     record, weights = run_once(plan, config, steps, warmup, args.seed)
                     stock_weights = weights if stock_weights is None else stock_weights
-                    record["round"] = round_index
-                    record["max_abs_weight_diff_vs_ddp"] = diff = max_abs_diff(weights, stock_weights)
-                    mine.append(record)
+                    diff = max(float((weights[k].double() - stock_weights[k].double()).abs().max()) for k in weights)
+                    mine.append({**record, "round": round_index, "max_abs_weight_diff_vs_ddp": diff})
                     bench.progress(f"  {name} round {round_index + 1}/{rounds} {config.label:<16} "
                                    f"{1e3 * record['median_s']:7.2f} ms/step  (run {record['wall_s']:.1f}s, "
                                    f"|w - w_ddp| {diff:.1e})")
@@ -220,17 +193,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             summary += (rows := summarize_configs(mine, configs))
             targets += judge(plan, rows)
     bench.progress(f"[step] {len(runs)} runs in {time.perf_counter() - start:.0f}s")
-
     lines = [bench.verdict(f"{t['workload']} {t['config']} <= {t['bound']}x ddp step time (paired)", t["met"],
                            f"{t['paired_ratio']:.3f}x; unpaired {t['ratio']:.3f}x") for t in targets]
-    plans = {n: WORKLOADS[n] for n in args.workloads}
     meta = bench.environment(
         "step", world_size=bench.WORLD_SIZE, seed=args.seed,
-        workloads={n: {"configs": [asdict(c) for c in p.configs], "rounds": args.rounds or p.rounds,
-                       "batch_size": p.workload.batch_size, "bucket_cap_mb": p.workload.bucket_cap_mb,
-                       "description": p.workload.description} for n, p in plans.items()},
+        workloads={n: {"configs": [asdict(c) for c in WORKLOADS[n].configs], "rounds": args.rounds or
+                       WORKLOADS[n].rounds, "batch_size": WORKLOADS[n].workload.batch_size,
+                       "bucket_cap_mb": WORKLOADS[n].workload.bucket_cap_mb,
+                       "description": WORKLOADS[n].workload.description} for n in args.workloads},
         # the machine's load matters more than anything else here: a busy machine inflates every wait
-        loadavg_at_end=os.getloadavg() if hasattr(os, "getloadavg") else None)
+        loadavg_at_end=os.getloadavg())
     return bench.write_results(out, "step", [table(summary), lines],
                                {"meta": meta, "runs": runs, "records": summary, "targets": targets},
                                lambda: plot(runs, summary))

@@ -1,67 +1,16 @@
 """Syncing every H steps against syncing every step, on the LM workload: ``python -m lightning_dist.benchmarks.sync``.
 
-Methods (:data:`METHODS`), all on the same samples (seed 0, the same global batch, the same steps): dense DDP
-(``RingDDPStrategy``, gloo's native all-reduce, no compressor), top-k 1% + error feedback and PowerSGD rank 2 on every
-step's gradient, and DiLoCo (:class:`~lightning_dist.sync.DiLoCo`, outer SGD lr 0.7, Nesterov momentum 0.9) at H = 10
-and 50 with dense, int8 and top-k 1% pseudo-gradients. Shapes (:data:`SHAPES`): 4 hosts of 1 rank (``flat``: 4 workers)
-and 2 hosts of 2 ranks (``two_tier``: 2 workers of 2 ranks); rates 10 and 100 Mbit/s.
-
-A method's loss against steps does not depend on the link, so the benchmark splits what it measures in three:
-
-1. **Curves, on loopback**: each (shape, method) trains once on 4 local gloo ranks posing as the shape's hosts
-   (:func:`~lightning_dist.testing.run_ranks`, :func:`~lightning_dist.testing.launched_externally`): dense DDP for
-   :attr:`Sizes.steps`, every other method on to :attr:`Sizes.horizon` (twice as many), so that the time it takes to
-   reach dense's final loss is measured also where it needs more steps than dense (and may still need less time).
-   Every comparison of quality reads the loss at :attr:`Sizes.steps`: equal samples. Rank 0 evaluates
-   the validation loss (nats per byte) every :attr:`Sizes.eval_every` steps (under DiLoCo the first multiple of H at or
-   above it: the synced model, which changes only at a sync) on :attr:`Sizes.val_windows` held-out windows spread over
-   every held-out file; the last point is the final loss. Bytes across workers per inner step, summed over ranks:
-   DiLoCo's own count of its syncs' bytes over the fit's steps (``sync/bytes_per_step``: a sync's bytes / H), a per-step
-   method's ``bytes_inter_host`` (the strategy's counter of its gradient's traffic between hosts) over the steps.
-2. **Time per step, on the shaped cluster**: one :class:`~lightning_dist.simcluster.SimCluster` job per (shape, rate)
-   trains every method in turn under torchrun for a few cycles (:func:`timing_steps`: a per-step method 2 warm-up and
-   :data:`TIMED_STEPS` timed steps; DiLoCo one warm-up cycle and at least 2 timed ones). A cycle is H steps ending with
-   a sync step; time per step = the median cycle / H. The median local step (no sync) and sync step are kept apart, and
-   what left host 0 through its link per timed step (the kernel's count, headers included).
-3. **Combined**: validation loss against wall time = the loopback curve x the shaped time per step; time to dense DDP's
-   final validation loss (the first evaluation at or below it) per rate, and its ratio to dense's and to the best
-   per-step compressor's; and, since a method may end above that loss, dense's time to the method's own final loss over
-   the method's (``vs_dense_at_own_loss``). Checked once against a full shaped run (:data:`VALIDATE_METHOD` on ``flat``
-   at :data:`VALIDATE_RATE` Mbit/s, in that setting's cluster job): predicted and measured wall time to the end (the
-   measured one less rank 0's evaluations, during which every rank waits), and both final losses.
-
-And the flat no-sync step cost: DiLoCo under ``topology="flat"`` on 2 local ranks with H beyond the run (no step
-syncs) against the same model's step in a single process with no strategy (Lightning's default, one device), each
-rank one of each, alternating the order every round (:data:`NOSYNC_ROUNDS`); the paired ratio of rank 0's median
-steps, its median over rounds (target <= 1.03).
-
-Targets (issue 31; ``flat``, 4 workers): DiLoCo H=50's final loss within 3% of dense DDP's, with int8 within 3.5%;
-bytes across workers per inner step at most 1/H of dense's (int8 at most 1/(3.5 H)); time to dense's final loss at
-10 Mbit/s at least 10x faster than dense and 2x faster than the best per-step compressor; the no-sync step <= 1.03x.
-Writes ``sync.{txt,json,png}``: the quality, bytes and time-to-loss tables, the timing table, the verdicts; the plot
-shows validation loss against wall time (per rate) and against bytes across workers.
-
-That is ``--scenario methods``, the default. Issue 32's two scenarios (their summaries, targets, tables and plots in
-:mod:`lightning_dist.benchmarks._streaming`; ``--scenario all`` runs all three):
-
-- ``--scenario streaming``: 4 hosts of 1 rank at 10 Mbit/s, H = 50; the reference (the dense DiLoCo H=50 above) and
-  Streaming DiLoCo at F in {1, 5, 10} x tau in {0, 1, 5} with int4 pseudo-gradients (``DiLoCo(fragments=F,
-  delay=tau)``, DiLoCo's default mix; F = 5 in place of the issue's 4, which does not divide H = 50). Loopback
-  curves to :attr:`Sizes.steps` (equal samples; after every landing of fragment 0, and after the fit, when every
-  exchange has landed: rank 0's own model and ``theta_global``, the model every worker agrees on, which the quality
-  target judges); one shaped job that times every configuration for a warm-up cycle and :data:`STREAM_TIMED_CYCLES`
-  cycles on every host, recording each rank's step ends and ``sync/*`` reports and host 0's link counter (every step,
-  and every ~20 ms over the timed cycles on a thread), then a fit that never syncs (the step with no sync). Writes
-  ``sync-streaming.{txt,json,png}``.
-- ``--scenario hetero``: 4 loopback ranks posing as 4 hosts, host 3 at half speed
-  (:class:`~lightning_dist.benchmarks._streaming.CpuSlowdown`, :class:`~lightning_dist.testing.Slowdown` by CPU time;
-  every host paced 2x so that the 4 fit 2 cores, host 3 4x), DiLoCo H = 50, int4, F = 5, tau = 1, under
-  equal batches, batches that follow speed (``HeteroBatching(window=5, every_n_steps=5)``) and
-  ``DiLoCo(balance="steps")`` (with the same HeteroBatching, which measures the speeds), and reported only, batches
-  sized once from the measured speeds (no rebalancing, so no exchange on every step); the hosts' own speeds from a
-  fit in which no host waits for another (and, for reference, each alone). Loopback, not the shaped cluster: the link
-  adds the exchange's time to every mode alike, and what is judged is how compute is balanced. Writes
-  ``sync-hetero.{txt,json,png}``.
+Methods (:data:`METHODS`): dense DDP, top-k 1% + error feedback and PowerSGD rank 2 every step, and DiLoCo (outer SGD lr
+0.7, Nesterov 0.9) at H = 10 and 50 with dense, int8 and top-k 1% pseudo-gradients, on the same samples; shapes ``flat``
+(4 hosts of 1 rank) and ``two_tier`` (2 of 2); links of 10 and 100 Mbit/s. Loss against steps does not depend on the
+link, so (1) each curve trains on loopback ranks posing as the shape's hosts (:func:`run_curves`; quality compared at
+:attr:`Sizes.steps`, equal samples), (2) the time per step is timed on a shaped SimCluster (:func:`run_cluster`, the
+median cycle / H), and (3) the two combine into loss against wall time (:func:`combine`), checked once against a full
+shaped run; plus the flat no-sync step against a single process. Targets (issue 31, flat): DiLoCo H=50 within 3% of
+dense's final loss (int8 3.5%), bytes per inner step <= 1/H of dense's (int8 1/(3.5 H)), dense's final loss at 10
+Mbit/s >= 10x sooner than dense and 2x than the best per-step compressor, the no-sync step <= 1.03x. ``--scenario
+streaming`` and ``hetero`` (issue 32, :mod:`~lightning_dist.benchmarks._streaming`): Streaming DiLoCo's F x tau grid,
+one host at half speed. Method and results: docs/benchmarks.md (``sync``).
 """
 
 from __future__ import annotations
@@ -69,16 +18,16 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import itertools
 import json
 import math
 import os
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import lightning as L
 import numpy as np
@@ -89,7 +38,7 @@ from typing_extensions import override
 
 from lightning_dist.benchmarks import _common as bench
 from lightning_dist.benchmarks import _streaming as stream
-from lightning_dist.benchmarks._cluster import failure_message, launch_job
+from lightning_dist.benchmarks._cluster import launch_job
 from lightning_dist.compression import COMPRESSORS
 from lightning_dist.examples import ByteLM, StdlibText
 from lightning_dist.hetero import HeteroBatching
@@ -114,6 +63,8 @@ TIME_VS_DENSE, TIME_VS_COMPRESSOR = 10.0, 2.0  # at TARGET_RATE
 NOSYNC_BOUND = 1.03
 TARGET_SHAPE, TARGET_RATE = "flat", 10.0
 VALIDATE_METHOD, VALIDATE_SHAPE, VALIDATE_RATE = "diloco10", "flat", 100.0
+# what a timing fit's worker writes per rank (and the streaming scenario keeps per rank in its raw records)
+TIMING_KEYS = ("ends", "trace", "link_sent", "link_samples", "sync_metrics")
 
 
 @dataclass(frozen=True)
@@ -149,40 +100,26 @@ QUICK = Sizes(width=32, depth=1, heads=2, context=32, batch_size=8, train_bytes=
 @dataclass(frozen=True)
 class Method:
     """One way to train: a per-step compressor, or DiLoCo every ``every`` steps with a pseudo-gradient compressor
-    (and, for part 2's scenarios, Streaming DiLoCo's settings, passed to :class:`~lightning_dist.sync.DiLoCo` as
-    they are wherever they differ from part 1's sync)."""
+    and, where not None, Streaming DiLoCo's settings (passed to :class:`~lightning_dist.sync.DiLoCo` as they are)."""
 
     label: str
     compressor: Optional[dict] = None  # the per-step gradient's (build_compressor's arguments); None: dense
     every: int = 1  # H; 1: a per-step method
     sync_compressor: Optional[dict] = None  # DiLoCo's pseudo-gradient's; None: dense
-    fragments: int = 1  # DiLoCo(fragments=F): the model synced in F fragments at staggered steps
-    delay: int = 0  # DiLoCo(delay=tau): inner steps a fragment's exchange overlaps before it lands
-    mix: Optional[float] = None  # DiLoCo(mix=alpha) for a delayed fragment; None: DiLoCo's default
-    balance: Optional[str] = None  # DiLoCo(balance=...) for workers of different speeds; None: DiLoCo's default
+    fragments: Optional[int] = None  # DiLoCo(fragments=F): the model synced in F fragments at staggered steps
+    delay: Optional[int] = None  # DiLoCo(delay=tau): inner steps a fragment's exchange overlaps before it lands
+    mix: Optional[float] = None  # DiLoCo(mix=alpha) for a delayed fragment
+    balance: Optional[str] = None  # DiLoCo(balance=...) for workers of different speeds
 
     @property
     def diloco(self) -> bool:
         return self.every > 1
 
-    @property
-    def codec(self) -> Optional[str]:
-        """The pseudo-gradient's compressor name (None: dense)."""
-        return self.sync_compressor["name"] if self.sync_compressor else None
-
     def settings(self) -> Optional[DiLoCo]:
         """The DiLoCo settings (None for a per-step method); raises DiLoCo's ValueError for a refused combination."""
         if not self.diloco:
             return None
-        streaming: dict[str, Any] = {}
-        if self.fragments != 1:
-            streaming["fragments"] = self.fragments
-        if self.delay != 0:
-            streaming["delay"] = self.delay
-        if self.mix is not None:
-            streaming["mix"] = self.mix
-        if self.balance is not None:
-            streaming["balance"] = self.balance
+        streaming = {k: v for k in ("fragments", "delay", "mix", "balance") if (v := getattr(self, k)) is not None}
         return DiLoCo(every=self.every, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
                       compressor=dict(self.sync_compressor) if self.sync_compressor else None, **streaming)
 
@@ -190,6 +127,11 @@ class Method:
         return RingDDPStrategy(algorithm=ALGORITHM, compressor=dict(self.compressor) if self.compressor else None,
                                sync=self.settings(), topology=topology, hetero=hetero,
                                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+    def config(self) -> dict[str, Any]:
+        """What the streaming scenario's rows name it by."""
+        return {"label": self.label, "every": self.every, "fragments": self.fragments or 1, "delay": self.delay or 0,
+                "codec": self.sync_compressor["name"] if self.sync_compressor else None}
 
 
 TOPK = {"name": "topk", "ratio": 0.01}
@@ -264,19 +206,17 @@ def val_loss(module: ByteLM, batch: tuple[torch.Tensor, torch.Tensor], chunk: in
 
 
 class FitRecord(Callback):
-    """Per optimizer step: its start and end (``perf_counter``), its epoch and samples and, on a simulated host, what
-    had left it through its link. With ``every`` (the curve's interval), rank 0 evaluates the validation loss after
-    every ``every``-th step while the other ranks wait at a barrier (so a timed run can subtract the evaluations),
-    timing it (with ``offset``, after every ``k every + offset``-th step instead). With ``trace``, DiLoCo's ``sync/*``
-    metrics each time they change (``[step, metrics]``: one report per sync); with ``sample`` ``(first, last)``, a
-    :class:`~lightning_dist.benchmarks._streaming.LinkSampler` reads the host's link every ~20 ms from the end of step
-    ``first`` to the end of step ``last``."""
+    """Per optimizer step: its start and end (``perf_counter``), its epoch and samples and, with ``link``, what had
+    left the host through its link. With ``every``, rank 0 evaluates the validation loss on ``batch`` after every
+    ``k every + offset``-th step while the other ranks wait at a barrier, timing it (a timed run subtracts the
+    evaluations). With ``trace``, DiLoCo's ``sync/*`` metrics each time they change (``[step, metrics]``); with
+    ``sample`` ``(first, last)``, a :class:`~lightning_dist.benchmarks._streaming.LinkSampler` reads the link every
+    ~20 ms from the end of step ``first`` to the end of step ``last``."""
 
     def __init__(self, every: Optional[int] = None, batch: Optional[tuple] = None, link: bool = False,
                  trace: bool = False, sample: Optional[tuple[int, int]] = None, offset: int = 0) -> None:
         self.every, self.batch, self.link, self.trace, self.sample = every, batch, link, trace, sample
-        self.offset = offset  # evaluate after the steps ``k every + offset`` (a delayed sync lands ``offset`` later)
-        self.start: Optional[float] = None
+        self.offset = offset  # a delayed sync lands ``offset`` steps after its step
         self.starts: list[float] = []
         self.ends: list[float] = []
         self.epochs: list[int] = []
@@ -289,8 +229,6 @@ class FitRecord(Callback):
     @override
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.starts.append(time.perf_counter())
-        if self.start is None:
-            self.start = self.starts[0]
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -301,10 +239,8 @@ class FitRecord(Callback):
         if self.link:
             self.link_sent.append(link_bytes_sent())
         step = trainer.global_step
-        if self.sampler is not None and step == self.sample[0]:
-            self.sampler.start()
-        elif self.sampler is not None and step == self.sample[1]:
-            self.sampler.stop()
+        if self.sampler is not None and step in self.sample:
+            (self.sampler.start if step == self.sample[0] else self.sampler.stop)()
         features = features_of(trainer.strategy)
         if self.trace and features is not None and features.sync is not None:
             metrics = dict(features.sync.metrics)
@@ -338,18 +274,15 @@ def workload(sizes: Sizes) -> tuple[ByteLM, StdlibText]:
 def fit(method: Method, shape: Shape, sizes: Sizes, steps: int, curve: bool, link: bool = False,
         record: Optional[FitRecord] = None, callbacks: Sequence[Callback] = (),
         hetero: Optional[HeteroBatching] = None, epochs: Optional[int] = None) -> dict[str, Any]:
-    """One fit of ByteLM under ``method`` on this rank (the process group is the launcher's); this rank's record.
-    ``record``: the :class:`FitRecord` to use (default: the curve's, with ``link``; under a delayed sync its points
-    follow the landings, and the last is the model the fit leaves); ``callbacks`` after it;
-    ``hetero``: the strategy's heterogeneous batching; ``epochs``: train that many epochs (``steps`` then -1)."""
+    """One fit of ByteLM under ``method`` on this rank (the launcher's process group); this rank's record. ``record``:
+    the :class:`FitRecord` (default the curve's, with ``link``); ``epochs``: that many (``steps`` then -1)."""
     model, data = workload(sizes)
-    strategy = method.strategy(shape.topology, hetero=hetero)
     if record is None:
         record = FitRecord(eval_every(method, sizes) if curve else None, val_batch(sizes) if curve else None, link,
-                           offset=method.delay)
-    trainer = quiet_trainer(devices=shape.per_host, num_nodes=shape.hosts, strategy=strategy, max_steps=steps,
-                            max_epochs=epochs if epochs is not None else -1, limit_val_batches=0,
-                            callbacks=[record, *callbacks])
+                           offset=method.delay or 0)
+    trainer = quiet_trainer(devices=shape.per_host, num_nodes=shape.hosts, strategy=method.strategy(shape.topology,
+                            hetero), max_steps=steps, max_epochs=epochs if epochs is not None else -1,
+                            limit_val_batches=0, callbacks=[record, *callbacks])
     trainer.fit(model, data)
     if record.every and trainer.is_global_zero and (not record.curve or record.curve[-1][0] != trainer.global_step):
         # the model the fit leaves: a delayed sync still in flight after the last step has landed (DiLoCo settles it
@@ -359,21 +292,19 @@ def fit(method: Method, shape: Shape, sizes: Sizes, steps: int, curve: bool, lin
     global_loss = None
     if record.every and trainer.is_global_zero and features.sync is not None:
         global_loss = val_loss(global_model(model, features.sync.state_dict()), record.batch)
-    # DiLoCo's sync/* figures as of the last sync (its bytes per step: this rank's over the fit's steps)
-    sync_metrics = dict(features.sync.metrics) if features.sync is not None else {}
     return {"method": method.label, "steps": trainer.global_step, "params": sum(p.numel() for p in model.parameters()),
-            "start": record.start, "starts": record.starts, "ends": record.ends, "epochs": record.epochs,
-            "samples": record.samples, "link_sent": record.link_sent,
+            "start": record.starts[0] if record.starts else None, "starts": record.starts, "ends": record.ends,
+            "epochs": record.epochs, "samples": record.samples, "link_sent": record.link_sent,
             "curve": [list(point) for point in record.curve], "totals": dict(features.totals),
-            "sync_metrics": sync_metrics, "global_loss": global_loss,
-            "trace": [[step, m] for step, m in record.sync_trace],
+            # DiLoCo's sync/* figures as of the last sync (its bytes per step: this rank's over the fit's steps)
+            "sync_metrics": dict(features.sync.metrics) if features.sync is not None else {},
+            "global_loss": global_loss, "trace": [[step, m] for step, m in record.sync_trace],
             "link_samples": [list(s) for s in record.sampler.samples] if record.sampler is not None else []}
 
 
 def global_model(model: ByteLM, state: dict[str, Any]) -> ByteLM:
-    """A copy of ``model`` holding DiLoCo's ``theta_global`` (and averaged buffers) from its sync's ``state_dict()``:
-    the model every worker agrees on. Under Streaming DiLoCo a worker's own model mixes each fragment's global value
-    with its progress since that fragment's last sync; the global one holds each fragment as of its last sync."""
+    """A copy of ``model`` holding DiLoCo's ``theta_global`` (and averaged buffers) from its ``state_dict()``: the
+    model every worker agrees on (a worker's own mixes in its progress since each fragment's last sync)."""
     agreed = copy.deepcopy(model)
     named = {**dict(agreed.named_parameters()), **dict(agreed.named_buffers())}
     with torch.no_grad():
@@ -383,19 +314,29 @@ def global_model(model: ByteLM, state: dict[str, Any]) -> ByteLM:
 
 
 def _one_thread() -> None:
-    """One intra-op thread per rank, also for Lightning: without OMP_NUM_THREADS its DDP set-up gives each rank
-    cores / ranks-per-node threads, 2 per rank when a rank poses as a host of its own (4 ranks x 2 threads on 2
-    cores: a step ~10x slower)."""
+    """One intra-op thread per rank, Lightning's too (unset, its DDP set-up gives a rank posing as a host 2 threads:
+    4 ranks x 2 threads on 2 cores, a step ~10x slower)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
 
-def _curve_rank(rank: int, world_size: int, method: Method, shape_name: str, sizes: Sizes, steps: int
-                ) -> dict[str, Any]:
+def _loopback_rank(rank: int, world_size: int, method: Method, shape_name: str, sizes: Sizes, steps: int,
+                   keep: Optional[Sequence[str]] = None, **fit_args: Any) -> dict[str, Any]:
+    """One loopback rank posing as a host of ``shape_name``: :func:`fit`'s record (only the ``keep`` keys)."""
     _one_thread()
     shape = SHAPES[shape_name]
     with bench.quiet_lightning(), launched_externally(rank, world_size, hosts=shape.hosts):
-        return fit(method, shape, sizes, steps, curve=True)
+        raw = fit(method, shape, sizes, steps, **{"curve": True, **fit_args})
+    return raw if keep is None else {key: raw[key] for key in keep}
+
+
+def _single_fit(sizes: Sizes, steps: int, callbacks: Sequence[Callback] = ()) -> FitRecord:
+    """The LM in this one process, no strategy (Lightning's single device): its record."""
+    model, data = workload(sizes)
+    record = FitRecord()
+    with bench.quiet_lightning():
+        quiet_trainer(devices=1, max_steps=steps, limit_val_batches=0, callbacks=[record, *callbacks]).fit(model, data)
+    return record
 
 
 def _nosync_rank(rank: int, world_size: int, sizes: Sizes, rounds: int, steps: int) -> dict[str, Any]:
@@ -403,39 +344,46 @@ def _nosync_rank(rank: int, world_size: int, sizes: Sizes, rounds: int, steps: i
     rank alike (so both see the same load on the cores); each fit's median step after the warm-up."""
     _one_thread()
     medians: dict[str, list[float]] = {"diloco": [], "single": []}
-    method = Method("diloco-nosync", every=NOSYNC_EVERY)
     for r in range(rounds):
         for name in (("diloco", "single") if r % 2 == 0 else ("single", "diloco")):
-            model, data = workload(sizes)
-            record = FitRecord()
-            with bench.quiet_lightning():
-                if name == "diloco":
-                    with launched_externally(rank, world_size):
-                        trainer = quiet_trainer(devices=world_size, strategy=method.strategy("flat"),
-                                                max_steps=steps, limit_val_batches=0, callbacks=[record])
-                        trainer.fit(model, data)
-                else:
-                    trainer = quiet_trainer(devices=1, max_steps=steps, limit_val_batches=0, callbacks=[record])
-                    trainer.fit(model, data)
-            gaps = np.diff(record.ends)[NOSYNC_WARMUP:]
-            medians[name].append(float(np.median(gaps)))
+            if name == "diloco":
+                with bench.quiet_lightning(), launched_externally(rank, world_size):
+                    ends = fit(Method("diloco-nosync", every=NOSYNC_EVERY), Shape(1, world_size, "flat"), sizes,
+                               steps, curve=False)["ends"]
+            else:
+                ends = _single_fit(sizes, steps).ends
+            medians[name].append(float(np.median(np.diff(ends)[NOSYNC_WARMUP:])))
     return medians
 
 
-# -- the cluster job's worker (every rank, under torchrun in a simulated host) -----------------------------------------
-def _cluster_worker(args: argparse.Namespace) -> None:
+# -- a shaped cluster job's worker (every rank, under torchrun in a simulated host) ------------------------------------
+def _worker(args: argparse.Namespace) -> None:
+    """Every timing fit of the job in turn (``--scenario streaming``: the grid's, then one that never syncs), each
+    rank writing its record; in the validation setting's job, then the full run (rank 0 writes it)."""
     torch.set_num_threads(1)  # hosts share the machine's cores
-    sizes = args.sizes
-    shape = SHAPES[args.shape]
-    out = Path(args.out)
-    for label in args.methods:
-        steps, _ = timing_steps(METHODS[label], sizes)
-        raw = fit(METHODS[label], shape, sizes, steps, curve=False, link=True)
-        if int(os.environ.get("RANK", "0")) == 0:
-            (out / f"timing_{_safe(label)}.json").write_text(json.dumps(raw))
+    sizes, out, rank = args.sizes, Path(args.out), int(os.environ.get("RANK", "0"))
+    streaming = args.scenario == "streaming"
+    shape = SHAPES[STREAM_SHAPE if streaming else args.shape]
+    if streaming:
+        every = stream_grid(args)[0]
+        methods = {**stream_methods(args.codec, *stream_grid(args), args.mix)[0],
+                   # last, in processes as warm as the timed fits' (a process's first fit runs its first steps slower)
+                   "nosync": Method("nosync", every=NOSYNC_EVERY)}
+    else:
+        methods = {label: METHODS[label] for label in args.methods}
+    for label, method in methods.items():
+        if streaming:
+            steps, warm = stream_timing_steps(every, args.quick)
+            sample = (warm * every, steps) if rank == 0 and label != "nosync" else None
+            record = FitRecord(link=rank == 0, trace=True, sample=sample)
+        else:
+            steps, _ = timing_steps(method, sizes)
+            record = FitRecord(link=True)
+        raw = fit(method, shape, sizes, steps, curve=False, record=record)
+        (out / f"{_safe(label)}_r{rank}.json").write_text(json.dumps({k: raw[k] for k in TIMING_KEYS}))
     if args.validate:
         raw = fit(METHODS[args.validate], shape, sizes, sizes.steps, curve=True, link=True)
-        if int(os.environ.get("RANK", "0")) == 0:
+        if rank == 0:
             (out / "validate.json").write_text(json.dumps(raw))
 
 
@@ -443,21 +391,36 @@ def _safe(label: str) -> str:
     return label.replace("/", "_").replace("%", "pct")
 
 
+def read_ranks(out: Path, label: str, world: int) -> Optional[list[dict[str, Any]]]:
+    """Every rank's record of ``label``'s timing fit in a job's ``out`` (None: not all were written)."""
+    paths = [out / f"{_safe(label)}_r{r}.json" for r in range(world)]
+    return [json.loads(p.read_text()) for p in paths] if all(p.exists() for p in paths) else None
+
+
+def cluster_job(args: argparse.Namespace, shape: Shape, rate: float, worker: list[str], out: Path, log: Path
+                ) -> tuple[Optional[str], float]:
+    """One SimCluster job of this module's workers (:func:`_worker`) writing into ``out``: why it failed, its wall."""
+    out.mkdir(parents=True, exist_ok=True)
+    worker = ["--worker", "--out", str(out), "--steps", str(args.sizes.steps), *(["--quick"] * args.quick), *worker]
+    return launch_job(shape.hosts, rate, worker, free_port(), args.run_timeout, log, per_host=shape.per_host,
+                      module=WORKER_MODULE)
+
+
 # -- pure summaries (tested without ranks) -----------------------------------------------------------------------------
-def cycle_timing(ends: Sequence[float], every: int, warm_cycles: int,
-                 link_sent: Sequence[int] = ()) -> dict[str, Any]:
+def cycle_timing(ends: Sequence[float], every: int, warm_cycles: int, link_sent: Sequence[int] = (),
+                 interval: Optional[int] = None) -> dict[str, Any]:
     """A timing fit's figures from its step ends (``ends[i]``: the end of optimizer step ``i + 1``): the cycles after
-    ``warm_cycles`` (cycle ``k`` ends with step ``k H``, a sync step under DiLoCo), ``per_step_s`` = median cycle / H,
-    the median local (no-sync) and sync steps among the timed ones, and the link's bytes per timed step."""
+    ``warm_cycles`` (cycle ``k`` ends with step ``k H``), ``per_step_s`` = median cycle / H, the median local and sync
+    steps among the timed ones (a sync step: every ``interval``-th, default H), and the link's bytes per timed step."""
     whole = len(ends) // every
     cycles = [ends[k * every - 1] - ends[(k - 1) * every - 1] for k in range(max(warm_cycles, 1) + 1, whole + 1)]
     if not cycles:
         raise ValueError(f"no timed cycle: {len(ends)} steps of H={every} after {warm_cycles} warm-up cycle(s)")
-    first = max(warm_cycles, 1) * every  # index of the first timed step's end
-    last = whole * every
+    first, last = max(warm_cycles, 1) * every, whole * every  # the timed steps are (first, last]
+    interval = interval or every
     gaps = [(i + 1, ends[i] - ends[i - 1]) for i in range(first, last)]
-    local = [gap for step, gap in gaps if every > 1 and step % every]
-    sync = [gap for step, gap in gaps if step % every == 0]
+    local = [gap for step, gap in gaps if every > 1 and step % interval]
+    sync = [gap for step, gap in gaps if step % interval == 0]
     link = ((link_sent[last - 1] - link_sent[first - 1]) / (last - first)
             if len(link_sent) >= last and last > first else None)
     return {"every": every, "timed_cycles": len(cycles), "cycle_s": bench.median(cycles),
@@ -466,28 +429,25 @@ def cycle_timing(ends: Sequence[float], every: int, warm_cycles: int,
 
 
 def curve_record(outs: Sequence[dict[str, Any]], shape: str, equal_steps: int) -> dict[str, Any]:
-    """One loopback fit's record from every rank's: rank 0's curve, its loss at ``equal_steps`` (equal samples: the
-    ``final_loss`` every comparison of quality uses) and at its end, and the bytes across workers per inner step, summed
-    over ranks: DiLoCo's own count of its syncs' bytes (``sync/bytes_per_step``) where there is one, else the strategy's
-    ``bytes_inter_host`` counter (a per-step method's gradient between workers); both kept, and all bytes sent."""
-    rank0 = outs[0]
-    steps = rank0["steps"]
-    at_equal = [point[1] for point in rank0["curve"] if point[0] == equal_steps]
-    inter = sum(o["totals"].get("bytes_inter_host", 0.0) for o in outs)
-    sent = sum(o["totals"].get("bytes_sent", 0.0) for o in outs)
-    # DiLoCo's own count of its syncs' bytes (sync/bytes_per_step: this rank's, over the fit's steps), summed
-    synced = [o["sync_metrics"]["sync/bytes_per_step"] for o in outs if "sync/bytes_per_step" in o["sync_metrics"]]
+    """One loopback fit's record: rank 0's curve, its loss at ``equal_steps`` (``final_loss``, equal samples) and at
+    its end, and the bytes across workers per inner step, summed over ranks: DiLoCo's ``sync/bytes_per_step`` where
+    there is one, else the ``bytes_inter_host`` counter (both kept, and all bytes sent)."""
+    rank0, steps = outs[0], outs[0]["steps"]
     curve = rank0["curve"]
+    at_equal = [point[1] for point in curve if point[0] == equal_steps]
+
+    def per_step(key: str) -> Optional[float]:
+        return sum(o["totals"].get(key, 0.0) for o in outs) / steps if steps else None
+
+    synced = [o["sync_metrics"]["sync/bytes_per_step"] for o in outs if "sync/bytes_per_step" in o["sync_metrics"]]
+    synced_sum = sum(synced) if synced and len(synced) == len(outs) else None
     return {"shape": shape, "method": rank0["method"], "params": rank0["params"], "steps": steps,
             "equal_steps": equal_steps, "curve_steps": [p[0] for p in curve], "curve_loss": [p[1] for p in curve],
             "final_loss": at_equal[0] if at_equal else None, "end_loss": curve[-1][1] if curve else None,
             "global_loss": rank0.get("global_loss"),
-            "bytes_across_per_step": (sum(synced) if synced and len(synced) == len(outs)
-                                      else inter / steps if steps else None),
-            "inter_host_bytes_per_step": inter / steps if steps else None,
-            "sync_bytes_per_step": sum(synced) if synced and len(synced) == len(outs) else None,
-            "bytes_sent_per_step": sent / steps if steps else None,
-            "sync_metrics": rank0["sync_metrics"], "error": None}
+            "bytes_across_per_step": synced_sum if synced_sum is not None else per_step("bytes_inter_host"),
+            "inter_host_bytes_per_step": per_step("bytes_inter_host"), "sync_bytes_per_step": synced_sum,
+            "bytes_sent_per_step": per_step("bytes_sent"), "sync_metrics": rank0["sync_metrics"], "error": None}
 
 
 def time_to_loss(curve_steps: Sequence[int], curve_loss: Sequence[float], target: float,
@@ -499,21 +459,17 @@ def time_to_loss(curve_steps: Sequence[int], curve_loss: Sequence[float], target
 
 
 def combine(curves: Sequence[dict[str, Any]], timings: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (shape, rate, method) with a curve and a time per step: the wall time to the end, the time to dense DDP's
-    final loss (the same shape's), and its ratios to dense's and to the best per-step compressor's. Where a method
-    ends above dense's loss that ratio has no value, so also ``vs_dense_at_own_loss``: dense's time to this method's
-    own final loss over this method's (both the first curve point at or below it)."""
+    """Per (shape, rate, method): the wall time to the end, the time to dense DDP's final loss and its ratios to
+    dense's and the best per-step compressor's, and ``vs_dense_at_own_loss`` (dense's time to this method's own final
+    loss over this method's: a method may never reach dense's)."""
     curve = {(c["shape"], c["method"]): c for c in curves if not c.get("error")}
     rows = []
     for t in timings:
-        c = curve.get((t["shape"], t["method"]))
-        dense = curve.get((t["shape"], DENSE))
-        row = {"shape": t["shape"], "rate_mbit": t["rate_mbit"], "method": t["method"],
-               "per_step_s": t.get("per_step_s"), "local_step_s": t.get("local_step_s"),
-               "sync_step_s": t.get("sync_step_s"), "link_bytes_per_step": t.get("link_bytes_per_step"),
+        c, dense = curve.get((t["shape"], t["method"])), curve.get((t["shape"], DENSE))
+        row = {**{k: t.get(k) for k in ("shape", "rate_mbit", "method", "per_step_s", "local_step_s", "sync_step_s",
+                                        "link_bytes_per_step")},
                "target_loss": dense["final_loss"] if dense else None, "wall_to_end_s": None, "horizon_s": None,
-               "time_to_dense_s": None,
-               "error": t.get("error")}
+               "time_to_dense_s": None, "error": t.get("error")}
         if c is not None and t.get("per_step_s") is not None:
             row["wall_to_end_s"] = c["equal_steps"] * t["per_step_s"]  # at equal samples
             row["horizon_s"] = c["steps"] * t["per_step_s"]  # the whole curve's
@@ -521,19 +477,16 @@ def combine(curves: Sequence[dict[str, Any]], timings: Sequence[dict[str, Any]])
                 row["time_to_dense_s"] = time_to_loss(c["curve_steps"], c["curve_loss"], dense["final_loss"],
                                                       t["per_step_s"])
         rows.append(row)
+    by = {(r["shape"], r["rate_mbit"], r["method"]): r for r in rows}
     for row in rows:
-        def peer(label: str) -> Optional[float]:
-            return next((r["time_to_dense_s"] for r in rows if (r["shape"], r["rate_mbit"], r["method"])
-                         == (row["shape"], row["rate_mbit"], label)), None)
-        mine, dense_t = row["time_to_dense_s"], peer(DENSE)
+        dense_row = by.get((row["shape"], row["rate_mbit"], DENSE))
+        mine, dense_t = row["time_to_dense_s"], dense_row and dense_row["time_to_dense_s"]
         best, exact = _best_compressor(rows, row)
         row["best_compressor_s"], row["best_compressor_exact"] = best, exact
         row["vs_dense"] = dense_t / mine if mine and dense_t else None
         # a lower bound where the best compressor is one that never got there (its whole curve's time)
         row["vs_best_compressor"] = best / mine if mine and best else None
         c, dense = curve.get((row["shape"], row["method"])), curve.get((row["shape"], DENSE))
-        dense_row = next((r for r in rows if (r["shape"], r["rate_mbit"], r["method"])
-                          == (row["shape"], row["rate_mbit"], DENSE)), None)
         row["vs_dense_at_own_loss"] = None
         if c is not None and dense is not None and dense_row and row["per_step_s"] and dense_row["per_step_s"]:
             own = time_to_loss(c["curve_steps"], c["curve_loss"], c["final_loss"], row["per_step_s"])
@@ -543,20 +496,12 @@ def combine(curves: Sequence[dict[str, Any]], timings: Sequence[dict[str, Any]])
 
 
 def _best_compressor(rows: Sequence[dict[str, Any]], row: dict[str, Any]) -> tuple[Optional[float], bool]:
-    """The best per-step compressor's time to dense's final loss in ``row``'s setting, and whether it is exact: a
-    compressor that never reached that loss took longer than its whole curve (``wall_to_end_s`` over
-    :attr:`Sizes.horizon` steps), so that is a lower bound on its time; the best is the least of the times and
-    bounds, exact when a reached time is the least."""
-    times = []
-    for r in rows:
-        if (r["shape"], r["rate_mbit"]) == (row["shape"], row["rate_mbit"]) and r["method"] in PER_STEP_COMPRESSORS:
-            if r["time_to_dense_s"] is not None:
-                times.append((r["time_to_dense_s"], True))
-            elif r.get("horizon_s") is not None:
-                times.append((r["horizon_s"], False))
-    if not times:
-        return None, False
-    return min(times, key=lambda t: (t[0], not t[1]))
+    """The best per-step compressor's time to dense's final loss in ``row``'s setting, and whether it is exact (one
+    that never got there took longer than its whole curve, ``horizon_s``: a lower bound)."""
+    times = [(r["time_to_dense_s"], True) if r["time_to_dense_s"] is not None else (r["horizon_s"], False)
+             for r in rows if (r["shape"], r["rate_mbit"]) == (row["shape"], row["rate_mbit"])
+             and r["method"] in PER_STEP_COMPRESSORS and (r["time_to_dense_s"], r.get("horizon_s")) != (None, None)]
+    return min(times, key=lambda t: (t[0], not t[1])) if times else (None, False)
 
 
 def quality_rows(curves: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -564,12 +509,15 @@ def quality_rows(curves: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     dense = {c["shape"]: c for c in curves if c["method"] == DENSE and not c.get("error")}
     rows = []
     for c in curves:
-        d = dense.get(c["shape"])
-        ok = not c.get("error")
-        rows.append({**c, "loss_vs_dense": (c["final_loss"] / d["final_loss"] - 1) if ok and d else None,
+        d = dense.get(c["shape"]) if not c.get("error") else None
+        rows.append({**c, "loss_vs_dense": c["final_loss"] / d["final_loss"] - 1 if d else None,
                      "bytes_vs_dense": (c["bytes_across_per_step"] / d["bytes_across_per_step"]
-                                        if ok and d and d["bytes_across_per_step"] else None)})
+                                        if d and d["bytes_across_per_step"] else None)})
     return rows
+
+
+def _bytes_bound(method: Method) -> float:
+    return 1 / (method.every * (INT8_BYTES_FACTOR if method.sync_compressor == INT8 else 1))
 
 
 def check_targets(quality: Sequence[dict[str, Any]], combined: Sequence[dict[str, Any]],
@@ -579,111 +527,79 @@ def check_targets(quality: Sequence[dict[str, Any]], combined: Sequence[dict[str
     q = {r["method"]: r for r in quality if r["shape"] == TARGET_SHAPE}
     for label, bound in (("diloco50", QUALITY_H50), ("diloco50/int8", QUALITY_H50_INT8)):
         if q.get(label, {}).get("loss_vs_dense") is not None:
-            value = q[label]["loss_vs_dense"]
-            out[f"quality/{label}"] = {"value": value, "bound": bound, "met": value <= bound}
+            out[f"quality/{label}"] = bench.target(q[label]["loss_vs_dense"], bound)
     for label, row in q.items():
         method = METHODS.get(label)
-        if method is None or not method.diloco or method.sync_compressor == TOPK or row["bytes_vs_dense"] is None:
-            continue
-        bound = 1 / (method.every * (INT8_BYTES_FACTOR if method.sync_compressor == INT8 else 1))
-        # dense DiLoCo sends exactly one step's gradient bytes per sync: 1/H on the nose, up to float rounding
-        out[f"bytes/{label}"] = {"value": row["bytes_vs_dense"], "bound": bound,
-                                 "met": row["bytes_vs_dense"] <= bound * (1 + 1e-9)}
+        if method and method.diloco and method.sync_compressor != TOPK and row["bytes_vs_dense"] is not None:
+            # dense DiLoCo sends exactly one step's gradient bytes per sync: 1/H on the nose, up to float rounding
+            out[f"bytes/{label}"] = {**bench.target(row["bytes_vs_dense"], _bytes_bound(method) * (1 + 1e-9)),
+                                     "bound": _bytes_bound(method)}
     for row in combined:
         method = METHODS.get(row["method"])
-        if (row["shape"], row["rate_mbit"]) != (TARGET_SHAPE, TARGET_RATE) or method is None or not method.diloco:
-            continue
-        value = {"vs_dense": row["vs_dense"], "vs_best_compressor": row["vs_best_compressor"],
-                 "best_compressor_exact": row["best_compressor_exact"]}
-        out[f"time/{row['method']}"] = {"value": value, "bound": {"vs_dense": TIME_VS_DENSE,
-                                                                  "vs_best_compressor": TIME_VS_COMPRESSOR},
-                                        "met": bool(row["vs_dense"] and row["vs_dense"] >= TIME_VS_DENSE
-                                                    and row["vs_best_compressor"]
-                                                    and row["vs_best_compressor"] >= TIME_VS_COMPRESSOR)}
+        if (row["shape"], row["rate_mbit"]) == (TARGET_SHAPE, TARGET_RATE) and method is not None and method.diloco:
+            value = {k: row[k] for k in ("vs_dense", "vs_best_compressor", "best_compressor_exact")}
+            out[f"time/{row['method']}"] = {
+                "value": value, "bound": {"vs_dense": TIME_VS_DENSE, "vs_best_compressor": TIME_VS_COMPRESSOR},
+                "met": bool(row["vs_dense"] and row["vs_dense"] >= TIME_VS_DENSE and row["vs_best_compressor"]
+                            and row["vs_best_compressor"] >= TIME_VS_COMPRESSOR)}
     if nosync and nosync.get("ratio"):
-        value = nosync["ratio"]["median"]
-        out["nosync_step"] = {"value": value, "bound": NOSYNC_BOUND, "met": value <= NOSYNC_BOUND}
+        out["nosync_step"] = bench.target(nosync["ratio"]["median"], NOSYNC_BOUND)
     return out
 
 
 def target_lines(targets: dict[str, dict[str, Any]], methods: Sequence[str]) -> list[str]:
     where = f"{TARGET_SHAPE} ({SHAPES[TARGET_SHAPE].hosts} workers)"
-    lines = []
-    for label, bound in (("diloco50", QUALITY_H50), ("diloco50/int8", QUALITY_H50_INT8)):
-        t = targets.get(f"quality/{label}")
-        lines.append(bench.verdict(f"{where}: {label} final val loss within {bound:.1%} of dense's",
-                                   bool(t and t["met"]),
-                                   f"{t['value']:+.2%}" if t else "not measured"))
-    for label in methods:
-        method = METHODS[label]
-        if not method.diloco or method.sync_compressor == TOPK:
-            continue
+    lines = [bench.judged(f"{where}: {label} final val loss within {bound:.1%} of dense's",
+                          targets.get(f"quality/{label}"), "{value:+.2%}")
+             for label, bound in (("diloco50", QUALITY_H50), ("diloco50/int8", QUALITY_H50_INT8))]
+    for label in (m for m in methods if METHODS[m].diloco and METHODS[m].sync_compressor != TOPK):
         t = targets.get(f"bytes/{label}")
-        bound = "1/(3.5 H)" if method.sync_compressor == INT8 else "1/H"
-        lines.append(bench.verdict(f"{where}: {label} bytes across workers per inner step <= {bound} of dense's",
-                                   bool(t and t["met"]), f"1/{1 / t['value']:.1f} (bound 1/{1 / t['bound']:.0f})"
-                                   if t and t["value"] else "not measured"))
-    for label in methods:
-        if not METHODS[label].diloco:
-            continue
-        t = targets.get(f"time/{label}")
-        detail = "not measured"
-        if t:
-            v = t["value"]
-            at_least = "" if v.get("best_compressor_exact", True) or v["vs_best_compressor"] is None else ">= "
-            detail = (f"{bench.cell(v['vs_dense'], '.1f', unit='x')} vs dense, {at_least}"
-                      f"{bench.cell(v['vs_best_compressor'], '.2f', unit='x')} vs the best per-step compressor"
-                      + (" (no per-step compressor reached dense's loss in its curve: a lower bound)" if at_least
-                         else "") + ("" if v["vs_dense"] else "; dense's final loss not reached"))
-        lines.append(bench.verdict(f"{where} @ {TARGET_RATE:g} Mbit/s: {label} to dense's final loss >= "
-                                   f"{TIME_VS_DENSE:g}x faster than dense, >= {TIME_VS_COMPRESSOR:g}x than the best "
-                                   "per-step compressor", bool(t and t["met"]), detail))
-    t = targets.get("nosync_step")
-    lines.append(bench.verdict(f"flat, 2 ranks: a DiLoCo step with no sync <= {NOSYNC_BOUND:g}x a single process's "
-                               "step",
-                               bool(t and t["met"]), f"{t['value']:.3f}x" if t else "not measured"))
+        lines.append(bench.judged(f"{where}: {label} bytes across workers per inner step <= "
+                                  f"{'1/(3.5 H)' if METHODS[label].sync_compressor == INT8 else '1/H'} of dense's",
+                                  t if t and t["value"] else None,
+                                  lambda t: f"1/{1 / t['value']:.1f} (bound 1/{1 / t['bound']:.0f})"))
+
+    def time_detail(t: dict[str, Any]) -> str:
+        v = t["value"]
+        at_least = "" if v.get("best_compressor_exact", True) or v["vs_best_compressor"] is None else ">= "
+        return (f"{bench.cell(v['vs_dense'], '.1f', unit='x')} vs dense, {at_least}"
+                f"{bench.cell(v['vs_best_compressor'], '.2f', unit='x')} vs the best per-step compressor"
+                + (" (no per-step compressor reached dense's loss in its curve: a lower bound)" if at_least else "")
+                + ("" if v["vs_dense"] else "; dense's final loss not reached"))
+
+    lines += [bench.judged(f"{where} @ {TARGET_RATE:g} Mbit/s: {label} to dense's final loss >= {TIME_VS_DENSE:g}x "
+                           f"faster than dense, >= {TIME_VS_COMPRESSOR:g}x than the best per-step compressor",
+                           targets.get(f"time/{label}"), time_detail) for label in methods if METHODS[label].diloco]
+    lines.append(bench.judged(f"flat, 2 ranks: a DiLoCo step with no sync <= {NOSYNC_BOUND:g}x a single process's "
+                              "step", targets.get("nosync_step"), "{value:.3f}x"))
     return lines
 
 
 # -- tables and plot ---------------------------------------------------------------------------------------------------
-def _pct(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:+.2%}"
-
-
 def quality_table(quality: Sequence[dict[str, Any]]) -> str:
-    rows = []
-    for r in quality:
-        method = METHODS.get(r["method"])
-        if r.get("error"):
-            rows.append([r["shape"], r["method"], "FAILED", "-", "-", "-", r["error"][:50]])
-            continue
-        ratio = r["bytes_vs_dense"]
-        rows.append([r["shape"], r["method"], method.every if method else "-", f"{r['final_loss']:.4f}",
-                     _pct(r["loss_vs_dense"]), bench.cell(r["bytes_across_per_step"], ",.0f", 1e-3),
-                     "-" if not ratio else f"1/{1 / ratio:.1f}"])
+    def cells(r: dict[str, Any]) -> list[Any]:
+        return [METHODS[r["method"]].every if r["method"] in METHODS else "-", f"{r['final_loss']:.4f}",
+                bench.cell(r["loss_vs_dense"], "+.2%"), bench.cell(r["bytes_across_per_step"], ",.0f", 1e-3),
+                f"1/{1 / r['bytes_vs_dense']:.1f}" if r["bytes_vs_dense"] else "-"]
+
     headers = ["shape", "method", "H", "final val loss", "vs dense", "KB across workers/inner step", "bytes vs dense"]
-    title = "quality (nats per byte) and bytes across workers (every rank's, summed)\n"
-    return title + bench.format_table(headers, rows)
+    return ("quality (nats per byte) and bytes across workers (every rank's, summed)\n"
+            + bench.table(quality, headers, lambda r: [r["shape"], r["method"]], cells, error_width=50))
 
 
 def time_table(combined: Sequence[dict[str, Any]]) -> str:
-    rows = []
-    for r in combined:
-        if r.get("error"):
-            rows.append([r["shape"], f"{r['rate_mbit']:g}", r["method"], "FAILED", "-", "-", "-", "-", "-", "-", "-",
-                         r["error"][:40]])
-            continue
-        rows.append([r["shape"], f"{r['rate_mbit']:g}", r["method"], bench.cell(r["per_step_s"], ",.1f", 1e3),
-                     bench.cell(r["local_step_s"], ",.1f", 1e3), bench.cell(r["sync_step_s"], ",.1f", 1e3),
-                     bench.cell(r["link_bytes_per_step"], ",.1f", 1e-3), bench.cell(r["wall_to_end_s"], ",.1f"),
-                     bench.cell(r["time_to_dense_s"], ",.1f"), bench.cell(r["vs_dense"], ".1f", unit="x"),
-                     ("" if r.get("best_compressor_exact", True) or r["vs_best_compressor"] is None else ">=")
-                     + bench.cell(r["vs_best_compressor"], ".2f", unit="x"),
-                     bench.cell(r.get("vs_dense_at_own_loss"), ".1f", unit="x")])
+    def cells(r: dict[str, Any]) -> list[str]:
+        at_least = "" if r.get("best_compressor_exact", True) or r["vs_best_compressor"] is None else ">="
+        return [*(bench.cell(r[k], ",.1f", 1e3) for k in ("per_step_s", "local_step_s", "sync_step_s")),
+                bench.cell(r["link_bytes_per_step"], ",.1f", 1e-3), bench.cell(r["wall_to_end_s"], ",.1f"),
+                bench.cell(r["time_to_dense_s"], ",.1f"), bench.cell(r["vs_dense"], ".1f", unit="x"),
+                at_least + bench.cell(r["vs_best_compressor"], ".2f", unit="x"),
+                bench.cell(r.get("vs_dense_at_own_loss"), ".1f", unit="x")]
+
     headers = ["shape", "Mbit/s", "method", "ms/step", "local step ms", "sync step ms", "link KB/step",
                "s to end", "s to dense's loss", "vs dense", "vs best compressor", "vs dense at own loss"]
     return ("time per step (shaped cluster) and time to dense DDP's final val loss (curve x time per step)\n"
-            + bench.format_table(headers, rows))
+            + bench.table(combined, headers, lambda r: [r["shape"], f"{r['rate_mbit']:g}", r["method"]], cells))
 
 
 def validation_lines(validation: Optional[dict[str, Any]]) -> list[str]:
@@ -712,45 +628,32 @@ def nosync_lines(nosync: Optional[dict[str, Any]]) -> list[str]:
 def plot(curves: Sequence[dict[str, Any]], combined: Sequence[dict[str, Any]], rates: Sequence[float],
          validation: Optional[dict[str, Any]]) -> Any:
     """Per shape (rows): validation loss against wall time at each rate (log x), and against bytes across workers."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     shapes = list(dict.fromkeys(c["shape"] for c in curves))
-    cols = len(rates) + 1
-    fig = Figure(figsize=(5.2 * cols, 4.2 * max(len(shapes), 1)), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(max(len(shapes), 1), cols, squeeze=False)
+    fig, grid = bench.figure_grid(max(len(shapes), 1), len(rates) + 1, 5.2, 4.2)
     per_step = {(r["shape"], r["rate_mbit"], r["method"]): r["per_step_s"] for r in combined}
     colors = {label: f"C{i}" for i, label in enumerate(METHODS)}
-    for row, shape in zip(axes, shapes):
+
+    def lines(ax: Any, mine: Sequence[dict[str, Any]], scale: Callable[[dict[str, Any]], Optional[float]]) -> None:
+        for c in mine:
+            if scale(c):
+                ax.plot(np.array(c["curve_steps"]) * scale(c), c["curve_loss"], "-" if METHODS[c["method"]].diloco
+                        else "--", color=colors[c["method"]], label=c["method"], lw=1.2)
+
+    for row, shape in zip(grid, shapes):
         mine = [c for c in curves if c["shape"] == shape and not c.get("error") and c["curve_steps"]]
-        for col, rate in enumerate(rates):
-            ax = row[col]
-            for c in mine:
-                t = per_step.get((shape, rate, c["method"]))
-                if t:
-                    style = "-" if METHODS[c["method"]].diloco else "--"
-                    ax.plot(np.array(c["curve_steps"]) * t, c["curve_loss"], style, color=colors[c["method"]],
-                            label=c["method"], lw=1.2)
+        for ax, rate in zip(row, rates):
+            lines(ax, mine, lambda c: per_step.get((shape, rate, c["method"])))
             target = next((c["final_loss"] for c in mine if c["method"] == DENSE), None)
             if target is not None:
                 ax.axhline(target, color="grey", ls=":", lw=1, label="dense's final loss")
-            if (validation and not validation.get("error") and (shape, rate) == (validation["shape"],
-                                                                                 validation["rate_mbit"])):
-                ax.plot(validation["measured_times"], validation["measured_loss"], "k.", ms=4,
-                        label=f"{validation['method']}, measured run")
-            ax.set(xscale="log", xlabel="wall time, s (log)", ylabel="val loss, nats/byte",
-                   title=f"{shape} ({SHAPES[shape].hosts}x{SHAPES[shape].per_host}), {rate:g} Mbit/s")
-            ax.grid(alpha=0.3)
-        ax = row[-1]
-        for c in mine:
-            if c["bytes_across_per_step"]:
-                ax.plot(np.array(c["curve_steps"]) * c["bytes_across_per_step"] / 1e6, c["curve_loss"],
-                        "-" if METHODS[c["method"]].diloco else "--", color=colors[c["method"]], label=c["method"],
-                        lw=1.2)
-        ax.set(xscale="log", xlabel="MB across workers, all ranks (log)", ylabel="val loss, nats/byte",
-               title=f"{shape}: loss against bytes")
-        ax.grid(alpha=0.3)
+            v = validation
+            if v and not v.get("error") and (shape, rate) == (v["shape"], v["rate_mbit"]):
+                ax.plot(v["measured_times"], v["measured_loss"], "k.", ms=4, label=f"{v['method']}, measured run")
+            bench.style(ax, xscale="log", xlabel="wall time, s (log)", ylabel="val loss, nats/byte",
+                        title=f"{shape} ({SHAPES[shape].hosts}x{SHAPES[shape].per_host}), {rate:g} Mbit/s")
+        lines(row[-1], mine, lambda c: c["bytes_across_per_step"] and c["bytes_across_per_step"] / 1e6)
+        bench.style(row[-1], xscale="log", xlabel="MB across workers, all ranks (log)", ylabel="val loss, nats/byte",
+                    title=f"{shape}: loss against bytes")
         row[0].legend(fontsize="x-small")
     return fig
 
@@ -770,17 +673,16 @@ HETERO_DEADLINE_S = 600.0  # one heterogeneous fit's (a fit takes about a minute
 def stream_grid(args: argparse.Namespace) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     """H and the fragments and delays of the streaming scenario: the issue's grid, ``--quick``'s, or the command
     line's."""
-    every, fragments, delays = ((stream.QUICK_STREAM if args.quick else
-                                 (stream.STREAM_EVERY, stream.STREAM_FRAGMENTS, stream.STREAM_DELAYS)))
+    every, fragments, delays = (stream.QUICK_STREAM if args.quick else
+                                (stream.STREAM_EVERY, stream.STREAM_FRAGMENTS, stream.STREAM_DELAYS))
     return (args.every or every, tuple(args.fragments or fragments),
             tuple(args.delays if args.delays is not None else delays))
 
 
 def stream_methods(codec: str, every: int, fragments: Sequence[int], delays: Sequence[int],
                    mix: Optional[float] = None) -> tuple[dict[str, Method], dict[str, str]]:
-    """The reference (part 1's DiLoCo at H: dense pseudo-gradient, F = 1, tau = 0) and every (F, tau) with ``codec``
-    pseudo-gradients (``mix``: DiLoCo's mix; None, its default); a pair DiLoCo refuses is left out, in the second dict
-    with DiLoCo's reason."""
+    """The reference (part 1's dense DiLoCo at H) and every (F, tau) with ``codec`` pseudo-gradients; the pairs
+    DiLoCo refuses, with its reason, in the second dict."""
     reference = Method(f"diloco{every}", every=every)
     methods, refused = {reference.label: reference}, {}
     for count in fragments:
@@ -789,10 +691,9 @@ def stream_methods(codec: str, every: int, fragments: Sequence[int], delays: Seq
                             fragments=count, delay=delay, mix=mix if delay else None)
             try:
                 method.settings()
+                methods[method.label] = method
             except ValueError as err:
                 refused[method.label] = str(err)
-                continue
-            methods[method.label] = method
     return methods, refused
 
 
@@ -801,100 +702,24 @@ def stream_timing_steps(every: int, quick: bool) -> tuple[int, int]:
     return every * (1 + (QUICK_STREAM_TIMED_CYCLES if quick else STREAM_TIMED_CYCLES)), 1
 
 
-def _config(method: Method) -> dict[str, Any]:
-    return {"label": method.label, "every": method.every, "fragments": method.fragments, "delay": method.delay,
-            "codec": method.codec}
-
-
-def run_stream_curves(args: argparse.Namespace, methods: dict[str, Method]) -> list[dict[str, Any]]:
-    """Every streaming configuration's loopback curve, all to ``sizes.steps`` (equal samples)."""
-    sizes, shape = args.sizes, SHAPES[STREAM_SHAPE]
-    val_batch(sizes)  # read the library once, before the ranks fork
-    records = []
-    for label, method in methods.items():
-        started = time.perf_counter()
-        try:
-            outs = run_ranks(_curve_rank, shape.world, method, STREAM_SHAPE, sizes, sizes.steps,
-                             deadline_s=args.run_timeout)
-            rec = curve_record(outs, STREAM_SHAPE, sizes.steps)
-            bench.progress(f"[sync] streaming curve {label:<14} final val loss {bench.cell(rec['final_loss'], '.4f')} "
-                           f"({time.perf_counter() - started:.0f}s)")
-        except RanksFailed as exc:
-            rec = {"shape": STREAM_SHAPE, "method": label, "error": str(exc).splitlines()[-1][:200]}
-            bench.progress(f"[sync] streaming curve {label:<14} FAILED: {rec['error']}")
-        rec.update(_config(method), samples_per_step=shape.world * sizes.batch_size,
-                   wall_s=time.perf_counter() - started)
-        records.append(rec)
-    return records
-
-
-def run_stream_cluster(args: argparse.Namespace, methods: dict[str, Method], logs: Path) -> dict[str, Any]:
-    """One SimCluster job (4 hosts at 10 Mbit/s): every configuration's timing fit, then a no-sync fit; their raw
-    per-rank records (:func:`stream_timings` makes the figures)."""
-    every, fragments, delays = stream_grid(args)
-    shape = SHAPES[STREAM_SHAPE]
-    steps, warm = stream_timing_steps(every, args.quick)
-    with tempfile.TemporaryDirectory(prefix="lightning_dist_sync_stream_") as workdir:
-        out = Path(workdir)
-        worker = ["--worker", "--scenario", "streaming", "--codec", args.codec, "--out", str(out), "--every",
-                  str(every), "--fragments", *map(str, fragments), "--delays", *map(str, delays)]
-        worker += ["--steps", str(args.sizes.steps)] + (["--quick"] if args.quick else [])
-        worker += ["--mix", str(args.mix)] if args.mix is not None else []
-        log = logs / "streaming.log"
-        bench.progress(f"[sync] streaming timing, {shape.hosts} hosts @ {stream.STREAM_RATE:g} Mbit/s: "
-                       f"{' '.join(methods)}, no sync ({steps} steps each)")
-        codes, wall = launch_job(shape.hosts, stream.STREAM_RATE, worker, free_port(), args.run_timeout, log,
-                                 module=WORKER_MODULE)
-        error = None if codes == [0] * shape.hosts else failure_message(codes, log)
-
-        def ranks_of(name: str) -> Optional[list[dict[str, Any]]]:
-            paths = [out / f"stream_{name}_r{r}.json" for r in range(shape.world)]
-            return [json.loads(p.read_text()) for p in paths] if all(p.exists() for p in paths) else None
-
-        raw = {"warm_cycles": warm, "steps": steps, "error": error, "wall_s": wall, "nosync": ranks_of("nosync"),
-               "configs": {label: {"config": _config(m), "ranks": ranks_of(_safe(label))} for label, m in
-                           methods.items()}}
-    bench.progress(f"[sync] streaming timing job {wall:.0f}s" + (f": {error}" if error else ""))
-    return raw
-
-
 def stream_timings(raw: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The streaming job's figures from its raw records: every configuration's
-    (:func:`~lightning_dist.benchmarks._streaming.stream_timing`, a record with the error where it has none) and the
-    step with no sync."""
+    """The streaming job's figures from its raw records: every configuration's (the error where it has none) and
+    the step with no sync."""
     failed = raw.get("error") or "no result written"
     nosync: dict[str, Any] = {"step_s": None, "error": failed}
     if raw.get("nosync"):
         nosync = {**stream.nosync_step([r["ends"] for r in raw["nosync"]], NOSYNC_WARMUP), "error": None}
     timings = []
-    for label, entry in raw["configs"].items():
+    for entry in raw["configs"].values():
         config, ranks = entry["config"], entry["ranks"]
         if ranks is None:
             timings.append({**config, "error": failed})
             continue
-        cycles = [cycle_timing(r["ends"], config["every"], raw["warm_cycles"]) for r in ranks]
+        cycles = [cycle_timing(r["ends"], config["every"], raw["warm_cycles"], r.get("link_sent") or (),
+                               interval=config["every"] // config["fragments"]) for r in ranks]
         timings.append({**config, **stream.stream_timing(config, cycles, ranks, raw["warm_cycles"],
                                                          nosync["step_s"])})
     return timings, nosync
-
-
-def _stream_worker(args: argparse.Namespace) -> None:
-    """One host of the streaming job: every configuration's timing fit, then the no-sync fit; every rank writes its
-    step ends and sync reports, rank 0 (host 0) also its link's counter per step and every ~20 ms."""
-    torch.set_num_threads(1)  # hosts share the machine's cores
-    sizes, shape, out = args.sizes, SHAPES[STREAM_SHAPE], Path(args.out)
-    rank = int(os.environ.get("RANK", "0"))
-    every, fragments, delays = stream_grid(args)
-    methods, _ = stream_methods(args.codec, every, fragments, delays, args.mix)
-    steps, warm = stream_timing_steps(every, args.quick)
-    for label, method in methods.items():
-        record = FitRecord(link=rank == 0, trace=True, sample=(warm * every, steps) if rank == 0 else None)
-        raw = fit(method, shape, sizes, steps, curve=False, record=record)
-        kept = {key: raw[key] for key in ("ends", "trace", "link_sent", "link_samples", "sync_metrics")}
-        (out / f"stream_{_safe(label)}_r{rank}.json").write_text(json.dumps(kept))
-    # last, in processes as warm as the timed fits' (a process's first fit runs its first steps slower)
-    raw = fit(Method("nosync", every=NOSYNC_EVERY), shape, sizes, steps, curve=False)
-    (out / f"stream_nosync_r{rank}.json").write_text(json.dumps({"ends": raw["ends"]}))
 
 
 def run_streaming(args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -903,23 +728,35 @@ def run_streaming(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     methods, refused = stream_methods(args.codec, every, fragments, delays, args.mix)
     for label, reason in refused.items():
         bench.progress(f"[sync] streaming: {label} left out, DiLoCo refuses it: {reason}")
-    steps, _ = stream_timing_steps(every, args.quick)
-    mix = args.mix if args.mix is not None else getattr(DiLoCo(), "mix", None)
+    steps, warm = stream_timing_steps(every, args.quick)
+    shape = SHAPES[STREAM_SHAPE]
     meta = bench.environment("sync", scenario="streaming", sizes=asdict(args.sizes), every=every,
-                             fragments=list(fragments), delays=list(delays), codec=args.codec, mix=mix,
-                             outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, hosts=SHAPES[STREAM_SHAPE].hosts,
+                             fragments=list(fragments), delays=list(delays), codec=args.codec,
+                             mix=args.mix if args.mix is not None else DiLoCo().mix,
+                             outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, hosts=shape.hosts,
                              rate_mbit=stream.STREAM_RATE, timing_steps=steps, peak_window_s=stream.PEAK_WINDOW_S,
                              sample_every_s=stream.SAMPLE_EVERY_S)
     started = time.perf_counter()
-    curves = run_stream_curves(args, methods)
+    curves = run_curves(args, STREAM_SHAPE, methods, args.sizes.steps)
+    for rec in curves:
+        rec.update(methods[rec["method"]].config(), samples_per_step=shape.world * args.sizes.batch_size)
     reason = unavailable()
     raw: dict[str, Any] = {"configs": {}, "nosync": None, "error": reason}
     if reason is not None:
         bench.progress(f"[sync] streaming: shaped timing skipped: {reason}")
     else:
-        logs = out / "logs"
-        logs.mkdir(exist_ok=True)
-        raw = run_stream_cluster(args, methods, logs)
+        bench.progress(f"[sync] streaming timing, {shape.hosts} hosts @ {stream.STREAM_RATE:g} Mbit/s: "
+                       f"{' '.join(methods)}, no sync ({steps} steps each)")
+        worker = ["--scenario", "streaming", "--codec", args.codec, "--every", str(every), "--fragments",
+                  *map(str, fragments), "--delays", *map(str, delays)]
+        worker += ["--mix", str(args.mix)] if args.mix is not None else []
+        with bench.scratch("sync_stream") as workdir:
+            error, wall = cluster_job(args, shape, stream.STREAM_RATE, worker, workdir, _logs(out) / "streaming.log")
+            raw = {"warm_cycles": warm, "steps": steps, "error": error, "wall_s": wall,
+                   "nosync": read_ranks(workdir, "nosync", shape.world),
+                   "configs": {label: {"config": m.config(), "ranks": read_ranks(workdir, label, shape.world)}
+                               for label, m in methods.items()}}
+        bench.progress(f"[sync] streaming timing job {wall:.0f}s" + (f": {error}" if error else ""))
     total = time.perf_counter() - started
     bench.progress(f"[sync] streaming done in {total:.0f}s")
     return stream_report(out, {**meta, "wall_s": total}, reason, curves, raw, refused)
@@ -943,8 +780,7 @@ def stream_report(out: Path, meta: dict[str, Any], skipped: Optional[str], curve
     notes = [f"{label}: left out, DiLoCo refuses it ({reason})" for label, reason in refused.items()]
     notes.append(f"mix (alpha) {meta['mix']}; the step with no sync (DiLoCo with H beyond the fit, the same cluster): "
                  f"{bench.cell(nosync.get('step_s'), ',.1f', 1e3)} ms (the slowest host's mean step)")
-    if skipped:
-        notes.append(f"shaped timing skipped: {skipped}")
+    notes += [f"shaped timing skipped: {skipped}"] * bool(skipped)
     blocks = [stream.stream_table(rows), notes, stream.stream_target_lines(targets, rows, reference)]
     return bench.write_results(out, "sync-streaming", blocks, payload,
                                lambda: stream.stream_plot(curves, rows, reference))
@@ -959,8 +795,7 @@ def hetero_method(mode: str, codec: str, quick: bool) -> Method:
 
 
 def hetero_sizes(sizes: Sizes, quick: bool) -> Sizes:
-    """The model of ``sizes``; the batch and the training stream the scenario's (an epoch of
-    :data:`HETERO_EPOCH_STEPS` steps at equal batches)."""
+    """``sizes`` with the scenario's batch and an epoch of :data:`HETERO_EPOCH_STEPS` steps at equal batches."""
     batch = sizes.batch_size if quick else HETERO_BATCH
     steps = QUICK_HETERO_EPOCH_STEPS if quick else HETERO_EPOCH_STEPS
     hosts = SHAPES[STREAM_SHAPE].hosts
@@ -969,39 +804,24 @@ def hetero_sizes(sizes: Sizes, quick: bool) -> Sizes:
 
 def _hetero_rank(rank: int, world_size: int, method: Method, mode: str, sizes: Sizes, steps: int,
                  epochs: Optional[int], speeds: Optional[list[float]] = None) -> dict[str, Any]:
-    """One host of a heterogeneous fit: every host paced by :func:`~lightning_dist.benchmarks._streaming.slowdowns`,
-    host :data:`~lightning_dist.benchmarks._streaming.SLOW_HOST` at half the others' speed.
-    Modes ``batches`` and ``steps`` measure every host's speed as heterogeneous batching does
-    (``HeteroBatching(window=5, every_n_steps=5)``): under ``batches`` a host's batch follows it, under ``steps``
-    (``DiLoCo(balance="steps")``) a faster host runs its share as more inner steps of about the slowest's batch.
-    Mode ``fixed`` sizes the batches from ``speeds`` once (``HeteroBatching(speeds=...)``: no rebalancing, so no
-    exchange on every step)."""
-    _one_thread()
+    """One host of a heterogeneous fit, paced by :func:`~lightning_dist.benchmarks._streaming.slowdowns`: ``batches``
+    and ``steps`` (``balance="steps"``) measure speeds as ``HeteroBatching(window=5, every_n_steps=5)`` does,
+    ``fixed`` sizes the batches from ``speeds`` once."""
     hetero = HeteroBatching(window=5, every_n_steps=5) if mode in ("batches", "steps") else None
     if mode == "fixed":
         hetero = HeteroBatching(speeds=list(speeds))
-    slow = stream.CpuSlowdown(stream.slowdowns(world_size))
-    with bench.quiet_lightning(), launched_externally(rank, world_size, hosts=SHAPES[STREAM_SHAPE].hosts):
-        raw = fit(method, SHAPES[STREAM_SHAPE], sizes, steps, curve=False, record=FitRecord(), callbacks=[slow],
-                  hetero=hetero, epochs=epochs)
-    return {key: raw[key] for key in ("starts", "ends", "epochs", "samples", "steps")}
+    return _loopback_rank(rank, world_size, method, STREAM_SHAPE, sizes, steps, ("starts", "ends", "epochs",
+                          "samples", "steps"), curve=False, record=FitRecord(), hetero=hetero, epochs=epochs,
+                          callbacks=[stream.CpuSlowdown(stream.slowdowns(world_size))])
 
 
 def _alone_rank(rank: int, world_size: int, sizes: Sizes, steps: int) -> dict[str, Any]:
-    """A fast host's and the slow host's speed alone (paced as in the scenario): one process, one thread, Lightning's
-    single device, nothing else training."""
+    """A fast host's and the slow host's speed alone (paced as in the scenario): one process, nothing else training."""
     _one_thread()
-    records = {}
     pace = stream.slowdowns(stream.SLOW_HOST + 1)
-    for name, factor in (("fast", pace[0]), ("slow", pace[stream.SLOW_HOST])):
-        model, data = workload(sizes)
-        record = FitRecord()
-        with bench.quiet_lightning():
-            trainer = quiet_trainer(devices=1, max_steps=steps, limit_val_batches=0,
-                                    callbacks=[record, stream.CpuSlowdown({0: factor})])
-            trainer.fit(model, data)
-        records[name] = {"ends": record.ends, "samples": record.samples}
-    return records
+    records = {name: _single_fit(sizes, steps, [stream.CpuSlowdown({0: factor})])
+               for name, factor in (("fast", pace[0]), ("slow", pace[stream.SLOW_HOST]))}
+    return {name: {"ends": r.ends, "samples": r.samples} for name, r in records.items()}
 
 
 def run_hetero(args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -1010,8 +830,7 @@ def run_hetero(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     sizes = hetero_sizes(args.sizes, args.quick)
     epochs = QUICK_HETERO_EPOCHS if args.quick else HETERO_EPOCHS
     own_steps = QUICK_OWN_SPEED_STEPS if args.quick else OWN_SPEED_STEPS
-    world = SHAPES[STREAM_SHAPE].world
-    deadline = min(args.run_timeout, HETERO_DEADLINE_S)
+    world, deadline = SHAPES[STREAM_SHAPE].world, min(args.run_timeout, HETERO_DEADLINE_S)
     meta = bench.environment("sync", scenario="hetero", sizes=asdict(sizes), epochs=epochs,
                              timed_epochs=list(range(1, epochs)), codec=args.codec,
                              method=asdict(hetero_method("batches", args.codec, args.quick)),
@@ -1024,7 +843,7 @@ def run_hetero(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                                None, deadline_s=deadline)
         raw["alone"] = run_ranks(_alone_rank, 1, sizes, own_steps, deadline_s=deadline)[0]
     except RanksFailed as exc:
-        raw["error"] = str(exc).splitlines()[-1][:200]
+        raw["error"] = _last_line(exc)
         bench.progress(f"[sync] hetero: measuring the hosts' own speeds FAILED: {raw['error']}")
     runs: dict[str, Any] = {}
     speeds = stream.own_speeds(raw["own"], NOSYNC_WARMUP) if "own" in raw else []
@@ -1033,18 +852,15 @@ def run_hetero(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         begun = time.perf_counter()
         try:
             method.settings()
-            if mode == "steps" and "balance" not in DiLoCo.__dataclass_fields__:
-                raise ValueError("DiLoCo has no balance setting yet (issue 32, item 4): run again once it lands")
             if mode == stream.FIXED_MODE and not (speeds and all(speeds)):
                 raise ValueError("no measured speeds to size the batches from")
-            runs[mode] = run_ranks(_hetero_rank, world, method, mode, sizes, -1, epochs, speeds,
-                                   deadline_s=deadline)
+            runs[mode] = run_ranks(_hetero_rank, world, method, mode, sizes, -1, epochs, speeds, deadline_s=deadline)
             bench.progress(f"[sync] hetero {mode:<8} ({time.perf_counter() - begun:.0f}s)")
         except ValueError as err:
             runs[mode] = {"error": f"not run: {err}", "skipped": True}
             bench.progress(f"[sync] hetero {mode:<8} not run: {err}")
         except RanksFailed as exc:
-            runs[mode] = {"error": str(exc).splitlines()[-1][:200]}
+            runs[mode] = {"error": _last_line(exc)}
             bench.progress(f"[sync] hetero {mode:<8} FAILED: {runs[mode]['error']}")
     raw["runs"] = runs
     total = time.perf_counter() - started
@@ -1054,31 +870,24 @@ def run_hetero(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 def hetero_report(out: Path, meta: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
     """The heterogeneous table, verdicts, plot and JSON from the raw per-rank records (``--from`` redoes them)."""
-    slow = stream.SLOW_HOST
     speeds: list[Optional[float]] = [None] * SHAPES[STREAM_SHAPE].world
     alone: list[Optional[float]] = list(speeds)
     if "own" in raw:
         speeds = stream.own_speeds(raw["own"], NOSYNC_WARMUP)
     if "alone" in raw:
-        fast, slow_alone = (stream.own_speeds([raw["alone"][name]], NOSYNC_WARMUP)[0] for name in ("fast", "slow"))
-        alone = [slow_alone if host == slow else fast for host in range(len(speeds))]
-    timed = meta["timed_epochs"]
-    rows = []
-    for mode, ranks in raw["runs"].items():
-        if isinstance(ranks, dict):  # an error
-            rows.append({"mode": mode, **ranks})
-        else:
-            rows.append(stream.hetero_row(mode, ranks, speeds, timed))
+        fast, slow = (stream.own_speeds([raw["alone"][name]], NOSYNC_WARMUP)[0] for name in ("fast", "slow"))
+        alone = [slow if host == stream.SLOW_HOST else fast for host in range(len(speeds))]
+    rows = [{"mode": mode, **ranks} if isinstance(ranks, dict) else  # an error
+            stream.hetero_row(mode, ranks, speeds, meta["timed_epochs"]) for mode, ranks in raw["runs"].items()]
     targets = stream.hetero_targets(rows)
     lines = [f"where: {meta['where']} (the shaped cluster would add the link's time to every mode alike: the "
              "exchange is the streaming scenario's subject; balance is about compute)"]
     if all(s is not None for s in alone) and all(r.get("samples") for r in rows if not r.get("error")):
-        for r in rows:
-            if not r.get("error"):
-                ideal = r["samples"] / sum(alone)
-                lines.append(f"{r['mode']}: against each host's speed measured alone, one process at a time with a "
-                             f"core to itself ({' / '.join(f'{s:,.0f}' for s in alone)} windows/s), the ideal is "
-                             f"{ideal:.2f} s ({r['wall_s'] / ideal:.2f}x): 4 hosts share 2 cores here")
+        for r in (r for r in rows if not r.get("error")):
+            ideal = r["samples"] / sum(alone)
+            lines.append(f"{r['mode']}: against each host's speed measured alone, one process at a time with a "
+                         f"core to itself ({' / '.join(f'{s:,.0f}' for s in alone)} windows/s), the ideal is "
+                         f"{ideal:.2f} s ({r['wall_s'] / ideal:.2f}x): 4 hosts share 2 cores here")
     payload = {"meta": meta, "raw": raw, "speeds": speeds, "alone_speeds": alone, "rows": rows, "targets": targets}
     blocks = [stream.hetero_table(rows, speeds), lines, stream.hetero_target_lines(targets, rows)]
     return bench.write_results(out, "sync-hetero", blocks, payload, lambda: stream.hetero_plot(rows, speeds))
@@ -1134,50 +943,60 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     if args.steps is not None:
         args.sizes = replace(args.sizes, steps=args.steps, horizon=2 * args.steps)
     args.scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
-    if not args.worker and not args.from_json:
-        bench.check_counts(cli, nosync_rounds=args.nosync_rounds, steps=args.steps)
-        if "methods" in args.scenarios:
-            uneven = [m for m in args.methods if args.sizes.steps % eval_every(METHODS[m], args.sizes)]
-            if uneven:
-                cli.error(f"--steps {args.sizes.steps} does not end on a curve point of {' '.join(uneven)}; use a "
-                          f"multiple of {math.lcm(*(eval_every(METHODS[m], args.sizes) for m in args.methods))}")
-            if DENSE not in args.methods:
-                cli.error(f"--methods {' '.join(args.methods)}: dense is every comparison's base; add it")
-        if {"streaming", "hetero"} & set(args.scenarios) and args.codec not in COMPRESSORS:
-            cli.error(f"--codec {args.codec}: no such compressor; pick one of {', '.join(COMPRESSORS)}")
-        if "streaming" in args.scenarios:
-            every = stream_grid(args)[0]
-            point = eval_every(Method("", every=every), args.sizes)
-            if args.sizes.steps % point:
-                cli.error(f"--steps {args.sizes.steps}: the streaming curves end on a sync's curve point; use a "
-                          f"multiple of {point}")
-            bad = [v for v in (args.fragments or []) if v < 1] + [v for v in (args.delays or []) if v < 0]
-            if bad or every < 2:
-                cli.error(f"--every {every} --fragments / --delays {bad}: H is >= 2, fragments >= 1, delays >= 0")
+    if args.worker or args.from_json:
+        return args
+    bench.check_counts(cli, nosync_rounds=args.nosync_rounds, steps=args.steps)
+    if "methods" in args.scenarios:
+        points = {m: eval_every(METHODS[m], args.sizes) for m in args.methods}
+        if any(args.sizes.steps % point for point in points.values()):
+            cli.error(f"--steps {args.sizes.steps} does not end on a curve point of "
+                      f"{' '.join(m for m, p in points.items() if args.sizes.steps % p)}; use a multiple of "
+                      f"{math.lcm(*points.values())}")
+        if DENSE not in args.methods:
+            cli.error(f"--methods {' '.join(args.methods)}: dense is every comparison's base; add it")
+    if {"streaming", "hetero"} & set(args.scenarios) and args.codec not in COMPRESSORS:
+        cli.error(f"--codec {args.codec}: no such compressor; pick one of {', '.join(COMPRESSORS)}")
+    if "streaming" in args.scenarios:
+        every = stream_grid(args)[0]
+        point = eval_every(Method("", every=every), args.sizes)
+        if args.sizes.steps % point:
+            cli.error(f"--steps {args.sizes.steps}: the streaming curves end on a sync's curve point; use a "
+                      f"multiple of {point}")
+        bad = [v for v in (args.fragments or []) if v < 1] + [v for v in (args.delays or []) if v < 0]
+        if bad or every < 2:
+            cli.error(f"--every {every} --fragments / --delays {bad}: H is >= 2, fragments >= 1, delays >= 0")
     return args
 
 
-def run_curves(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every (shape, method) once on loopback ranks; a failed fit is a record with its error."""
-    sizes = args.sizes
-    val_batch(sizes)  # read the library once, before the ranks fork
+def _last_line(exc: Exception) -> str:
+    return str(exc).splitlines()[-1][:200]
+
+
+def _logs(out: Path) -> Path:
+    (out / "logs").mkdir(exist_ok=True)
+    return out / "logs"
+
+
+def run_curves(args: argparse.Namespace, shape: str, methods: dict[str, Method], steps: int,
+               horizon: Optional[int] = None) -> list[dict[str, Any]]:
+    """Every method's curve on ``shape``'s loopback ranks, to ``steps`` (dense) or ``horizon`` (the others; default
+    ``steps``); quality at ``args.sizes.steps``. A failed fit is a record with its error."""
+    val_batch(args.sizes)  # read the library once, before the ranks fork
     records = []
-    for shape in args.shapes:
-        for label in args.methods:
-            started = time.perf_counter()
-            try:
-                outs = run_ranks(_curve_rank, SHAPES[shape].world, METHODS[label], shape, sizes,
-                                 sizes.steps if label == DENSE else sizes.horizon, deadline_s=args.run_timeout)
-                rec = curve_record(outs, shape, sizes.steps)
-                bench.progress(f"[sync] curve {shape:<8} {label:<15} final val loss "
-                               f"{bench.cell(rec['final_loss'], '.4f')}, "
-                               f"{bench.cell(rec['bytes_across_per_step'], ',.1f', 1e-3)} KB across workers/step "
-                               f"({time.perf_counter() - started:.0f}s)")
-            except RanksFailed as exc:
-                rec = {"shape": shape, "method": label, "error": str(exc).splitlines()[-1][:200]}
-                bench.progress(f"[sync] curve {shape:<8} {label:<15} FAILED: {rec['error']}")
-            rec["wall_s"] = time.perf_counter() - started
-            records.append(rec)
+    for label, method in methods.items():
+        started = time.perf_counter()
+        try:
+            outs = run_ranks(_loopback_rank, SHAPES[shape].world, method, shape, args.sizes,
+                             steps if label == DENSE else horizon or steps, deadline_s=args.run_timeout)
+            rec = curve_record(outs, shape, args.sizes.steps)
+            bench.progress(f"[sync] curve {shape:<8} {label:<15} final val loss "
+                           f"{bench.cell(rec['final_loss'], '.4f')}, "
+                           f"{bench.cell(rec['bytes_across_per_step'], ',.1f', 1e-3)} KB across workers/step "
+                           f"({time.perf_counter() - started:.0f}s)")
+        except RanksFailed as exc:
+            rec = {"shape": shape, "method": label, "error": _last_line(exc)}
+            bench.progress(f"[sync] curve {shape:<8} {label:<15} FAILED: {rec['error']}")
+        records.append({**rec, "wall_s": time.perf_counter() - started})
     return records
 
 
@@ -1188,7 +1007,7 @@ def run_nosync(args: argparse.Namespace) -> dict[str, Any]:
         outs = run_ranks(_nosync_rank, 2, args.sizes, args.nosync_rounds, steps, deadline_s=args.run_timeout)
     except RanksFailed as exc:
         bench.progress(f"[sync] no-sync step cost FAILED: {exc}")
-        return {"error": str(exc).splitlines()[-1][:200]}
+        return {"error": _last_line(exc)}
     diloco, single = outs[0]["diloco"], outs[0]["single"]
     ratio = bench.paired(dict(enumerate(diloco)), dict(enumerate(single)))
     bench.progress(f"[sync] no-sync step cost: {ratio['median']:.3f}x ({time.perf_counter() - started:.0f}s)")
@@ -1201,63 +1020,49 @@ def run_cluster(args: argparse.Namespace, logs: Path) -> tuple[list[dict[str, An
     run; returns the timing records and the validation's raw record."""
     timings: list[dict[str, Any]] = []
     validation_raw = None
-    validate = (not args.no_validate and VALIDATE_METHOD in args.methods and VALIDATE_SHAPE in args.shapes
-                and VALIDATE_RATE in args.rates)
-    with tempfile.TemporaryDirectory(prefix="lightning_dist_sync_") as workdir:
-        for rate in args.rates:
-            for shape_name in args.shapes:
-                shape = SHAPES[shape_name]
-                where = f"{shape_name} ({shape.hosts}x{shape.per_host}) @ {rate:g} Mbit/s"
-                out = Path(workdir) / f"{shape_name}_{rate:g}"
-                out.mkdir()
-                here = validate and (shape_name, rate) == (VALIDATE_SHAPE, VALIDATE_RATE)
-                bench.progress(f"[sync] timing {where}: {' '.join(args.methods)}"
-                               + (f", then the full {VALIDATE_METHOD} run" if here else ""))
-                worker = ["--worker", "--shape", shape_name, "--methods", *args.methods, "--out", str(out)]
-                worker += ["--steps", str(args.sizes.steps)] + (["--quick"] if args.quick else [])
-                worker += ["--validate", VALIDATE_METHOD] if here else []
-                log = logs / f"{shape_name}_r{rate:g}.log"
-                codes, wall = launch_job(shape.hosts, rate, worker, free_port(), args.run_timeout, log,
-                                         per_host=shape.per_host, module=WORKER_MODULE)
-                error = None if codes == [0] * shape.hosts else failure_message(codes, log)
-                for label in args.methods:
-                    path = out / f"timing_{_safe(label)}.json"
-                    rec: dict[str, Any] = {"shape": shape_name, "rate_mbit": rate, "method": label}
-                    if path.exists():
-                        raw = json.loads(path.read_text())
-                        _, warm = timing_steps(METHODS[label], args.sizes)
-                        rec.update(cycle_timing(raw["ends"], METHODS[label].every, warm, raw["link_sent"]),
-                                   timed_steps=len(raw["ends"]), error=None)
-                        bench.progress(f"[sync] {where} {label:<15} {1e3 * rec['per_step_s']:9,.1f} ms/step "
-                                       f"(local {bench.cell(rec['local_step_s'], ',.1f', 1e3)} ms, sync "
-                                       f"{bench.cell(rec['sync_step_s'], ',.1f', 1e3)} ms)")
-                    else:
-                        rec.update(per_step_s=None, error=error or "no result written")
-                        bench.progress(f"[sync] {where} {label:<15} FAILED: {rec['error']}")
-                    timings.append(rec)
-                if here:
-                    path = out / "validate.json"
-                    validation_raw = (json.loads(path.read_text()) if path.exists()
-                                      else {"error": error or "no result written"})
-                bench.progress(f"[sync] {where}: job {wall:.0f}s")
+    for rate, shape_name in itertools.product(args.rates, args.shapes):
+        shape = SHAPES[shape_name]
+        where = f"{shape_name} ({shape.hosts}x{shape.per_host}) @ {rate:g} Mbit/s"
+        here = (not args.no_validate and VALIDATE_METHOD in args.methods
+                and (shape_name, rate) == (VALIDATE_SHAPE, VALIDATE_RATE))
+        bench.progress(f"[sync] timing {where}: {' '.join(args.methods)}"
+                       + (f", then the full {VALIDATE_METHOD} run" if here else ""))
+        worker = ["--shape", shape_name, "--methods", *args.methods, *(["--validate", VALIDATE_METHOD] * here)]
+        with bench.scratch("sync") as out:
+            error, wall = cluster_job(args, shape, rate, worker, out, logs / f"{shape_name}_r{rate:g}.log")
+            for label in args.methods:
+                rec: dict[str, Any] = {"shape": shape_name, "rate_mbit": rate, "method": label}
+                if ranks := read_ranks(out, label, 1):  # rank 0's
+                    _, warm = timing_steps(METHODS[label], args.sizes)
+                    rec.update(cycle_timing(ranks[0]["ends"], METHODS[label].every, warm, ranks[0]["link_sent"]),
+                               timed_steps=len(ranks[0]["ends"]), error=None)
+                    bench.progress(f"[sync] {where} {label:<15} {1e3 * rec['per_step_s']:9,.1f} ms/step "
+                                   f"(local {bench.cell(rec['local_step_s'], ',.1f', 1e3)} ms, sync "
+                                   f"{bench.cell(rec['sync_step_s'], ',.1f', 1e3)} ms)")
+                else:
+                    rec.update(per_step_s=None, error=error or "no result written")
+                    bench.progress(f"[sync] {where} {label:<15} FAILED: {rec['error']}")
+                timings.append(rec)
+            if here:
+                path = out / "validate.json"
+                validation_raw = (json.loads(path.read_text()) if path.exists()
+                                  else {"error": error or "no result written"})
+        bench.progress(f"[sync] {where}: job {wall:.0f}s")
     return timings, validation_raw
 
 
 def validation_record(raw: Optional[dict[str, Any]], curves: Sequence[dict[str, Any]],
                       combined: Sequence[dict[str, Any]]) -> Optional[dict[str, Any]]:
     """The full shaped run against its prediction: wall time to the end (less rank 0's evaluations) and final loss."""
-    if raw is None:
-        return None
-    if raw.get("error"):
-        return {"error": raw["error"]}
+    if raw is None or raw.get("error"):
+        return raw and {"error": raw["error"]}
     row = next((r for r in combined if (r["shape"], r["rate_mbit"], r["method"])
                 == (VALIDATE_SHAPE, VALIDATE_RATE, VALIDATE_METHOD)), None)
     loop = next((c for c in curves if (c["shape"], c["method"]) == (VALIDATE_SHAPE, VALIDATE_METHOD)
                  and not c.get("error")), None)
     evals = [p[3] for p in raw["curve"]]
-    measured_times = []  # each evaluation's step end since the fit's first step, less the evaluations before it
-    for i, point in enumerate(raw["curve"]):
-        measured_times.append(point[2] - raw["start"] - sum(evals[:i]))
+    # each evaluation's step end since the fit's first step, less the evaluations before it
+    measured_times = [point[2] - raw["start"] - sum(evals[:i]) for i, point in enumerate(raw["curve"])]
     with_evals = raw["ends"][-1] - raw["start"]
     per_step = row["per_step_s"] if row else None
     return {"method": VALIDATE_METHOD, "shape": VALIDATE_SHAPE, "rate_mbit": VALIDATE_RATE, "steps": raw["steps"],
@@ -1273,10 +1078,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     ``--scenario all``: a dict of the scenarios' payloads)."""
     args = _parse_args(argv)
     if args.worker:
-        if args.scenario == "streaming":
-            _stream_worker(args)
-        else:
-            _cluster_worker(args)
+        _worker(args)
         return {}
     out = bench.output_dir(args.out, "sync")
     if args.from_json:  # the same measurements, this code's arithmetic, tables and plot
@@ -1302,7 +1104,8 @@ def run_methods(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                              outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
                              timing_steps={m: timing_steps(METHODS[m], sizes)[0] for m in args.methods})
     start = time.perf_counter()
-    curves = run_curves(args)
+    methods = {label: METHODS[label] for label in args.methods}
+    curves = [rec for shape in args.shapes for rec in run_curves(args, shape, methods, sizes.steps, sizes.horizon)]
     nosync = run_nosync(args)
     reason = unavailable()
     timings: list[dict[str, Any]] = []
@@ -1310,9 +1113,7 @@ def run_methods(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     if reason is not None:
         bench.progress(f"[sync] shaped timing skipped: {reason}")
     else:
-        logs = out / "logs"
-        logs.mkdir(exist_ok=True)
-        timings, validation_raw = run_cluster(args, logs)
+        timings, validation_raw = run_cluster(args, _logs(out))
     total = time.perf_counter() - start
     bench.progress(f"[sync] done in {total:.0f}s")
     combined = combine(curves, timings)

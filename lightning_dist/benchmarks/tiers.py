@@ -1,30 +1,9 @@
 """Two-tier reduction on a simulated cluster: ``python -m lightning_dist.benchmarks.cluster --two-tier``.
 
-2 hosts of ``L`` ranks each (``torchrun --nproc-per-node L`` in each :class:`~lightning_dist.simcluster.SimCluster`
-host: a host's ranks talk over its loopback, unshaped, and share its one shaped link), for ``L`` in
-``--ranks-per-host`` (default 2 and 4) at each of ``--rates`` (default 100 and 1000 Mbit/s). Each setting runs:
-
-- **the all-reduce of 16 MiB** float32, flat (gloo's own ``all_reduce`` over all ``2 L`` ranks) against two_tier dense
-  (:class:`~lightning_dist.strategy.tiers.TwoTier` without a compressor: reduce-scatter inside the host, gloo's
-  all-reduce of each part between hosts, all-gather inside the host; in 4 MiB buckets as the strategy sends a
-  gradient, so one bucket's part crosses while the next is reduce-scattered), alternating after one untimed call of each
-  (:func:`~lightning_dist.benchmarks.allreduce.time_rounds`), the median of the slowest rank's time; then one more
-  call of each between barriers, reading what left host 0 through its link
-  (:func:`~lightning_dist.simcluster.link_bytes_sent`: the kernel's count, TCP/IP headers included);
-- **training steps** of the cluster benchmark's WideMLP (5.3 M parameters, 21 MiB of fp32 gradients, batch 16 per
-  rank, 4 MiB buckets) under ``topology="flat"`` and ``"two_tier"`` for dense, int8, top-k 1% and PowerSGD rank 2:
-  the median step after the warm-up, the bytes rank 0 counted per tier (``bytes_inter_host``, ``bytes_intra_host``)
-  and what left host 0 per step through its link.
-
-Every job gets a fresh SimCluster. All hosts share this machine's cores: at 2 x 4 ranks on 2 cores, compute is
-oversubscribed four times, alike for both topologies.
-
-Targets: at 2 hosts of 4 ranks and 100 Mbit/s, the two_tier dense all-reduce >= 1.5x faster than flat
-(ideal 1.75x: ``2 (N - 1) / N`` of the buffer crosses a flat ring's host boundary, ``2 (H - 1) / H`` two_tier's) and
-two_tier top-k's bytes across the link <= 1/10 of flat top-k's; at 2 hosts of 2, a two_tier step no slower than flat
-with any compressor (within :data:`NO_SLOWER_MARGIN`, the noise of medians on a shared machine). The plot: the
-all-reduce, the steps, and the bytes that leave a host per step as ranks per host grow, measured where it fits
-these cores, :func:`host_bytes` beyond.
+2 hosts of ``L`` ranks (one shaped link each): a 16 MiB all-reduce flat against two_tier
+(:class:`~lightning_dist.strategy.tiers.TwoTier` in the strategy's 4 MiB buckets), and the WideMLP's steps under both
+topologies. Targets: at 2 x 4 and 100 Mbit/s, two_tier's all-reduce >= 1.5x faster and its top-k link bytes <= 1/10 of
+flat's; at 2 x 2, no step slower than flat (:data:`NO_SLOWER_MARGIN`). Method and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -34,7 +13,6 @@ import itertools
 import json
 import math
 import os
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -55,11 +33,10 @@ from lightning_dist.benchmarks._cluster import (
     QUICK_ITERATIONS,
     QUICK_STEPS,
     TOPK,
-    failure_message,
-    launch_job,
+    Jobs,
     mb_cell,
     ms_cell,
-    run_record,
+    skipped,
 )
 from lightning_dist.benchmarks.allreduce import time_rounds
 from lightning_dist.comm import CommStats
@@ -67,7 +44,7 @@ from lightning_dist.comm.topology import TOPOLOGIES as REQUESTS
 from lightning_dist.comm.topology import resolve_topology
 from lightning_dist.compression import BucketLayout, NoCompressor
 from lightning_dist.examples import WideMLP
-from lightning_dist.simcluster import link_bytes_sent, unavailable
+from lightning_dist.simcluster import link_bytes_sent
 from lightning_dist.strategy.tiers import TwoTier
 
 HOSTS = 2
@@ -115,11 +92,7 @@ def allreduce_worker(args: argparse.Namespace) -> None:
     calls = {"flat": dist.all_reduce, "two_tier": two_tier}
     tensor = torch.empty(args.nbytes // 4, dtype=torch.float32)
     orders = [("flat", "two_tier") if k % 2 == 0 else ("two_tier", "flat") for k in range(-1, args.iterations)]
-    times = time_rounds(calls, tensor, orders, warmup=1)
-    for name, mine in times.items():  # the collective is done when its slowest rank is
-        slowest = torch.tensor(mine, dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        times[name] = slowest.tolist()
+    times = time_rounds(calls, tensor, orders, warmup=1, slowest=True)
     link = {}
     for name, call in calls.items():  # what one call puts on host 0's link, between barriers
         tensor.fill_(1.0)
@@ -163,39 +136,30 @@ def add_ratios(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def check_targets(allreduce: Sequence[dict[str, Any]], records: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The targets above; one whose measurement is missing is absent (and reported as missed)."""
     out: dict[str, dict[str, Any]] = {}
-    bus = next((a for a in allreduce if (a["per_host"], a["rate_mbit"]) == (TARGET_PER_HOST, TARGET_RATE)), None)
-    if bus is not None and bus.get("speedup") is not None:
-        out["allreduce_speedup"] = {"value": bus["speedup"], "bound": ALLREDUCE_TARGET,
-                                    "met": bus["speedup"] >= ALLREDUCE_TARGET}
+    bus = next((a for a in allreduce if (a["per_host"], a["rate_mbit"]) == (TARGET_PER_HOST, TARGET_RATE)), {})
+    if bus.get("speedup") is not None:
+        out["allreduce_speedup"] = bench.target(bus["speedup"], ALLREDUCE_TARGET, most=False)
     topk = next((r for r in records if (r["per_host"], r["rate_mbit"], r["config"], r["topology"])
-                 == (TARGET_PER_HOST, TARGET_RATE, TOPK, "two_tier")), None)
-    if topk is not None and topk.get("link_vs_flat") is not None:
-        out["topk_link_bytes"] = {"value": topk["link_vs_flat"], "bound": TOPK_BYTES_TARGET,
-                                  "met": topk["link_vs_flat"] <= TOPK_BYTES_TARGET}
+                 == (TARGET_PER_HOST, TARGET_RATE, TOPK, "two_tier")), {})
+    if topk.get("link_vs_flat") is not None:
+        out["topk_link_bytes"] = bench.target(topk["link_vs_flat"], TOPK_BYTES_TARGET)
     for r in records:
         if r["per_host"] == NO_SLOWER_PER_HOST and r["topology"] == "two_tier" and r.get("flat_over_two_tier"):
-            out[f"no_slower/{r['config']}@{r['rate_mbit']:g}"] = {
-                "value": r["flat_over_two_tier"], "bound": 1 / NO_SLOWER_MARGIN,
-                "met": r["flat_over_two_tier"] >= 1 / NO_SLOWER_MARGIN}
+            out[f"no_slower/{r['config']}@{r['rate_mbit']:g}"] = bench.target(r["flat_over_two_tier"],
+                                                                              1 / NO_SLOWER_MARGIN, most=False)
     return out
 
 
 def target_lines(targets: dict[str, dict[str, Any]], configs: Sequence[str], rates: Sequence[float]) -> list[str]:
     where = f"{HOSTS} hosts of {TARGET_PER_HOST} @ {TARGET_RATE:g} Mbit/s"
-    t = targets.get("allreduce_speedup")
-    lines = [bench.verdict(f"{where}: two_tier dense all-reduce >= {ALLREDUCE_TARGET:g}x faster than flat",
-                           bool(t and t["met"]), f"{t['value']:.2f}x" if t else "not measured")]
-    t = targets.get("topk_link_bytes")
-    lines.append(bench.verdict(f"{where}: two_tier top-k bytes on the link <= {TOPK_BYTES_TARGET:g} of flat's",
-                               bool(t and t["met"]), f"{t['value']:.3f} (1/{1 / t['value']:.1f})" if t
-                               else "not measured"))
-    for config, rate in itertools.product(configs, rates):
-        t = targets.get(f"no_slower/{config}@{rate:g}")
-        lines.append(bench.verdict(
-            f"{HOSTS} hosts of {NO_SLOWER_PER_HOST} @ {rate:g} Mbit/s: two_tier {config} step no slower than flat "
-            f"(within {NO_SLOWER_MARGIN - 1:.0%})", bool(t and t["met"]),
-            f"flat / two_tier {t['value']:.2f}x" if t else "not measured"))
-    return lines
+    return [bench.judged(f"{where}: two_tier dense all-reduce >= {ALLREDUCE_TARGET:g}x faster than flat",
+                         targets.get("allreduce_speedup"), "{value:.2f}x"),
+            bench.judged(f"{where}: two_tier top-k bytes on the link <= {TOPK_BYTES_TARGET:g} of flat's",
+                         targets.get("topk_link_bytes"), lambda t: f"{t['value']:.3f} (1/{1 / t['value']:.1f})"),
+            *(bench.judged(f"{HOSTS} hosts of {NO_SLOWER_PER_HOST} @ {rate:g} Mbit/s: two_tier {config} step no "
+                           f"slower than flat (within {NO_SLOWER_MARGIN - 1:.0%})",
+                           targets.get(f"no_slower/{config}@{rate:g}"), "flat / two_tier {value:.2f}x")
+              for config, rate in itertools.product(configs, rates))]
 
 
 def host_bytes(path: str, per_host: int, hosts: int, dense_bytes: float, topk_payload: float) -> float:
@@ -216,35 +180,26 @@ def host_bytes(path: str, per_host: int, hosts: int, dense_bytes: float, topk_pa
 
 
 def allreduce_table(allreduce: Sequence[dict[str, Any]]) -> str:
-    rows = []
-    for a in allreduce:
-        if a.get("error"):
-            rows.append([f"{HOSTS}x{a['per_host']}", f"{a['rate_mbit']:g}", "FAILED", "-", "-", "-", "-",
-                         a["error"][:40]])
-            continue
-        rows.append([f"{HOSTS}x{a['per_host']}", f"{a['rate_mbit']:g}", ms_cell(a["flat_median_s"]),
-                     ms_cell(a["two_tier_median_s"]), bench.cell(a["speedup"], ".2f", unit="x"),
-                     mb_cell(a["flat_link_bytes"]), mb_cell(a["two_tier_link_bytes"]),
-                     bench.cell(a["flat_link_bytes"] / a["two_tier_link_bytes"], ".2f", unit="x")])
+    def cells(a: dict[str, Any]) -> list[str]:
+        return [ms_cell(a["flat_median_s"]), ms_cell(a["two_tier_median_s"]), bench.cell(a["speedup"], ".2f", unit="x"),
+                mb_cell(a["flat_link_bytes"]), mb_cell(a["two_tier_link_bytes"]),
+                bench.cell(a["flat_link_bytes"] / a["two_tier_link_bytes"], ".2f", unit="x")]
+
     headers = ["hosts x ranks", "Mbit/s", "flat ms", "two_tier ms", "speed-up", "flat MB out of host 0",
                "two_tier MB out", "flat/two_tier bytes"]
-    return f"all-reduce of {ALLREDUCE_BYTES >> 20} MiB float32\n" + bench.format_table(headers, rows)
+    return f"all-reduce of {ALLREDUCE_BYTES >> 20} MiB float32\n" + bench.table(
+        allreduce, headers, lambda a: [f"{HOSTS}x{a['per_host']}", f"{a['rate_mbit']:g}"], cells)
 
 
 def step_table(records: Sequence[dict[str, Any]]) -> str:
-    rows = []
-    for r in records:
-        where = [f"{HOSTS}x{r['per_host']}", f"{r['rate_mbit']:g}", r["config"], r["topology"]]
-        if r.get("error"):
-            rows.append([*where, "FAILED", "-", "-", "-", "-", "-", r["error"][:40]])
-            continue
-        rows.append([*where, ms_cell(r["median_s"]), mb_cell(r["link_bytes_per_step"]),
-                     mb_cell(r["inter_host_bytes_per_step"]), mb_cell(r["intra_host_bytes_per_step"]),
-                     bench.cell(r.get("flat_over_two_tier"), ".2f", unit="x"), bench.cell(r.get("link_vs_flat"), ".3f"),
-                     f"{r['wall_s']:.0f}"])
-    headers = ["hosts x ranks", "Mbit/s", "config", "topology", "median step ms", "MB out of host 0/step",
-               "rank 0 inter MB", "rank 0 intra MB", "flat/two_tier step", "link vs flat", "run s"]
-    return bench.format_table(headers, rows)
+    return bench.table(records, ["hosts x ranks", "Mbit/s", "config", "topology", "median step ms",
+                                 "MB out of host 0/step", "rank 0 inter MB", "rank 0 intra MB", "flat/two_tier step",
+                                 "link vs flat", "run s"],
+                       lambda r: [f"{HOSTS}x{r['per_host']}", f"{r['rate_mbit']:g}", r["config"], r["topology"]],
+                       lambda r: [ms_cell(r["median_s"]), *map(mb_cell, (r["link_bytes_per_step"],
+                                  r["inter_host_bytes_per_step"], r["intra_host_bytes_per_step"])),
+                                  bench.cell(r.get("flat_over_two_tier"), ".2f", unit="x"),
+                                  bench.cell(r.get("link_vs_flat"), ".3f"), f"{r['wall_s']:.0f}"])
 
 
 def plot(allreduce: Sequence[dict[str, Any]], records: Sequence[dict[str, Any]], params: Optional[int]) -> Any:
@@ -258,9 +213,8 @@ def plot(allreduce: Sequence[dict[str, Any]], records: Sequence[dict[str, Any]],
         if name == "two_tier":
             ax.bar_label(bars, [f"{a['speedup']:.2f}x" for a in ok], fontsize="x-small")
     ax.set_xticks(x, [f"{HOSTS}x{a['per_host']}\n{a['rate_mbit']:g} Mbit/s" for a in ok])
-    ax.set(yscale="log", ylabel="median ms (log)", title=f"all-reduce {ALLREDUCE_BYTES >> 20} MiB, dense")
-    ax.legend(fontsize="x-small")
-    ax.grid(alpha=0.3, axis="y")
+    bench.style(ax, "y", "x-small", yscale="log", ylabel="median ms (log)",
+                title=f"all-reduce {ALLREDUCE_BYTES >> 20} MiB, dense")
     groups = list(dict.fromkeys((r["per_host"], r["rate_mbit"], r["config"]) for r in records))
     by_key = {(r["per_host"], r["rate_mbit"], r["config"], r["topology"]): r for r in records}
     x = np.arange(len(groups))
@@ -269,9 +223,7 @@ def plot(allreduce: Sequence[dict[str, Any]], records: Sequence[dict[str, Any]],
         bx.bar(x + offset, values, 0.4, label=name)
     short = {"powersgd-r2": "psgd", TOPK: "topk"}
     bx.set_xticks(x, [f"{short.get(c, c)}\n{HOSTS}x{p}\n{r:g}" for p, r, c in groups], fontsize="xx-small")
-    bx.set(yscale="log", ylabel="median step ms (log)", title="WideMLP training step")
-    bx.legend(fontsize="x-small")
-    bx.grid(alpha=0.3, axis="y")
+    bench.style(bx, "y", "x-small", yscale="log", ylabel="median step ms (log)", title="WideMLP training step")
     if params:
         dense, payload = 4.0 * params, 6.0 * _topk_pairs(0.01)
         per_host = np.array(PLOT_PER_HOST)
@@ -309,56 +261,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              model=f"WideMLP(width={MLP_WIDTH}, depth={MLP_DEPTH})",
                              batch_size=BATCH_SIZE, bucket_cap_mb=BUCKET_CAP_MB,
                              configs=list(args.configs))
-    reason = unavailable()
-    if reason is not None:
-        bench.progress(f"[cluster --two-tier] skipped: {reason}")
-        print(f"cluster benchmark (two-tier) skipped: {reason}")
-        return {"meta": meta, "skipped": reason, "allreduce": [], "records": [], "targets": {}}
-    logs = out / "logs"
-    logs.mkdir(exist_ok=True)
+    if (payload := skipped("two-tier", meta, "allreduce", "records")) is not None:
+        return payload
     allreduce: list[dict[str, Any]] = []
     records: list[dict[str, Any]] = []
-    ports = itertools.count(BASE_PORT + 1)
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="lightning_dist_tiers_") as workdir:
-        def job(per_host: int, rate: float, tag: str, *worker_args: str) -> tuple[Optional[dict], Optional[str], float]:
-            result = Path(workdir) / f"{per_host}_{rate:g}_{tag}.json"
-            log = logs / f"two_tier_{HOSTS}x{per_host}_r{rate:g}_{tag}.log"
-            codes, wall = launch_job(HOSTS, rate, [*worker_args, "--out", str(result)], next(ports),
-                                          args.run_timeout, log, per_host=per_host)
-            if codes == [0] * HOSTS and result.exists():
-                return json.loads(result.read_text()), None, wall
-            return None, failure_message(codes, log), wall
-
-        for rate in args.rates:
-            for per_host in args.ranks_per_host:
-                where = f"{HOSTS}x{per_host} @ {rate:g} Mbit/s"
-                raw, error, wall = job(per_host, rate, "allreduce", "--worker-tiers", "--iterations",
-                                       str(args.iterations))
-                rec = ({"per_host": per_host, "rate_mbit": rate} if raw is None
-                       else allreduce_record(raw, per_host, rate))
-                rec.update(error=error, wall_s=wall)
-                allreduce.append(rec)
-                bench.progress(f"[two-tier] {where} all-reduce FAILED: {error}" if raw is None else
-                               f"[two-tier] {where} all-reduce: flat {ms_cell(rec['flat_median_s'])} ms, two_tier "
-                               f"{ms_cell(rec['two_tier_median_s'])} ms ({rec['speedup']:.2f}x; run {wall:.0f}s)")
-                for label in args.configs:
-                    for topology in TOPOLOGIES:
-                        tag = f"{label.replace('%', 'pct')}_{topology}"
-                        raw, error, wall = job(per_host, rate, tag, "--worker", "--config", label, "--topology",
-                                               topology, "--steps", str(args.steps))
-                        rec = {"per_host": per_host, "rate_mbit": rate, "config": label, "topology": topology,
-                               "wall_s": wall}
-                        if raw is None:
-                            rec.update(median_s=None, error=error)
-                            bench.progress(f"[two-tier] {where} {label} {topology} FAILED: {error}")
-                        else:
-                            rec.update(run_record(raw, args.warmup), error=None)
-                            bench.progress(f"[two-tier] {where} {label:<12} {topology:<8} "
-                                           f"{ms_cell(rec['median_s']):>9} ms/step, "
-                                           f"{mb_cell(rec['link_bytes_per_step'])} MB/step out of host 0 "
-                                           f"(run {wall:.0f}s)")
-                        records.append(rec)
+    with Jobs(out, "two-tier", args.run_timeout, BASE_PORT + 1) as jobs:
+        for rate, per_host in itertools.product(args.rates, args.ranks_per_host):
+            where, tag = f"{HOSTS}x{per_host} @ {rate:g} Mbit/s", f"two_tier_{HOSTS}x{per_host}_r{rate:g}"
+            raw, error, wall = jobs.json(HOSTS, rate, f"{tag}_allreduce", [
+                "--worker-tiers", "--iterations", str(args.iterations)], per_host)
+            rec = {"per_host": per_host, "rate_mbit": rate} if raw is None else allreduce_record(raw, per_host, rate)
+            allreduce.append({**rec, "error": error, "wall_s": wall})
+            bench.progress(f"[two-tier] {where} all-reduce FAILED: {error}" if raw is None else
+                           f"[two-tier] {where} all-reduce: flat {ms_cell(rec['flat_median_s'])} ms, two_tier "
+                           f"{ms_cell(rec['two_tier_median_s'])} ms ({rec['speedup']:.2f}x; run {wall:.0f}s)")
+            for label, topology in itertools.product(args.configs, TOPOLOGIES):
+                records.append(jobs.train(HOSTS, rate, f"{tag}_{label.replace('%', 'pct')}_{topology}", [
+                    "--worker", "--config", label, "--topology", topology, "--steps", str(args.steps)], args.warmup,
+                    {"per_host": per_host, "rate_mbit": rate, "config": label, "topology": topology},
+                    f"{where} {label:<12} {topology:<8}", per_host))
     total = time.perf_counter() - start
     add_ratios(records)
     targets = check_targets(allreduce, records)
