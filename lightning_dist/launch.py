@@ -148,8 +148,9 @@ def connect_store(timeout_s: float, env: Optional[LaunchEnv] = None) -> dist.TCP
     """A client to the launcher's store at ``MASTER_ADDR:MASTER_PORT``.
 
     ``timeout_s`` bounds the connection (torch's own connect retries with a back-off that can overrun it by seconds,
-    so it runs on a thread that is waited for ``timeout_s`` at most) and every later ``get`` or ``wait`` on the
-    client. Raises :class:`LaunchStoreError` when there is no address or the store did not answer in time.
+    so it runs on a thread that is waited for ``timeout_s`` at most; a process that exits right after a timeout waits
+    for that thread to end) and every later ``get`` or ``wait`` on the client. Raises :class:`LaunchStoreError` when
+    there is no address or the store did not answer in time.
     """
     env = env or LaunchEnv.current()
     if env.hosts_store and not dist.is_initialized():  # once the default group is up, its store is there already
@@ -167,7 +168,11 @@ def connect_store(timeout_s: float, env: Optional[LaunchEnv] = None) -> dist.TCP
         except Exception as err:  # noqa: BLE001 - handed to the caller's thread
             box["error"] = err
 
-    thread = threading.Thread(target=connect, name="lightning_dist-store-connect", daemon=True)
+    # Not a daemon: after a timeout the thread is still inside torch's constructor (its back-off, or a reverse DNS
+    # lookup of the address that a resolver can stall for seconds) until torch's own timeout ends it. A daemon thread
+    # there when the interpreter exits aborts the process ("terminate called without an active exception", SIGABRT):
+    # the interpreter now waits for it instead, at most those few seconds.
+    thread = threading.Thread(target=connect, name="lightning_dist-store-connect", daemon=False)
     thread.start()
     thread.join(timeout_s)
     if "store" in box:
