@@ -32,30 +32,37 @@ def test_the_unit_pass_is_timed_in_place_on_the_bucket_each_codec_is_timed_on(mo
     """The unit pass gets the same buffer as every codec, freshly restored from the gradient between the same two
     clock readings; it never reads the gradient's own copy nor writes a buffer the restoring copy has evicted."""
     events: list[tuple] = []
+    drawn: list[torch.Tensor] = []  # the gradient measure_bucket draws, kept alive to be compared after it returns
 
     def clock() -> float:
         events.append(("tick",))
         return float(len(events))  # every call "takes" one tick
 
+    def spy_gradient(*args):
+        drawn.append(real_gradient(*args))
+        return drawn[-1]
+
     def spy_pass(bucket: torch.Tensor) -> None:
-        events.append(("pass", bucket.data_ptr(), bucket.clone()))
+        events.append(("pass", bucket, bucket.clone()))  # the tensor itself: alive, so compared by identity
         real_pass(bucket)  # in place: the next contender sees the gradient only if the bucket is restored again
 
     class SpyCompressor:
         def reduce(self, flat, layout, transport):
-            events.append(("codec", flat.data_ptr(), flat.clone()))
+            events.append(("codec", flat, flat.clone()))
+            flat.mul_(-1.0)  # a codec writes its input (error feedback, decoding): the gradient must not change
             return flat
 
         def commit(self):
             pass
 
-    real_pass = codecs.unit_pass
+    real_pass, real_gradient = codecs.unit_pass, codecs.gradient
     monkeypatch.setattr(codecs, "unit_pass", spy_pass)
+    monkeypatch.setattr(codecs, "gradient", spy_gradient)
     monkeypatch.setattr(codecs, "_timer", lambda device: clock)
     monkeypatch.setitem(codecs.CODECS, "spy", codecs.Codec("spy", SpyCompressor))
     rounds, seed = 3, 7
     records = codecs.measure_bucket("4K", ["spy"], rounds, 2, torch.device("cpu"), seed)
-    grad = codecs.gradient(codecs.bucket_layout("4K"), seed, torch.device("cpu"))
+    grad = real_gradient(codecs.bucket_layout("4K"), seed, torch.device("cpu"))
     assert [r["codec"] for r in records] == ["spy"]
 
     # every contender's call sits alone between two clock readings: first call, then 2 contenders per round
@@ -63,14 +70,19 @@ def test_the_unit_pass_is_timed_in_place_on_the_bucket_each_codec_is_timed_on(mo
     assert [e[0] for e in events] == [kind for e in calls for kind in ("tick", e[0], "tick")]
     assert calls[0][0] == "codec"
     assert sorted(e[0] for e in calls[1:]) == ["codec"] * rounds + ["pass"] * rounds
-    # the pass reads the very buffer the codecs get, holding the restored gradient, never the gradient itself
-    assert {e[1] for e in calls} == {calls[0][1]} and calls[0][1] != grad.data_ptr()
+    # the pass gets the very tensor the codecs get (the same object every call), and it holds the restored gradient
+    # each time, although every contender before it wrote into it
+    assert all(e[1] is calls[0][1] for e in calls)
     for _, _, seen in calls:
         assert torch.equal(seen, grad)
+    # and it is not the gradient: the gradient measure_bucket drew is unchanged after every in-place write (the pass's
+    # abs, the codec's negation), and the two share no memory (both tensors alive here, so no address is reused)
+    assert len(drawn) == 1 and torch.equal(drawn[0], grad) and (grad < 0).any()
+    assert not calls[0][1].untyped_storage().data_ptr() == drawn[0].untyped_storage().data_ptr()
 
 
 def test_the_unit_pass_is_one_elementwise_pass_in_place():
     bucket = torch.tensor([-1.5, 0.0, 2.0])
-    storage = bucket.data_ptr()
+    storage = bucket.data_ptr()  # the live tensor's own memory: the same address after means no new storage
     codecs.unit_pass(bucket)
     assert bucket.data_ptr() == storage and bucket.tolist() == [1.5, 0.0, 2.0]
