@@ -3,7 +3,8 @@
 This is not a training launcher (training is launched by Lightning, ``torchrun`` or SLURM). It is the
 small tool that ``torch/testing/_internal/common_distributed.py`` is for PyTorch: one process per rank,
 rendezvous through a file (no port to clash), and every child killed when one fails or the deadline passes,
-so a broken collective fails a test in seconds instead of hanging it. And :func:`watch_job`, for tests and
+so a broken collective fails a test in seconds instead of hanging it; the error then holds each unfinished rank's
+output and the Python stacks of its threads at that moment. And :func:`watch_job`, for tests and
 benchmarks that launch a real job (the training command): every process the job starts, found by a variable
 they all inherit, watched until none is left, all killed at a deadline. And what the tests and benchmarks fit:
 :func:`quiet_trainer` and :class:`ToyClassifier`, plus callbacks that slow a rank, inject a fault or record logs.
@@ -12,6 +13,8 @@ they all inherit, watched until none is left, all killed at a deadline. And what
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import faulthandler
 import gc
 import multiprocessing as mp
 import os
@@ -23,6 +26,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -54,9 +58,36 @@ class RanksFailed(RuntimeError):
     """A rank raised, died, or the group ran past its deadline."""
 
 
+def _own_output(output_path: str) -> None:
+    """In a rank: stdout and stderr (the file descriptors, and Python's streams on them) go to the rank's own file,
+    and ``faulthandler`` writes every thread's Python stack there on a crash and on ``SIGUSR1`` (the parent's signal
+    at a deadline): what a stuck rank was doing is then in the parent's report, not lost with the rank."""
+    fd = os.open(output_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    # under pytest's capture sys.stdout is not fd 1: rebind both streams, line-buffered, so a stuck rank's last
+    # lines are in the file
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.register(_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
+
+
+def _die_with_parent(parent: int) -> None:
+    """In a rank: the kernel kills it when the process that started it dies (Linux's ``PR_SET_PDEATHSIG``), so a rank
+    never outlives a harness killed from outside (a test run stopped with SIGKILL), which would have killed it."""
+    with contextlib.suppress(Exception):  # not Linux: no such guard
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the guard was set
+        os._exit(1)
+
+
 def _child(fn: Callable[..., Any], rank: int, world_size: int, store_path: str, deadline_s: float,
-           args: tuple, results: Any) -> None:
+           args: tuple, results: Any, output_path: str, parent: int) -> None:
     os.setsid()  # its own process group: the parent kills it together with anything it started
+    _die_with_parent(parent)
+    _own_output(output_path)
     torch.set_num_threads(1)  # N ranks share the machine's cores; one intra-op thread each
     try:
         dist.init_process_group(
@@ -98,28 +129,39 @@ def run_ranks(
     :class:`RanksFailed` with every failing rank's traceback if any rank raises, exits without a result,
     or the whole group has not finished within ``deadline_s`` seconds; all children are killed first.
     ``fork`` starts in milliseconds; use ``spawn`` when the parent holds threads that must not be forked.
+
+    Each rank's stdout and stderr go to a file of its own, copied to this process's stderr as it grows.
+    Before a rank that is still running is killed (at the deadline, or after a peer failed), it is asked to write
+    every thread's Python stack (``faulthandler`` on ``SIGUSR1``); the error then holds, for every rank that did not
+    finish, the end of its output with those stacks: where each stuck rank was waiting.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1.")
     ctx = mp.get_context(start_method)
     workdir = tempfile.mkdtemp(prefix="lightning_dist_ranks_")
     store_path = os.path.join(workdir, "store")
+    logs = [os.path.join(workdir, f"rank{rank}.out") for rank in range(world_size)]
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=_child, args=(fn, rank, world_size, store_path, deadline_s, args, results), daemon=True)
+        ctx.Process(target=_child, args=(fn, rank, world_size, store_path, deadline_s, args, results, logs[rank],
+                                         os.getpid()), daemon=True)
         for rank in range(world_size)
     ]
     outputs: dict[int, Any] = {}
     errors: dict[int, str] = {}
+    copier = _OutputCopier(logs)
+    why_killed = ""  # why ranks that had not finished were killed
     try:
         for p in procs:
             p.start()
+        copier.start()  # after the forks: no thread of ours is copied into a rank
         end = time.monotonic() + deadline_s
+        deadline_end = end
         while len(outputs) + len(errors) < world_size:
             remaining = end - time.monotonic()
             if remaining <= 0:
-                if not errors:
-                    errors[-1] = f"deadline of {deadline_s:.0f}s passed; ranks that had not finished were killed"
+                why_killed = (f"deadline of {deadline_s:.0f}s passed" if end >= deadline_end else
+                              f"killed {_GRACE_S:.0f}s after a peer failed or exited")
                 break
             try:
                 rank, status, payload = results.get(timeout=min(remaining, 0.2))
@@ -140,6 +182,12 @@ def run_ranks(
                 end = min(end, time.monotonic() + _GRACE_S)
                 continue
             outputs[rank] = pickle.loads(payload)
+        running = [i for i in range(world_size) if i not in outputs and i not in errors]
+        if running:
+            _dump_stacks([procs[i] for i in running], [logs[i] for i in running])
+            for i in running:
+                errors[i] = (f"rank {i} was still running: {why_killed}; ranks that had not finished were killed "
+                             f"(finished: {sorted(outputs) or 'none'})")
     finally:
         for p in procs:
             if p.pid is not None:
@@ -150,12 +198,92 @@ def run_ranks(
         for p in procs:
             if p.pid is not None:  # one that never started (its start raised) cannot be joined
                 p.join(timeout=5)
+        copier.stop()
         results.close()
+        tails = {rank: _tail(logs[rank]) for rank in errors}
         shutil.rmtree(workdir, ignore_errors=True)
     if errors:
-        text = "\n".join(f"--- rank {r} ---\n{msg}" for r, msg in sorted(errors.items()))
+        text = "\n".join(f"--- rank {r} ---\n{msg}\n--- rank {r}: the end of its output ---\n{tails[r]}"
+                         for r, msg in sorted(errors.items()))
         raise RanksFailed(f"{len(errors)} rank(s) failed in a group of {world_size}:\n{text}")
     return [outputs[r] for r in range(world_size)]
+
+
+_DUMP_SIGNAL = signal.SIGUSR1  # a rank writes every thread's Python stack to its stderr on this signal
+_DUMP_WAIT_S = 3.0  # how long the stacks may take to arrive before the ranks are killed anyway
+_TAIL_LINES = 120  # lines of a failed rank's output in the error
+
+
+def _dump_stacks(procs: Sequence[Any], logs: Sequence[str]) -> None:
+    """Signal each of ``procs`` to write its threads' Python stacks to its log; wait until every dump is written (a
+    rank's file has a new stack and has stopped growing), for :data:`_DUMP_WAIT_S` at most."""
+    sizes = {}
+    for p, log in zip(procs, logs):
+        if p.pid is None or p.exitcode is not None:
+            continue
+        sizes[log] = os.path.getsize(log) if os.path.exists(log) else 0
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p.pid, _DUMP_SIGNAL)
+    end = time.monotonic() + _DUMP_WAIT_S
+    last: dict[str, int] = {}
+    while sizes and time.monotonic() < end:
+        time.sleep(0.1)
+        for log, size in list(sizes.items()):
+            with open(log, "rb") as fh:
+                fh.seek(size)
+                new = fh.read()
+            if b"(most recent call first)" in new and last.get(log) == len(new):
+                del sizes[log]  # a dump has begun and nothing came in the last 0.1 s: it is complete
+            last[log] = len(new)
+
+
+def _tail(path: str, lines: int = _TAIL_LINES) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            text = fh.read().splitlines()
+    except OSError:
+        return "(no output)"
+    if not text:
+        return "(no output)"
+    cut = f"[{len(text) - lines} earlier lines left out]\n" if len(text) > lines else ""
+    return cut + "\n".join(text[-lines:])
+
+
+class _OutputCopier:
+    """Copies the ranks' output files to this process's stderr as they grow (a thread, polling)."""
+
+    def __init__(self, paths: Sequence[str], poll_s: float = 0.1) -> None:
+        self.paths, self.poll_s = list(paths), poll_s
+        self.offsets = dict.fromkeys(self.paths, 0)
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="run_ranks-output", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.copy()  # whatever came last
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.copy()
+
+    def copy(self) -> None:
+        for path in self.paths:
+            try:
+                with open(path, "rb") as fh:
+                    fh.seek(self.offsets[path])
+                    chunk = fh.read()
+            except OSError:
+                continue
+            if chunk:
+                self.offsets[path] += len(chunk)
+                with contextlib.suppress(OSError):
+                    os.write(2, chunk)
 
 
 @contextlib.contextmanager

@@ -276,16 +276,24 @@ def test_a_failing_rank_fails_fast_and_never_hangs():
 
 
 def _stall_on_rank_one(rank, world_size):
+    print(f"rank {rank} reduces", flush=True)
     if rank == 1:
         time.sleep(120)  # a stalled peer: no error, no exit
     ring_allreduce_(torch.ones(10))
 
 
-def test_a_stalled_rank_is_killed_at_the_deadline():
+def test_a_stalled_rank_is_killed_at_the_deadline_and_every_stuck_ranks_output_and_stack_is_reported():
     started = time.monotonic()
-    with pytest.raises(RanksFailed, match="deadline of 4s passed"):
+    with pytest.raises(RanksFailed, match="deadline of 4s passed") as failed:
         run_ranks(_stall_on_rank_one, 2, deadline_s=4)
     assert time.monotonic() - started < 30
+    # both ranks were still running: each one's output, then its Python stack at the deadline (faulthandler)
+    report = str(failed.value).split("--- rank 1 ---")
+    assert "rank 0 was still running" in report[0] and "rank 1 was still running" in report[1], failed.value
+    assert "rank 0 reduces" in report[0] and "rank 1 reduces" in report[1]
+    # rank 0 waits in the ring for rank 1's chunk (or, its group's timeout being the deadline, has just given up)
+    assert "most recent call first" in report[0] and "in _child" in report[0]
+    assert "in _stall_on_rank_one" in report[1] and "in _pipelined_ring" not in report[1]  # asleep before the ring
 
 
 def _die_on_rank_one(rank, world_size):
