@@ -71,9 +71,9 @@ def test_every_page_is_in_the_nav():
 
 # 5-14 s on 2 shared cores (the API reference reads the whole package): the slow tier, which CI runs
 def test_the_compression_pages_accuracy_table_is_the_one_advise_reads():
-    """docs/compression.md shows ACCURACY_COST (lightning-dist-advise's one copy, from the compression benchmark)
-    row for row: the page cannot drift from what the command prints."""
-    from lightning_dist.benchmarks.compression import ACCURACY_COST
+    """docs/compression.md shows ACCURACY_COST (lightning-dist-advise's one copy: product data the compression benchmark
+    writes) row for row: the page cannot drift from what the command prints."""
+    from lightning_dist.compression.accuracy import ACCURACY_COST
 
     text = (DOCS / "compression.md").read_text()
     table = text[text.index("| compressor | settings | points vs dense | val acc |"):].split("\n\n")[0]
