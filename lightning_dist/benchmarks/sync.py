@@ -722,8 +722,8 @@ def stream_timings(raw: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str,
     return timings, nosync
 
 
-def run_streaming(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """The streaming scenario: loopback curves, the shaped timing job, ``sync-streaming.{txt,json,png}``."""
+def run_streaming(args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The streaming scenario: loopback curves, the shaped timing job; the meta and measurements."""
     every, fragments, delays = stream_grid(args)
     methods, refused = stream_methods(args.codec, every, fragments, delays, args.mix)
     for label, reason in refused.items():
@@ -736,15 +736,12 @@ def run_streaming(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                              outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, hosts=shape.hosts,
                              rate_mbit=stream.STREAM_RATE, timing_steps=steps, peak_window_s=stream.PEAK_WINDOW_S,
                              sample_every_s=stream.SAMPLE_EVERY_S)
-    started = time.perf_counter()
     curves = run_curves(args, STREAM_SHAPE, methods, args.sizes.steps)
     for rec in curves:
         rec.update(methods[rec["method"]].config(), samples_per_step=shape.world * args.sizes.batch_size)
-    reason = unavailable()
+    reason = _skipped("streaming: shaped timing")
     raw: dict[str, Any] = {"configs": {}, "nosync": None, "error": reason}
-    if reason is not None:
-        bench.progress(f"[sync] streaming: shaped timing skipped: {reason}")
-    else:
+    if reason is None:
         bench.progress(f"[sync] streaming timing, {shape.hosts} hosts @ {stream.STREAM_RATE:g} Mbit/s: "
                        f"{' '.join(methods)}, no sync ({steps} steps each)")
         worker = ["--scenario", "streaming", "--codec", args.codec, "--every", str(every), "--fragments",
@@ -757,15 +754,13 @@ def run_streaming(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                    "configs": {label: {"config": m.config(), "ranks": read_ranks(workdir, label, shape.world)}
                                for label, m in methods.items()}}
         bench.progress(f"[sync] streaming timing job {wall:.0f}s" + (f": {error}" if error else ""))
-    total = time.perf_counter() - started
-    bench.progress(f"[sync] streaming done in {total:.0f}s")
-    return stream_report(out, {**meta, "wall_s": total}, reason, curves, raw, refused)
+    return meta, {"skipped": reason, "curves": curves, "raw": raw, "refused": refused}
 
 
-def stream_report(out: Path, meta: dict[str, Any], skipped: Optional[str], curves: list[dict[str, Any]],
-                  raw: dict[str, Any], refused: dict[str, str]) -> dict[str, Any]:
+def stream_report(out: Path, meta: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
     """The streaming table, verdicts, plot and JSON from the curves and the shaped job's raw records (``--from``
     redoes them from a saved run's)."""
+    skipped, curves, raw, refused = (measured[k] for k in ("skipped", "curves", "raw", "refused"))
     reference = f"diloco{meta['every']}"
     timings, nosync = stream_timings(raw) if raw["configs"] else ([], {"step_s": None})
     for t in timings:
@@ -824,9 +819,9 @@ def _alone_rank(rank: int, world_size: int, sizes: Sizes, steps: int) -> dict[st
     return {name: {"ends": r.ends, "samples": r.samples} for name, r in records.items()}
 
 
-def run_hetero(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """The heterogeneous scenario on 4 loopback ranks: the hosts' own speeds, then each mode's fit;
-    ``sync-hetero.{txt,json,png}``."""
+def run_hetero(args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The heterogeneous scenario on 4 loopback ranks: the hosts' own speeds, then each mode's fit; the meta and the
+    raw per-rank records."""
     sizes = hetero_sizes(args.sizes, args.quick)
     epochs = QUICK_HETERO_EPOCHS if args.quick else HETERO_EPOCHS
     own_steps = QUICK_OWN_SPEED_STEPS if args.quick else OWN_SPEED_STEPS
@@ -836,7 +831,6 @@ def run_hetero(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                              method=asdict(hetero_method("batches", args.codec, args.quick)),
                              slow_host=stream.SLOW_HOST, slow_factor=stream.SLOW_FACTOR, own_speed_steps=own_steps,
                              where="loopback: 4 local gloo ranks posing as 4 hosts")
-    started = time.perf_counter()
     raw: dict[str, Any] = {}
     try:
         raw["own"] = run_ranks(_hetero_rank, world, Method("own speed", every=NOSYNC_EVERY), "own", sizes, own_steps,
@@ -863,13 +857,12 @@ def run_hetero(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             runs[mode] = {"error": _last_line(exc)}
             bench.progress(f"[sync] hetero {mode:<8} FAILED: {runs[mode]['error']}")
     raw["runs"] = runs
-    total = time.perf_counter() - started
-    bench.progress(f"[sync] hetero done in {total:.0f}s")
-    return hetero_report(out, {**meta, "wall_s": total}, raw)
+    return meta, {"raw": raw}
 
 
-def hetero_report(out: Path, meta: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
+def hetero_report(out: Path, meta: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
     """The heterogeneous table, verdicts, plot and JSON from the raw per-rank records (``--from`` redoes them)."""
+    raw = measured["raw"]
     speeds: list[Optional[float]] = [None] * SHAPES[STREAM_SHAPE].world
     alone: list[Optional[float]] = list(speeds)
     if "own" in raw:
@@ -1084,55 +1077,55 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     if args.from_json:  # the same measurements, this code's arithmetic, tables and plot
         saved = json.loads(Path(args.from_json).read_text())
         meta = {**saved["meta"], "from": str(args.from_json)}
-        scenario = meta.get("scenario", "methods")
-        if scenario == "streaming":
-            return stream_report(out, meta, saved["skipped"], saved["curves"], saved["raw"], saved["refused"])
-        if scenario == "hetero":
-            return hetero_report(out, meta, saved["raw"])
-        return report(out, meta, saved["skipped"], saved["curves"], saved["timings"], saved["validation"],
-                      saved["nosync"], meta["rates_mbit"], list(meta["methods"]))
-    runners = {"methods": run_methods, "streaming": run_streaming, "hetero": run_hetero}
-    payloads = {name: runners[name](args, out) for name in args.scenarios}
+        return SCENARIO_RUNS[meta.get("scenario", "methods")][1](out, meta, saved)
+    payloads = {}
+    for name in args.scenarios:
+        started = time.perf_counter()
+        run, report_of = SCENARIO_RUNS[name]
+        meta, measured = run(args, out)
+        bench.progress(f"[sync] {name} done in {time.perf_counter() - started:.0f}s")
+        payloads[name] = report_of(out, {**meta, "wall_s": time.perf_counter() - started}, measured)
     return payloads[args.scenarios[0]] if len(args.scenarios) == 1 else payloads
 
 
-def run_methods(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """Issue 31's comparison: curves, the no-sync step cost, the shaped timing jobs; ``sync.{txt,json,png}``."""
+def run_methods(args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Issue 31's comparison: curves, the no-sync step cost, the shaped timing jobs; the meta and measurements."""
     sizes = args.sizes
     meta = bench.environment("sync", shapes={s: asdict(SHAPES[s]) for s in args.shapes}, rates_mbit=list(args.rates),
                              methods={m: asdict(METHODS[m]) for m in args.methods}, sizes=asdict(sizes),
                              outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
                              timing_steps={m: timing_steps(METHODS[m], sizes)[0] for m in args.methods})
-    start = time.perf_counter()
     methods = {label: METHODS[label] for label in args.methods}
     curves = [rec for shape in args.shapes for rec in run_curves(args, shape, methods, sizes.steps, sizes.horizon)]
-    nosync = run_nosync(args)
-    reason = unavailable()
-    timings: list[dict[str, Any]] = []
-    validation_raw = None
-    if reason is not None:
-        bench.progress(f"[sync] shaped timing skipped: {reason}")
-    else:
-        timings, validation_raw = run_cluster(args, _logs(out))
-    total = time.perf_counter() - start
-    bench.progress(f"[sync] done in {total:.0f}s")
-    combined = combine(curves, timings)
-    return report(out, {**meta, "wall_s": total}, reason, curves, timings,
-                  validation_record(validation_raw, curves, combined), nosync, args.rates, args.methods)
+    nosync, reason = run_nosync(args), _skipped("shaped timing")
+    timings, validation_raw = run_cluster(args, _logs(out)) if reason is None else ([], None)
+    validation = validation_record(validation_raw, curves, combine(curves, timings))
+    return meta, {"skipped": reason, "curves": curves, "timings": timings, "validation": validation, "nosync": nosync}
 
 
-def report(out: Path, meta: dict[str, Any], skipped: Optional[str], curves: list[dict[str, Any]],
-           timings: list[dict[str, Any]], validation: Optional[dict[str, Any]], nosync: Optional[dict[str, Any]],
-           rates: Sequence[float], methods: Sequence[str]) -> dict[str, Any]:
+def report(out: Path, meta: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
     """The tables, verdicts, plot and JSON from a run's measurements (``--from`` redoes them from a saved run's)."""
+    curves, timings, validation, nosync = (measured[k] for k in ("curves", "timings", "validation", "nosync"))
     quality = quality_rows(curves)
     combined = combine(curves, timings)
     targets = check_targets(quality, combined, nosync)
-    payload = {"meta": meta, "skipped": skipped, "curves": curves, "quality": quality, "timings": timings,
+    payload = {"meta": meta, "skipped": measured["skipped"], "curves": curves, "quality": quality, "timings": timings,
                "combined": combined, "validation": validation, "nosync": nosync, "targets": targets}
     blocks = [quality_table(quality), time_table(combined), validation_lines(validation), nosync_lines(nosync),
-              target_lines(targets, methods)]
-    return bench.write_results(out, "sync", blocks, payload, lambda: plot(curves, combined, rates, validation))
+              target_lines(targets, list(meta["methods"]))]
+    return bench.write_results(out, "sync", blocks, payload,
+                               lambda: plot(curves, combined, meta["rates_mbit"], validation))
+
+
+def _skipped(what: str) -> Optional[str]:
+    """Why the shaped cluster cannot run here (None: it can), said on stderr."""
+    if (reason := unavailable()) is not None:
+        bench.progress(f"[sync] {what} skipped: {reason}")
+    return reason
+
+
+SCENARIO_RUNS = {"methods": (run_methods, report), "streaming": (run_streaming, stream_report),
+                 "hetero": (run_hetero, hetero_report)}
 
 
 if __name__ == "__main__":
