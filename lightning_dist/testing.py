@@ -128,7 +128,9 @@ def run_ranks(
     ``fn`` runs after ``init_process_group`` and must return something picklable. Raises
     :class:`RanksFailed` with every failing rank's traceback if any rank raises, exits without a result,
     or the whole group has not finished within ``deadline_s`` seconds; all children are killed first.
-    ``fork`` starts in milliseconds; use ``spawn`` when the parent holds threads that must not be forked.
+    ``fork`` starts in milliseconds; use ``spawn`` when the parent holds threads that must not be forked. A forked rank
+    inherits this process's MKL allocator: after MKL ran on several threads here, a rank's first matrix product can
+    spin forever inside it; set ``MKL_DISABLE_FAST_MM=1`` before torch is imported (``tests/conftest.py`` does).
 
     Each rank's stdout and stderr go to a file of its own, copied to this process's stderr as it grows.
     Before a rank that is still running is killed (at the deadline, or after a peer failed), it is asked to write

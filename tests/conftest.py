@@ -30,6 +30,12 @@ from typing import Any, Callable, Iterator
 import pytest
 
 os.environ.setdefault("LIGHTNING_DIST_COMPILE", "0")
+# MKL's own allocator, off for the suite's processes. Ranks are forked from this process (run_ranks), which has run
+# MKL on several threads at once (the single-process emulations of N ranks); a forked child that then multiplies
+# matrices can spin forever inside that allocator (mkl_serv_allocate -> mm_account_ptr_by_tid: seen at 3-5% of
+# children), and its peers wait for it until the deadline. MKL reads the variable when torch loads: before any test
+# module imports torch. Plain malloc, which MKL then uses, is fork-safe.
+os.environ.setdefault("MKL_DISABLE_FAST_MM", "1")
 
 
 class LaunchInFastTier(RuntimeError):
