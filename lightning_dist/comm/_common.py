@@ -6,7 +6,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -108,6 +108,19 @@ def release_scratch() -> None:
     """Free the calling thread's pooled buffers (on a GPU they would hold memory); the strategy's worker
     frees its own as it ends, and the strategy the main thread's at teardown."""
     _pool().clear()
+
+
+def destroy_groups(groups: Iterable[Optional[dist.ProcessGroup]]) -> list[str]:
+    """Destroy each of ``groups`` (None skipped) at teardown; a group already gone with the default group after a
+    fault is passed over. Returns what each such failure said."""
+    failures = []
+    for group in groups:
+        if group is not None and dist.is_initialized():
+            try:
+                dist.destroy_process_group(group)
+            except (RuntimeError, ValueError) as err:
+                failures.append(f"{type(err).__name__}: {err}")
+    return failures
 
 
 def segment_bounds(start: int, end: int, segment: int) -> list[tuple[int, int]]:

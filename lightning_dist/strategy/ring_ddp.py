@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_dist.comm import release_scratch
+from lightning_dist.comm import destroy_groups, release_scratch
 from lightning_dist.comm.topology import Topology, resolve_topology, state_layout
 from lightning_dist.compression import Compressor, as_compressor
 from lightning_dist.elastic import complete_from_siblings
@@ -260,7 +260,7 @@ class RingDDPStrategy(DDPStrategy):
             state.start_worker(f"rank{self.global_rank}", self.root_device)
         self.model.register_comm_hook(state, ring_comm_hook)
 
-    def _bind_driver(self) -> Optional[Any]:
+    def _bind_driver(self) -> Optional[Sequence[Sequence[int]]]:
         """The sync driver of this fit, bound to the wrapped model; returns its workers' ranks (None: every rank)."""
         assert isinstance(self.model, DistributedDataParallel)
         context = SyncContext(strategy=self, ddp=self.model, topology=self.topology, algorithm=self._algorithm,
@@ -430,12 +430,8 @@ class RingDDPStrategy(DDPStrategy):
     def teardown(self) -> None:
         self._stop_worker()  # first: it may still use the comm group
         self._driver.close()  # (it stays readable, its metrics and counts, until the next set-up)
-        for group in (*self._hook_groups, self._schedule.group):
-            if group is not None and dist.is_initialized():
-                try:
-                    dist.destroy_process_group(group)
-                except (RuntimeError, ValueError) as err:  # already gone with the default group after a fault
-                    rank_zero_debug(f"RingDDPStrategy.teardown: {type(err).__name__}: {err}")
+        for failure in destroy_groups((*self._hook_groups, self._schedule.group)):
+            rank_zero_debug(f"RingDDPStrategy.teardown: {failure}")
         self._schedule.group, self._hook_groups = None, []
         self._hook_state.unbind()
         release_scratch()

@@ -27,6 +27,7 @@ from typing import Any, Optional, Sequence
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_dist.comm import destroy_groups
 from lightning_dist.compression import NoCompressor
 from lightning_dist.hetero import micro_batch_sizes
 from lightning_dist.identities import map_ranks
@@ -172,11 +173,7 @@ class DiLoCoDriver(DiLoCoSync, SyncDriver):
 
     def close(self) -> None:
         super().close()  # the exchanges' thread
-        for group in self.groups:
-            try:
-                dist.destroy_process_group(group)
-            except (RuntimeError, ValueError):  # already gone with the default group after a fault
-                pass
+        destroy_groups(self.groups)
 
 
 def check_steps_balance(hetero: Any, topology: str) -> None:
