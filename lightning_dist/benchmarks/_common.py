@@ -1,11 +1,10 @@
-"""The benchmark pipeline every benchmark here shares: the step recorder, the timed fit, the statistics (medians and
-quartiles, paired ratios), targets and verdicts, tables, figures and the output files.
+"""The pipeline every benchmark here shares: the step recorder, the timed fit, statistics (medians, quartiles, paired
+ratios), targets and verdicts, tables, figures and the output files.
 
 Contenders run interleaved (round-robin over rounds or seeds) and are compared by the *paired* ratio: per round one's
 time over the other's, then the median over rounds, which cancels drift slower than a round. A step's time is the gap
-between two consecutive batch ends of one epoch (:class:`StepRecorder`); a collective's, the slowest rank's. Every
-benchmark prints its tables and verdicts and writes ``<name>.txt``, ``<name>.json`` (``meta``: the environment and
-command line; ``records``) and ``<name>.png`` into ``--out`` (default ``bench_results/<name>/``).
+between two consecutive batch ends of one epoch; a collective's, the slowest rank's. Every benchmark writes
+``<name>.txt``, ``<name>.json`` (``meta``, then its records) and ``<name>.png`` into ``--out`` (:func:`finish`).
 """
 
 from __future__ import annotations
@@ -244,9 +243,8 @@ def output_dir(path: str | os.PathLike | None, default_name: str) -> Path:
 
 def write_results(out: Path, name: str, blocks: Sequence[str | Sequence[str]], payload: dict[str, Any],
                   draw: Callable[[], Any]) -> dict[str, Any]:
-    """Print ``blocks`` (a table, or a list of lines such as verdicts; a blank line between two) and write a
-    benchmark's three outputs in ``out``: ``<name>.txt`` (what was printed), ``<name>.json`` (``payload``, which is
-    returned) and ``<name>.png``, the figure ``draw()`` returns."""
+    """Print ``blocks`` (a table, or a list of lines such as verdicts; a blank line between two) and write them to
+    ``out/<name>.txt``, ``payload`` (returned) to ``<name>.json`` and the figure ``draw()`` returns to ``.png``."""
     text = "\n\n".join(block if isinstance(block, str) else "\n".join(block) for block in blocks)
     print(text)
     (out / f"{name}.txt").write_text(text + "\n")
@@ -254,6 +252,17 @@ def write_results(out: Path, name: str, blocks: Sequence[str | Sequence[str]], p
     draw().savefig(out / f"{name}.png", dpi=110)
     progress(f"[{name}] wrote {out / name}.{{json,txt,png}}")
     return payload
+
+
+def finish(name: str, out: Optional[str], started: float, blocks: Sequence[str | Sequence[str]],
+           payload: dict[str, Any], draw: Callable[[], Any], file: Optional[str] = None, **meta: Any) -> dict[str, Any]:
+    """How every benchmark's ``main`` ends: ``payload`` headed by its ``meta`` (:func:`environment` with ``meta`` and
+    ``wall_s``, the ``perf_counter`` seconds since ``started``), :func:`write_results` into ``--out`` (``out``; default
+    ``bench_results/<name>/``) as ``<file>.*`` (default ``name``)."""
+    wall_s = time.perf_counter() - started
+    progress(f"[{name}] done in {wall_s:.0f}s")
+    payload = {"meta": environment(file or name, **meta, wall_s=wall_s), **payload}
+    return write_results(output_dir(out, name), file or name, blocks, payload, draw)
 
 
 def verdict(what: str, met: bool, detail: str) -> str:
@@ -292,6 +301,11 @@ def cell(value: Optional[float], spec: str, scale: float = 1.0, unit: str = "") 
     return "-" if value is None else format(scale * value, spec) + unit
 
 
+def spread(r: dict[str, Any], spec: str = ".3f", key: str = "paired") -> str:
+    """A paired ratio with its quartiles, ``1.012x [0.998, 1.030]``: ``r``'s ``<key>_ratio``, ``_p25`` and ``_p75``."""
+    return f"{r[f'{key}_ratio']:{spec}}x [{r[f'{key}_p25']:{spec}}, {r[f'{key}_p75']:{spec}}]"
+
+
 def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """A right-aligned plain-text table (first column left-aligned); cells are ``str()``-ed."""
     cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
@@ -321,12 +335,13 @@ def figure_row(panels: int, width: float, height: float = 4.2, **subplots: Any) 
     return fig, grid[0]
 
 
-def style(ax: Any, grid: Optional[str] = "both", legend: Optional[str] = None, **settings: Any) -> None:
-    """``ax.set(**settings)``, a light grid along ``grid`` (``"both"``, ``"x"``, ``"y"``; None: none) and, with
-    ``legend`` (a font size), the legend."""
+def style(ax: Any, grid: Optional[str] = "both", legend: Optional[str] = None, which: str = "major",
+          **settings: Any) -> None:
+    """``ax.set(**settings)``, a light grid along ``grid`` (``"both"``, ``"x"``, ``"y"``; None: none) at ``which``
+    ticks and, with ``legend`` (a font size), the legend."""
     ax.set(**settings)
     if grid:
-        ax.grid(alpha=0.3, axis=grid)
+        ax.grid(alpha=0.3, axis=grid, which=which)
     if legend:
         ax.legend(fontsize=legend)
 

@@ -316,9 +316,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> Any:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    """Run the benchmark, print the table and recommendation, write JSON/TXT/PNG; returns the JSON payload."""
     args = _parse_args(argv)
-    out = bench.output_dir(args.out, "allreduce")
     if args.segment_sweep:
         cases = (Case("native", "native"),) + tuple(
             Case(f"ring/{bench.size_label(s)}", "ring", segment_bytes=s) for s in SWEEP_SEGMENTS)
@@ -327,17 +325,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         cases, name = MAIN_CASES, "allreduce"
 
     records: list[dict[str, Any]] = []
+    started = time.perf_counter()
     for n in args.world_sizes:
-        start = time.perf_counter()
         bench.progress(f"[allreduce] {n} ranks, {len(args.sizes)} sizes, cases {', '.join(c.label for c in cases)}")
         records += measure(n, cases, args.sizes, args.repeats, args.warmup, args.deadline_s)
-        bench.progress(f"[allreduce] {n} ranks done in {time.perf_counter() - start:.0f}s")
-
-    payload: dict[str, Any] = {"meta": bench.environment(name, repeats=args.repeats, warmup=args.warmup,
-                                                         cases=[asdict(c) for c in cases],
-                                                         default_segment_bytes=DEFAULT_SEGMENT_BYTES,
-                                                         auto_tree_max_bytes=AUTO_TREE_MAX_BYTES),
-                               "records": records}
+    payload: dict[str, Any] = {"records": records}
     if args.segment_sweep:
         table = sweep_table(records, cases)
         lines = [_recommend_segment(records, cases)]
@@ -353,7 +345,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             lines.append(bench.verdict(f"{key} {sign} {t['bound']}", t["met"],
                                        f"worst {t['worst_ratio']:.2f}x at {bench.size_label(t['worst_bytes'])}"))
     payload["recommendation"] = lines
-    return bench.write_results(out, name, [table, lines], payload, lambda: plot(records, [c.label for c in cases]))
+    return bench.finish("allreduce", args.out, started, [table, lines], payload,
+                        lambda: plot(records, [c.label for c in cases]), name, repeats=args.repeats,
+                        warmup=args.warmup, cases=[asdict(c) for c in cases],
+                        default_segment_bytes=DEFAULT_SEGMENT_BYTES, auto_tree_max_bytes=AUTO_TREE_MAX_BYTES)
 
 
 if __name__ == "__main__":

@@ -78,8 +78,8 @@ class GuardCost:
 
     def table(self, summary: Sequence[dict[str, Any]]) -> str:
         rows = [[s["workload"], f"{1e3 * s['base_median_s']:.2f}", f"{1e3 * s['guarded_median_s']:.2f}",
-                 f"{s['paired_ratio']:.3f}x [{s['paired_p25']:.3f}, {s['paired_p75']:.3f}]",
-                 *(f"{100 * s[f'{part}_fraction']:.2f}%" for part in (*self.parts, "own"))] for s in summary]
+                 bench.spread(s), *(f"{100 * s[f'{part}_fraction']:.2f}%" for part in (*self.parts, "own"))]
+                for s in summary]
         headers = ["workload", "step ms", "+NaNRecovery ms", "paired ratio [p25, p75]", "hook sums", "decision",
                    "callback", "guard work, all"]
         return "NaNRecovery's cost on a clean run (rank 0; % of the median step)\n" + bench.format_table(headers, rows)
@@ -134,8 +134,7 @@ class MonitorCost:
 
     def table(self, summary: Sequence[dict[str, Any]]) -> str:
         rows = [[s["strategy"], s["rounds"], s["steps"], f"{s['every']} ({s['readings']})",
-                 f"{1e3 * s['base_median_s']:.2f}", f"{1e3 * s['monitored_median_s']:.2f}",
-                 f"{s['paired_ratio']:.3f}x [{s['paired_p25']:.3f}, {s['paired_p75']:.3f}]",
+                 f"{1e3 * s['base_median_s']:.2f}", f"{1e3 * s['monitored_median_s']:.2f}", bench.spread(s),
                  f"{1e3 * s['one_off_s']:.2f}", f"{1e6 * s['steady_per_step_s']:.1f}",
                  f"{100 * s['steady_fraction']:.3f}%", f"{100 * s['all_in_fraction']:.3f}%"] for s in summary]
         headers = ["strategy", "rounds", "steps", "every (readings)", "step ms", "+MemoryMonitor ms",
@@ -233,7 +232,6 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     every = QUICK_EVERY if args.quick else None  # None: the Trainer's log_every_n_steps (50)
     cases = [c for c in CASES if c.callback in args.callbacks and (
         c.workload.name in args.workloads if c.callback == "NaNRecovery" else c.strategy in args.strategies)]
-    out = bench.output_dir(args.out, "callbacks")
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.callbacks}
     started = time.perf_counter()
     with bench.quiet_lightning():
@@ -252,17 +250,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                         runs[name].append({**record, "round": round_index})
                         bench.progress(f"  {workload} round {round_index + 1}/{rounds} {record['config']:<22} "
                                        f"{1e3 * record['median_s']:7.2f} ms/step (run {record['wall_s']:.1f}s)")
-    wall_s = time.perf_counter() - started
-    bench.progress(f"[callbacks] {sum(map(len, runs.values()))} runs in {wall_s:.0f}s")
     results = {name: {"runs": mine, "records": summarize_runs(mine, SUBJECTS[name])} for name, mine in runs.items()}
     tables = [SUBJECTS[name].table(r["records"]) for name, r in results.items() if r["records"]]
     lines = [SUBJECTS[name].verdict(s) for name, r in results.items() for s in r["records"]]
-    meta = bench.environment("callbacks", world_size=bench.WORLD_SIZE, seed=args.seed, wall_s=wall_s, quick=args.quick,
-                             every_n_steps=every, target_fraction=TARGET_FRACTION, warmup=warmup,
-                             cases=[{"callback": c.callback, "workload": c.workload.name, "strategy": c.strategy,
-                                     "steps": c.steps, "rounds": c.rounds} for c in cases])
-    payload = {"meta": meta, **{SUBJECTS[name].key: result for name, result in results.items()}}
-    return bench.write_results(out, "callbacks", [*tables, lines], payload, lambda: plot(results))
+    return bench.finish("callbacks", args.out, started, [*tables, lines],
+                        {SUBJECTS[name].key: result for name, result in results.items()}, lambda: plot(results),
+                        world_size=bench.WORLD_SIZE, seed=args.seed, quick=args.quick, every_n_steps=every,
+                        target_fraction=TARGET_FRACTION, warmup=warmup,
+                        cases=[{"callback": c.callback, "workload": c.workload.name, "strategy": c.strategy,
+                                "steps": c.steps, "rounds": c.rounds} for c in cases])
 
 
 if __name__ == "__main__":

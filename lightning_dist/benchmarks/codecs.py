@@ -179,13 +179,12 @@ def plot(records: Sequence[dict[str, Any]]) -> Any:
         target = next((r["target"] for r in records if r["codec"] == c and r["target"] is not None), None)
         if target is not None:
             ax.plot([i - 0.45, i + 0.45], [target, target], "k--", lw=1.2)
-    ax.set_yscale("log")
+    ax.set_yscale("log")  # before the formatters: setting the scale resets them
     ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.yaxis.set_minor_formatter(ScalarFormatter())
     ax.set_xticks(range(len(codecs)), codecs, rotation=20, ha="right")
-    bench.style(ax, None, ylabel="passes over the bucket (one in-place torch.abs = 1)",
+    bench.style(ax, "y", which="both", ylabel="passes over the bucket (one in-place torch.abs = 1)",
                 title="codec cost per bucket, one thread (dashed: the targets on the mlp bucket)")
-    ax.grid(alpha=0.3, axis="y", which="both")
     ax.legend(fontsize="small", ncols=2)
     return fig
 
@@ -208,7 +207,6 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             cli.error(str(exc))
     codecs = args.codecs or list(QUICK_CODECS if args.quick else CODECS)
     rounds = args.rounds or (3 if args.quick else 15)
-    out = bench.output_dir(args.out, "codecs")
     torch.set_num_threads(args.threads)
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     started = time.perf_counter()
@@ -217,12 +215,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         for bucket in buckets:
             bench.progress(f"[codecs] {bucket} on {device.type}: {len(codecs)} codecs x {rounds} rounds")
             records += measure_bucket(bucket, codecs, rounds, args.world_size, device, args.seed)
-    wall_s = time.perf_counter() - started
-    bench.progress(f"[codecs] done in {wall_s:.0f}s")
-    meta = bench.environment("codecs", wall_s=wall_s, rounds=rounds, world_size=args.world_size,
-                             threads=args.threads, grad_std=GRAD_STD, targets=TARGETS)
-    return bench.write_results(out, "codecs", [table(records), verdicts(records)],
-                               {"meta": meta, "records": records}, lambda: plot(records))
+    return bench.finish("codecs", args.out, started, [table(records), verdicts(records)], {"records": records},
+                        lambda: plot(records), rounds=rounds, world_size=args.world_size, threads=args.threads,
+                        grad_std=GRAD_STD, targets=TARGETS)
 
 
 if __name__ == "__main__":

@@ -254,19 +254,16 @@ def _fit(rank: int, world_size: int, job_name: str, label: str, seed: int, quick
         trainer = quiet_trainer(devices=world_size, strategy=strategy, callbacks=[recorder], **limits)
         started = time.perf_counter()
         trainer.fit(model, data)
-        fit_s = time.perf_counter() - started
         features = features_of(strategy)
-        totals = features.totals if features else strategy.meter.totals  # the torch hooks' own count
         meter = None if features else strategy.meter
-        return {
-            "steps": trainer.global_step, "fit_s": fit_s, "ends": recorder.ends, "epochs": recorder.epochs,
-            "losses": recorder.losses, "val_acc_curve": recorder.val_acc,
-            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
-            "bytes_sent": totals["bytes_sent"], "dense_bytes": totals["dense_bytes"],
-            "codec_s": totals.get("codec_s"), "comm_s": totals.get("comm_s"),
-            "torch_count_checked": meter.checked if meter else None,
-            "torch_count_mismatches": meter.mismatches if meter else None,
-        }
+        totals = meter.totals if meter else features.totals  # the torch hooks': their own count
+        return {"steps": trainer.global_step, "fit_s": time.perf_counter() - started, "ends": recorder.ends,
+                "epochs": recorder.epochs, "losses": recorder.losses, "val_acc_curve": recorder.val_acc,
+                "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+                "bytes_sent": totals["bytes_sent"], "dense_bytes": totals["dense_bytes"],
+                "codec_s": totals.get("codec_s"), "comm_s": totals.get("comm_s"),
+                "torch_count_checked": meter.checked if meter else None,
+                "torch_count_mismatches": meter.mismatches if meter else None}
 
 
 def run_once(job: Job, config: Config, seed: int, quick: bool, warmup: int,
@@ -279,23 +276,19 @@ def run_once(job: Job, config: Config, seed: int, quick: bool, warmup: int,
         ranks = run_ranks(_fit, bench.WORLD_SIZE, job.name, config.label, seed, quick, steps, epochs,
                           deadline_s=job.deadline_s)
     except RanksFailed as err:
-        record.update(error=str(err)[-4000:], wall_s=time.perf_counter() - started)
-        return record
-    record["wall_s"] = time.perf_counter() - started
-    # other processes' load: above the core count, this run's step times include their share
-    record["load_1m_at_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    zero = ranks[0]
+        return {**record, "error": str(err)[-4000:], "wall_s": time.perf_counter() - started}
+    # other processes' load at the end: above the core count, this run's step times include their share
+    record.update(wall_s=time.perf_counter() - started, load_1m_at_end=os.getloadavg()[0])
+    zero, steps_done = ranks[0], ranks[0]["steps"]
     times = bench.step_times(zero["ends"], zero["epochs"], warmup)
     stats = bench.summarize(times) if times else {}
     losses = np.mean([r["losses"] for r in ranks], axis=0)  # the two ranks' mean batch loss per step
-    steps_done = zero["steps"]
     record.update({
         "steps": steps_done, "fit_s": zero["fit_s"], "timed_steps": len(times),
         "step_median_s": stats.get("median_s"), "step_p25_s": stats.get("p25_s"), "step_p75_s": stats.get("p75_s"),
         "bytes_per_step": zero["bytes_sent"] / steps_done, "dense_bytes_per_step": zero["dense_bytes"] / steps_done,
         "ratio": zero["dense_bytes"] / zero["bytes_sent"] if zero["bytes_sent"] > 0 else None,
-        "codec_s_per_step": None if zero["codec_s"] is None else zero["codec_s"] / steps_done,
-        "comm_s_per_step": None if zero["comm_s"] is None else zero["comm_s"] / steps_done,
+        **{f"{key}_per_step": None if zero[key] is None else zero[key] / steps_done for key in ("codec_s", "comm_s")},
         "val_acc": zero["metrics"].get("val/acc"), "val_loss": zero["metrics"].get("val/loss"),
         "val_acc_curve": zero["val_acc_curve"], "loss_end": float(np.mean(losses[-LOSS_WINDOW:])),
         "loss_window": min(LOSS_WINDOW, len(losses)), "loss_curve": [float(x) for x in losses],
@@ -517,12 +510,10 @@ def plot(summary: Sequence[dict[str, Any]]) -> Any:
         handles, labels = ax.get_legend_handles_labels()
         unique = dict(zip(labels, handles))
         ax.legend(unique.values(), unique.keys(), fontsize="x-small")
-        ax.set_xscale("log")
-        ax.set_xlabel("gradient bytes sent per step by rank 0, KiB (log)")
-        ax.set_ylabel("final val accuracy, % (mean, min-max over seeds)" if scale == 100.0
-                      else f"train loss at the last step (mean of last {LOSS_WINDOW}; min-max over seeds)")
         ax.set_title(f"{name}: {WORKLOADS[name].description}", fontsize="small")
-        ax.grid(alpha=0.3, which="both")
+        bench.style(ax, which="both", xscale="log", xlabel="gradient bytes sent per step by rank 0, KiB (log)",
+                    ylabel="final val accuracy, % (mean, min-max over seeds)" if scale == 100.0
+                    else f"train loss at the last step (mean of last {LOSS_WINDOW}; min-max over seeds)")
     fig.suptitle(f"{bench.WORLD_SIZE} CPU ranks, gloo: gradient compression, quality against bytes")
     return fig
 
@@ -563,10 +554,7 @@ def _labels(job: Job, args: Any) -> list[str]:
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     """Run the benchmark, print the table and the verdicts, write JSON/TXT/PNG; return the JSON payload."""
     args = _parse_args(argv)
-    out = bench.output_dir(args.out, "compression")
-    runs: list[dict[str, Any]] = []
-    summary: list[dict[str, Any]] = []
-    meta_workloads: dict[str, Any] = {}
+    runs, summary, meta_workloads = [], [], {}
     start = time.perf_counter()
     with bench.quiet_lightning():
         for name in args.workloads:
@@ -590,33 +578,27 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             mine: list[dict[str, Any]] = []
             for seed in seeds:
                 for label in labels:
-                    record = run_once(job, CONFIGS[label], seed, args.quick, warmup, args.steps, args.epochs)
-                    mine.append(record)
-                    if record["error"]:
-                        bench.progress(f"  {name} seed {seed} {label:<18} FAILED after {record['wall_s']:.0f}s: "
-                                       f"{record['error'].splitlines()[0]}")
+                    mine.append(r := run_once(job, CONFIGS[label], seed, args.quick, warmup, args.steps, args.epochs))
+                    if r["error"]:
+                        bench.progress(f"  {name} seed {seed} {label:<18} FAILED after {r['wall_s']:.0f}s: "
+                                       f"{r['error'].splitlines()[0]}")
                         continue
-                    q = quality_of(record, job.quality)
+                    q = quality_of(r, job.quality)
                     shown = f"acc {100 * q:6.2f}%" if job.quality == "val_acc" else f"loss {q:.4f}"
-                    step_ms = bench.cell(record["step_median_s"], ".2f", 1e3)
-                    bench.progress(f"  {name} seed {seed} {label:<18} {shown}  {record['bytes_per_step'] / 1024:9.1f} "
-                                   f"KiB/step ({record['ratio']:.1f}x)  {step_ms} ms/step  "
-                                   f"(run {record['wall_s']:.1f}s)")
+                    bench.progress(f"  {name} seed {seed} {label:<18} {shown}  {r['bytes_per_step'] / 1024:9.1f} "
+                                   f"KiB/step ({r['ratio']:.1f}x)  {bench.cell(r['step_median_s'], '.2f', 1e3)} "
+                                   f"ms/step  (run {r['wall_s']:.1f}s)")
             runs += mine
             summary += summarize_configs(mine, job, labels)
-    total_s = time.perf_counter() - start
-    bench.progress(f"[compression] {len(runs)} runs in {total_s:.0f}s")
-
     targets = judge(summary)
     if args.write_accuracy_table:
         write_accuracy_table(summary, Path(args.write_accuracy_table))
-    meta = bench.environment("compression", world_size=bench.WORLD_SIZE, quick=args.quick, workloads=meta_workloads,
-                             torch_powersgd_start_iter=TORCH_POWERSGD_START_ITER, loss_window=LOSS_WINDOW,
-                             total_s=total_s, loadavg_at_end=os.getloadavg() if hasattr(os, "getloadavg") else None)
     lines = [bench.verdict(t["text"], t["met"], t["detail"]) for t in targets]
-    return bench.write_results(out, "compression", [table(summary), lines],
-                               {"meta": meta, "runs": runs, "records": summary, "targets": targets},
-                               lambda: plot(summary))
+    return bench.finish("compression", args.out, start, [table(summary), lines],
+                        {"runs": runs, "records": summary, "targets": targets}, lambda: plot(summary),
+                        world_size=bench.WORLD_SIZE, quick=args.quick, workloads=meta_workloads,
+                        torch_powersgd_start_iter=TORCH_POWERSGD_START_ITER, loss_window=LOSS_WINDOW,
+                        loadavg_at_end=os.getloadavg())
 
 
 if __name__ == "__main__":

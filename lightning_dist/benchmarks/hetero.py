@@ -181,43 +181,34 @@ def judge_accumulation(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]
     verdicts = []
     auto, off = (paired_summary(records, CAPPED, mode, "uncapped") for mode in ("capped, auto", "capped, off"))
     if auto is not None:
-        slower = "" if off is None else (f"; capped, off {off['paired_ratio']:.2f}x [{off['paired_p25']:.2f}, "
-                                         f"{off['paired_p75']:.2f}] (epoch {off['epoch_ratio']:.2f}x)")
+        slower = "" if off is None else f"; capped, off {bench.spread(off, '.2f')} (epoch {off['epoch_ratio']:.2f}x)"
         verdicts.append({
             "target": f"capped, auto: step time within {100 * (AUTO_TARGET - 1):.0f}% of uncapped's",
             "met": auto["paired_ratio"] <= AUTO_TARGET,
-            "detail": f"{auto['paired_ratio']:.3f}x [{auto['paired_p25']:.3f}, {auto['paired_p75']:.3f}] over "
-                      f"{auto['rounds']} round(s), {1e3 * auto['step_s']:.1f} against {1e3 * auto['base_step_s']:.1f} "
-                      f"ms/step (epoch {auto['epoch_ratio']:.3f}x){slower}"})
+            "detail": f"{bench.spread(auto)} over {auto['rounds']} round(s), {1e3 * auto['step_s']:.1f} against "
+                      f"{1e3 * auto['base_step_s']:.1f} ms/step (epoch {auto['epoch_ratio']:.3f}x){slower}"})
     if (cost := paired_summary(records, COST, "one micro-batch", "today")) is not None:
         verdicts.append({
             "target": f"one micro-batch: paired step time 1.00 +/- {COST_TOLERANCE:.2f} of today's",
             "met": abs(cost["paired_ratio"] - 1.0) <= COST_TOLERANCE,
-            "detail": f"{cost['paired_ratio']:.3f}x [{cost['paired_p25']:.3f}, {cost['paired_p75']:.3f}] over "
-                      f"{cost['rounds']} round(s); today {1e3 * cost['base_step_s']:.1f} ms/step, one micro-batch "
-                      f"{1e3 * cost['step_s']:.1f} ms/step (medians over rounds)"})
+            "detail": f"{bench.spread(cost)} over {cost['rounds']} round(s); today {1e3 * cost['base_step_s']:.1f} "
+                      f"ms/step, one micro-batch {1e3 * cost['step_s']:.1f} ms/step (medians over rounds)"})
     return verdicts
 
 
 def table(records: Sequence[dict[str, Any]]) -> str:
     """The balance scenarios' table (:data:`SCENARIOS`)."""
-    rows = []
     records = [r for r in records if r["scenario"] in SCENARIOS]
     uniform = {r["scenario"]: r for r in records if r["mode"] == "uniform" and "error" not in r}
-    for r in records:
-        if "error" in r:
-            rows.append([r["scenario"], r["mode"], "failed", "", "", "", "", ""])
-            continue
-        base = uniform.get(r["scenario"])
-        speeds = r["speeds"]
-        rows.append([r["scenario"], r["mode"], f"{r['epoch_median_s']:.2f}",
-                     f"{base['epoch_median_s'] / r['epoch_median_s']:.2f}x" if base else "-",
-                     f"{sum(speeds) / (len(speeds) * min(speeds)):.2f}x",
-                     "-" if r["compute_spread"] is None else f"{100 * r['compute_spread']:.1f}%",
-                     str([int(s) for s in r["final_sizes"]]) if r["final_sizes"] else "-",
-                     f"{100 * r['val_acc']:.2f}%"])
-    headers = ["scenario", "mode", "epoch s", "speed-up", "ideal", "compute spread", "sizes", "val acc"]
-    return bench.format_table(headers, rows)
+    rows = [[r["scenario"], r["mode"], "failed", "", "", "", "", ""] if "error" in r else [
+        r["scenario"], r["mode"], f"{r['epoch_median_s']:.2f}",
+        bench.cell(bench.ratio(uniform.get(r["scenario"], {}).get("epoch_median_s"), r["epoch_median_s"]), ".2f",
+                   unit="x"), f"{sum(r['speeds']) / (len(r['speeds']) * min(r['speeds'])):.2f}x",
+        bench.cell(r["compute_spread"], ".1f", 100, "%"),
+        str([int(s) for s in r["final_sizes"]]) if r["final_sizes"] else "-", f"{100 * r['val_acc']:.2f}%"]
+        for r in records]
+    return bench.format_table(["scenario", "mode", "epoch s", "speed-up", "ideal", "compute spread", "sizes",
+                               "val acc"], rows)
 
 
 def _micro_cell(r: dict[str, Any]) -> str:
@@ -240,8 +231,7 @@ def capped_table(records: Sequence[dict[str, Any]]) -> str:
                      _micro_cell(first), f"{len(done)}/{len(runs)}",
                      f"{bench.median([r['epoch_median_s'] for r in done]):.2f}",
                      f"{1e3 * bench.median([r['step_median_s'] for r in done]):.1f}",
-                     "reference" if mode == "uncapped" else "-" if paired is None else
-                     f"{paired['paired_ratio']:.3f}x [{paired['paired_p25']:.3f}, {paired['paired_p75']:.3f}]",
+                     "reference" if mode == "uncapped" else "-" if paired is None else bench.spread(paired),
                      bench.cell(bench.median(spreads), ".1f", 100, "%"),
                      bench.cell(bench.median(accuracies), ".2f", 100, "%")])
     headers = ["mode", "shares", "micro-batches run (rank 0 | rank 1)", "rounds", "epoch s", "step ms",
@@ -256,9 +246,7 @@ def cost_table(records: Sequence[dict[str, Any]]) -> str:
     if cost is None:
         return f"{COST}: no round with both runs"
     row = [cost["rounds"], cost["timed_steps"], _micro_cell(_timed(records, COST, "one micro-batch")[0]),
-           f"{1e3 * cost['base_step_s']:.1f}",
-           f"{1e3 * cost['step_s']:.1f}",
-           f"{cost['paired_ratio']:.3f}x [{cost['paired_p25']:.3f}, {cost['paired_p75']:.3f}]"]
+           f"{1e3 * cost['base_step_s']:.1f}", f"{1e3 * cost['step_s']:.1f}", bench.spread(cost)]
     headers = ["rounds", "timed steps per run", "micro-batches run (rank 0 | rank 1)", "today ms",
                "one micro-batch ms", "paired ratio [p25, p75]"]
     return (f"{COST} (caps [128, 128] that never bind, accumulate auto, against HeteroBatching(speeds=[1, 0.5]); "
@@ -329,7 +317,6 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     cli = bench.parser("hetero", __doc__, f"2 ranks: {QUICK_EPOCHS} epochs per balance mode, one round of "
                        f"{QUICK_CAPPED_EPOCHS} epoch per capped mode and per cost arm", seed="seed of every run")
     args = cli.parse_args(argv)
-    out = bench.output_dir(args.out, "hetero")
     epochs = QUICK_EPOCHS if args.quick else EPOCHS
     capped_epochs, capped_rounds = (QUICK_CAPPED_EPOCHS, 1) if args.quick else (CAPPED_EPOCHS, CAPPED_ROUNDS)
     cost_epochs, cost_rounds = (QUICK_COST_EPOCHS, 1) if args.quick else (COST_EPOCHS, COST_ROUNDS)
@@ -348,15 +335,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                 record = run_once(name, mode, per_run, args.seed, timed_epochs=max(1, per_run - 1), validate=validate)
                 records.append(record := {**record, "round": round_index})
                 _progress(record)
-    wall_s = time.perf_counter() - started
-    bench.progress(f"[hetero] {len(records)} runs in {wall_s:.0f}s")
     targets = judge(records) + judge_accumulation(records)
     lines = [bench.verdict(t["target"], t["met"], t["detail"]) for t in targets]
-    meta = bench.environment("hetero", quick=args.quick, epochs=epochs, batch_per_rank=BATCH, timed_epochs=TIMED_EPOCHS,
-                             cap=CAP, capped_epochs=capped_epochs, capped_rounds=capped_rounds,
-                             cost_epochs=cost_epochs, cost_rounds=cost_rounds, wall_s=wall_s)
-    return bench.write_results(out, "hetero", [table(records), capped_table(records), cost_table(records), lines],
-                               {"meta": meta, "records": records, "targets": targets}, lambda: plot(records))
+    blocks = [table(records), capped_table(records), cost_table(records), lines]
+    return bench.finish("hetero", args.out, started, blocks, {"records": records, "targets": targets},
+                        lambda: plot(records), quick=args.quick, epochs=epochs, batch_per_rank=BATCH,
+                        timed_epochs=TIMED_EPOCHS, cap=CAP, capped_epochs=capped_epochs, capped_rounds=capped_rounds,
+                        cost_epochs=cost_epochs, cost_rounds=cost_rounds)
 
 
 if __name__ == "__main__":

@@ -226,7 +226,6 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                      help=f"configurations (default: all; --quick: {' and '.join(QUICK_ESTIMATE_CONFIGS)})")
     args = cli.parse_args(argv)
     names = args.configs or list(QUICK_ESTIMATE_CONFIGS if args.quick else ESTIMATE_CONFIGS)
-    out = bench.output_dir(args.out, "memory")
     started = time.perf_counter()
     bench.progress(f"[memory] {len(names)} configs on {bench.WORLD_SIZE} ranks, {ESTIMATE_STEPS} steps each "
                    f"({', '.join(names)})")
@@ -237,13 +236,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             bench.progress(f"  {r['config']:<22} estimate {r['estimate_mib']:7.1f} MiB, measured growth "
                            f"{r['grown_mib']:7.1f} MiB ({error_pct(r['estimate_mib'], r['grown_mib']):+.1f}%), "
                            f"fit {r['wall_s']:.1f}s")
-    wall_s = time.perf_counter() - started
-    bench.progress(f"[memory] done in {wall_s:.0f}s")
     records = summarize_estimates(runs)
-    meta = bench.environment("memory", world_size=bench.WORLD_SIZE, wall_s=wall_s, estimate_steps=ESTIMATE_STEPS,
-                             target_error=TARGET_ERROR, target_min_params=TARGET_MIN_PARAMS)
-    return bench.write_results(out, "memory", [estimate_table(records), verdicts(records)],
-                               {"meta": meta, "estimate": {"runs": runs, "records": records}}, lambda: plot(records))
+    return bench.finish("memory", args.out, started, [estimate_table(records), verdicts(records)],
+                        {"estimate": {"runs": runs, "records": records}}, lambda: plot(records),
+                        world_size=bench.WORLD_SIZE, estimate_steps=ESTIMATE_STEPS, target_error=TARGET_ERROR,
+                        target_min_params=TARGET_MIN_PARAMS)
 
 
 if __name__ == "__main__":

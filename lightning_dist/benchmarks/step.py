@@ -163,12 +163,8 @@ def _parse_args(argv: Optional[Sequence[str]]) -> Any:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    """Run the benchmark, print the table and the verdicts, write JSON/TXT/PNG; return the JSON payload."""
     args = _parse_args(argv)
-    out = bench.output_dir(args.out, "step")
-    runs: list[dict[str, Any]] = []
-    summary: list[dict[str, Any]] = []
-    targets: list[dict[str, Any]] = []
+    runs, summary, targets = [], [], []
     start = time.perf_counter()
     with bench.quiet_lightning():
         for name in args.workloads:
@@ -192,21 +188,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             runs += mine
             summary += (rows := summarize_configs(mine, configs))
             targets += judge(plan, rows)
-    bench.progress(f"[step] {len(runs)} runs in {time.perf_counter() - start:.0f}s")
     lines = [bench.verdict(f"{t['workload']} {t['config']} <= {t['bound']}x ddp step time (paired)", t["met"],
                            f"{t['paired_ratio']:.3f}x; unpaired {t['ratio']:.3f}x") for t in targets]
-    meta = bench.environment(
-        "step", world_size=bench.WORLD_SIZE, seed=args.seed,
-        workloads={n: {"configs": [asdict(c) for c in WORKLOADS[n].configs], "rounds": args.rounds or
-                       WORKLOADS[n].rounds, "batch_size": WORKLOADS[n].workload.batch_size,
-                       "bucket_cap_mb": WORKLOADS[n].workload.bucket_cap_mb,
-                       "description": WORKLOADS[n].workload.description} for n in args.workloads},
-        # the machine's load matters more than anything else here: a busy machine inflates every wait
-        loadavg_at_end=os.getloadavg())
-    return bench.write_results(out, "step", [table(summary), lines],
-                               {"meta": meta, "runs": runs, "records": summary, "targets": targets},
-                               lambda: plot(runs, summary))
-
+    workloads = {n: {"configs": [asdict(c) for c in p.configs], "rounds": args.rounds or p.rounds,
+                     "batch_size": p.workload.batch_size, "bucket_cap_mb": p.workload.bucket_cap_mb,
+                     "description": p.workload.description} for n, p in WORKLOADS.items() if n in args.workloads}
+    # the machine's load matters more than anything else here: a busy machine inflates every wait
+    return bench.finish("step", args.out, start, [table(summary), lines],
+                        {"runs": runs, "records": summary, "targets": targets}, lambda: plot(runs, summary),
+                        world_size=bench.WORLD_SIZE, seed=args.seed, workloads=workloads,
+                        loadavg_at_end=os.getloadavg())
 
 if __name__ == "__main__":
     main()
