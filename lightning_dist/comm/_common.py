@@ -44,9 +44,28 @@ class GroupView:
         return self.global_ranks[group_rank % self.size]
 
 
-def completed_future(value: Any) -> torch.futures.Future:
-    """A Future that is already done, for a result computed synchronously where a Future is expected."""
-    fut: torch.futures.Future = torch.futures.Future()
+def future_devices(value: Any) -> list[torch.device]:
+    """The CUDA devices of ``value`` (a tensor, or a list or tuple of them): what a Future of it must be created with.
+
+    A ``torch.futures.Future`` made without ``devices`` records no CUDA event when its result is set, so whoever waits
+    for it (DDP, at the end of backward, before it copies the buckets into ``.grad``) synchronises with nothing: the
+    kernels that wrote the result on another stream may still be running. Created with the devices, ``set_result``
+    records an event on the current stream of each, and a waiter's stream waits for it; ``then`` passes the devices on
+    to the chained Future. Empty for CPU values (no events to record)."""
+    tensors = value if isinstance(value, (list, tuple)) else [value]
+    found: list[torch.device] = []
+    for t in tensors:
+        device = getattr(t, "device", None)
+        if isinstance(device, torch.device) and device.type == "cuda" and device not in found:
+            found.append(device)
+    return found
+
+
+def completed_future(value: Any, devices: Optional[list[torch.device]] = None) -> torch.futures.Future:
+    """A Future that is already done, for a result computed synchronously where a Future is expected. It carries
+    ``value``'s CUDA devices (``devices``: given instead), so that a waiter's stream waits for the kernels that
+    computed it (:func:`future_devices`); call it on the thread (stream) that computed ``value``."""
+    fut: torch.futures.Future = torch.futures.Future(devices=future_devices(value) if devices is None else devices)
     fut.set_result(value)
     return fut
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
@@ -57,14 +57,16 @@ class Feedback:
     ``flat + owed - sent``, where ``sent`` is this rank's contribution as the other ranks decode it. It may
     hold a committed residual of this same bucket only where it is also ``owed`` (a bucket reduced twice in a
     step): codecs read ``owed`` before they write ``keep``, element by element. ``finite``: the codec sets it
-    when it can tell cheaply whether ``flat + owed`` was finite (None: error feedback checks ``keep``).
+    when it can tell cheaply whether ``flat + owed`` was finite (None: error feedback checks ``keep``), as a 0-dim
+    bool tensor on the bucket's device: it is read once per step at the commit, never on the communication worker
+    (a ``bool()`` there would wait for every kernel backward has queued).
     """
 
     __slots__ = ("owed", "keep", "finite")
 
     def __init__(self, owed: list[Optional[torch.Tensor]], keep: torch.Tensor) -> None:
         self.owed, self.keep = owed, keep
-        self.finite: Optional[bool] = None
+        self.finite: Optional[Union[bool, torch.Tensor]] = None
 
     def add_owed(self, flat: torch.Tensor, layout: BucketLayout, out: torch.Tensor) -> torch.Tensor:
         """``out = flat + owed``, parameter by parameter (one pass; ``out`` may be ``flat``)."""

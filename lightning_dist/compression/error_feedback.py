@@ -71,18 +71,20 @@ class ErrorFeedback(Compressor):
                feedback: Optional[Feedback] = None) -> torch.Tensor:
         if feedback is not None:
             raise ValueError("ErrorFeedback cannot be fed back into: wrap a plain Compressor once")
-        if self.clip_norm is not None:
+        if self.clip_norm is not None:  # on the device: a `norm > limit` test per parameter would sync the host
             limit = self.clip_norm * self.grad_scale  # the gradient carries the loss scale; the limit does not
             for grad in layout.views(flat):
                 norm = grad.norm()
-                if norm > limit:  # False for NaN: a non-finite gradient is left to be seen
-                    grad.mul_(limit / norm)
+                # over the limit: scaled down to it; else (NaN included: a non-finite gradient is left to be seen) x 1
+                grad.mul_(torch.where(norm > limit, limit / norm, 1.0))
         owed = [self._owed(name, flat.device) for name in layout.names]
         fed = Feedback(owed, self._keep_buffer(flat, layout))
         self.inner.reduce(flat, layout, transport, fed)
-        finite = fed.finite if fed.finite is not None else bool(torch.isfinite(fed.keep.sum()))
+        finite = fed.finite if fed.finite is not None else torch.isfinite(fed.keep.sum())
         for name, residual in zip(layout.names, layout.views(fed.keep)):
-            if finite:  # the new residual: what this rank owes after this step
+            if isinstance(finite, torch.Tensor):  # the new residual, kept at the commit if finite (read then)
+                self.residuals.stage(name, residual.view(-1), keep_if=finite)
+            elif finite:  # the new residual: what this rank owes after this step
                 self.residuals.stage(name, residual.view(-1))
             else:  # a non-finite gradient: the residuals stay as they were before this step
                 self.residuals.unstage(name)

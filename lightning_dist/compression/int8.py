@@ -58,6 +58,7 @@ _LEVELS = {8: 126.999, 4: 6.999}
 # than 128 on an LM's pseudo-gradient for 6% more bytes
 DEFAULT_CHUNK = {8: 512, 4: 64}
 _TINY = torch.finfo(torch.float32).tiny
+_HOST = torch.device("cpu")
 _POINTS = 32768  # noise table length (a multiple of the chunk is used: whole chunks per table period)
 
 
@@ -122,7 +123,9 @@ class Int8Compressor(Compressor):
                 torch.add(flat[start:end], owed, out=part)
             offset += end - start
         x[numel:].zero_()
-        gen = self.rng.get(transport.rank, flat.device)
+        # the noise table's offsets come from a CPU generator on every device: reading a draw made on the GPU would
+        # wait for every kernel backward has queued (one host sync per rounding, two per bucket)
+        gen = self.rng.get(transport.rank, _HOST)
         table = self._noise(transport.rank, flat.device)
         levels = _LEVELS[bits]
         # phase 1: region j of every rank's codes goes to rank j, which sums the N of them in rank order
@@ -136,7 +139,7 @@ class Int8Compressor(Compressor):
             for _, start, end, _ in spans:
                 feedback.keep[start:end].copy_(work[offset : offset + end - start])
                 offset += end - start
-            feedback.finite = bool(torch.isfinite(steps).all())
+            feedback.finite = torch.isfinite(steps).all()  # read at the commit, not here (no host sync)
         arrived = transport.all_to_all(message)
         # the N contributions to this rank's region, decoded and summed in rank order (the same on every owner)
         codes = _read(arrived, width, bits, codes8)
@@ -239,7 +242,7 @@ def _encode(x: torch.Tensor, chunk: int, levels: float, table: torch.Tensor, gen
     torch.maximum(step, blocks.amin(1).neg_(), out=step).div_(levels).clamp_min_(_TINY)
     inverse = torch.reciprocal(step)
     period = table.numel() // 2
-    start = int(torch.randint(period, (1,), generator=gen, device=gen.device))
+    start = int(torch.randint(period, (1,), generator=gen))  # a CPU generator's draw: no wait for the device
     whole = x.numel() // period * period
     for lo, hi in ((0, whole), (whole, x.numel())):  # the table's periods, then the rest
         if hi > lo:

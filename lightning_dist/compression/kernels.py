@@ -66,7 +66,13 @@ def enabled(device: torch.device) -> bool:
 
 def _run(name: str, fused: Callable, plain: Callable, numel: int, device: torch.device, *args: torch.Tensor) -> None:
     """``fused(*args)`` compiled, when allowed and worth it; else ``plain(*args)`` (the same result, written with
-    reused buffers instead of temporaries)."""
+    reused buffers instead of temporaries).
+
+    Every compiled call runs with grad off: Dynamo guards on grad mode, and the hook's buckets are coded on the
+    communication worker (grad on: a fresh thread's default) and on the autograd thread (grad off, inside backward),
+    so a kernel compiled under one mode would be recompiled in the middle of a step under the other. The codecs'
+    kernels write into given buffers and never need autograd. Every call, not only the first, falls back to the
+    plain path on an error: a recompile (a new shape class, a new device) can fail as the first compile can."""
     if numel < MIN_ELEMENTS or name in _failed or not enabled(device):
         plain(*args)
         return
@@ -75,22 +81,30 @@ def _run(name: str, fused: Callable, plain: Callable, numel: int, device: torch.
         with _lock:  # one thread compiles; the others wait for it rather than compile again
             kernel = _compiled.get(name)
             if kernel is None:
-                kernel = torch.compile(fused, dynamic=True, fullgraph=True)
                 started = time.perf_counter()
-                try:
-                    kernel(*args)
-                except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to the plain path
-                    _failed.add(name)
-                    warnings.warn(f"lightning_dist: compiling the {name} kernel failed ({type(exc).__name__}: "
-                                  f"{str(exc).splitlines()[0] if str(exc) else ''}); using plain torch "
-                                  "(LIGHTNING_DIST_COMPILE=0 skips the attempt)", RuntimeWarning, stacklevel=3)
-                    plain(*args)
-                    return
-                COMPILE_SECONDS[name] = time.perf_counter() - started
-                log.info("lightning_dist: compiled the %s kernel in %.1f s", name, COMPILE_SECONDS[name])
-                _compiled[name] = kernel
+                if _call(name, torch.compile(fused, dynamic=True, fullgraph=True), plain, args):
+                    COMPILE_SECONDS[name] = time.perf_counter() - started
+                    log.info("lightning_dist: compiled the %s kernel in %.1f s", name, COMPILE_SECONDS[name])
                 return
-    kernel(*args)
+    _call(name, kernel, plain, args)
+
+
+def _call(name: str, kernel: Callable, plain: Callable, args: tuple) -> bool:
+    """``kernel(*args)`` with grad off; on any error, one warning, the plain path from now on, and ``plain(*args)``
+    (the kernels write only their outputs, which the plain path overwrites whole). Whether the kernel ran."""
+    try:
+        with torch.no_grad():
+            kernel(*args)
+    except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to the plain path
+        _failed.add(name)
+        _compiled.pop(name, None)
+        warnings.warn(f"lightning_dist: compiling the {name} kernel failed ({type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0] if str(exc) else ''}); using plain torch "
+                      "(LIGHTNING_DIST_COMPILE=0 skips the attempt)", RuntimeWarning, stacklevel=4)
+        plain(*args)
+        return False
+    _compiled.setdefault(name, kernel)
+    return True
 
 
 def _int8_codes(x: torch.Tensor, inverse: torch.Tensor, noise: torch.Tensor, codes: torch.Tensor,

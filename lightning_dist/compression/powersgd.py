@@ -83,7 +83,7 @@ class PowerSGDCompressor(Compressor):
         first = torch.cat([work[spans[i][1]:spans[i][2]] for i in dense] + [ps[i].reshape(-1) for i in matrices])
         transport.allreduce_(first)
         if feedback is not None:  # any rank's non-finite M makes the summed P non-finite, and every residual
-            feedback.finite = bool(torch.isfinite(first).all())
+            feedback.finite = torch.isfinite(first).all()  # a device flag, read at the commit
         offset = 0
         for i in dense:
             start, end = spans[i][1], spans[i][2]
@@ -116,8 +116,9 @@ class PowerSGDCompressor(Compressor):
                 _outer(ps[i], q, flat[start:end].view(plan[i][0], m))
             else:
                 flat[start:end].copy_((ps[i] @ q.t()).view(-1))
-            if torch.isfinite(q).all():  # a non-finite factor would poison every later step
-                self.q.stage(layout.names[i], q.clone())
+            # a non-finite factor would poison every later step: kept at the commit only if finite (a device flag
+            # read there, once per step; not here on the communication worker)
+            self.q.stage(layout.names[i], q.clone(), keep_if=torch.isfinite(q).all())
         return flat
 
     def state_bytes(self, layout: BucketLayout, element_size: int) -> int:

@@ -139,7 +139,7 @@ class SparseCompressor(Compressor):
         values = source.index_select(0, index).to(self._dtype)
         if feedback is not None:  # what was sent is no longer owed; every non-finite entry is among the sent
             source.scatter_add_(0, index, torch.neg(values).to(source.dtype))
-            feedback.finite = bool(torch.isfinite(values).all())
+            feedback.finite = torch.isfinite(values).all()  # a device flag, read at the commit
         count = index.numel()
         if self.fixed_count:
             counts = [count] * transport.world_size

@@ -21,11 +21,17 @@ import torch
 
 
 class ParamState:
-    """Per-parameter tensors (residuals, factors), staged per step."""
+    """Per-parameter tensors (residuals, factors), staged per step.
+
+    A staged write may carry a condition (``keep_if``: a 0-dim bool tensor, e.g. "this bucket was finite") that is
+    read only at :meth:`commit`: a write whose condition is false is dropped there, and the committed tensor stays.
+    The codecs decide finiteness on the communication worker, where reading a device flag would wait for every
+    kernel queued so far (and so for backward): the flags are read together, once per step, between steps."""
 
     def __init__(self) -> None:
         self._committed: dict[str, torch.Tensor] = {}
         self._staged: dict[str, torch.Tensor] = {}
+        self._conditions: dict[str, torch.Tensor] = {}  # name -> keep_if of its staged write
 
     def get(self, name: str) -> Optional[torch.Tensor]:
         """The latest tensor for ``name`` (this step's staged one, else the committed one), or None."""
@@ -35,18 +41,33 @@ class ParamState:
     def committed(self, name: str) -> Optional[torch.Tensor]:
         return self._committed.get(name)
 
-    def stage(self, name: str, value: torch.Tensor) -> None:
+    def stage(self, name: str, value: torch.Tensor, keep_if: Optional[torch.Tensor] = None) -> None:
+        """Stage ``value`` for ``name``; with ``keep_if``, :meth:`commit` keeps it only where that flag is true."""
         self._staged[name] = value
+        if keep_if is None:
+            self._conditions.pop(name, None)
+        else:
+            self._conditions[name] = keep_if
 
     def unstage(self, name: str) -> None:
         self._staged.pop(name, None)
+        self._conditions.pop(name, None)
 
     def commit(self) -> None:
+        if self._conditions:  # every flag of the step in one read (one host sync per step, on the calling thread)
+            flags = {id(c): c for c in self._conditions.values()}
+            kept = dict(zip(flags, torch.stack([c.detach().reshape(()).to("cpu", torch.bool)
+                                                for c in flags.values()]).tolist()))
+            for name, condition in self._conditions.items():
+                if not kept[id(condition)]:
+                    self._staged.pop(name, None)
+            self._conditions.clear()
         self._committed.update(self._staged)
         self._staged.clear()
 
     def discard(self) -> None:
         self._staged.clear()
+        self._conditions.clear()
 
     def scale_(self, factor: float) -> None:
         """Multiply every tensor, committed and staged, by ``factor`` in place."""
@@ -63,6 +84,7 @@ class ParamState:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self._committed = {name: t.clone() for name, t in state.items()}
         self._staged.clear()
+        self._conditions.clear()
 
     def to(self, device: torch.device) -> None:
         """Move the committed tensors next to the gradients (a checkpoint loads them on the CPU)."""

@@ -7,7 +7,9 @@ the same count and no count exchange is needed, and a layer with small gradients
 with large ones. It goes through a sampled threshold and an exact top-k of the candidates
 (:func:`~lightning_dist.compression.sparse.largest`: the exact top-k up to ties, at ~1/10 of ``torch.topk``'s
 cost); ``selection="exact"`` runs ``torch.topk`` over every layer. NaN ranks above every number, so a
-non-finite entry is always sent.
+non-finite entry is always sent. On CUDA the selection is always ``torch.topk``: the sampled search's candidate
+counts depend on the data (``nonzero``), so each layer would wait for the GPU, defeating the overlap with backward;
+``torch.topk`` of a CUDA tensor needs no host sync.
 Values travel as bf16 by default (4 + 2 bytes per pair: at ``ratio=0.01`` and 2 ranks ~66x fewer bytes
 than the dense fp32 ring); error feedback keeps their rounding in the residual.
 """
@@ -47,6 +49,6 @@ class TopKCompressor(SparseCompressor):
         return [max(1, math.ceil(self.ratio * size)) for size in layout.sizes()]
 
     def select(self, flat: torch.Tensor, layout: BucketLayout) -> torch.Tensor:
-        exact = self.selection == "exact"
+        exact = self.selection == "exact" or flat.is_cuda  # the sampled search would sync the host per layer
         return torch.cat([largest(flat[start:end], k, self.steps, exact) + start
                           for (_, start, end, _), k in zip(layout.spans(), self.counts(layout))])

@@ -2,6 +2,10 @@
 uninterrupted one would have (Lightning saves none of them). Python's, NumPy's and torch's CPU and CUDA
 generators; NumPy's state is kept as a tensor so checkpoints still load with ``weights_only=True``.
 
+CUDA: a rank's state is its own device's generator only (``torch.cuda.current_device()``, which the strategy sets to
+the rank's local device), never every visible GPU's: after an elastic restart the mapped rank may sit on another
+local device, or see fewer GPUs, and restoring "all" would hand it a neighbour's generator (or raise IndexError).
+
 A checkpoint holds every rank's (:func:`checkpoint_entry`, under :data:`RNG_KEY`), and each rank restores its own
 (:func:`restore_entry`): Lightning writes a checkpoint from rank zero only.
 """
@@ -30,7 +34,7 @@ def capture() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()  # the current device's (this rank's) generator only
     return state
 
 
@@ -41,7 +45,13 @@ def restore(state: dict[str, Any]) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        saved = state["cuda"]
+        if isinstance(saved, (list, tuple)):  # written before: every visible device's; this rank's is its device's
+            index = torch.cuda.current_device()
+            if index >= len(saved):
+                return
+            saved = saved[index]
+        torch.cuda.set_rng_state(saved)  # onto the current device (this rank's), wherever it was saved
 
 
 def checkpoint_entry(rank: int, world_size: int, gather: bool, group: Optional[dist.ProcessGroup] = None,

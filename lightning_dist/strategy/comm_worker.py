@@ -45,7 +45,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from lightning_dist.comm import completed_future, release_scratch
+from lightning_dist.comm import completed_future, future_devices, release_scratch
 
 THREAD_NAME = "lightning_dist-comm"  # every worker thread's name starts with this (tests look for it)
 _STOP = None  # the sentinel that ends the loop
@@ -114,9 +114,11 @@ class CommWorker:
 
     # -- jobs -----------------------------------------------------------------------------------------
     def submit(self, job: Callable[[], Union[torch.Tensor, torch.futures.Future]], what: str = "job",
-               here_if_idle: bool = False) -> torch.futures.Future:
+               here_if_idle: bool = False, devices: Optional[list[torch.device]] = None) -> torch.futures.Future:
         """Queue ``job`` and return a Future of its result (``job`` may return a Future itself, which the
-        result then follows); ``what`` names it in an error message.
+        result then follows); ``what`` names it in an error message. ``devices``: the CUDA devices the result lives
+        on (:func:`~lightning_dist.comm.future_devices` of the bucket): the Future records an event on each as its
+        result is set, so a waiter (DDP) waits for the kernels that made it; without them it would wait for nothing.
 
         With ``here_if_idle`` the job runs on the calling thread instead when no other job is queued or
         running (every earlier job has then been issued, so the order is kept): for work that does not
@@ -131,16 +133,17 @@ class CommWorker:
             here = here_if_idle and self._pending == 0
             if not here:
                 self._pending += 1
+        devices = [] if devices is None else list(devices)
         if here:
-            return self._run_here(job, what)
+            return self._run_here(job, what, devices)
         if self._thread is None:  # only the submitting thread gets here: no race
             self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
             self._thread.start()
-        fut: torch.futures.Future = torch.futures.Future()
+        fut: torch.futures.Future = torch.futures.Future(devices=devices)
         self._jobs.put((job, fut, what))
         return fut.then(_unwrap)
 
-    def _run_here(self, job: Callable[[], Any], what: str) -> torch.futures.Future:
+    def _run_here(self, job: Callable[[], Any], what: str, devices: list[torch.device]) -> torch.futures.Future:
         if self._failure is not None:
             raise CommWorkerError(f"{what} was not sent: an earlier job failed.\n{self._failure}")
         try:
@@ -151,7 +154,7 @@ class CommWorker:
             raise CommWorkerError(self._failure) from exc
         if isinstance(result, torch._C.Future):  # an error in its chain is already a real error
             return result
-        return completed_future(result)
+        return completed_future(result, devices or future_devices(result))
 
     def _loop(self) -> None:
         try:

@@ -36,7 +36,18 @@ decompressed in its completion callback; so is the last bucket, behind which not
 With a two-tier topology (``RingHookState.tiers``, :mod:`lightning_dist.strategy.tiers`) the hook checks and
 weights the bucket and issues its reduce-scatter inside the host right away (asynchronous: it runs while backward
 computes the next buckets); the worker then waits for it, reduces this rank's part across hosts through the
-compressor and all-gathers the parts inside the host.
+compressor and all-gathers the parts inside the host. On CUDA (NCCL) the worker issues the reduce-scatter too: NCCL
+documents deadlocks when operations on different communicators are launched in a different order on different ranks,
+and two threads issuing on three groups interleave differently on each rank. One thread per process, in DDP's bucket
+order, gives every rank the same launch order on every group (a job the autograd thread runs in its place, with
+``here_if_idle``, runs only when nothing is queued or running: the order is the same). On NCCL the reduce-scatter is
+asynchronous on the device either way (the CPU only enqueues it), so issuing it from the worker costs the overlap
+little. gloo runs each group's operations on threads of its own, with no shared launch queue: the CPU path keeps the
+early issue from the autograd thread.
+
+CUDA streams: every Future the hook returns is created with the bucket's device
+(:func:`~lightning_dist.comm.future_devices`), so setting its result records an event on the completing thread's
+stream and DDP's wait at the end of backward waits for it before copying the buckets into ``.grad``.
 
 Without a worker the hook reduces on the autograd thread and returns a completed ``Future``
 (``overlap=False``: simpler to debug, and the baseline the step benchmark compares against).
@@ -65,7 +76,14 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from lightning_dist.comm import CommStats, allreduce_async, completed_future, resolve_algorithm, ring_bytes_sent
+from lightning_dist.comm import (
+    CommStats,
+    allreduce_async,
+    completed_future,
+    future_devices,
+    resolve_algorithm,
+    ring_bytes_sent,
+)
 from lightning_dist.comm.stats import TierStats
 from lightning_dist.compression import BucketLayout, Compressor, NoCompressor, Transport
 from lightning_dist.strategy.comm_worker import CommWorker
@@ -250,15 +268,21 @@ def _reduce_bucket(state: RingHookState, bucket: dist.GradBucket, buffer: torch.
         else:
             reduce_job()
         state.exposed_s += time.perf_counter() - started
-        return completed_future(buffer)
+        return completed_future(buffer, future_devices(buffer))
     if is_last:
         state.handed_at = time.perf_counter()
     what = f"gradient bucket {bucket.index()} ({_short(layout.key)})"
+    devices = future_devices(buffer)  # a CUDA bucket's Future records an event as it completes: DDP then waits for it
+    if state.tiers is not None and buffer.is_cuda:  # NCCL: every collective of the three groups from one thread
+        def two_tier_job() -> torch.futures.Future:
+            return _begin_two_tier(state, codec, buffer, layout, bucket.index(), guard, reduced_check)()
+
+        return state.worker.submit(two_tier_job, what=what, here_if_idle=is_last, devices=devices)
     if state.tiers is not None:  # the host's reduce-scatter issued now, the rest on the worker (tiers.py)
         return state.worker.submit(_begin_two_tier(state, codec, buffer, layout, bucket.index(), guard,
-                                                   reduced_check), what=what, here_if_idle=is_last)
+                                                   reduced_check), what=what, here_if_idle=is_last, devices=devices)
     if not codec.summable:  # its own collectives, run to completion on the worker
-        return state.worker.submit(reduce_job, what=what, here_if_idle=is_last)
+        return state.worker.submit(reduce_job, what=what, here_if_idle=is_last, devices=devices)
     # Work that only issues the backend's asynchronous all-reduce never blocks; it runs right here when the
     # worker is idle (the order stays DDP's), as does the last bucket, behind which nothing is left to overlap.
     issue_only = codec.light and resolve_algorithm(buffer, state.algorithm, state.process_group) == "native"
@@ -281,7 +305,7 @@ def _reduce_bucket(state: RingHookState, bucket: dist.GradBucket, buffer: torch.
                                    then=lambda reduced: _decompress(codec, stats, clock, reduced, ctx, buffer, timed,
                                                                      reduced_check))
 
-    return state.worker.submit(job, what=what, here_if_idle=issue_only or is_last)
+    return state.worker.submit(job, what=what, here_if_idle=issue_only or is_last, devices=devices)
 
 
 _DENSE = NoCompressor()

@@ -149,7 +149,7 @@ class StepGuard:
         if scaler is not None and scaler.is_enabled():
             bad = scaler.found_inf(optimizer)
         else:
-            bad = not math.isfinite(sum(float(v) for v in self._reduced))  # the first float() synchronises
+            bad = not _all_finite(self._reduced)  # one host sync per step, after backward (never per bucket)
         verdict = StepVerdict(step=step, skipped=bad, scale=scale)
         if bad:  # rare: say who saw it (one small collective, every rank takes this branch together)
             loss_bad = not math.isfinite(sum(float(v) for v in self._losses))
@@ -172,6 +172,14 @@ class StepGuard:
         """The verdicts since the last call (one per optimizer step), oldest first."""
         verdicts, self._verdicts = self._verdicts, []
         return verdicts
+
+
+def _all_finite(values: list[torch.Tensor]) -> bool:
+    """Whether every one of ``values`` (0-dim tensors: the buckets' sentinels or sums) is finite, read with one host
+    sync: a ``float()`` per bucket would wait for the device once per bucket."""
+    if not values:
+        return True
+    return bool(torch.isfinite(torch.stack([v.detach().float().reshape(()) for v in values])).all())
 
 
 def _gather_flags(values: list[float], group: Optional[dist.ProcessGroup], rank: int,
