@@ -386,12 +386,12 @@ def test_stream_methods_pass_the_grid_to_diloco_and_leave_out_what_it_refuses():
     settings = methods["F5/tau1/int8"].settings()
     assert (settings.every, settings.fragments, settings.delay, settings.compressor.name) == (50, 5, 1, "int8")
     assert sync.Method("x").settings() is None
-    assert sync.stream_timing_steps(50, quick=False) == (300, 1) and sync.stream_timing_steps(10, quick=True) == (30, 1)
+    assert sync.FULL.stream_steps(50) == 300 and sync.QUICK.stream_steps(10) == 30  # one warm-up cycle, then 5 (2)
     mixed, _ = sync.stream_methods("int8", 50, (5,), (0, 1), mix=1.0)
     assert mixed["F5/tau1/int8"].settings().mix == 1.0 and mixed["F5/tau0/int8"].mix is None  # no delay: no mix
-    assert sync.hetero_method("steps", "int8", quick=False).settings().balance == "steps"
-    sizes = sync.hetero_sizes(sync.FULL, quick=False)
-    assert sizes.train_bytes // (4 * sizes.batch_size * (sizes.context + 1)) == sync.HETERO_EPOCH_STEPS
+    assert sync.hetero_method("steps", "int8", sync.FULL).settings().balance == "steps"
+    sizes = sync.FULL.hetero()
+    assert sizes.train_bytes // (4 * sizes.batch_size * (sizes.context + 1)) == sync.FULL.hetero_epoch_steps
 
 
 def _busy(cpu_s):
@@ -478,14 +478,14 @@ def test_hetero_speeds_epochs_rows_targets_table_and_plot():
 def test_scenario_arguments():
     assert sync._parse_args([]).scenarios == ("methods",)
     assert sync._parse_args(["--scenario", "all"]).scenarios == sync.SCENARIOS
-    args = sync._parse_args(["--quick", "--scenario", "streaming", "--codec", "int8"])
-    assert sync.stream_grid(args) == (10, (2,), (1,))
-    args = sync._parse_args(["--scenario", "streaming", "--codec", "int8", "--fragments", "4", "--delays", "0", "1"])
-    assert sync.stream_grid(args) == (50, (4,), (0, 1))
-    assert sync.stream_grid(sync._parse_args(["--scenario", "streaming", "--codec", "int8"])) == (50, (1, 5, 10),
-                                                                                                   (0, 1, 5))
-    args = sync._parse_args(["--scenario", "streaming", "--codec", "int8", "--every", "40", "--fragments", "1", "4"])
-    assert sync.stream_grid(args) == (40, (1, 4), (0, 1, 5))
+    def grid(*argv):
+        args = sync._parse_args(["--scenario", "streaming", "--codec", "int8", *argv])
+        return args.every, args.fragments, args.delays
+
+    assert grid("--quick") == (10, (2,), (1,))
+    assert grid("--fragments", "4", "--delays", "0", "1") == (50, (4,), (0, 1))
+    assert grid() == (50, (1, 5, 10), (0, 1, 5))
+    assert grid("--every", "40", "--fragments", "1", "4") == (40, (1, 4), (0, 1, 5))
     for bad in (["--scenario", "streaming", "--codec", "int8", "--steps", "420"],  # not a multiple of H = 50
                 ["--scenario", "hetero", "--codec", "nope"], ["--scenario", "streaming", "--delays", "-1"],
                 ["--scenario", "streaming", "--codec", "int8", "--every", "30"]):  # 400 steps: no multiple of 30
@@ -555,7 +555,7 @@ def test_quick_hetero_run(hetero_quick, tmp_path):
     assert all(s is not None and s > 0 for s in speeds), speeds
     rows = {r["mode"]: r for r in payload["rows"]}
     assert set(rows) == {*stream.HETERO_MODES, stream.FIXED_MODE}
-    epoch = sync.QUICK_HETERO_EPOCH_STEPS * 4 * sync.QUICK.batch_size
+    epoch = sync.QUICK.hetero_epoch_steps * 4 * sync.QUICK.batch_size
     for mode in ("equal", "batches", stream.FIXED_MODE):
         r = rows[mode]
         assert r["error"] is None, r["error"]

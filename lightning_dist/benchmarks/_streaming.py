@@ -1,12 +1,7 @@
-"""Part 2 of the sync benchmark (issue 32): what its two scenarios compute from their raw records, judge and draw.
-
-:mod:`lightning_dist.benchmarks.sync` runs them (``--scenario streaming`` and ``hetero``); this module holds what needs
-no rank: the streaming grid, the link sampler a cluster rank runs on a thread, the CPU-time slowdown, and the pure
-summaries, verdicts, tables and plots. **Streaming** (Streaming DiLoCo, Douillard et al. 2025):
-``DiLoCo(every=H, fragments=F, delay=tau)`` with 4-bit pseudo-gradients against part 1's DiLoCo at the same H (the
-*reference*), judged on quality, the peak bytes per second on host 0's link and the loop's wait for the exchanges.
-**Heterogeneous workers**: one host at half the others' speed, wall time per epoch against the ideal under equal
-batches, batches that follow speed and ``balance="steps"``. Method and results: docs/benchmarks.md (``sync``).
+"""The sync benchmark's issue-32 scenarios, what needs no rank: the link sampler, the CPU-time slowdown, and the pure
+summaries, verdicts, tables and plots of **streaming** (Streaming DiLoCo, Douillard et al. 2025: F fragments, delay
+tau, against part 1's DiLoCo at the same H) and **hetero** (one host at half speed). :mod:`~.sync` runs them; method
+and results: docs/benchmarks.md (``sync``).
 """
 
 from __future__ import annotations
@@ -20,13 +15,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_dist.benchmarks import _common as bench
 
-# -- the streaming grid and its targets ------------------------------------------------------------------------------
-STREAM_EVERY = 50  # H, part 1's longer interval (its DiLoCo H=50 is the reference)
-# F and tau, every pair. The issue names F = 4, but F must divide H (fragment f syncs at step f H / F) and 4 does not
-# divide 50: DiLoCo refuses it. 5, the divisor of 50 nearest 4, stands in (the targets ask for F >= 4);
-# ``--every 40 --fragments 1 4 10`` runs the issue's F at another H (the reference then DiLoCo H=40).
-STREAM_FRAGMENTS, STREAM_DELAYS = (1, 5, 10), (0, 1, 5)
-QUICK_STREAM = (10, (2,), (1,))  # --quick: H, F, tau
+# -- streaming's targets -------------------------------------------------------------------------------------------
 STREAM_CODEC = "int4"  # the pseudo-gradient's codec of every streaming configuration
 STREAM_HOSTS, STREAM_RATE = 4, 10.0  # flat: 4 hosts of 1 rank; Mbit/s
 PEAK_WINDOW_S = 1.0  # the sliding window of the peak bytes per second
@@ -38,8 +27,8 @@ JUDGED_FRAGMENTS, JUDGED_DELAY = 4, 1  # the peak and quality targets: F >= 4 an
 
 # -- the heterogeneous scenario ------------------------------------------------------------------------------------
 HETERO_MODES = ("equal", "batches", "steps")  # equal batches (baseline), batches that follow speed, balance="steps"
-# and, reported only: batches sized once from the measured speeds (HeteroBatching(speeds=...)), which needs no exchange
-# on every step as rebalancing does: what that per-step meeting of every worker costs
+# and, reported only: batches sized once from the measured speeds (HeteroBatching(speeds=...)), with no exchange of
+# measurements on every step as rebalancing has: what that per-step meeting of every worker costs
 FIXED_MODE = "fixed"
 JUDGED_MODES = ("batches", "steps")
 HETERO_BOUND = 1.10  # wall time per epoch at most 10% above the ideal
@@ -56,12 +45,10 @@ def slowdowns(hosts: int) -> dict[int, float]:
 
 
 class CpuSlowdown(Callback):
-    """:class:`~lightning_dist.testing.Slowdown` measured in CPU time: ``CpuSlowdown({3: 4.0})`` makes rank 3 take 4x
-    its own compute. Before each backward pass it sleeps ``factor - 1`` times the CPU time its training thread spent
-    since the last backward (this forward, an inner step's optimizer step) plus the previous backward's (until one
-    is measured, twice the forward). Wall time would hold the waits in that window: under ``balance="steps"`` the
-    step's exchange falls in the next inner step's forward, and with every host paced the sleeps grew without bound
-    (one of 535 s hung a run). CPU time holds no wait, and on this oversubscribed machine it is the host's own work."""
+    """:class:`~lightning_dist.testing.Slowdown` in CPU time: ``CpuSlowdown({3: 4.0})`` makes rank 3 take 4x its own
+    compute, sleeping before each backward ``factor - 1`` times the training thread's CPU time since the last backward
+    plus the previous backward's (until one is measured, twice the forward). Wall time would count the waits for the
+    other hosts too (under ``balance="steps"`` the sleeps grew without bound); CPU time is the host's own work."""
 
     def __init__(self, factors: dict[int, float]) -> None:
         bad = {r: f for r, f in factors.items() if not (isinstance(f, (int, float)) and f >= 1)}
@@ -97,9 +84,8 @@ def judged(row: dict[str, Any]) -> bool:
 
 
 class LinkSampler:
-    """Reads a byte counter (``read``: :func:`~lightning_dist.simcluster.link_bytes_sent` on a simulated host) every
-    ``interval_s`` on a daemon thread from :meth:`start` to :meth:`stop`: ``samples`` of ``(perf_counter seconds,
-    bytes)``. A thread rather than the step hooks, because an overlapped exchange sends between steps."""
+    """``samples`` of ``(perf_counter seconds, read())`` every ``interval_s`` on a daemon thread, from :meth:`start`
+    to :meth:`stop`: a thread rather than the step hooks, because an overlapped exchange sends between steps."""
 
     def __init__(self, read: Callable[[], int], interval_s: float = SAMPLE_EVERY_S) -> None:
         self.read, self.interval_s = read, interval_s
@@ -120,57 +106,42 @@ class LinkSampler:
         self._thread.start()
 
     def stop(self) -> None:
-        if self._thread is None:
-            return
-        self._stop.set()
-        self._thread.join()
-        self._thread = None
-        self._sample()
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+            self._sample()
 
 
 # -- pure summaries: streaming ---------------------------------------------------------------------------------------
 def peak_rate(samples: Sequence[Sequence[float]], window_s: float = PEAK_WINDOW_S
               ) -> tuple[Optional[float], Optional[float]]:
-    """The peak bytes per second over sliding windows of ``window_s``, and the window used: from every reading
-    ``(t_i, b_i)`` to the first reading ``j`` at least a window later, ``(b_j - b_i) / (t_j - t_i)``; the maximum.
-    Readings spanning less than a window (a short ``--quick`` fit) make one window of their whole span. ``(None,
-    None)`` with fewer than two readings or no time between them."""
+    """The peak bytes per second over sliding windows of ``window_s`` (readings spanning less: one window of their
+    span), and the window used; ``(None, None)`` with under two readings or no time between them."""
     if len(samples) < 2:
         return None, None
-    t = np.array([s[0] for s in samples], dtype=float)
-    b = np.array([s[1] for s in samples], dtype=float)
+    t, b = (np.array([s[i] for s in samples], dtype=float) for i in (0, 1))
     span = t[-1] - t[0]
     if span <= 0:
         return None, None
     window = min(window_s, span)
-    # the first reading at or after t_i + window (a hair under it: the whole span's end is t_0 + span exactly)
+    # from each reading i to the first reading j at or after t_i + window (a hair under: the span ends at t_0 + span)
     j = np.searchsorted(t, t + window * (1 - 1e-9), side="left")
     i = np.nonzero(j < len(t))[0]
-    rates = (b[j[i]] - b[i]) / (t[j[i]] - t[i])
-    return float(rates.max()), float(window)
+    return float(((b[j[i]] - b[i]) / (t[j[i]] - t[i])).max()), float(window)
 
 
 def hidden_bandwidth(bytes_per_exchange: Optional[float], delay: int, nosync_step_s: Optional[float],
                      sync_step_s: Optional[float]) -> Optional[float]:
-    """Bytes per second a fragment's exchange needs to stay hidden: its bytes over the ``delay`` inner steps it
-    overlaps (``tau x`` the step time with no sync); with ``delay`` 0 it is not hidden, and the figure is its bytes
-    over the sync step's duration (what the step that carries it sustained)."""
+    """Bytes per second that hide a fragment's exchange: its bytes over the ``delay`` no-sync steps it overlaps (with
+    no delay, over the sync step that carries it)."""
     span = delay * nosync_step_s if delay > 0 and nosync_step_s else sync_step_s if delay == 0 else None
-    if bytes_per_exchange is None or not span:
-        return None
-    return bytes_per_exchange / span
-
-
-def sync_reports(trace: Sequence[Sequence[Any]], first: int, last: int) -> list[dict[str, float]]:
-    """The ``sync/*`` reports of a fit's timed steps: ``trace`` is ``[step, metrics]`` each time the sync's metrics
-    changed (read after every optimizer step), the reports kept those read after steps in ``(first, last]``."""
-    return [dict(metrics) for step, metrics in trace if first < step <= last]
+    return bytes_per_exchange / span if bytes_per_exchange is not None and span else None
 
 
 def nosync_step(ends_per_rank: Sequence[Sequence[float]], warmup: int) -> dict[str, Any]:
-    """The step time with no sync: per rank the mean step after ``warmup`` steps (its span over its steps: hosts
-    that share cores run bursts of fast and slow steps, which a median splits, and the synced fits' step is a mean
-    too, a cycle over H); the slowest rank's is ``step_s``."""
+    """The step with no sync: per rank the mean step after ``warmup`` (hosts sharing cores run bursts of fast and slow
+    steps, which a median splits; the synced step is a mean too, a cycle over H); ``step_s`` the slowest rank's."""
     per_rank = [(ends[-1] - ends[warmup]) / (len(ends) - 1 - warmup) if len(ends) > warmup + 1 else None
                 for ends in ends_per_rank]
     known = [s for s in per_rank if s is not None]
@@ -179,25 +150,23 @@ def nosync_step(ends_per_rank: Sequence[Sequence[float]], warmup: int) -> dict[s
 
 def stream_timing(config: dict[str, Any], cycles: Sequence[dict[str, Any]], ranks: Sequence[dict[str, Any]],
                   warm_cycles: int, nosync_step_s: Optional[float]) -> dict[str, Any]:
-    """A configuration's shaped-cluster figures. ``config``: ``every`` (H), ``fragments`` (F), ``delay`` (tau).
-    ``cycles``: every rank's :func:`~lightning_dist.benchmarks.sync.cycle_timing` of the fit (a sync step every H / F,
-    rank 0's with its link's bytes). ``ranks``: every rank's raw record, ``ends``, ``trace`` (``[step, sync
-    metrics]`` at each change) and, on rank 0, ``link_samples`` (its link's counter every ~20 ms over the timed
-    steps). ``nosync_step_s``: the same cluster's step with no sync at all."""
+    """A configuration's (``every``, ``fragments``, ``delay``) shaped-cluster figures from every rank's
+    :func:`~.sync.cycle_timing` and raw record (``ends``, ``trace`` of ``[step, sync/* metrics]`` at each change, on
+    rank 0 ``link_samples``), and the same cluster's step with no sync."""
     every, fragments, delay = config["every"], config["fragments"], config["delay"]
-    first = warm_cycles * every  # the timed steps are (first, last]
-    last = (len(ranks[0]["ends"]) // every) * every
+    first, last = warm_cycles * every, (len(ranks[0]["ends"]) // every) * every  # the timed steps are (first, last]
     timed = last - first
     slowest = int(np.argmax([c["per_step_s"] for c in cycles]))
     per_step = cycles[slowest]["per_step_s"]
-    reports = [sync_reports(r.get("trace", []), first, last) for r in ranks]
+    reports = [[m for step, m in r.get("trace", []) if first < step <= last] for r in ranks]
     waited = [sum(rep.get("sync/waited_s", 0.0) for rep in mine) / timed for mine in reports]
     seconds = [rep["sync/seconds"] for mine in reports for rep in mine if "sync/seconds" in rep]
     payload = [rep["sync/bytes_per_sync"] for rep in reports[0] if "sync/bytes_per_sync" in rep]
     exchanges = (timed // every) * fragments  # fragment exchanges started in the timed steps (a steady state)
     link_step = cycles[0]["link_bytes_per_step"]
     link_per_exchange = link_step * timed / exchanges if link_step is not None and exchanges else None
-    peak, window = peak_rate(ranks[0].get("link_samples") or [])
+    samples = ranks[0].get("link_samples") or []
+    peak, window = peak_rate(samples)
     local_step_s, sync_step_s = (max((c[k] for c in cycles if c[k] is not None), default=None)
                                  for k in ("local_step_s", "sync_step_s"))
     waited_step = max(waited) if waited else None
@@ -206,22 +175,20 @@ def stream_timing(config: dict[str, Any], cycles: Sequence[dict[str, Any]], rank
             "timed_cycles": cycles[slowest]["timed_cycles"], "slowest_rank": slowest, "per_step_s": per_step,
             "per_rank_step_s": [c["per_step_s"] for c in cycles], "local_step_s": local_step_s,
             "sync_step_s": sync_step_s, "nosync_step_s": nosync_step_s, "waited_per_step_s": waited_step,
-            "waited_fraction": waited_step / per_step if waited_step is not None and per_step else None,
-            "exposed_by_time_s": exposed,
-            "exposed_by_time_fraction": exposed / per_step if exposed is not None and per_step else None,
-            "exchange_s": bench.median(seconds), "reports": len(reports[0]), "exchanges": exchanges,
-            "payload_bytes_per_exchange": bench.median(payload), "link_bytes_per_exchange": link_per_exchange,
-            "link_bytes_per_step": link_step,
-            "peak_bytes_per_s": peak, "peak_window_s": window, "link_readings": len(ranks[0].get("link_samples") or []),
+            "waited_fraction": bench.ratio(waited_step, per_step), "exposed_by_time_s": exposed,
+            "exposed_by_time_fraction": bench.ratio(exposed, per_step), "exchange_s": bench.median(seconds),
+            "reports": len(reports[0]), "exchanges": exchanges, "payload_bytes_per_exchange": bench.median(payload),
+            "link_bytes_per_exchange": link_per_exchange, "link_bytes_per_step": link_step, "peak_bytes_per_s": peak,
+            "peak_window_s": window, "link_readings": len(samples),
             "hidden_bytes_per_s": hidden_bandwidth(link_per_exchange, delay, nosync_step_s, sync_step_s),
             "error": None}
 
 
 def stream_rows(curves: Sequence[dict[str, Any]], timings: Sequence[dict[str, Any]], reference: str
                 ) -> list[dict[str, Any]]:
-    """Per configuration (curve order): its curve's final losses and shaped figures, and both against the
-    reference's: ``global_vs_ref`` (``theta_global``'s loss over the reference's, less 1: what the quality target
-    judges), ``loss_vs_ref`` (rank 0's own model's) and ``peak_vs_ref`` (peak bytes/s over the reference's)."""
+    """Per configuration: its curve's final losses and shaped figures, and against the reference's: ``global_vs_ref``
+    (``theta_global``'s loss, what the quality target judges) and ``loss_vs_ref`` (rank 0's model's) less 1, and
+    ``peak_vs_ref`` (peak bytes/s)."""
     timing = {t["label"]: t for t in timings}
     ref = next((c for c in curves if c["label"] == reference and not c.get("error")), {})
     ref_peak = timing.get(reference, {}).get("peak_bytes_per_s")
@@ -244,10 +211,9 @@ def stream_rows(curves: Sequence[dict[str, Any]], timings: Sequence[dict[str, An
 
 
 def stream_targets(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Issue 32's streaming targets: for F >= 4 and tau >= 1, peak bytes/s at most 1/20 of the reference's and the
-    final loss of ``theta_global`` (the model every worker agrees on) within 1% of it; for tau >= 1, the loop's wait
-    for the exchange at most 5% of the step, by both ``sync/waited_s`` per step and the step less the step with no
-    sync (whatever held the loop). A target whose measurement is missing is absent."""
+    """Issue 32's targets: for F >= 4 and tau >= 1, peak bytes/s <= 1/20 of the reference's and ``theta_global``'s
+    final loss within 1% of it; for tau >= 1, the loop's wait for the exchange <= 5% of the step, by ``sync/waited_s``
+    and by the step less the no-sync step. A target whose measurement is missing is absent."""
     out: dict[str, dict[str, Any]] = {}
     for r in (r for r in rows if not r["reference"]):
         if judged(r) and r["peak_vs_ref"] is not None:
@@ -288,14 +254,17 @@ def stream_target_lines(targets: dict[str, dict[str, Any]], rows: Sequence[dict[
 
 def stream_table(rows: Sequence[dict[str, Any]]) -> str:
     """The streaming table: quality at equal samples, then the shaped cluster's figures."""
+    def ms(r: dict[str, Any], *keys: str) -> list[str]:
+        return [bench.cell(r.get(k), ",.1f", 1e3) for k in keys]
+
     out = []
     for r in rows:
-        ref, ms = r["reference"], {k: bench.cell(r.get(k), ",.1f", 1e3) for k in (
-            "per_step_s", "local_step_s", "nosync_step_s", "waited_per_step_s", "exposed_by_time_s", "exchange_s")}
+        ref = r["reference"]
         out.append([r["label"] + " (ref)" * ref, r["fragments"], r["delay"], r["codec"] or "dense",
                     bench.cell(r["global_loss"], ".4f"), "-" if ref else bench.cell(r["global_vs_ref"], "+.2%"),
                     bench.cell(r["final_loss"], ".4f"), "-" if ref else bench.cell(r["loss_vs_ref"], "+.2%"),
-                    *list(ms.values())[:4], bench.cell(r.get("waited_fraction"), ".1%"), *list(ms.values())[4:],
+                    *ms(r, "per_step_s", "local_step_s", "nosync_step_s", "waited_per_step_s"),
+                    bench.cell(r.get("waited_fraction"), ".1%"), *ms(r, "exposed_by_time_s", "exchange_s"),
                     *(bench.cell(r.get(k), ",.1f", 1e-3) for k in ("link_bytes_per_exchange", "peak_bytes_per_s")),
                     "-" if ref or not r["peak_vs_ref"] else f"1/{1 / r['peak_vs_ref']:.1f}",
                     bench.cell(r.get("hidden_bytes_per_s"), ",.1f", 1e-3),
@@ -313,8 +282,8 @@ def stream_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def stream_plot(curves: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]], reference: str) -> Any:
-    """Peak bytes/s on host 0's link per configuration (log; the reference's and 1/20 of it drawn across, the
-    bandwidth that hides each exchange as a dot), and validation loss against samples per configuration."""
+    """Per configuration: peak bytes/s on host 0's link (log; the target drawn across, the bandwidth that hides each
+    exchange as a dot), and validation loss against samples."""
     fig, (bars, losses) = bench.figure_row(2, 14.0, 4.8)
     timed = [r for r in rows if r.get("peak_bytes_per_s")]
     xs = range(len(timed))
@@ -346,10 +315,8 @@ def stream_plot(curves: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]]
 
 # -- pure summaries: heterogeneous workers ---------------------------------------------------------------------------
 def own_speeds(ranks: Sequence[dict[str, Any]], warmup: int) -> list[Optional[float]]:
-    """Every host's own samples per second in a fit where no host waits for another: its median batch over its
-    median step, over the steps that ran while every host was past its first ``warmup`` steps and none had finished
-    (a host that finished leaves the cores to the others; one still starting has not taken its share). None for a
-    host with no step in that span."""
+    """Every host's own samples per second (median batch / median step; None: no step counted) in a fit where no host
+    waits for another, over the steps while every host was past ``warmup`` steps and none had finished."""
     begin = max(r["ends"][min(warmup, len(r["ends"]) - 1)] for r in ranks)
     cutoff = min(r["ends"][-1] for r in ranks)
     speeds: list[Optional[float]] = []
@@ -361,8 +328,8 @@ def own_speeds(ranks: Sequence[dict[str, Any]], warmup: int) -> list[Optional[fl
 
 
 def epoch_figures(ranks: Sequence[dict[str, Any]], epoch: int) -> dict[str, Any]:
-    """Epoch ``epoch`` over every host: its wall time (the first batch's start on any host to the last batch's end
-    on any), its samples (every host's), and per host the samples and batches it ran."""
+    """Epoch ``epoch``'s wall time (first batch's start to last batch's end, on any host), samples, and per host its
+    samples and batches."""
     mine = [[i for i, e in enumerate(r["epochs"]) if e == epoch] for r in ranks]
     if not all(mine):
         return {"epoch": epoch, "wall_s": None, "samples": 0, "per_rank_samples": [], "per_rank_batches": []}
@@ -374,8 +341,7 @@ def epoch_figures(ranks: Sequence[dict[str, Any]], epoch: int) -> dict[str, Any]
 
 def hetero_row(mode: str, ranks: Sequence[dict[str, Any]], speeds: Sequence[Optional[float]],
                timed_epochs: Sequence[int]) -> dict[str, Any]:
-    """A mode's figures over ``timed_epochs``: the median epoch's wall time, and the ideal for that epoch's samples
-    at the sum of the hosts' own speeds (``ratio``: wall / ideal)."""
+    """A mode's median timed epoch: its wall time and the ideal, its samples at the hosts' summed own speeds."""
     epochs = [epoch_figures(ranks, e) for e in timed_epochs]
     done = [e for e in epochs if e["wall_s"] is not None]
     if not done:
@@ -419,8 +385,7 @@ def hetero_table(rows: Sequence[dict[str, Any]], speeds: Sequence[Optional[float
 
 
 def hetero_plot(rows: Sequence[dict[str, Any]], speeds: Sequence[Optional[float]]) -> Any:
-    """Per mode: the wall time per epoch against its ideal; and each host's samples per epoch against the split
-    the hosts' own speeds call for."""
+    """Per mode: the wall time per epoch against its ideal, and each host's samples against the own-speed split."""
     fig, (walls, shares) = bench.figure_row(2, 11.0, 4.4)
     done = [r for r in rows if not r.get("error")]
     xs = range(len(done))

@@ -1,16 +1,10 @@
 """Syncing every H steps against syncing every step, on the LM workload: ``python -m lightning_dist.benchmarks.sync``.
 
-Methods (:data:`METHODS`): dense DDP, top-k 1% + error feedback and PowerSGD rank 2 every step, and DiLoCo (outer SGD lr
-0.7, Nesterov 0.9) at H = 10 and 50 with dense, int8 and top-k 1% pseudo-gradients, on the same samples; shapes ``flat``
-(4 hosts of 1 rank) and ``two_tier`` (2 of 2); links of 10 and 100 Mbit/s. Loss against steps does not depend on the
-link, so (1) each curve trains on loopback ranks posing as the shape's hosts (:func:`run_curves`; quality compared at
-:attr:`Sizes.steps`, equal samples), (2) the time per step is timed on a shaped SimCluster (:func:`run_cluster`, the
-median cycle / H), and (3) the two combine into loss against wall time (:func:`combine`), checked once against a full
-shaped run; plus the flat no-sync step against a single process. Targets (issue 31, flat): DiLoCo H=50 within 3% of
-dense's final loss (int8 3.5%), bytes per inner step <= 1/H of dense's (int8 1/(3.5 H)), dense's final loss at 10
-Mbit/s >= 10x sooner than dense and 2x than the best per-step compressor, the no-sync step <= 1.03x. ``--scenario
-streaming`` and ``hetero`` (issue 32, :mod:`~lightning_dist.benchmarks._streaming`): Streaming DiLoCo's F x tau grid,
-one host at half speed. Method and results: docs/benchmarks.md (``sync``).
+Loss against steps does not depend on the link, so each method's curve trains on loopback ranks posing as hosts
+(:func:`run_curves`), its time per step is timed on a shaped SimCluster (:func:`run_cluster`), and the two combine into
+loss against wall time (:func:`combine`), checked once against a full shaped run. ``--scenario streaming`` and
+``hetero`` (issue 32, :mod:`~lightning_dist.benchmarks._streaming`): Streaming DiLoCo's F x tau grid, one host at half
+speed. Methods, targets and results: docs/benchmarks.md (``sync``).
 """
 
 from __future__ import annotations
@@ -50,14 +44,14 @@ from lightning_dist.testing import RanksFailed, free_port, launched_externally, 
 WORKER_MODULE = "lightning_dist.benchmarks.sync"
 SEED = 0
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # the paper's, and the issue's
-# gloo's own all-reduce: what "auto" resolves to for the full model's one 1.9 MB bucket (the tree below 1 MiB at 4
-# ranks, --quick's tiny model, is a Python loop of point-to-point rounds: ~15x slower on 4 ranks sharing 2 cores)
+# gloo's own all-reduce: what "auto" picks for the full model's one 1.9 MB bucket (below 1 MiB at 4 ranks, --quick's
+# model, auto's tree is a Python loop of point-to-point rounds: ~15x slower on 4 ranks sharing 2 cores)
 ALGORITHM = "native"
 COLLECTIVE_TIMEOUT_S = 300.0  # a dense step at 10 Mbit/s takes seconds; a hang still fails the run
 TIMED_STEPS = 6  # a per-step method's timed steps after 2 of warm-up (dense at 10 Mbit/s: ~2.5 s each)
-NOSYNC_ROUNDS, NOSYNC_STEPS, NOSYNC_WARMUP = 10, 200, 5
+NOSYNC_WARMUP = 5  # steps left out of a no-sync fit's step times (and of the hetero scenario's own speeds)
 NOSYNC_EVERY = 10**9  # H beyond any run: no step of it syncs
-QUALITY_H50, QUALITY_H50_INT8 = 0.03, 0.035  # final loss above dense's, at most
+QUALITY_BOUNDS = {"diloco50": 0.03, "diloco50/int8": 0.035}  # final loss above dense's, at most
 INT8_BYTES_FACTOR = 3.5  # int8 pseudo-gradients: bytes per inner step <= 1 / (3.5 H) of dense's
 TIME_VS_DENSE, TIME_VS_COMPRESSOR = 10.0, 2.0  # at TARGET_RATE
 NOSYNC_BOUND = 1.03
@@ -68,39 +62,9 @@ TIMING_KEYS = ("ends", "trace", "link_sent", "link_samples", "sync_metrics")
 
 
 @dataclass(frozen=True)
-class Sizes:
-    """The model, its data and the run lengths (the full run's and ``--quick``'s)."""
-
-    width: int  # ByteLM's d_model
-    depth: int  # transformer blocks
-    heads: int
-    context: int  # bytes per window
-    batch_size: int  # windows per rank and step (4 ranks: the global batch is 4x)
-    train_bytes: int  # StdlibText's training stream: steps x global batch windows fit once (no repeat)
-    warmup_steps: int  # ByteLM's linear learning-rate warm-up
-    steps: int  # optimizer steps at equal samples (dense DDP's whole curve); a multiple of every H and of eval_every
-    # the other methods' curves go on to this many steps (a multiple of steps), so that the time each takes to reach
-    # dense DDP's final loss is measured where it gets there later in steps (and earlier in wall time)
-    horizon: int
-    eval_every: int  # steps between curve points (DiLoCo: the first multiple of H at or above it)
-    val_windows: int  # held-out windows per evaluation, spread evenly over the held-out stream
-    min_timed_steps: int  # a DiLoCo timing fit's timed cycles: at least 2, and at least this many steps
-
-
-# Chosen for this 2-core machine, shared: ByteLM(width=128, depth=2, context=64) has 0.47 M parameters (the default
-# 1.34 M model at context 128 takes 234 ms a step of batch 16 on one thread; this one 42 ms at batch 16, ~22 ms at 8):
-# 18 curves of 400 steps on 4 ranks sharing 2 cores take ~10 minutes, and a dense step at 10 Mbit/s (1.9 MB of
-# gradients, 2.8 MB out of a host per ring all-reduce) still takes ~2.3 s of wire. 400 steps: 8 syncs at H = 50.
-FULL = Sizes(width=128, depth=2, heads=4, context=64, batch_size=8, train_bytes=1 << 20, warmup_steps=50, steps=400,
-             horizon=800, eval_every=20, val_windows=256, min_timed_steps=40)
-QUICK = Sizes(width=32, depth=1, heads=2, context=32, batch_size=8, train_bytes=64 << 10, warmup_steps=5, steps=20,
-              horizon=40, eval_every=10, val_windows=64, min_timed_steps=20)
-
-
-@dataclass(frozen=True)
 class Method:
-    """One way to train: a per-step compressor, or DiLoCo every ``every`` steps with a pseudo-gradient compressor
-    and, where not None, Streaming DiLoCo's settings (passed to :class:`~lightning_dist.sync.DiLoCo` as they are)."""
+    """One way to train: a per-step compressor, or DiLoCo every ``every`` steps with a pseudo-gradient compressor and,
+    where not None, Streaming DiLoCo's settings (passed to :class:`~lightning_dist.sync.DiLoCo` as they are)."""
 
     label: str
     compressor: Optional[dict] = None  # the per-step gradient's (build_compressor's arguments); None: dense
@@ -160,8 +124,69 @@ class Shape:
 
 
 SHAPES = {"flat": Shape(4, 1, "flat"), "two_tier": Shape(2, 2, "two_tier")}
-DEFAULT_RATES = (10.0, 100.0)  # Mbit/s
-QUICK_SHAPES, QUICK_RATES = ("flat",), (100.0,)
+STREAM_SHAPE = "flat"  # the streaming and hetero scenarios': 4 hosts of 1 rank
+SCENARIOS = ("methods", "streaming", "hetero")  # --scenario: one of them, or all
+HETERO_DEADLINE_S = 600.0  # one heterogeneous fit's (a fit takes about a minute; --run-timeout lowers it)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The model, its data, the run lengths and the command line's defaults (:data:`FULL`'s and ``--quick``'s)."""
+
+    width: int  # ByteLM's d_model
+    depth: int  # transformer blocks
+    heads: int
+    context: int  # bytes per window
+    batch_size: int  # windows per rank and step (4 ranks: the global batch is 4x)
+    train_bytes: int  # StdlibText's training stream: steps x global batch windows fit once (no repeat)
+    warmup_steps: int  # ByteLM's linear learning-rate warm-up
+    steps: int  # optimizer steps at equal samples (dense DDP's whole curve); a multiple of every H and of eval_every
+    horizon: int  # the other methods' curves go on to this many steps, to time where they reach dense's final loss
+    eval_every: int  # steps between curve points (DiLoCo: the first multiple of H at or above it)
+    val_windows: int  # held-out windows per evaluation, spread evenly over the held-out stream
+    min_timed_steps: int  # a DiLoCo timing fit's timed cycles: at least 2, and at least this many steps
+    shapes: tuple[str, ...]  # --shapes
+    rates: tuple[float, ...]  # --rates, Mbit/s
+    methods: tuple[str, ...]  # --methods
+    nosync_rounds: int  # --nosync-rounds: the no-sync step cost's alternating rounds, each fit of nosync_steps steps
+    nosync_steps: int
+    run_timeout: float  # --run-timeout: one job's hard deadline, s
+    # streaming: --every (H; the reference is part 1's DiLoCo at H), --fragments and --delays (F and tau, every pair;
+    # F divides H, so 5 stands in for the issue's 4 at H = 50: ``--every 40 --fragments 1 4 10`` runs the issue's F)
+    stream_every: int
+    stream_fragments: tuple[int, ...]
+    stream_delays: tuple[int, ...]
+    stream_timed_cycles: int  # a streaming timing fit's, after one warm-up cycle
+    hetero_sync: tuple[int, int, int]  # hetero: DiLoCo's H, F and tau (F = 5: the issue's 4 does not divide 50)
+    hetero_batch: int  # hetero: windows per host and step before balancing (16: finer shares than 8)
+    hetero_epoch_steps: int  # hetero: steps per epoch at equal batches
+    hetero_epochs: int  # hetero: per fit; every epoch after the first (warm-up, first rebalance) is timed
+    own_speed_steps: int  # hetero: the fits that measure each host's own speed
+
+    def stream_steps(self, every: int) -> int:
+        """A streaming timing fit's steps: one warm-up cycle of H = ``every``, then ``stream_timed_cycles``."""
+        return every * (1 + self.stream_timed_cycles)
+
+    def hetero(self) -> Sizes:
+        """The hetero scenario's: its batch, and a training stream of ``hetero_epoch_steps`` equal batches."""
+        return replace(self, batch_size=self.hetero_batch, train_bytes=self.hetero_epoch_steps * stream.STREAM_HOSTS
+                       * self.hetero_batch * (self.context + 1))
+
+
+# Chosen for this 2-core machine, shared: ByteLM(width=128, depth=2, context=64) has 0.47 M parameters (the default
+# 1.34 M model at context 128 takes 234 ms a step of batch 16 on one thread; this one 42 ms at batch 16, ~22 ms at 8):
+# 18 curves of 400 steps on 4 ranks sharing 2 cores take ~10 minutes, and a dense step at 10 Mbit/s (1.9 MB of
+# gradients, 2.8 MB out of a host per ring all-reduce) still takes ~2.3 s of wire. 400 steps: 8 syncs at H = 50.
+FULL = Sizes(width=128, depth=2, heads=4, context=64, batch_size=8, train_bytes=1 << 20, warmup_steps=50, steps=400,
+             horizon=800, eval_every=20, val_windows=256, min_timed_steps=40, shapes=tuple(SHAPES),
+             rates=(10.0, 100.0), methods=tuple(METHODS), nosync_rounds=10, nosync_steps=200, run_timeout=1800.0,
+             stream_every=50, stream_fragments=(1, 5, 10), stream_delays=(0, 1, 5), stream_timed_cycles=5,
+             hetero_sync=(50, 5, 1), hetero_batch=16, hetero_epoch_steps=128, hetero_epochs=3, own_speed_steps=60)
+QUICK = Sizes(width=32, depth=1, heads=2, context=32, batch_size=8, train_bytes=64 << 10, warmup_steps=5, steps=20,
+              horizon=40, eval_every=10, val_windows=64, min_timed_steps=20, shapes=("flat",), rates=(100.0,),
+              methods=QUICK_METHODS, nosync_rounds=2, nosync_steps=12, run_timeout=150.0, stream_every=10,
+              stream_fragments=(2,), stream_delays=(1,), stream_timed_cycles=2, hetero_sync=(10, 2, 1),
+              hetero_batch=8, hetero_epoch_steps=15, hetero_epochs=2, own_speed_steps=40)
 
 
 def timing_steps(method: Method, sizes: Sizes) -> tuple[int, int]:
@@ -174,8 +199,7 @@ def timing_steps(method: Method, sizes: Sizes) -> tuple[int, int]:
 
 
 def eval_every(method: Method, sizes: Sizes) -> int:
-    """Steps between curve points: ``sizes.eval_every``; under DiLoCo the first multiple of H at or above it (the
-    synced model, which changes only at a sync)."""
+    """Steps between curve points: ``sizes.eval_every``, under DiLoCo rounded up to a multiple of H (a synced model)."""
     return method.every * math.ceil(sizes.eval_every / method.every)
 
 
@@ -205,21 +229,18 @@ def val_loss(module: ByteLM, batch: tuple[torch.Tensor, torch.Tensor], chunk: in
     return total / len(inputs)
 
 
-class FitRecord(Callback):
-    """Per optimizer step: its start and end (``perf_counter``), its epoch and samples and, with ``link``, what had
-    left the host through its link. With ``every``, rank 0 evaluates the validation loss on ``batch`` after every
-    ``k every + offset``-th step while the other ranks wait at a barrier, timing it (a timed run subtracts the
-    evaluations). With ``trace``, DiLoCo's ``sync/*`` metrics each time they change (``[step, metrics]``); with
-    ``sample`` ``(first, last)``, a :class:`~lightning_dist.benchmarks._streaming.LinkSampler` reads the link every
-    ~20 ms from the end of step ``first`` to the end of step ``last``."""
+class FitRecord(bench.StepRecorder):
+    """:class:`~lightning_dist.benchmarks._common.StepRecorder`'s batch times and epochs, and per step its samples and,
+    with ``link``, the bytes that had left the host. With ``every``, rank 0 evaluates ``batch``'s loss after every
+    ``k every + offset``-th step, timed, the others waiting at a barrier; with ``trace``, DiLoCo's ``sync/*`` metrics
+    at each change (``[step, metrics]``); with ``sample`` ``(first, last)``, a
+    :class:`~lightning_dist.benchmarks._streaming.LinkSampler` from the end of step ``first`` to that of ``last``."""
 
     def __init__(self, every: Optional[int] = None, batch: Optional[tuple] = None, link: bool = False,
                  trace: bool = False, sample: Optional[tuple[int, int]] = None, offset: int = 0) -> None:
+        super().__init__()
         self.every, self.batch, self.link, self.trace, self.sample = every, batch, link, trace, sample
         self.offset = offset  # a delayed sync lands ``offset`` steps after its step
-        self.starts: list[float] = []
-        self.ends: list[float] = []
-        self.epochs: list[int] = []
         self.samples: list[int] = []
         self.link_sent: list[int] = []
         self.curve: list[tuple[int, float, float, float]] = []  # (step, loss, step end, evaluation seconds)
@@ -227,14 +248,9 @@ class FitRecord(Callback):
         self.sampler = stream.LinkSampler(link_bytes_sent) if sample else None
 
     @override
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        self.starts.append(time.perf_counter())
-
-    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            *args: Any) -> None:
-        self.ends.append(time.perf_counter())
-        self.epochs.append(trainer.current_epoch)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, *args)
         self.samples.append(len(batch[0]))  # (inputs, targets), a window each
         if self.link:
             self.link_sent.append(link_bytes_sent())
@@ -257,6 +273,7 @@ class FitRecord(Callback):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
         if self.sampler is not None:
             self.sampler.stop()  # a fit shorter than the sampled steps
 
@@ -314,8 +331,8 @@ def global_model(model: ByteLM, state: dict[str, Any]) -> ByteLM:
 
 
 def _one_thread() -> None:
-    """One intra-op thread per rank, Lightning's too (unset, its DDP set-up gives a rank posing as a host 2 threads:
-    4 ranks x 2 threads on 2 cores, a step ~10x slower)."""
+    """One intra-op thread per rank, Lightning's too (unset, its DDP set-up gives a rank 2: 4 ranks x 2 threads on 2
+    cores, a step ~10x slower)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
@@ -340,8 +357,8 @@ def _single_fit(sizes: Sizes, steps: int, callbacks: Sequence[Callback] = ()) ->
 
 
 def _nosync_rank(rank: int, world_size: int, sizes: Sizes, rounds: int, steps: int) -> dict[str, Any]:
-    """Alternating rounds of a no-sync DiLoCo fit (flat, ``world_size`` ranks) and a single-process fit on every
-    rank alike (so both see the same load on the cores); each fit's median step after the warm-up."""
+    """Alternating rounds of a no-sync DiLoCo fit (flat, ``world_size`` ranks) and a single-process fit on every rank
+    alike (the same load on the cores); each fit's median step after the warm-up."""
     _one_thread()
     medians: dict[str, list[float]] = {"diloco": [], "single": []}
     for r in range(rounds):
@@ -363,55 +380,53 @@ def _worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # hosts share the machine's cores
     sizes, out, rank = args.sizes, Path(args.out), int(os.environ.get("RANK", "0"))
     streaming = args.scenario == "streaming"
-    shape = SHAPES[STREAM_SHAPE if streaming else args.shape]
-    if streaming:
-        every = stream_grid(args)[0]
-        methods = {**stream_methods(args.codec, *stream_grid(args), args.mix)[0],
-                   # last, in processes as warm as the timed fits' (a process's first fit runs its first steps slower)
+    if streaming:  # the no-sync fit last, in processes as warm as the timed fits' (a first fit starts slower)
+        methods = {**stream_methods(args.codec, args.every, args.fragments, args.delays, args.mix)[0],
                    "nosync": Method("nosync", every=NOSYNC_EVERY)}
     else:
         methods = {label: METHODS[label] for label in args.methods}
     for label, method in methods.items():
         if streaming:
-            steps, warm = stream_timing_steps(every, args.quick)
-            sample = (warm * every, steps) if rank == 0 and label != "nosync" else None
+            steps = sizes.stream_steps(args.every)
+            sample = (args.every, steps) if rank == 0 and label != "nosync" else None  # after the warm-up cycle
             record = FitRecord(link=rank == 0, trace=True, sample=sample)
         else:
-            steps, _ = timing_steps(method, sizes)
-            record = FitRecord(link=True)
-        raw = fit(method, shape, sizes, steps, curve=False, record=record)
-        (out / f"{_safe(label)}_r{rank}.json").write_text(json.dumps({k: raw[k] for k in TIMING_KEYS}))
+            steps, record = timing_steps(method, sizes)[0], FitRecord(link=True)
+        raw = fit(method, SHAPES[args.shape], sizes, steps, curve=False, record=record)
+        _rank_file(out, label, rank).write_text(json.dumps({k: raw[k] for k in TIMING_KEYS}))
     if args.validate:
-        raw = fit(METHODS[args.validate], shape, sizes, sizes.steps, curve=True, link=True)
+        raw = fit(METHODS[args.validate], SHAPES[args.shape], sizes, sizes.steps, curve=True, link=True)
         if rank == 0:
             (out / "validate.json").write_text(json.dumps(raw))
 
 
-def _safe(label: str) -> str:
-    return label.replace("/", "_").replace("%", "pct")
+def _rank_file(out: Path, label: str, rank: int) -> Path:
+    return out / f"{label.replace('/', '_').replace('%', 'pct')}_r{rank}.json"
 
 
-def read_ranks(out: Path, label: str, world: int) -> Optional[list[dict[str, Any]]]:
-    """Every rank's record of ``label``'s timing fit in a job's ``out`` (None: not all were written)."""
-    paths = [out / f"{_safe(label)}_r{r}.json" for r in range(world)]
-    return [json.loads(p.read_text()) for p in paths] if all(p.exists() for p in paths) else None
-
-
-def cluster_job(args: argparse.Namespace, shape: Shape, rate: float, worker: list[str], out: Path, log: Path
-                ) -> tuple[Optional[str], float]:
-    """One SimCluster job of this module's workers (:func:`_worker`) writing into ``out``: why it failed, its wall."""
-    out.mkdir(parents=True, exist_ok=True)
-    worker = ["--worker", "--out", str(out), "--steps", str(args.sizes.steps), *(["--quick"] * args.quick), *worker]
-    return launch_job(shape.hosts, rate, worker, free_port(), args.run_timeout, log, per_host=shape.per_host,
-                      module=WORKER_MODULE)
+def cluster_job(args: argparse.Namespace, shape: Shape, rate: float, worker: list[str], log: Path,
+                labels: Sequence[str], world: int = 1
+                ) -> tuple[dict[str, Optional[list[dict[str, Any]]]], Optional[dict[str, Any]], Optional[str], float]:
+    """One SimCluster job of this module's workers (:func:`_worker`): per label its first ``world`` ranks' records
+    (None: not all written), the validation run's record (None: not written), why the job failed, its wall time."""
+    with bench.scratch("sync") as out:
+        worker = ["--worker", "--out", str(out), "--steps", str(args.sizes.steps), *(["--quick"] * args.quick),
+                  *worker]
+        error, wall = launch_job(shape.hosts, rate, worker, free_port(), args.run_timeout, log,
+                                 per_host=shape.per_host, module=WORKER_MODULE)
+        files = {label: [_rank_file(out, label, r) for r in range(world)] for label in labels}
+        ranks = {label: [json.loads(p.read_text()) for p in paths] if all(p.exists() for p in paths) else None
+                 for label, paths in files.items()}
+        validation = out / "validate.json"
+        return ranks, json.loads(validation.read_text()) if validation.exists() else None, error, wall
 
 
 # -- pure summaries (tested without ranks) -----------------------------------------------------------------------------
 def cycle_timing(ends: Sequence[float], every: int, warm_cycles: int, link_sent: Sequence[int] = (),
                  interval: Optional[int] = None) -> dict[str, Any]:
-    """A timing fit's figures from its step ends (``ends[i]``: the end of optimizer step ``i + 1``): the cycles after
-    ``warm_cycles`` (cycle ``k`` ends with step ``k H``), ``per_step_s`` = median cycle / H, the median local and sync
-    steps among the timed ones (a sync step: every ``interval``-th, default H), and the link's bytes per timed step."""
+    """A timing fit's figures from its step ends (``ends[i]``: step ``i + 1``'s): the cycles after ``warm_cycles``
+    (cycle ``k`` ends with step ``k H``), ``per_step_s`` = median cycle / H, the median local and sync steps (a sync
+    step: every ``interval``-th, default H), and the link's bytes per timed step."""
     whole = len(ends) // every
     cycles = [ends[k * every - 1] - ends[(k - 1) * every - 1] for k in range(max(warm_cycles, 1) + 1, whole + 1)]
     if not cycles:
@@ -429,9 +444,9 @@ def cycle_timing(ends: Sequence[float], every: int, warm_cycles: int, link_sent:
 
 
 def curve_record(outs: Sequence[dict[str, Any]], shape: str, equal_steps: int) -> dict[str, Any]:
-    """One loopback fit's record: rank 0's curve, its loss at ``equal_steps`` (``final_loss``, equal samples) and at
-    its end, and the bytes across workers per inner step, summed over ranks: DiLoCo's ``sync/bytes_per_step`` where
-    there is one, else the ``bytes_inter_host`` counter (both kept, and all bytes sent)."""
+    """One loopback fit's record: rank 0's curve, its loss at ``equal_steps`` (``final_loss``) and at its end, and the
+    bytes across workers per inner step, every rank's summed: DiLoCo's ``sync/bytes_per_step`` where there is one,
+    else the ``bytes_inter_host`` counter (both kept, and all bytes sent)."""
     rank0, steps = outs[0], outs[0]["steps"]
     curve = rank0["curve"]
     at_equal = [point[1] for point in curve if point[0] == equal_steps]
@@ -470,24 +485,21 @@ def combine(curves: Sequence[dict[str, Any]], timings: Sequence[dict[str, Any]])
                                         "link_bytes_per_step")},
                "target_loss": dense["final_loss"] if dense else None, "wall_to_end_s": None, "horizon_s": None,
                "time_to_dense_s": None, "error": t.get("error")}
-        if c is not None and t.get("per_step_s") is not None:
-            row["wall_to_end_s"] = c["equal_steps"] * t["per_step_s"]  # at equal samples
-            row["horizon_s"] = c["steps"] * t["per_step_s"]  # the whole curve's
+        if c is not None and (per_step := t.get("per_step_s")) is not None:
+            # at equal samples, and the whole curve's
+            row.update(wall_to_end_s=c["equal_steps"] * per_step, horizon_s=c["steps"] * per_step)
             if dense is not None:
-                row["time_to_dense_s"] = time_to_loss(c["curve_steps"], c["curve_loss"], dense["final_loss"],
-                                                      t["per_step_s"])
+                row["time_to_dense_s"] = time_to_loss(c["curve_steps"], c["curve_loss"], dense["final_loss"], per_step)
         rows.append(row)
     by = {(r["shape"], r["rate_mbit"], r["method"]): r for r in rows}
     for row in rows:
         dense_row = by.get((row["shape"], row["rate_mbit"], DENSE))
         mine, dense_t = row["time_to_dense_s"], dense_row and dense_row["time_to_dense_s"]
         best, exact = _best_compressor(rows, row)
-        row["best_compressor_s"], row["best_compressor_exact"] = best, exact
-        row["vs_dense"] = dense_t / mine if mine and dense_t else None
-        # a lower bound where the best compressor is one that never got there (its whole curve's time)
-        row["vs_best_compressor"] = best / mine if mine and best else None
+        # vs_best_compressor: a lower bound where the best compressor never got there (its whole curve's time)
+        row.update(best_compressor_s=best, best_compressor_exact=exact, vs_dense=dense_t / mine if mine and dense_t
+                   else None, vs_best_compressor=best / mine if mine and best else None, vs_dense_at_own_loss=None)
         c, dense = curve.get((row["shape"], row["method"])), curve.get((row["shape"], DENSE))
-        row["vs_dense_at_own_loss"] = None
         if c is not None and dense is not None and dense_row and row["per_step_s"] and dense_row["per_step_s"]:
             own = time_to_loss(c["curve_steps"], c["curve_loss"], c["final_loss"], row["per_step_s"])
             theirs = time_to_loss(dense["curve_steps"], dense["curve_loss"], c["final_loss"], dense_row["per_step_s"])
@@ -525,7 +537,7 @@ def check_targets(quality: Sequence[dict[str, Any]], combined: Sequence[dict[str
     """Issue 31's targets on ``flat`` (4 workers); a target whose measurement is missing is absent."""
     out: dict[str, dict[str, Any]] = {}
     q = {r["method"]: r for r in quality if r["shape"] == TARGET_SHAPE}
-    for label, bound in (("diloco50", QUALITY_H50), ("diloco50/int8", QUALITY_H50_INT8)):
+    for label, bound in QUALITY_BOUNDS.items():
         if q.get(label, {}).get("loss_vs_dense") is not None:
             out[f"quality/{label}"] = bench.target(q[label]["loss_vs_dense"], bound)
     for label, row in q.items():
@@ -550,8 +562,7 @@ def check_targets(quality: Sequence[dict[str, Any]], combined: Sequence[dict[str
 def target_lines(targets: dict[str, dict[str, Any]], methods: Sequence[str]) -> list[str]:
     where = f"{TARGET_SHAPE} ({SHAPES[TARGET_SHAPE].hosts} workers)"
     lines = [bench.judged(f"{where}: {label} final val loss within {bound:.1%} of dense's",
-                          targets.get(f"quality/{label}"), "{value:+.2%}")
-             for label, bound in (("diloco50", QUALITY_H50), ("diloco50/int8", QUALITY_H50_INT8))]
+                          targets.get(f"quality/{label}"), "{value:+.2%}") for label, bound in QUALITY_BOUNDS.items()]
     for label in (m for m in methods if METHODS[m].diloco and METHODS[m].sync_compressor != TOPK):
         t = targets.get(f"bytes/{label}")
         lines.append(bench.judged(f"{where}: {label} bytes across workers per inner step <= "
@@ -658,53 +669,28 @@ def plot(curves: Sequence[dict[str, Any]], combined: Sequence[dict[str, Any]], r
     return fig
 
 
+
+
 # -- part 2 (issue 32): streaming fragments, workers of different speeds -----------------------------------------------
-SCENARIOS = ("methods", "streaming", "hetero")  # --scenario: one of them, or all
-STREAM_SHAPE = "flat"  # 4 hosts of 1 rank: 4 workers
-STREAM_TIMED_CYCLES, QUICK_STREAM_TIMED_CYCLES = 5, 2  # a streaming timing fit's, after one warm-up cycle
-HETERO_BATCH = 16  # windows per host and step before balancing: a global batch of 64, finer shares than 32 gives
-HETERO_EPOCH_STEPS, QUICK_HETERO_EPOCH_STEPS = 128, 15  # steps per epoch at equal batches
-HETERO_EPOCHS, QUICK_HETERO_EPOCHS = 3, 2  # per fit; every epoch after the first is timed (the first warms up and,
-# under batches that follow speed, measures and rebalances)
-OWN_SPEED_STEPS, QUICK_OWN_SPEED_STEPS = 60, 40  # the fits that measure each host's own speed
-HETERO_DEADLINE_S = 600.0  # one heterogeneous fit's (a fit takes about a minute; --run-timeout lowers it)
-
-
-def stream_grid(args: argparse.Namespace) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
-    """H and the fragments and delays of the streaming scenario: the issue's grid, ``--quick``'s, or the command
-    line's."""
-    every, fragments, delays = (stream.QUICK_STREAM if args.quick else
-                                (stream.STREAM_EVERY, stream.STREAM_FRAGMENTS, stream.STREAM_DELAYS))
-    return (args.every or every, tuple(args.fragments or fragments),
-            tuple(args.delays if args.delays is not None else delays))
-
-
 def stream_methods(codec: str, every: int, fragments: Sequence[int], delays: Sequence[int],
                    mix: Optional[float] = None) -> tuple[dict[str, Method], dict[str, str]]:
     """The reference (part 1's dense DiLoCo at H) and every (F, tau) with ``codec`` pseudo-gradients; the pairs
     DiLoCo refuses, with its reason, in the second dict."""
     reference = Method(f"diloco{every}", every=every)
     methods, refused = {reference.label: reference}, {}
-    for count in fragments:
-        for delay in delays:
-            method = Method(stream.stream_label(count, delay, codec), every=every, sync_compressor={"name": codec},
-                            fragments=count, delay=delay, mix=mix if delay else None)
-            try:
-                method.settings()
-                methods[method.label] = method
-            except ValueError as err:
-                refused[method.label] = str(err)
+    for count, delay in itertools.product(fragments, delays):
+        method = Method(stream.stream_label(count, delay, codec), every=every, sync_compressor={"name": codec},
+                        fragments=count, delay=delay, mix=mix if delay else None)
+        try:
+            method.settings()
+            methods[method.label] = method
+        except ValueError as err:
+            refused[method.label] = str(err)
     return methods, refused
 
 
-def stream_timing_steps(every: int, quick: bool) -> tuple[int, int]:
-    """``(steps, warm-up cycles)`` of a streaming timing fit: one warm-up cycle, then 5 timed ones (``--quick`` 2)."""
-    return every * (1 + (QUICK_STREAM_TIMED_CYCLES if quick else STREAM_TIMED_CYCLES)), 1
-
-
 def stream_timings(raw: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The streaming job's figures from its raw records: every configuration's (the error where it has none) and
-    the step with no sync."""
+    """The streaming job's figures from its raw records: every configuration's (or its error), and the no-sync step."""
     failed = raw.get("error") or "no result written"
     nosync: dict[str, Any] = {"step_s": None, "error": failed}
     if raw.get("nosync"):
@@ -724,12 +710,11 @@ def stream_timings(raw: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str,
 
 def run_streaming(args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """The streaming scenario: loopback curves, the shaped timing job; the meta and measurements."""
-    every, fragments, delays = stream_grid(args)
+    every, fragments, delays = args.every, args.fragments, args.delays
     methods, refused = stream_methods(args.codec, every, fragments, delays, args.mix)
     for label, reason in refused.items():
         bench.progress(f"[sync] streaming: {label} left out, DiLoCo refuses it: {reason}")
-    steps, warm = stream_timing_steps(every, args.quick)
-    shape = SHAPES[STREAM_SHAPE]
+    steps, shape = args.sizes.stream_steps(every), SHAPES[STREAM_SHAPE]
     meta = bench.environment("sync", scenario="streaming", sizes=asdict(args.sizes), every=every,
                              fragments=list(fragments), delays=list(delays), codec=args.codec,
                              mix=args.mix if args.mix is not None else DiLoCo().mix,
@@ -744,30 +729,26 @@ def run_streaming(args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], 
     if reason is None:
         bench.progress(f"[sync] streaming timing, {shape.hosts} hosts @ {stream.STREAM_RATE:g} Mbit/s: "
                        f"{' '.join(methods)}, no sync ({steps} steps each)")
-        worker = ["--scenario", "streaming", "--codec", args.codec, "--every", str(every), "--fragments",
-                  *map(str, fragments), "--delays", *map(str, delays)]
-        worker += ["--mix", str(args.mix)] if args.mix is not None else []
-        with bench.scratch("sync_stream") as workdir:
-            error, wall = cluster_job(args, shape, stream.STREAM_RATE, worker, workdir, _logs(out) / "streaming.log")
-            raw = {"warm_cycles": warm, "steps": steps, "error": error, "wall_s": wall,
-                   "nosync": read_ranks(workdir, "nosync", shape.world),
-                   "configs": {label: {"config": m.config(), "ranks": read_ranks(workdir, label, shape.world)}
-                               for label, m in methods.items()}}
+        worker = ["--scenario", "streaming", "--shape", STREAM_SHAPE, "--codec", args.codec, "--every", str(every),
+                  "--fragments", *map(str, fragments), "--delays", *map(str, delays),
+                  *(["--mix", str(args.mix)] if args.mix is not None else [])]
+        ranks, _, error, wall = cluster_job(args, shape, stream.STREAM_RATE, worker, _logs(out) / "streaming.log",
+                                            [*methods, "nosync"], shape.world)
+        raw = {"warm_cycles": 1, "steps": steps, "error": error, "wall_s": wall, "nosync": ranks["nosync"],
+               "configs": {label: {"config": m.config(), "ranks": ranks[label]} for label, m in methods.items()}}
         bench.progress(f"[sync] streaming timing job {wall:.0f}s" + (f": {error}" if error else ""))
     return meta, {"skipped": reason, "curves": curves, "raw": raw, "refused": refused}
 
 
 def stream_report(out: Path, meta: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
-    """The streaming table, verdicts, plot and JSON from the curves and the shaped job's raw records (``--from``
-    redoes them from a saved run's)."""
+    """The streaming table, verdicts, plot and JSON from the curves and the shaped job's raw records."""
     skipped, curves, raw, refused = (measured[k] for k in ("skipped", "curves", "raw", "refused"))
     reference = f"diloco{meta['every']}"
     timings, nosync = stream_timings(raw) if raw["configs"] else ([], {"step_s": None})
-    for t in timings:
-        if t.get("error") is None:
-            bench.progress(f"[sync] streaming timing {t['label']:<14} {1e3 * t['per_step_s']:8,.1f} ms/step, waited "
-                           f"{bench.cell(t['waited_per_step_s'], ',.1f', 1e3)} ms/step, peak "
-                           f"{bench.cell(t['peak_bytes_per_s'], ',.1f', 1e-3)} KB/s")
+    for t in (t for t in timings if t.get("error") is None):
+        bench.progress(f"[sync] streaming timing {t['label']:<14} {1e3 * t['per_step_s']:8,.1f} ms/step, waited "
+                       f"{bench.cell(t['waited_per_step_s'], ',.1f', 1e3)} ms/step, peak "
+                       f"{bench.cell(t['peak_bytes_per_s'], ',.1f', 1e-3)} KB/s")
     rows = stream.stream_rows(curves, timings, reference)
     targets = stream.stream_targets(rows)
     payload = {"meta": meta, "skipped": skipped, "curves": curves, "timings": timings, "nosync": nosync,
@@ -781,29 +762,20 @@ def stream_report(out: Path, meta: dict[str, Any], measured: dict[str, Any]) -> 
                                lambda: stream.stream_plot(curves, rows, reference))
 
 
-def hetero_method(mode: str, codec: str, quick: bool) -> Method:
-    """The heterogeneous scenario's DiLoCo: H = 50, F = 5 (the issue's 4 does not divide 50), tau = 1 (``--quick``:
-    10, 2, 1) with ``codec`` pseudo-gradients; ``balance="steps"`` in mode ``steps``."""
-    every, fragments, delay = (10, 2, 1) if quick else (50, 5, 1)
+def hetero_method(mode: str, codec: str, sizes: Sizes) -> Method:
+    """The hetero scenario's DiLoCo (``sizes.hetero_sync``, ``codec`` pseudo-gradients); mode ``steps`` balances."""
+    every, fragments, delay = sizes.hetero_sync
     return Method(f"hetero/{mode}", every=every, sync_compressor={"name": codec}, fragments=fragments, delay=delay,
                   balance="steps" if mode == "steps" else None)
 
 
-def hetero_sizes(sizes: Sizes, quick: bool) -> Sizes:
-    """``sizes`` with the scenario's batch and an epoch of :data:`HETERO_EPOCH_STEPS` steps at equal batches."""
-    batch = sizes.batch_size if quick else HETERO_BATCH
-    steps = QUICK_HETERO_EPOCH_STEPS if quick else HETERO_EPOCH_STEPS
-    hosts = SHAPES[STREAM_SHAPE].hosts
-    return replace(sizes, batch_size=batch, train_bytes=steps * hosts * batch * (sizes.context + 1))
-
-
 def _hetero_rank(rank: int, world_size: int, method: Method, mode: str, sizes: Sizes, steps: int,
                  epochs: Optional[int], speeds: Optional[list[float]] = None) -> dict[str, Any]:
-    """One host of a heterogeneous fit, paced by :func:`~lightning_dist.benchmarks._streaming.slowdowns`: ``batches``
-    and ``steps`` (``balance="steps"``) measure speeds as ``HeteroBatching(window=5, every_n_steps=5)`` does,
-    ``fixed`` sizes the batches from ``speeds`` once."""
+    """One host of a heterogeneous fit, paced by :func:`~lightning_dist.benchmarks._streaming.slowdowns`: modes
+    ``batches`` and ``steps`` measure speeds (``HeteroBatching(window=5, every_n_steps=5)``), ``fixed`` sizes the
+    batches from ``speeds`` once."""
     hetero = HeteroBatching(window=5, every_n_steps=5) if mode in ("batches", "steps") else None
-    if mode == "fixed":
+    if mode == stream.FIXED_MODE:
         hetero = HeteroBatching(speeds=list(speeds))
     return _loopback_rank(rank, world_size, method, STREAM_SHAPE, sizes, steps, ("starts", "ends", "epochs",
                           "samples", "steps"), curve=False, record=FitRecord(), hetero=hetero, epochs=epochs,
@@ -822,13 +794,12 @@ def _alone_rank(rank: int, world_size: int, sizes: Sizes, steps: int) -> dict[st
 def run_hetero(args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """The heterogeneous scenario on 4 loopback ranks: the hosts' own speeds, then each mode's fit; the meta and the
     raw per-rank records."""
-    sizes = hetero_sizes(args.sizes, args.quick)
-    epochs = QUICK_HETERO_EPOCHS if args.quick else HETERO_EPOCHS
-    own_steps = QUICK_OWN_SPEED_STEPS if args.quick else OWN_SPEED_STEPS
+    sizes = args.sizes.hetero()
+    epochs, own_steps = sizes.hetero_epochs, sizes.own_speed_steps
     world, deadline = SHAPES[STREAM_SHAPE].world, min(args.run_timeout, HETERO_DEADLINE_S)
     meta = bench.environment("sync", scenario="hetero", sizes=asdict(sizes), epochs=epochs,
                              timed_epochs=list(range(1, epochs)), codec=args.codec,
-                             method=asdict(hetero_method("batches", args.codec, args.quick)),
+                             method=asdict(hetero_method("batches", args.codec, sizes)),
                              slow_host=stream.SLOW_HOST, slow_factor=stream.SLOW_FACTOR, own_speed_steps=own_steps,
                              where="loopback: 4 local gloo ranks posing as 4 hosts")
     raw: dict[str, Any] = {}
@@ -842,7 +813,7 @@ def run_hetero(args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], dic
     runs: dict[str, Any] = {}
     speeds = stream.own_speeds(raw["own"], NOSYNC_WARMUP) if "own" in raw else []
     for mode in (*stream.HETERO_MODES, stream.FIXED_MODE):
-        method = hetero_method(mode, args.codec, args.quick)
+        method = hetero_method(mode, args.codec, sizes)
         begun = time.perf_counter()
         try:
             method.settings()
@@ -861,7 +832,7 @@ def run_hetero(args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], dic
 
 
 def hetero_report(out: Path, meta: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
-    """The heterogeneous table, verdicts, plot and JSON from the raw per-rank records (``--from`` redoes them)."""
+    """The heterogeneous table, verdicts, plot and JSON from the raw per-rank records."""
     raw = measured["raw"]
     speeds: list[Optional[float]] = [None] * SHAPES[STREAM_SHAPE].world
     alone: list[Optional[float]] = list(speeds)
@@ -888,51 +859,45 @@ def hetero_report(out: Path, meta: dict[str, Any], measured: dict[str, Any]) -> 
 
 # -- the driver --------------------------------------------------------------------------------------------------------
 def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    cli = bench.parser("sync", __doc__, f"flat (4 hosts of 1) at 100 Mbit/s, {' '.join(QUICK_METHODS)}, a tiny "
+    cli = bench.parser("sync", __doc__, f"flat (4 hosts of 1) at 100 Mbit/s, {' '.join(QUICK.methods)}, a tiny "
                                         f"ByteLM, {QUICK.steps} steps; --scenario streaming: H=10, F=2, tau=1; "
                                         "hetero: H=10, F=2, tau=1, 2 epochs of 15 steps")
-    cli.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="methods",
-                     help="methods (issue 31's comparison, sync.*), streaming (sync-streaming.*: F x tau at "
-                          "10 Mbit/s), hetero (sync-hetero.*: one host at half speed), or all of them (default "
-                          "methods)")
-    cli.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None, help="default flat two_tier")
-    cli.add_argument("--rates", type=float, nargs="+", default=None, help="link rates, Mbit/s (default 10 100)")
-    cli.add_argument("--methods", nargs="+", choices=list(METHODS), default=None,
-                     help=f"default all: {' '.join(METHODS)}".replace("%", "%%"))
-    cli.add_argument("--codec", default=stream.STREAM_CODEC,
-                     help=f"streaming and hetero: the pseudo-gradient's compressor (default {stream.STREAM_CODEC})")
-    cli.add_argument("--every", type=int, default=None,
-                     help=f"streaming: H of the reference and every configuration (default {stream.STREAM_EVERY}, "
-                          f"--quick {stream.QUICK_STREAM[0]})")
-    cli.add_argument("--fragments", type=int, nargs="+", default=None,
-                     help=f"streaming: F values (default {' '.join(map(str, stream.STREAM_FRAGMENTS))}, --quick 2)")
-    cli.add_argument("--delays", type=int, nargs="+", default=None,
-                     help=f"streaming: tau values (default {' '.join(map(str, stream.STREAM_DELAYS))}, --quick 1)")
-    cli.add_argument("--mix", type=float, default=None,
-                     help="streaming: DiLoCo(mix=alpha) of the delayed configurations (default DiLoCo's)")
-    cli.add_argument("--run-timeout", type=float, default=None,
-                     help="one job's hard deadline, s (default 1800, --quick 150)")
-    cli.add_argument("--no-validate", action="store_true", help="skip the full shaped run that checks the prediction")
-    cli.add_argument("--from", dest="from_json", default=None,
-                     help="redo the tables, verdicts and plot from a saved run's sync.json, sync-streaming.json or "
-                          "sync-hetero.json (nothing is measured)")
-    cli.add_argument("--nosync-rounds", type=int, default=None, help=f"default {NOSYNC_ROUNDS} (--quick 2)")
-    cli.add_argument("--steps", type=int, default=None,
-                     help=f"steps of every curve, a multiple of {FULL.eval_every} and of every H (default "
-                          f"{FULL.steps}, --quick {QUICK.steps})")
+    add = cli.add_argument
+    add("--scenario", choices=[*SCENARIOS, "all"], default="methods",
+        help="methods (issue 31's comparison, sync.*), streaming (sync-streaming.*: F x tau at 10 Mbit/s), hetero "
+             "(sync-hetero.*: one host at half speed), or all of them (default methods)")
+    add("--shapes", nargs="+", choices=list(SHAPES), help="default flat two_tier")
+    add("--rates", type=float, nargs="+", help="link rates, Mbit/s (default 10 100)")
+    add("--methods", nargs="+", choices=list(METHODS), help=f"default all: {' '.join(METHODS)}".replace("%", "%%"))
+    add("--codec", default=stream.STREAM_CODEC,
+        help=f"streaming and hetero: the pseudo-gradient's compressor (default {stream.STREAM_CODEC})")
+    add("--every", type=int,
+        help=f"streaming: H of the reference and every configuration (default {FULL.stream_every}, --quick "
+             f"{QUICK.stream_every})")
+    add("--fragments", type=int, nargs="+",
+        help=f"streaming: F values (default {' '.join(map(str, FULL.stream_fragments))}, --quick 2)")
+    add("--delays", type=int, nargs="+",
+        help=f"streaming: tau values (default {' '.join(map(str, FULL.stream_delays))}, --quick 1)")
+    add("--mix", type=float, help="streaming: DiLoCo(mix=alpha) of the delayed configurations (default DiLoCo's)")
+    add("--run-timeout", type=float, help="one job's hard deadline, s (default 1800, --quick 150)")
+    add("--no-validate", action="store_true", help="skip the full shaped run that checks the prediction")
+    add("--from", dest="from_json", help="redo the tables, verdicts and plot from a saved run's sync.json, "
+                                         "sync-streaming.json or sync-hetero.json (nothing is measured)")
+    add("--nosync-rounds", type=int, help=f"default {FULL.nosync_rounds} (--quick {QUICK.nosync_rounds})")
+    add("--steps", type=int, help=f"steps of every curve, a multiple of {FULL.eval_every} and of every H (default "
+                                  f"{FULL.steps}, --quick {QUICK.steps})")
     # worker mode (what each host runs under torchrun)
-    cli.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    cli.add_argument("--shape", choices=list(SHAPES), default="flat", help=argparse.SUPPRESS)
-    cli.add_argument("--validate", default=None, help=argparse.SUPPRESS)
-    cli.add_argument("--nodes", type=int, default=1, help=argparse.SUPPRESS)
+    add("--worker", action="store_true", help=argparse.SUPPRESS)
+    add("--shape", choices=list(SHAPES), default="flat", help=argparse.SUPPRESS)
+    add("--validate", help=argparse.SUPPRESS)
+    add("--nodes", type=int, default=1, help=argparse.SUPPRESS)
     args = cli.parse_args(argv)
-    args.shapes = tuple(args.shapes or (QUICK_SHAPES if args.quick else SHAPES))
-    args.rates = tuple(args.rates or (QUICK_RATES if args.quick else DEFAULT_RATES))
-    args.methods = tuple(args.methods or (QUICK_METHODS if args.quick else METHODS))
-    args.run_timeout = args.run_timeout or (150.0 if args.quick else 1800.0)
-    if args.nosync_rounds is None:
-        args.nosync_rounds = 2 if args.quick else NOSYNC_ROUNDS
     args.sizes = QUICK if args.quick else FULL
+    for key, field in (("shapes",) * 2, ("rates",) * 2, ("methods",) * 2, ("nosync_rounds",) * 2, ("run_timeout",) * 2,
+                       ("every", "stream_every"), ("fragments", "stream_fragments"), ("delays", "stream_delays")):
+        value = getattr(args, key)  # what the command line leaves out comes from the sizes
+        setattr(args, key, getattr(args.sizes, field) if value is None else tuple(value) if isinstance(value, list)
+                else value)
     if args.steps is not None:
         args.sizes = replace(args.sizes, steps=args.steps, horizon=2 * args.steps)
     args.scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
@@ -950,14 +915,12 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     if {"streaming", "hetero"} & set(args.scenarios) and args.codec not in COMPRESSORS:
         cli.error(f"--codec {args.codec}: no such compressor; pick one of {', '.join(COMPRESSORS)}")
     if "streaming" in args.scenarios:
-        every = stream_grid(args)[0]
-        point = eval_every(Method("", every=every), args.sizes)
-        if args.sizes.steps % point:
+        bad = [v for v in args.fragments if v < 1] + [v for v in args.delays if v < 0]
+        if bad or args.every < 2:
+            cli.error(f"--every {args.every} --fragments / --delays {bad}: H is >= 2, fragments >= 1, delays >= 0")
+        if args.sizes.steps % (point := eval_every(Method("", every=args.every), args.sizes)):
             cli.error(f"--steps {args.sizes.steps}: the streaming curves end on a sync's curve point; use a "
                       f"multiple of {point}")
-        bad = [v for v in (args.fragments or []) if v < 1] + [v for v in (args.delays or []) if v < 0]
-        if bad or every < 2:
-            cli.error(f"--every {every} --fragments / --delays {bad}: H is >= 2, fragments >= 1, delays >= 0")
     return args
 
 
@@ -994,8 +957,7 @@ def run_curves(args: argparse.Namespace, shape: str, methods: dict[str, Method],
 
 
 def run_nosync(args: argparse.Namespace) -> dict[str, Any]:
-    steps = 12 if args.quick else NOSYNC_STEPS
-    started = time.perf_counter()
+    started, steps = time.perf_counter(), args.sizes.nosync_steps
     try:
         outs = run_ranks(_nosync_rank, 2, args.sizes, args.nosync_rounds, steps, deadline_s=args.run_timeout)
     except RanksFailed as exc:
@@ -1021,25 +983,22 @@ def run_cluster(args: argparse.Namespace, logs: Path) -> tuple[list[dict[str, An
         bench.progress(f"[sync] timing {where}: {' '.join(args.methods)}"
                        + (f", then the full {VALIDATE_METHOD} run" if here else ""))
         worker = ["--shape", shape_name, "--methods", *args.methods, *(["--validate", VALIDATE_METHOD] * here)]
-        with bench.scratch("sync") as out:
-            error, wall = cluster_job(args, shape, rate, worker, out, logs / f"{shape_name}_r{rate:g}.log")
-            for label in args.methods:
-                rec: dict[str, Any] = {"shape": shape_name, "rate_mbit": rate, "method": label}
-                if ranks := read_ranks(out, label, 1):  # rank 0's
-                    _, warm = timing_steps(METHODS[label], args.sizes)
-                    rec.update(cycle_timing(ranks[0]["ends"], METHODS[label].every, warm, ranks[0]["link_sent"]),
-                               timed_steps=len(ranks[0]["ends"]), error=None)
-                    bench.progress(f"[sync] {where} {label:<15} {1e3 * rec['per_step_s']:9,.1f} ms/step "
-                                   f"(local {bench.cell(rec['local_step_s'], ',.1f', 1e3)} ms, sync "
-                                   f"{bench.cell(rec['sync_step_s'], ',.1f', 1e3)} ms)")
-                else:
-                    rec.update(per_step_s=None, error=error or "no result written")
-                    bench.progress(f"[sync] {where} {label:<15} FAILED: {rec['error']}")
-                timings.append(rec)
-            if here:
-                path = out / "validate.json"
-                validation_raw = (json.loads(path.read_text()) if path.exists()
-                                  else {"error": error or "no result written"})
+        ranks, validation, error, wall = cluster_job(args, shape, rate, worker, logs / f"{shape_name}_r{rate:g}.log",
+                                                     args.methods)
+        for label, mine in ranks.items():
+            rec: dict[str, Any] = {"shape": shape_name, "rate_mbit": rate, "method": label}
+            if mine:  # rank 0's
+                rec.update(cycle_timing(mine[0]["ends"], METHODS[label].every, timing_steps(METHODS[label],
+                           args.sizes)[1], mine[0]["link_sent"]), timed_steps=len(mine[0]["ends"]), error=None)
+                bench.progress(f"[sync] {where} {label:<15} {1e3 * rec['per_step_s']:9,.1f} ms/step "
+                               f"(local {bench.cell(rec['local_step_s'], ',.1f', 1e3)} ms, sync "
+                               f"{bench.cell(rec['sync_step_s'], ',.1f', 1e3)} ms)")
+            else:
+                rec.update(per_step_s=None, error=error or "no result written")
+                bench.progress(f"[sync] {where} {label:<15} FAILED: {rec['error']}")
+            timings.append(rec)
+        if here:
+            validation_raw = validation or {"error": error or "no result written"}
         bench.progress(f"[sync] {where}: job {wall:.0f}s")
     return timings, validation_raw
 
