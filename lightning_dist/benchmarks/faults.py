@@ -339,11 +339,10 @@ def plot(records: Sequence[dict[str, Any]]) -> Any:
         ax.axhline(value, color="gray", ls="--", lw=1)
         ax.annotate(f"bound {value:.0f} s ({', '.join(kinds)})", (0.5, value), xycoords=("axes fraction", "data"),
                     ha="center", va="bottom", fontsize="small", color="gray")
-    ax.set(xlabel="trial", ylabel="seconds from the fault until every process was gone",
-           title=f"FaultTolerance: {len(records)} faults on {WORLD_SIZE} CPU ranks (small dots: each rank)")
-    ax.set_xticks(range(1, len(records) + 1))
-    ax.set_ylim(bottom=min(0.0, *[g for r in records for g in r["rank_gone_s"] if g is not None]) - 0.5)
-    bench.style(ax, "y")
+    bench.style(ax, "y", xlabel="trial", ylabel="seconds from the fault until every process was gone",
+                title=f"FaultTolerance: {len(records)} faults on {WORLD_SIZE} CPU ranks (small dots: each rank)",
+                xticks=range(1, len(records) + 1),
+                ylim=(min(0.0, *[g for r in records for g in r["rank_gone_s"] if g is not None]) - 0.5, None))
     ax.legend(fontsize="small", loc="upper left")
     return fig
 
@@ -360,9 +359,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     bench.check_counts(cli, trials=args.trials)
     if args.timeout < 2 * POLL_S:
         cli.error(f"--timeout {args.timeout}: must be at least twice poll_s={POLL_S:g}")
-    out = bench.output_dir(args.out, "faults")
     faults = plan_trials(args.trials, args.seed, args.quick)
-    started = time.monotonic()
+    started = time.perf_counter()
     records = []
     with bench.scratch("faults", args.keep_runs) as workdir:
         bench.progress(f"[faults] {len(faults)} trials, timeout_s={args.timeout:g}, poll_s={POLL_S:g}; "
@@ -376,15 +374,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                            f"{len(record['found_ranks'])}/{len(record['expected_ranks'])}, resume "
                            f"{'ok' if record['resume_ok'] else 'FAILED'} ({record['resume']['seconds']:.1f} s)"
                            + ("" if record["ok"] else f": {'; '.join(record['problems'])}"))
-    wall_s = time.monotonic() - started
-    bench.progress(f"[faults] {len(records)} trials in {wall_s:.0f} s")
     summary, goal = summarize_kinds(records), target(records)
-    meta = bench.environment("faults", world_size=WORLD_SIZE, seed=args.seed, quick=args.quick,
-                             timeout_s=args.timeout, poll_s=POLL_S, deadline_s=args.deadline, epoch_steps=EPOCH_STEPS,
-                             wall_s=wall_s, bounds_s={kind: bound_s(kind, args.timeout, POLL_S) for kind in KINDS})
-    return bench.write_results(out, "faults", [report(records, summary, goal)],
-                               {"meta": meta, "records": records, "summary": summary, "target": goal},
-                               lambda: plot(records))
+    return bench.finish("faults", args.out, started, [report(records, summary, goal)],
+                        {"records": records, "summary": summary, "target": goal}, lambda: plot(records),
+                        world_size=WORLD_SIZE, seed=args.seed, quick=args.quick, timeout_s=args.timeout, poll_s=POLL_S,
+                        deadline_s=args.deadline, epoch_steps=EPOCH_STEPS,
+                        bounds_s={kind: bound_s(kind, args.timeout, POLL_S) for kind in KINDS})
 
 
 if __name__ == "__main__":

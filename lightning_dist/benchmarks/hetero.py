@@ -301,16 +301,13 @@ def plot(records: Sequence[dict[str, Any]]) -> Any:
     return fig
 
 
-def _progress(record: dict[str, Any]) -> None:
-    name, mode = record["scenario"], record["mode"]
-    if "error" in record:
-        bench.progress(f"[hetero] {name} {mode}: FAILED")
-        return
-    step, accuracy = record.get("step_median_s"), record["val_acc"]
-    bench.progress(f"[hetero] {name} {mode:<15} epoch {record['epoch_median_s']:.2f}s  "
-                   f"step {bench.cell(step, '.1f', 1e3, ' ms')}  sizes {record['final_sizes']}  "
-                   f"micro {_micro_cell(record)}  acc {bench.cell(accuracy, '.2f', 100, '%')}  "
-                   f"(run {record['wall_s']:.0f}s)")
+def _progress(r: dict[str, Any]) -> dict[str, Any]:
+    """Says how run ``r`` went; returns it."""
+    bench.progress(f"[hetero] {r['scenario']} {r['mode']}: FAILED" if "error" in r else
+                   f"[hetero] {r['scenario']} {r['mode']:<15} epoch {r['epoch_median_s']:.2f}s  "
+                   f"step {bench.cell(r.get('step_median_s'), '.1f', 1e3, ' ms')}  sizes {r['final_sizes']}  "
+                   f"micro {_micro_cell(r)}  acc {bench.cell(r['val_acc'], '.2f', 100, '%')}  (run {r['wall_s']:.0f}s)")
+    return r
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
@@ -323,9 +320,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     started = time.perf_counter()
     records = []
     for name in [GATED] if args.quick else list(SCENARIOS):
-        for mode in MODES:
-            records.append(record := run_once(name, mode, epochs, args.seed))
-            _progress(record)
+        records += [_progress(run_once(name, mode, epochs, args.seed)) for mode in MODES]
     # the paired scenarios, round-robin: the order turns by round, so that no mode always runs first
     for name, modes, per_run, rounds, validate in ((CAPPED, CAPPED_MODES, capped_epochs, capped_rounds, True),
                                                     (COST, COST_MODES, cost_epochs, cost_rounds, False)):
@@ -333,8 +328,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             turn = round_index % len(modes)
             for mode in modes[turn:] + modes[:turn]:
                 record = run_once(name, mode, per_run, args.seed, timed_epochs=max(1, per_run - 1), validate=validate)
-                records.append(record := {**record, "round": round_index})
-                _progress(record)
+                records.append(_progress({**record, "round": round_index}))
     targets = judge(records) + judge_accumulation(records)
     lines = [bench.verdict(t["target"], t["met"], t["detail"]) for t in targets]
     blocks = [table(records), capped_table(records), cost_table(records), lines]
