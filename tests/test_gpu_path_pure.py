@@ -256,3 +256,142 @@ def test_rng_state_is_the_current_devices_only(monkeypatch):
     restored_on.install(monkeypatch)
     rng.restore(state)
     assert torch.equal(restored_on.states[0], saved_on.states[1])
+
+
+# -- DiLoCo's state off the GPU (findings 4, 5, 6, 8) --
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it lives on cuda:0 (what ``torch.load(map_location="cuda:0")`` or a GPU model hands
+    over); ``.to(...)`` and ``copy_`` read its data as a plain tensor's."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+    def to(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor).to(*args, **kwargs)
+
+
+def _on_cuda(t):
+    return t.detach().clone().as_subclass(_OnCuda)
+
+
+def _on_host(t):
+    return type(t) is torch.Tensor and t.device.type == "cpu"
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _delayed_sync(module):
+    from lightning_dist.sync import DiLoCo
+    from lightning_dist.sync.diloco import DiLoCoSync, Workers
+
+    sync = DiLoCoSync(DiLoCo(every=2, outer_momentum=0.9, delay=1), Workers(((0,),), rank=0), "auto", None)
+    sync.attach(module)
+    return sync
+
+
+def _step(module, by=0.1):
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(by)
+
+
+def test_diloco_keeps_its_state_in_host_memory(monkeypatch):
+    """Issue 41 finding 5: theta_global, the momentum, the buffers, the buckets and the snapshots of an exchange in
+    flight are host tensors, none of them a parameter's storage; by device, 0 bytes beside the model."""
+    module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    sync = _delayed_sync(module)
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    for step in (2, 3, 4):  # a sync lands (momentum made), the next one is in flight
+        _step(module)
+        sync.sync_after(step=step)
+    assert sync.inflight and sync.inflight[0].snapshot
+    state = sync.state_tensors()
+    assert len(state) >= 2 * len(params) + 2 and all(_on_host(t) for t in state)
+    assert not params & {t.untyped_storage().data_ptr() for t in state}
+    by_device = sync.memory_by_device()
+    assert by_device.get("cuda", 0) == 0 and by_device["cpu"] == sync.memory_bytes() > 0
+    sync.close()
+
+
+def test_memory_monitor_counts_diloco_on_the_host_not_the_gpu():
+    from lightning_dist.callbacks.memory_monitor import _sync_bytes
+
+    sync = _delayed_sync(torch.nn.Linear(4, 3))
+    assert _sync_bytes(sync, on_gpu=True) == 0
+    assert _sync_bytes(sync, on_gpu=False) == sync.memory_bytes()
+    sync.close()
+
+
+def test_what_diloco_gathers_and_saves_is_on_the_host(monkeypatch):
+    """Issue 41 finding 4: every rank's part is moved to the CPU before gather_object pickles it (else rank zero
+    unpickles every rank's CUDA tensors onto its own GPU)."""
+    import torch.distributed as dist
+
+    from lightning_dist.sync import diloco_driver
+
+    module = torch.nn.Linear(4, 3)
+    sync = _delayed_sync(module)
+    _step(module)
+    sync.sync_after(step=2)  # an exchange in flight: settled and saved
+    gathered = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "gather_object", lambda obj, out, dst, group: gathered.append(obj))
+    worker = {"module": {k: _on_cuda(v) for k, v in module.state_dict().items()},
+              "optimizers": [{"state": {0: {"exp_avg": _on_cuda(torch.ones(3))}}, "param_groups": []}]}
+    entry = diloco_driver.sync_entry(sync, worker, rank=1, world_size=2, group=None)
+    saved = _tensors(gathered) + _tensors(entry["state"])
+    assert saved and all(_on_host(t) for t in saved), {type(t).__name__ for t in saved}
+    sync.close()
+
+
+def test_a_resume_with_an_exchange_in_flight_lands_on_the_host_from_any_map_location():
+    """Issue 41 finding 6: a checkpoint mapped to a GPU (here: tensors that say cuda:0) restores every part of the
+    exchange in flight (its reduced sums, buffers and the worker's snapshot) into host memory, beside theta_global,
+    and it lands as the uninterrupted run does."""
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 3)
+    sync = _delayed_sync(module)
+    _step(module)
+    sync.sync_after(step=2)
+    state, snapshots = sync.state_dict(), sync.worker_state()
+    mapped = {**state, "global": {k: _on_cuda(v) for k, v in state["global"].items()},
+              "inflight": [{**ex, "sums": [_on_cuda(t) for t in ex["sums"]],
+                            "buffers": None if ex["buffers"] is None else [_on_cuda(b) for b in ex["buffers"]]}
+                           for ex in state["inflight"]]}
+    mapped_snapshots = [{k: _on_cuda(v) for k, v in snap.items()} for snap in snapshots]
+    resumed_module = torch.nn.Linear(4, 3)
+    resumed_module.load_state_dict(module.state_dict())
+    resumed = _delayed_sync(resumed_module)
+    resumed.load_state_dict(mapped)
+    resumed.load_worker_state(mapped_snapshots)
+    assert all(_on_host(t) for t in resumed.state_tensors())
+    _step(module, 0.05)
+    _step(resumed_module, 0.05)
+    sync.sync_after(step=3)
+    resumed.sync_after(step=3)
+    for a, b in zip(module.parameters(), resumed_module.parameters()):
+        assert torch.equal(a, b)
+    sync.close()
+    resumed.close()
+
+
+def test_the_exchange_thread_selects_the_models_device(monkeypatch):
+    """Issue 41 finding 8: DiLoCo's exchange thread sets the model's CUDA device before its first job."""
+    selected = []
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda device: selected.append((device, threading.current_thread().name)))
+    sync = _delayed_sync(torch.nn.Linear(2, 2))
+    sync.device = torch.device("cuda", 1)
+    executor = sync._executor()
+    executor.submit(lambda: None).result()
+    executor.shutdown()
+    assert selected and selected[0][0] == torch.device("cuda", 1) and "sync" in selected[0][1]

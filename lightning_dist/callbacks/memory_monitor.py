@@ -214,7 +214,7 @@ class MemoryMonitor(Callback):
                              world_size=trainer.world_size, transport_buffers=features is not None,
                              two_tier_ranks_per_host=topology.ranks_per_host
                              if topology is not None and topology.kind == "two_tier" else 0,
-                             sync_bytes=features.sync.memory_bytes()
+                             sync_bytes=_sync_bytes(features.sync, self._memory.cuda is not None)
                              if features is not None and features.sync is not None else 0)
         est = estimate_memory(pl_module, trainer.optimizers, comm, activation_bytes=activations,
                               largest_activation=largest)
@@ -475,3 +475,13 @@ def check_settings(**settings: Any) -> list[str]:
     if isinstance(entries, bool) or not isinstance(entries, int) or entries < 1:
         problems.append(f"snapshot_entries={entries!r} must be an integer >= 1")
     return problems
+
+
+def _sync_bytes(sync: Any, on_gpu: bool) -> int:
+    """What a sync driver keeps on the device this monitor watches: a driver that says where its state lives
+    (``memory_by_device``: DiLoCo keeps all of it in host memory) counts there only; else all of it, beside the
+    model."""
+    by_device = getattr(sync, "memory_by_device", None)
+    if by_device is None:
+        return int(sync.memory_bytes())
+    return int(by_device().get("cuda" if on_gpu else "cpu", 0))

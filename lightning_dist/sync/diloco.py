@@ -55,6 +55,16 @@ worker's own state, so a resumed run lands it at ``s + tau`` exactly as the unin
 checkpoint (a peer may be gone) keeps only the exchanges already reduced; the others are dropped, and their fragments'
 samples count towards the next sync, which then carries the worker's progress over both cycles.
 
+**Where the state lives.** ``theta_global``, the outer momentum, the averaged buffers, the pseudo-gradient's buckets,
+the snapshots of exchanges in flight and the compressor's state are kept in host memory (pinned where CUDA is
+available), never beside a GPU model: for a 7 B fp32 model they are three or more extra copies of it (~84 GB), which is
+also where torchft keeps its backup. The outer step runs on the CPU; each parameter's pseudo-gradient is read off the
+device into its bucket, and the new ``theta_global`` is copied back onto the device parameter by parameter. So the
+sync's collectives carry host tensors, on gloo groups of its own (on a CPU run the default backend is gloo anyway):
+DiLoCo's thread then issues no NCCL work beside the training loop's, which NCCL could deadlock on (operations on
+different communicators launched in a different order on different ranks); every thread that touches the device sets
+it first. GPU-resident extra state: 0 bytes (:meth:`DiLoCoSync.memory_by_device`).
+
 The state a resume needs (:meth:`DiLoCoSync.state_dict`): ``theta_global``, the outer momentum and the averaged
 buffers by parameter name, the samples counted since each fragment's last sync, and the exchanges in flight; per rank
 (:meth:`DiLoCoSync.rank_state`) the compressors' states; per worker (:meth:`DiLoCoSync.worker_state`) the parameters
@@ -84,6 +94,7 @@ from lightning_dist.compression.parts import PartPlan
 from lightning_dist.sync.settings import DiLoCoSettings
 
 BUCKET_BYTES = 25 << 20  # the pseudo-gradient's buckets: DDP's default bucket size
+HOST = torch.device("cpu")  # where DiLoCo's state lives, whatever the model's device
 THREAD_NAME = "lightning_dist-comm-sync"  # the streaming exchanges' thread (tests look for it)
 
 
@@ -148,7 +159,7 @@ class _Bucket:
         self.params = params
         self.layout = BucketLayout.of([(name, p.shape) for name, p in zip(names, params)])
         self.spans = [(start, end) for _, start, end, _ in self.layout.spans()]
-        self.flat = torch.empty(self.layout.numel, dtype=params[0].dtype, device=params[0].device)
+        self.flat = host_empty(self.layout.numel, params[0].dtype)  # in host memory: see "Where the state lives"
         self.plan = PartPlan.of(self.layout, parts, local_index) if parts > 1 else None
 
 
@@ -221,6 +232,7 @@ class DiLoCoSync:
         self._buffers: list[tuple[str, torch.Tensor]] = []
         self._global_buffers: list[torch.Tensor] = []
         self._outer: Optional[torch.optim.SGD] = None
+        self.device: torch.device = HOST  # the model's device (attach); the state stays on HOST
 
     @classmethod
     def create(cls, settings: DiLoCoSettings, topology: Optional[Topology], rank: int, world_size: int, algorithm: str,
@@ -229,15 +241,18 @@ class DiLoCoSync:
         each host's group for the parts' all-gather and a gloo one for the inner step's verdict; under flat one
         group of every rank."""
         workers = Workers.of(topology, world_size, rank)
+        # the pseudo-gradient and the averaged buffers are host tensors: gloo groups (see "Where the state lives")
         if workers.local_size == 1:
-            cross = dist.new_group(timeout=timeout) if world_size > 1 else None
+            cross = dist.new_group(timeout=timeout, backend="gloo") if world_size > 1 else None
             return cls(settings, workers, algorithm, cross)
         across = [list(ranks) for ranks in zip(*workers.ranks)]  # part i: the i-th rank of every host
         hosts = [list(r) for r in workers.ranks]
-        cross = dist.new_subgroups_by_enumeration(across, timeout=timeout)[0]
-        host = dist.new_subgroups_by_enumeration(hosts, timeout=timeout)[0]
+        cross = dist.new_subgroups_by_enumeration(across, timeout=timeout, backend="gloo")[0]
+        host = dist.new_subgroups_by_enumeration(hosts, timeout=timeout, backend="gloo")[0]
         flags = dist.new_subgroups_by_enumeration(hosts, timeout=timeout, backend="gloo")[0]
-        buffers = dist.new_subgroups_by_enumeration(hosts, timeout=timeout)[0] if settings.delay else None
+        # the model's own buffers, broadcast inside the host before each forward from the main thread: where they
+        # live (the default backend's group: NCCL for a GPU model)
+        buffers = dist.new_subgroups_by_enumeration(hosts, timeout=timeout)[0]
         return cls(settings, workers, algorithm, cross, host, flags, buffers)
 
     @property
@@ -268,9 +283,10 @@ class DiLoCoSync:
                 _buckets([named[i] for i in index], self.workers.local_size, self.workers.local_index, index),
                 compressor, [0.0] * self.workers.count, buffers=f == 0))
         self.reduced_at = [0] * len(self.fragments)
+        self.device = self._params[0].device if self._params else HOST
         with torch.no_grad():
-            self._global = [p.detach().clone() for p in self._params]
-            self._global_buffers = [b.detach().clone() for _, b in self._buffers]
+            self._global = [host_copy(p) for p in self._params]
+            self._global_buffers = [host_copy(b) for _, b in self._buffers]
         self._outer = torch.optim.SGD(self._global, lr=self.settings.outer_lr, momentum=self.settings.outer_momentum,
                                       nesterov=self.settings.outer_momentum > 0)
 
@@ -352,14 +368,15 @@ class DiLoCoSync:
         with torch.no_grad():
             for bucket in fragment.buckets:
                 flat = bucket.flat
-                for i, (start, end) in zip(bucket.index, bucket.spans):
-                    torch.sub(self._global[i].reshape(-1), self._params[i].detach().reshape(-1), out=flat[start:end])
+                for i, (start, end) in zip(bucket.index, bucket.spans):  # the parameter read off the device
+                    torch.sub(self._global[i].reshape(-1), self._params[i].detach().reshape(-1).to(HOST),
+                              out=flat[start:end])
                 if weight != 1.0:
                     flat.mul_(weight)
             if delay:
-                exchange.snapshot = [self._params[i].detach().clone() for i in fragment.params]
+                exchange.snapshot = [host_copy(self._params[i]) for i in fragment.params]
                 if fragment.buffers and self._buffers:
-                    exchange.buffers = [b.detach().clone() for _, b in self._buffers]
+                    exchange.buffers = [host_copy(b) for _, b in self._buffers]
         if not delay:
             recorder = stats.tier(tier) if stats is not None else None
             sent_before = stats.bytes_sent if stats is not None else 0
@@ -368,7 +385,7 @@ class DiLoCoSync:
         else:
             exchange.stats = CommStats(keep_records=True)
             if self._thread is None:
-                self._thread = ThreadPoolExecutor(1, thread_name_prefix=THREAD_NAME)
+                self._thread = self._executor()
             exchange.future = self._thread.submit(self._reduce_in_background, exchange)
         exchange.waited = time.perf_counter() - started
         exchange.seconds = exchange.waited
@@ -460,7 +477,7 @@ class DiLoCoSync:
                     for keep, mean in zip(self._global_buffers, exchange.buffers):
                         keep.copy_(mean)
                 elif fragment.buffers:
-                    averaged = [b.detach().clone() for _, b in self._buffers]
+                    averaged = [host_copy(b) for _, b in self._buffers]
                     self._average(averaged, self._transport(stats.tier(tier) if stats is not None else None))
                     for keep, mean in zip(self._global_buffers, averaged):
                         keep.copy_(mean)
@@ -468,9 +485,10 @@ class DiLoCoSync:
             if exchange.snapshot is None or result.skipped:  # the worker restarts from theta_global
                 for i in fragment.params:
                     self._params[i].copy_(self._global[i])
-            else:  # p_now + mix (theta_global - p_at_s)
+            else:  # p_now + mix (theta_global - p_at_s), the difference taken on the host and streamed over
                 for i, at_start in zip(fragment.params, exchange.snapshot):
-                    self._params[i].add_(self._global[i] - at_start, alpha=self.settings.mix)
+                    self._params[i].add_((self._global[i] - at_start).to(self._params[i].device),
+                                         alpha=self.settings.mix)
             if fragment.buffers:
                 for (_, buf), g in zip(self._buffers, self._global_buffers):
                     buf.copy_(g)
@@ -493,6 +511,13 @@ class DiLoCoSync:
         """The end of a fit, on every rank together: every exchange still in flight lands now (the model the fit
         leaves holds every sync it started)."""
         return [self._land(ex, stats, tier, flags_group) for ex in list(self.inflight)]
+
+    def _executor(self) -> ThreadPoolExecutor:
+        """The exchanges' thread (one, first in first out). It selects the model's CUDA device first: a thread's
+        current device is its own (cuda:0 until set), and torch's point-to-point calls can hang without it."""
+        device = self.device
+        setup = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+        return ThreadPoolExecutor(1, thread_name_prefix=THREAD_NAME, initializer=setup)
 
     def close(self) -> None:
         """Stop the sync's thread (teardown; after a fault an exchange may still wait for a peer: not waited for)."""
@@ -565,6 +590,24 @@ class DiLoCoSync:
             snapshots = min(len(self.fragments), -(-self.settings.delay // spacing)) * (largest + buffers)
         return 3 * params + buffers + compressor + snapshots
 
+    def memory_by_device(self) -> dict[str, int]:
+        """:meth:`memory_bytes` by device type: all of it in host memory (``"cpu"``), none beside a GPU model
+        (``"cuda"``: 0), as the module's docstring says; the tensors themselves are checked in
+        :meth:`state_tensors`."""
+        found = {self.device.type: 0, HOST.type: 0}
+        found[HOST.type] += self.memory_bytes()
+        return found
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor DiLoCo keeps between syncs: theta_global, the outer momentum, the averaged buffers, the
+        buckets, the snapshots and buffers of exchanges in flight (where they live is what a test checks)."""
+        found = [*self._global, *self._global_buffers, *(b.flat for f in self.fragments for b in f.buckets)]
+        if self._outer is not None:
+            found += [s["momentum_buffer"] for s in self._outer.state.values() if "momentum_buffer" in s]
+        for ex in self.inflight:
+            found += [*(ex.snapshot or []), *(ex.buffers or [])]
+        return found
+
     def state_dict(self, settle: bool = True) -> dict[str, Any]:
         """What every rank holds alike (theta_global, momentum, buffers, counts, the exchanges in flight with their
         reduced sums: tensors by name); tensors, numbers and strings only (``weights_only=True`` loads it).
@@ -631,7 +674,7 @@ class DiLoCoSync:
             for name, g in zip(self._names, self._global):
                 g.copy_(state["global"][name])
                 if name in state["momentum"]:
-                    self._outer.state[g]["momentum_buffer"] = state["momentum"][name].to(g.device, g.dtype).clone()
+                    self._outer.state[g]["momentum_buffer"] = host_copy(state["momentum"][name].to(g.dtype))
             for (name, _), b in zip(self._buffers, self._global_buffers):
                 if name in state["buffers"]:
                     b.copy_(state["buffers"][name])
@@ -645,7 +688,8 @@ class DiLoCoSync:
                 self.inflight.append(Exchange(
                     fragment, int(saved["step"]), int(saved["lands"]),
                     [float(s) for s in saved["samples"]] if same else [0.0] * self.workers.count,
-                    buffers=saved["buffers"], stats=stats, seconds=float(saved["seconds"]),
+                    buffers=None if saved["buffers"] is None else [host_copy(b) for b in saved["buffers"]],
+                    stats=stats, seconds=float(saved["seconds"]),
                     waited=float(saved["waited"]), norm=float(saved["norm"])))
 
     def load_rank_state(self, state: Optional[dict[str, Any]], shared_only: bool = False) -> None:
@@ -664,10 +708,10 @@ class DiLoCoSync:
         saved; each lands then on the worker's parameters as restored, as if it had started now)."""
         for k, exchange in enumerate(self.inflight):
             params = exchange.fragment.params
-            if snapshots is not None and k < len(snapshots):
-                exchange.snapshot = [snapshots[k][self._names[i]].clone() for i in params]
+            if snapshots is not None and k < len(snapshots):  # on the host, wherever the checkpoint was mapped
+                exchange.snapshot = [host_copy(snapshots[k][self._names[i]]) for i in params]
             elif self.settings.delay:
-                exchange.snapshot = [self._params[i].detach().clone() for i in params]
+                exchange.snapshot = [host_copy(self._params[i]) for i in params]
 
     def restart_from_global(self) -> None:
         """Every parameter and buffer of this rank set to the global ones (a worker whose own state was lost)."""
@@ -755,3 +799,16 @@ def _bad_workers(locally_finite: bool, workers: Workers, group: Optional[dist.Pr
     if workers.count > 1 and dist.is_initialized():
         dist.all_reduce(flags, group=group)
     return [w for w in range(workers.count) if flags[w] > 0]
+
+
+def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor in host memory, pinned where CUDA is available (its copies to and from the GPU then run at
+    full PCIe speed and may be asynchronous)."""
+    return torch.empty(numel, dtype=dtype, device=HOST, pin_memory=torch.cuda.is_available())
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` (any device) in host memory, pinned where CUDA is available: DiLoCo's state is kept there."""
+    out = host_empty(t.numel(), t.dtype).view(t.shape)
+    out.copy_(t.detach())
+    return out

@@ -24,6 +24,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
@@ -234,13 +235,27 @@ def sync_entry(diloco: DiLoCoSync, worker_state: Optional[dict[str, Any]], rank:
     state = diloco.state_dict(settle=not local)  # first: what is in flight is settled (or dropped) here
     if worker_state is not None:
         worker_state = {**worker_state, "inflight": diloco.worker_state()}
-    mine = {"rank": diloco.rank_state(), "worker": worker_state}
+    # every tensor on the host before it is pickled: gather_object would otherwise unpickle each rank's CUDA tensors
+    # onto rank zero's GPU (cuda:<the sender's index>: a copy of every worker's model on one GPU, or an error where a
+    # rank sees one GPU only)
+    mine = to_host({"rank": diloco.rank_state(), "worker": worker_state})
     ranks: list[Any] = [None] * world_size
     if local or world_size == 1 or not dist.is_initialized():
         ranks[rank] = mine
     else:
         dist.gather_object(mine, ranks if rank == 0 else None, dst=0, group=group)
     return {"state": state, "world_size": world_size, "ranks": ranks, "identities": identities}
+
+
+def to_host(value: Any) -> Any:
+    """``value`` (dicts, lists and tuples of tensors, numbers and strings) with every tensor copied to the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu")
+    if isinstance(value, dict):
+        return {k: to_host(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_host(v) for v in value)
+    return value
 
 
 def restore_sync(diloco: DiLoCoSync, module: Any, entry: dict[str, Any], rank: int, world_size: int,
