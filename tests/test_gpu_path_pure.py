@@ -395,3 +395,48 @@ def test_the_exchange_thread_selects_the_models_device(monkeypatch):
     executor.submit(lambda: None).result()
     executor.shutdown()
     assert selected and selected[0][0] == torch.device("cuda", 1) and "sync" in selected[0][1]
+
+
+# -- step timing on the device (finding 2) --
+class _CudaBatch(torch.Tensor):
+    @property
+    def is_cuda(self):
+        return True
+
+
+class _FakeEvent:
+    """torch.cuda.Event over a scripted device clock (milliseconds): each record() takes the next time."""
+
+    clock: list = []
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.at = None
+
+    def record(self, stream=None):
+        self.at = _FakeEvent.clock.pop(0)
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return end.at - self.at
+
+
+def test_compute_time_on_a_gpu_is_device_time_read_one_step_later(monkeypatch):
+    """Issue 41 finding 2: on CUDA the host's clock times the queuing of kernels; compute_s comes from CUDA events
+    (step start to the end of backward), read a step later with that step's samples."""
+    from lightning_dist.comm import CommStats
+    from lightning_dist.strategy.step_meter import StepMeter
+
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    _FakeEvent.clock = [0.0, 5.0, 10.0, 40.0, 50.0, 52.0]  # device ms: steps of 5, 30 and 2 ms
+    meter = StepMeter()
+    rows = []
+    for size in (4, 6, 3):
+        meter.batch_started(torch.zeros(size, 2).as_subclass(_CudaBatch))
+        meter.backward_done()
+        meter.step_finished(CommStats(), exposed_s=0.0)
+        rows.append((meter.last_step["samples"], meter.last_step["compute_s"]))
+    assert rows == [(0.0, 0.0), (4.0, 0.005), (6.0, 0.030)], rows
+    assert meter.totals["samples"] == 13

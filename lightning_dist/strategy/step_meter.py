@@ -10,6 +10,16 @@ ride, one step late, on the strategy's per-step exchange (:data:`PER_RANK_SLOTS`
 ``compute_s`` is the step's forward and backward time minus the communication backward waited for
 (``exposed_s``): with the overlapping hook the transport runs beside backward, so subtracting all of it
 would undercount compute. It is the per-rank speed signal (samples / compute_s) stragglers show up in.
+
+On a GPU the host's clock measures the wrong thing: kernels run asynchronously, so the time to the end of backward is
+how long the CPU took to *queue* it (or wherever it happened to block). There ``compute_s`` is device time: a CUDA event
+recorded on the current stream at the step's first ``training_step`` and another at the end of backward (after DDP
+made the stream wait for every bucket's Future, so the communication backward waited for is inside it: on a GPU
+``compute_s`` is forward and backward *including* exposed communication). The events are read one step later, when
+they have long completed (reading them at once would wait for the device, a host sync per step): each step's row then
+carries the previous step's ``samples`` and ``compute_s`` together, so the speed signal (samples / compute_s) stays
+paired. ``comm_s`` and ``exposed_s`` stay host-side (NCCL's Futures complete when the operation is queued: about 0 on a
+GPU); ``step_s`` is the host's wall time between steps, which a GPU run's own pace sets.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
+import torch
 from lightning.pytorch.utilities.data import extract_batch_size
 
 from lightning_dist.comm import CommStats
@@ -41,6 +52,9 @@ class StepMeter:
         self._last_step_end: Optional[float] = None
         self._samples = 0  # samples this rank used in the current step
         self._more_compute = 0.0  # compute after the step's exchange (DiLoCo(balance="steps")'s further inner steps)
+        # CUDA: this step's (start, end) events, and the previous step's with its samples (read one step later)
+        self._events: Optional[list[Any]] = None
+        self._pending: Optional[tuple[Any, Any, int, float]] = None
         self.step = 0  # optimizer steps (taken or skipped) since fit started: the same count on every rank
         # this rank's own measurements of the last step, always available, no collective involved
         self.last_step: dict[str, float] = {}
@@ -55,10 +69,14 @@ class StepMeter:
     def batch_started(self, batch: Any) -> None:
         if self._step_started is None:
             self._step_started = time.perf_counter()
+            if _on_cuda(batch):
+                self._events = [_record_event()]
         self._samples += _batch_size(batch)
 
     def backward_done(self) -> None:
         self._backward_done = time.perf_counter()
+        if self._events is not None:
+            self._events[1:] = [_record_event()]
 
     def add_compute(self, seconds: float) -> None:
         """Compute this step did after its exchange (a faster worker's further inner steps under
@@ -75,9 +93,13 @@ class StepMeter:
         """Record this step's own measurements (the next exchange carries them to every rank)."""
         now = time.perf_counter()
         started = self._step_started or now
+        samples = float(self._samples)
+        compute_s = max((self._backward_done or now) - started - exposed_s, 0.0) + self._more_compute
+        if self._events is not None or self._pending is not None:  # CUDA: the previous step's device time
+            samples, compute_s = self._device_compute()
         self.last_step = {
-            "samples": float(self._samples),
-            "compute_s": max((self._backward_done or now) - started - exposed_s, 0.0) + self._more_compute,
+            "samples": samples,
+            "compute_s": compute_s,
             "comm_s": stats.seconds,
             "exposed_s": exposed_s,
             "bytes_sent": float(stats.bytes_sent),
@@ -92,8 +114,40 @@ class StepMeter:
                            *((f"bytes_{tier}", stats.tier_bytes.get(tier, 0)) for tier in TIERS)):
             self.totals[key] += value
         self._samples, self._more_compute = 0, 0.0
+        self._events = None
         self.step += 1
         self._last_step_end, self._step_started, self._backward_done = now, None, None
+
+
+    def _device_compute(self) -> tuple[float, float]:
+        """CUDA: the previous step's samples and device seconds (0, 0 on the first step), and this step's events kept
+        for the next one."""
+        samples, seconds = 0.0, 0.0
+        if self._pending is not None:
+            start, end, count, more = self._pending
+            end.synchronize()  # a step old: done already (no wait) unless the host runs more than a step ahead
+            samples, seconds = float(count), start.elapsed_time(end) / 1e3 + more
+        events = self._events
+        self._pending = (events[0], events[1], self._samples, self._more_compute) \
+            if events is not None and len(events) == 2 else None
+        return samples, seconds
+
+
+def _on_cuda(batch: Any) -> bool:
+    """Whether the batch's first tensor is on a CUDA device (Lightning moved it there before the training step)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.is_cuda
+    if isinstance(batch, dict):
+        return any(_on_cuda(v) for v in list(batch.values())[:1])
+    if isinstance(batch, (list, tuple)) and batch:
+        return _on_cuda(batch[0])
+    return False
+
+
+def _record_event() -> Any:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()  # on the current stream, behind every kernel queued so far
+    return event
 
 
 def metrics_from(exchange: StepExchange, world_size: int) -> dict[str, float]:
