@@ -33,9 +33,8 @@ FIXED_MODE = "fixed"
 JUDGED_MODES = ("batches", "steps")
 HETERO_BOUND = 1.10  # wall time per epoch at most 10% above the ideal
 SLOW_HOST, SLOW_FACTOR = 3, 2.0  # the last host at half the others' speed
-# Every host's compute stretched 2x, the slow host's 4x: the 4 hosts need 3 x 1/2 + 1/4 = 1.75 of this machine's 2
-# cores. Unpaced they need 3.5, and a sleeping host leaves its core to the others: with Slowdown({3: 2.0}) alone the
-# "half-speed" host measured barely 10% slower than the rest.
+# Every host's compute stretched 2x, the slow host's 4x: 4 hosts in 1.75 of the 2 cores (unpaced, the "half-speed"
+# host measured barely 10% slower: a sleeping host leaves its core to the others)
 PACE = 2.0
 
 
@@ -46,9 +45,8 @@ def slowdowns(hosts: int) -> dict[int, float]:
 
 class CpuSlowdown(Callback):
     """:class:`~lightning_dist.testing.Slowdown` in CPU time: ``CpuSlowdown({3: 4.0})`` makes rank 3 take 4x its own
-    compute, sleeping before each backward ``factor - 1`` times the training thread's CPU time since the last backward
-    plus the previous backward's (until one is measured, twice the forward). Wall time would count the waits for the
-    other hosts too (under ``balance="steps"`` the sleeps grew without bound); CPU time is the host's own work."""
+    compute (sleeping before each backward). Wall time would count the waits for other hosts too: under
+    ``balance="steps"`` the sleeps grew without bound; CPU time is the host's own work."""
 
     def __init__(self, factors: dict[int, float]) -> None:
         bad = {r: f for r, f in factors.items() if not (isinstance(f, (int, float)) and f >= 1)}
@@ -150,9 +148,8 @@ def nosync_step(ends_per_rank: Sequence[Sequence[float]], warmup: int) -> dict[s
 
 def stream_timing(config: dict[str, Any], cycles: Sequence[dict[str, Any]], ranks: Sequence[dict[str, Any]],
                   warm_cycles: int, nosync_step_s: Optional[float]) -> dict[str, Any]:
-    """A configuration's (``every``, ``fragments``, ``delay``) shaped-cluster figures from every rank's
-    :func:`~.sync.cycle_timing` and raw record (``ends``, ``trace`` of ``[step, sync/* metrics]`` at each change, on
-    rank 0 ``link_samples``), and the same cluster's step with no sync."""
+    """A configuration's shaped-cluster figures from every rank's :func:`~.sync.cycle_timing` and raw record (``ends``,
+    ``trace`` of ``[step, sync/* metrics]``, rank 0's ``link_samples``), and the same cluster's no-sync step."""
     every, fragments, delay = config["every"], config["fragments"], config["delay"]
     first, last = warm_cycles * every, (len(ranks[0]["ends"]) // every) * every  # the timed steps are (first, last]
     timed = last - first
@@ -186,9 +183,8 @@ def stream_timing(config: dict[str, Any], cycles: Sequence[dict[str, Any]], rank
 
 def stream_rows(curves: Sequence[dict[str, Any]], timings: Sequence[dict[str, Any]], reference: str
                 ) -> list[dict[str, Any]]:
-    """Per configuration: its curve's final losses and shaped figures, and against the reference's: ``global_vs_ref``
-    (``theta_global``'s loss, what the quality target judges) and ``loss_vs_ref`` (rank 0's model's) less 1, and
-    ``peak_vs_ref`` (peak bytes/s)."""
+    """Per configuration: its final losses and shaped figures, and against the reference's: ``global_vs_ref``
+    (``theta_global``'s loss, judged), ``loss_vs_ref`` (rank 0's model's), ``peak_vs_ref`` (peak bytes/s)."""
     timing = {t["label"]: t for t in timings}
     ref = next((c for c in curves if c["label"] == reference and not c.get("error")), {})
     ref_peak = timing.get(reference, {}).get("peak_bytes_per_s")
@@ -211,9 +207,8 @@ def stream_rows(curves: Sequence[dict[str, Any]], timings: Sequence[dict[str, An
 
 
 def stream_targets(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Issue 32's targets: for F >= 4 and tau >= 1, peak bytes/s <= 1/20 of the reference's and ``theta_global``'s
-    final loss within 1% of it; for tau >= 1, the loop's wait for the exchange <= 5% of the step, by ``sync/waited_s``
-    and by the step less the no-sync step. A target whose measurement is missing is absent."""
+    """Issue 32's targets (docs/benchmarks.md): peak and quality for F >= 4 and tau >= 1, the exposed wait for tau >= 1
+    (by ``sync/waited_s`` and by the step less the no-sync step); a target whose measurement is missing is absent."""
     out: dict[str, dict[str, Any]] = {}
     for r in (r for r in rows if not r["reference"]):
         if judged(r) and r["peak_vs_ref"] is not None:
@@ -254,17 +249,14 @@ def stream_target_lines(targets: dict[str, dict[str, Any]], rows: Sequence[dict[
 
 def stream_table(rows: Sequence[dict[str, Any]]) -> str:
     """The streaming table: quality at equal samples, then the shaped cluster's figures."""
-    def ms(r: dict[str, Any], *keys: str) -> list[str]:
-        return [bench.cell(r.get(k), ",.1f", 1e3) for k in keys]
-
     out = []
     for r in rows:
-        ref = r["reference"]
+        ref, ms = r["reference"], {k: bench.cell(r.get(k), ",.1f", 1e3) for k in (
+            "per_step_s", "local_step_s", "nosync_step_s", "waited_per_step_s", "exposed_by_time_s", "exchange_s")}
         out.append([r["label"] + " (ref)" * ref, r["fragments"], r["delay"], r["codec"] or "dense",
                     bench.cell(r["global_loss"], ".4f"), "-" if ref else bench.cell(r["global_vs_ref"], "+.2%"),
                     bench.cell(r["final_loss"], ".4f"), "-" if ref else bench.cell(r["loss_vs_ref"], "+.2%"),
-                    *ms(r, "per_step_s", "local_step_s", "nosync_step_s", "waited_per_step_s"),
-                    bench.cell(r.get("waited_fraction"), ".1%"), *ms(r, "exposed_by_time_s", "exchange_s"),
+                    *list(ms.values())[:4], bench.cell(r.get("waited_fraction"), ".1%"), *list(ms.values())[4:],
                     *(bench.cell(r.get(k), ",.1f", 1e-3) for k in ("link_bytes_per_exchange", "peak_bytes_per_s")),
                     "-" if ref or not r["peak_vs_ref"] else f"1/{1 / r['peak_vs_ref']:.1f}",
                     bench.cell(r.get("hidden_bytes_per_s"), ",.1f", 1e-3),

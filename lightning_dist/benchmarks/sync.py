@@ -1,10 +1,8 @@
 """Syncing every H steps against syncing every step, on the LM workload: ``python -m lightning_dist.benchmarks.sync``.
 
-Loss against steps does not depend on the link, so each method's curve trains on loopback ranks posing as hosts
-(:func:`run_curves`), its time per step is timed on a shaped SimCluster (:func:`run_cluster`), and the two combine into
-loss against wall time (:func:`combine`), checked once against a full shaped run. ``--scenario streaming`` and
-``hetero`` (issue 32, :mod:`~lightning_dist.benchmarks._streaming`): Streaming DiLoCo's F x tau grid, one host at half
-speed. Methods, targets and results: docs/benchmarks.md (``sync``).
+Curves on loopback ranks (:func:`run_curves`) times the step timed on a shaped SimCluster (:func:`run_cluster`) give
+loss against wall time (:func:`combine`); ``--scenario streaming`` and ``hetero``: issue 32's (:mod:`._streaming`).
+Methods, targets and results: docs/benchmarks.md (``sync``).
 """
 
 from __future__ import annotations
@@ -44,8 +42,7 @@ from lightning_dist.testing import RanksFailed, free_port, launched_externally, 
 WORKER_MODULE = "lightning_dist.benchmarks.sync"
 SEED = 0
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # the paper's, and the issue's
-# gloo's own all-reduce: what "auto" picks for the full model's one 1.9 MB bucket (below 1 MiB at 4 ranks, --quick's
-# model, auto's tree is a Python loop of point-to-point rounds: ~15x slower on 4 ranks sharing 2 cores)
+# gloo's own all-reduce, what "auto" picks for the full model's 1.9 MB bucket (for --quick's, auto's tree: ~15x slower)
 ALGORITHM = "native"
 COLLECTIVE_TIMEOUT_S = 300.0  # a dense step at 10 Mbit/s takes seconds; a hang still fails the run
 TIMED_STEPS = 6  # a per-step method's timed steps after 2 of warm-up (dense at 10 Mbit/s: ~2.5 s each)
@@ -151,8 +148,7 @@ class Sizes:
     nosync_rounds: int  # --nosync-rounds: the no-sync step cost's alternating rounds, each fit of nosync_steps steps
     nosync_steps: int
     run_timeout: float  # --run-timeout: one job's hard deadline, s
-    # streaming: --every (H; the reference is part 1's DiLoCo at H), --fragments and --delays (F and tau, every pair;
-    # F divides H, so 5 stands in for the issue's 4 at H = 50: ``--every 40 --fragments 1 4 10`` runs the issue's F)
+    # streaming: --every (H; the reference is part 1's DiLoCo at H), --fragments, --delays (every pair; F divides H)
     stream_every: int
     stream_fragments: tuple[int, ...]
     stream_delays: tuple[int, ...]
@@ -173,10 +169,8 @@ class Sizes:
                        * self.hetero_batch * (self.context + 1))
 
 
-# Chosen for this 2-core machine, shared: ByteLM(width=128, depth=2, context=64) has 0.47 M parameters (the default
-# 1.34 M model at context 128 takes 234 ms a step of batch 16 on one thread; this one 42 ms at batch 16, ~22 ms at 8):
-# 18 curves of 400 steps on 4 ranks sharing 2 cores take ~10 minutes, and a dense step at 10 Mbit/s (1.9 MB of
-# gradients, 2.8 MB out of a host per ring all-reduce) still takes ~2.3 s of wire. 400 steps: 8 syncs at H = 50.
+# Chosen for this 2-core machine (docs/benchmarks.md, sync's workload): 0.47 M parameters, so that 18 curves of 400
+# steps take ~10 minutes and a dense step at 10 Mbit/s still spends ~2.3 s on the wire; 400 steps: 8 syncs at H = 50.
 FULL = Sizes(width=128, depth=2, heads=4, context=64, batch_size=8, train_bytes=1 << 20, warmup_steps=50, steps=400,
              horizon=800, eval_every=20, val_windows=256, min_timed_steps=40, shapes=tuple(SHAPES),
              rates=(10.0, 100.0), methods=tuple(METHODS), nosync_rounds=10, nosync_steps=200, run_timeout=1800.0,
@@ -229,18 +223,20 @@ def val_loss(module: ByteLM, batch: tuple[torch.Tensor, torch.Tensor], chunk: in
     return total / len(inputs)
 
 
-class FitRecord(bench.StepRecorder):
-    """:class:`~lightning_dist.benchmarks._common.StepRecorder`'s batch times and epochs, and per step its samples and,
-    with ``link``, the bytes that had left the host. With ``every``, rank 0 evaluates ``batch``'s loss after every
-    ``k every + offset``-th step, timed, the others waiting at a barrier; with ``trace``, DiLoCo's ``sync/*`` metrics
-    at each change (``[step, metrics]``); with ``sample`` ``(first, last)``, a
-    :class:`~lightning_dist.benchmarks._streaming.LinkSampler` from the end of step ``first`` to that of ``last``."""
+class FitRecord(Callback):
+    """Per step its start, end, epoch, samples and (``link``) the bytes out of the host's link (no more: unlike
+    :class:`~._common.StepRecorder`, no per-step reads of the loss or the strategy in the timed steps). With
+    ``every``, rank 0 evaluates ``batch``'s loss after every ``k every + offset``-th step, timed, the others waiting;
+    ``trace``: DiLoCo's ``sync/*`` metrics at each change; ``sample=(first, last)``: a :class:`~._streaming.LinkSampler`
+    over those steps."""
 
     def __init__(self, every: Optional[int] = None, batch: Optional[tuple] = None, link: bool = False,
                  trace: bool = False, sample: Optional[tuple[int, int]] = None, offset: int = 0) -> None:
-        super().__init__()
         self.every, self.batch, self.link, self.trace, self.sample = every, batch, link, trace, sample
         self.offset = offset  # a delayed sync lands ``offset`` steps after its step
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.epochs: list[int] = []
         self.samples: list[int] = []
         self.link_sent: list[int] = []
         self.curve: list[tuple[int, float, float, float]] = []  # (step, loss, step end, evaluation seconds)
@@ -248,9 +244,14 @@ class FitRecord(bench.StepRecorder):
         self.sampler = stream.LinkSampler(link_bytes_sent) if sample else None
 
     @override
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.starts.append(time.perf_counter())
+
+    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            *args: Any) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, *args)
+        self.ends.append(time.perf_counter())
+        self.epochs.append(trainer.current_epoch)
         self.samples.append(len(batch[0]))  # (inputs, targets), a window each
         if self.link:
             self.link_sent.append(link_bytes_sent())
@@ -273,7 +274,6 @@ class FitRecord(bench.StepRecorder):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        super().on_train_end(trainer, pl_module)
         if self.sampler is not None:
             self.sampler.stop()  # a fit shorter than the sampled steps
 
@@ -375,8 +375,7 @@ def _nosync_rank(rank: int, world_size: int, sizes: Sizes, rounds: int, steps: i
 
 # -- a shaped cluster job's worker (every rank, under torchrun in a simulated host) ------------------------------------
 def _worker(args: argparse.Namespace) -> None:
-    """Every timing fit of the job in turn (``--scenario streaming``: the grid's, then one that never syncs), each
-    rank writing its record; in the validation setting's job, then the full run (rank 0 writes it)."""
+    """Every timing fit of the job in turn, each rank writing its record; then any ``--validate`` full run's."""
     torch.set_num_threads(1)  # hosts share the machine's cores
     sizes, out, rank = args.sizes, Path(args.out), int(os.environ.get("RANK", "0"))
     streaming = args.scenario == "streaming"
@@ -407,8 +406,8 @@ def _rank_file(out: Path, label: str, rank: int) -> Path:
 def cluster_job(args: argparse.Namespace, shape: Shape, rate: float, worker: list[str], log: Path,
                 labels: Sequence[str], world: int = 1
                 ) -> tuple[dict[str, Optional[list[dict[str, Any]]]], Optional[dict[str, Any]], Optional[str], float]:
-    """One SimCluster job of this module's workers (:func:`_worker`): per label its first ``world`` ranks' records
-    (None: not all written), the validation run's record (None: not written), why the job failed, its wall time."""
+    """One SimCluster job of :func:`_worker`: per label its ``world`` ranks' records, the ``--validate`` run's (None:
+    not written), why the job failed, its wall time."""
     with bench.scratch("sync") as out:
         worker = ["--worker", "--out", str(out), "--steps", str(args.sizes.steps), *(["--quick"] * args.quick),
                   *worker]
@@ -424,9 +423,8 @@ def cluster_job(args: argparse.Namespace, shape: Shape, rate: float, worker: lis
 # -- pure summaries (tested without ranks) -----------------------------------------------------------------------------
 def cycle_timing(ends: Sequence[float], every: int, warm_cycles: int, link_sent: Sequence[int] = (),
                  interval: Optional[int] = None) -> dict[str, Any]:
-    """A timing fit's figures from its step ends (``ends[i]``: step ``i + 1``'s): the cycles after ``warm_cycles``
-    (cycle ``k`` ends with step ``k H``), ``per_step_s`` = median cycle / H, the median local and sync steps (a sync
-    step: every ``interval``-th, default H), and the link's bytes per timed step."""
+    """A timing fit's figures from its step ends: ``per_step_s`` = median cycle after ``warm_cycles`` / H, the median
+    local and sync steps (every ``interval``-th, default H) and the link's bytes per timed step."""
     whole = len(ends) // every
     cycles = [ends[k * every - 1] - ends[(k - 1) * every - 1] for k in range(max(warm_cycles, 1) + 1, whole + 1)]
     if not cycles:
@@ -444,9 +442,8 @@ def cycle_timing(ends: Sequence[float], every: int, warm_cycles: int, link_sent:
 
 
 def curve_record(outs: Sequence[dict[str, Any]], shape: str, equal_steps: int) -> dict[str, Any]:
-    """One loopback fit's record: rank 0's curve, its loss at ``equal_steps`` (``final_loss``) and at its end, and the
-    bytes across workers per inner step, every rank's summed: DiLoCo's ``sync/bytes_per_step`` where there is one,
-    else the ``bytes_inter_host`` counter (both kept, and all bytes sent)."""
+    """One loopback fit's record: rank 0's curve and loss at ``equal_steps`` and at its end; bytes across workers per
+    inner step, every rank's summed (DiLoCo's ``sync/bytes_per_step``, else the ``bytes_inter_host`` counter)."""
     rank0, steps = outs[0], outs[0]["steps"]
     curve = rank0["curve"]
     at_equal = [point[1] for point in curve if point[0] == equal_steps]
@@ -771,9 +768,8 @@ def hetero_method(mode: str, codec: str, sizes: Sizes) -> Method:
 
 def _hetero_rank(rank: int, world_size: int, method: Method, mode: str, sizes: Sizes, steps: int,
                  epochs: Optional[int], speeds: Optional[list[float]] = None) -> dict[str, Any]:
-    """One host of a heterogeneous fit, paced by :func:`~lightning_dist.benchmarks._streaming.slowdowns`: modes
-    ``batches`` and ``steps`` measure speeds (``HeteroBatching(window=5, every_n_steps=5)``), ``fixed`` sizes the
-    batches from ``speeds`` once."""
+    """One host of a hetero fit, paced by :func:`~._streaming.slowdowns`; modes ``batches`` and ``steps`` measure
+    speeds, ``fixed`` sizes the batches from ``speeds`` once."""
     hetero = HeteroBatching(window=5, every_n_steps=5) if mode in ("batches", "steps") else None
     if mode == stream.FIXED_MODE:
         hetero = HeteroBatching(speeds=list(speeds))
@@ -792,8 +788,7 @@ def _alone_rank(rank: int, world_size: int, sizes: Sizes, steps: int) -> dict[st
 
 
 def run_hetero(args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The heterogeneous scenario on 4 loopback ranks: the hosts' own speeds, then each mode's fit; the meta and the
-    raw per-rank records."""
+    """The hetero scenario on 4 loopback ranks: the hosts' own speeds, then each mode's fit; the meta and records."""
     sizes = args.sizes.hetero()
     epochs, own_steps = sizes.hetero_epochs, sizes.own_speed_steps
     world, deadline = SHAPES[STREAM_SHAPE].world, min(args.run_timeout, HETERO_DEADLINE_S)
