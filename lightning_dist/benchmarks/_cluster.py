@@ -139,11 +139,13 @@ class Jobs:
         return record
 
 
-def skipped(name: str, meta: dict[str, Any], *lists: str) -> Optional[dict[str, Any]]:
-    """The payload of a run the cluster cannot host here (None: it can): why, and empty ``lists``."""
+def skipped(name: str, benchmark: str, meta: dict[str, Any], *lists: str) -> Optional[dict[str, Any]]:
+    """The payload of a run the cluster cannot host here (None: it can): ``benchmark``'s environment with ``meta``,
+    why, and empty ``lists``."""
     reason = unavailable()
     if reason is None:
         return None
     bench.progress(f"[{name}] skipped: {reason}")
     print(f"{name} benchmark skipped: {reason}")
-    return {"meta": meta, "skipped": reason, **{key: [] for key in lists}, "targets": {}}
+    return {"meta": bench.environment(benchmark, **meta), "skipped": reason, **{key: [] for key in lists},
+            "targets": {}}

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from lightning_dist.advise import DENSE as ADVISE_DENSE
 from lightning_dist.advise import AdviseConf, Advisor
 from lightning_dist.benchmarks import _common as bench
+from lightning_dist.benchmarks import tiers
 from lightning_dist.benchmarks._cluster import (
     ALLREDUCE_BYTES,
     BATCH_SIZE,
@@ -170,11 +171,10 @@ def check_targets(records: Sequence[dict[str, Any]], busbw: Sequence[dict[str, A
 def target_lines(targets: dict[str, dict[str, Any]], hosts: int = TARGET_HOSTS,
                  rate_mbit: float = TARGET_RATE) -> list[str]:
     where = f"{hosts} hosts @ {rate_mbit:g} Mbit/s"
-    topk, ring = targets.get("topk_speedup_vs_dense"), targets.get("ring_busbw_vs_native")
-    return [bench.verdict(f"{where}: topk 1% + EF >= {TOPK_SPEEDUP_TARGET:g}x faster per step than dense",
-                          bool(topk and topk["met"]), f"{topk['value']:.1f}x" if topk else "not measured"),
-            bench.verdict(f"{where}: ring busbw >= {RING_BUSBW_TARGET:g}x native's", bool(ring and ring["met"]),
-                          f"{ring['value']:.2f}x" if ring else "not measured")]
+    return [bench.judged(f"{where}: topk 1% + EF >= {TOPK_SPEEDUP_TARGET:g}x faster per step than dense",
+                         targets.get("topk_speedup_vs_dense"), "{value:.1f}x"),
+            bench.judged(f"{where}: ring busbw >= {RING_BUSBW_TARGET:g}x native's", targets.get("ring_busbw_vs_native"),
+                         "{value:.2f}x")]
 
 
 def step_table(records: Sequence[dict[str, Any]]) -> str:
@@ -226,6 +226,10 @@ def plot(records: Sequence[dict[str, Any]], busbw: Sequence[dict[str, Any]]) -> 
     return fig
 
 
+WORKERS = {"train": _train_worker, "allreduce": _allreduce_worker, "advise": _advise_worker,
+           "tiers": tiers.allreduce_worker}
+
+
 def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     cli = bench.parser("cluster", __doc__, f"2 hosts, 100 Mbit/s, dense and topk1%, {QUICK_STEPS} steps, "
                                            f"{QUICK_ITERATIONS} iterations")
@@ -243,12 +247,9 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                           "tiers; default 2 and 4 ranks per host, 100 and 1000 Mbit/s)")
     cli.add_argument("--ranks-per-host", type=int, nargs="+", default=None,
                      help="with --two-tier: ranks on each host (default 2 4)")
+    # what each host runs under torchrun: one rank of a job (WORKERS), and the job's settings
+    cli.add_argument("--worker", default=None, choices=WORKERS, help=argparse.SUPPRESS)
     cli.add_argument("--topology", default="auto", choices=TOPOLOGIES, help=argparse.SUPPRESS)
-    cli.add_argument("--worker-tiers", action="store_true", help=argparse.SUPPRESS)
-    # worker modes (what each host runs under torchrun)
-    cli.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    cli.add_argument("--worker-allreduce", action="store_true", help=argparse.SUPPRESS)
-    cli.add_argument("--worker-advise", action="store_true", help=argparse.SUPPRESS)
     cli.add_argument("--advise-steps", type=int, default=None, help=argparse.SUPPRESS)
     cli.add_argument("--advise-rounds", type=int, default=None, help=argparse.SUPPRESS)
     cli.add_argument("--config", default=DENSE, choices=list(CONFIGS), help=argparse.SUPPRESS)
@@ -257,8 +258,6 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     cli.add_argument("--collective-timeout", type=float, default=300.0, help=argparse.SUPPRESS)
     args = cli.parse_args(argv)
     if args.two_tier:
-        from lightning_dist.benchmarks import tiers
-
         tiers.defaults(args)
     args.hosts = tuple(args.hosts or ((TARGET_HOSTS,) if args.quick else DEFAULT_HOSTS))
     args.rates = tuple(args.rates or ((TARGET_RATE,) if args.quick else DEFAULT_RATES))
@@ -267,7 +266,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     args.iterations = args.iterations or (QUICK_ITERATIONS if args.quick else DEFAULT_ITERATIONS)
     args.advise_steps = args.advise_steps or (QUICK_ADVISE_STEPS if args.quick else ADVISE_STEPS)
     args.advise_rounds = args.advise_rounds or (QUICK_ADVISE_ROUNDS if args.quick else ADVISE_ROUNDS)
-    if not (args.worker or args.worker_allreduce or args.worker_advise or args.worker_tiers):
+    if not args.worker:
         if min(args.hosts) < 2:
             cli.error(f"--hosts {args.hosts}: a cluster needs at least 2 hosts.")
         bench.check_counts(cli, args.steps, args.warmup)
@@ -275,48 +274,34 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    """Run the benchmark (or, with --worker/--worker-allreduce, one rank of it); returns the JSON payload."""
+    """Run the benchmark (``--two-tier``: :func:`tiers.run`), or with ``--worker`` one rank of one of its jobs."""
     args = _parse_args(argv)
     if args.worker:
-        _train_worker(args)
+        WORKERS[args.worker](args)
         return {}
-    if args.worker_allreduce:
-        _allreduce_worker(args)
-        return {}
-    if args.worker_advise:
-        _advise_worker(args)
-        return {}
-    if args.worker_tiers or args.two_tier:
-        from lightning_dist.benchmarks import tiers
-
-        if args.worker_tiers:
-            tiers.allreduce_worker(args)
-            return {}
+    if args.two_tier:
         return tiers.run(args)
 
-    out = bench.output_dir(args.out, "cluster")
-    meta = bench.environment("cluster", hosts=list(args.hosts), rates_mbit=list(args.rates), steps=args.steps,
-                             warmup=args.warmup, iterations=args.iterations, allreduce_bytes=ALLREDUCE_BYTES,
-                             model=f"WideMLP(width={MLP_WIDTH}, depth={MLP_DEPTH})", batch_size=BATCH_SIZE,
-                             bucket_cap_mb=BUCKET_CAP_MB,
-                             configs={label: asdict(CONFIGS[label]) for label in args.configs})
-    if (payload := skipped("cluster", meta, "records", "allreduce")) is not None:
+    meta = dict(hosts=list(args.hosts), rates_mbit=list(args.rates), steps=args.steps, warmup=args.warmup,
+                iterations=args.iterations, allreduce_bytes=ALLREDUCE_BYTES, batch_size=BATCH_SIZE,
+                model=f"WideMLP(width={MLP_WIDTH}, depth={MLP_DEPTH})", bucket_cap_mb=BUCKET_CAP_MB,
+                configs={label: asdict(CONFIGS[label]) for label in args.configs})
+    if (payload := skipped("cluster", "cluster", meta, "records", "allreduce")) is not None:
         return payload
-    records: list[dict[str, Any]] = []
-    busbw: list[dict[str, Any]] = []
+    records, busbw = [], []
     advice: dict[tuple[int, float], dict[str, Any]] = {}  # (hosts, rate) -> advise's report
     start = time.perf_counter()
-    with Jobs(out, "cluster", args.run_timeout, BASE_PORT + 1) as jobs:
+    with Jobs(bench.output_dir(args.out, "cluster"), "cluster", args.run_timeout, BASE_PORT + 1) as jobs:
         for rate, hosts in itertools.product(args.rates, args.hosts):
             where = f"{hosts} hosts @ {rate:g} Mbit/s"
             for label in args.configs:
                 config = CONFIGS[label]
                 records.append(jobs.train(hosts, rate, f"h{hosts}_r{rate:g}_{_safe(label)}", [
-                    "--worker", "--config", label, "--steps", str(args.steps)], args.warmup, {
+                    "--worker", "train", "--config", label, "--steps", str(args.steps)], args.warmup, {
                     "hosts": hosts, "rate_mbit": rate, "config": label, "algorithm": config.algorithm,
                     "compressor": config.compressor}, f"{where} {label:<12}"))
             raw, error, wall = jobs.json(hosts, rate, f"h{hosts}_r{rate:g}_advise", [
-                "--worker-advise", "--configs", *args.configs, "--advise-steps", str(args.advise_steps),
+                "--worker", "advise", "--configs", *args.configs, "--advise-steps", str(args.advise_steps),
                 "--advise-rounds", str(args.advise_rounds)])
             advice[(hosts, rate)] = raw or {"error": error}
             bench.progress(f"[cluster] {where} advise FAILED: {error}" if raw is None else
@@ -324,21 +309,19 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                                f"{label} {ms_cell(row['predicted_step_s'])} ms"
                                for label, row in raw["compressors"].items()) + f" (run {wall:.0f}s)")
             raw, error, wall = jobs.json(hosts, rate, f"h{hosts}_r{rate:g}_allreduce", [
-                "--worker-allreduce", "--iterations", str(args.iterations)])
+                "--worker", "allreduce", "--iterations", str(args.iterations)])
             bus = {"hosts": hosts, "rate_mbit": rate} if raw is None else busbw_record(raw, hosts, rate)
             busbw.append({**bus, "error": error, "wall_s": wall})
             bench.progress(f"[cluster] {where} all-reduce FAILED: {error}" if raw is None else
                            f"[cluster] {where} all-reduce: ring {bus['ring_busbw_GBps'] * 1e3:.1f} MB/s, native "
                            f"{bus['native_busbw_GBps'] * 1e3:.1f} MB/s busbw ({bus['ring_vs_native']:.2f}x; "
                            f"run {wall:.0f}s)")
-    total = time.perf_counter() - start
-    bench.progress(f"[cluster] {len(records)} training runs and {len(busbw)} all-reduce runs in {total:.0f}s")
     add_predictions(add_speedups(records), advice)
     targets = check_targets(records, busbw)
-    payload = {"meta": {**meta, "wall_s": total}, "skipped": None, "records": records, "allreduce": busbw,
-               "targets": targets, "advise": [{"hosts": h, "rate_mbit": r, **rep} for (h, r), rep in advice.items()]}
-    return bench.write_results(out, "cluster", [step_table(records), busbw_table(busbw), target_lines(targets)],
-                               payload, lambda: plot(records, busbw))
+    payload = {"skipped": None, "records": records, "allreduce": busbw, "targets": targets,
+               "advise": [{"hosts": h, "rate_mbit": r, **rep} for (h, r), rep in advice.items()]}
+    return bench.finish("cluster", args.out, start, [step_table(records), busbw_table(busbw), target_lines(targets)],
+                        payload, lambda: plot(records, busbw), **meta)
 
 
 def _safe(label: str) -> str:

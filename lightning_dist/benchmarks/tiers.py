@@ -237,12 +237,10 @@ def plot(allreduce: Sequence[dict[str, Any]], records: Sequence[dict[str, Any]],
                 color = "C0" if r["topology"] == "flat" else "C1"
                 marker = "o" if r["config"] == "dense" else "^"
                 cx.plot(r["per_host"], r["link_bytes_per_step"] / 1e6, marker, color=color, ms=6, mfc="none")
-        cx.set(xscale="log", yscale="log", xticks=PLOT_PER_HOST, xlabel="ranks per host (2 hosts)",
-               ylabel="MB out of a host per step (log)",
-               title="out of a host: lines formula, o dense / ^ top-k measured")
-        cx.set_xticklabels([str(p) for p in PLOT_PER_HOST])
-        cx.legend(fontsize="xx-small")
-        cx.grid(alpha=0.3)
+        bench.style(cx, legend="xx-small", xscale="log", yscale="log", xlabel="ranks per host (2 hosts)",
+                    ylabel="MB out of a host per step (log)",
+                    title="out of a host: lines formula, o dense / ^ top-k measured")
+        cx.set_xticks(PLOT_PER_HOST, [str(p) for p in PLOT_PER_HOST])
     return fig
 
 
@@ -254,23 +252,19 @@ def _topk_pairs(ratio: float) -> int:
 
 # -- driver ----------------------------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    out = bench.output_dir(args.out, "cluster")
-    meta = bench.environment("cluster_two_tier", hosts=HOSTS, ranks_per_host=list(args.ranks_per_host),
-                             rates_mbit=list(args.rates), steps=args.steps, warmup=args.warmup,
-                             iterations=args.iterations, allreduce_bytes=ALLREDUCE_BYTES,
-                             model=f"WideMLP(width={MLP_WIDTH}, depth={MLP_DEPTH})",
-                             batch_size=BATCH_SIZE, bucket_cap_mb=BUCKET_CAP_MB,
-                             configs=list(args.configs))
-    if (payload := skipped("two-tier", meta, "allreduce", "records")) is not None:
+    meta = dict(hosts=HOSTS, ranks_per_host=list(args.ranks_per_host), rates_mbit=list(args.rates), steps=args.steps,
+                warmup=args.warmup, iterations=args.iterations, allreduce_bytes=ALLREDUCE_BYTES,
+                model=f"WideMLP(width={MLP_WIDTH}, depth={MLP_DEPTH})", batch_size=BATCH_SIZE,
+                bucket_cap_mb=BUCKET_CAP_MB, configs=list(args.configs))
+    if (payload := skipped("two-tier", "cluster_two_tier", meta, "allreduce", "records")) is not None:
         return payload
-    allreduce: list[dict[str, Any]] = []
-    records: list[dict[str, Any]] = []
+    allreduce, records = [], []
     start = time.perf_counter()
-    with Jobs(out, "two-tier", args.run_timeout, BASE_PORT + 1) as jobs:
+    with Jobs(bench.output_dir(args.out, "cluster"), "two-tier", args.run_timeout, BASE_PORT + 1) as jobs:
         for rate, per_host in itertools.product(args.rates, args.ranks_per_host):
             where, tag = f"{HOSTS}x{per_host} @ {rate:g} Mbit/s", f"two_tier_{HOSTS}x{per_host}_r{rate:g}"
             raw, error, wall = jobs.json(HOSTS, rate, f"{tag}_allreduce", [
-                "--worker-tiers", "--iterations", str(args.iterations)], per_host)
+                "--worker", "tiers", "--iterations", str(args.iterations)], per_host)
             rec = {"per_host": per_host, "rate_mbit": rate} if raw is None else allreduce_record(raw, per_host, rate)
             allreduce.append({**rec, "error": error, "wall_s": wall})
             bench.progress(f"[two-tier] {where} all-reduce FAILED: {error}" if raw is None else
@@ -278,16 +272,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            f"{ms_cell(rec['two_tier_median_s'])} ms ({rec['speedup']:.2f}x; run {wall:.0f}s)")
             for label, topology in itertools.product(args.configs, TOPOLOGIES):
                 records.append(jobs.train(HOSTS, rate, f"{tag}_{label.replace('%', 'pct')}_{topology}", [
-                    "--worker", "--config", label, "--topology", topology, "--steps", str(args.steps)], args.warmup,
-                    {"per_host": per_host, "rate_mbit": rate, "config": label, "topology": topology},
+                    "--worker", "train", "--config", label, "--topology", topology, "--steps", str(args.steps)],
+                    args.warmup, {"per_host": per_host, "rate_mbit": rate, "config": label, "topology": topology},
                     f"{where} {label:<12} {topology:<8}", per_host))
-    total = time.perf_counter() - start
     add_ratios(records)
     targets = check_targets(allreduce, records)
     params = next((r["params"] for r in records if r.get("params")), None)
-    payload = {"meta": {**meta, "wall_s": total}, "skipped": None, "allreduce": allreduce, "records": records,
-               "targets": targets}
-    return bench.write_results(out, "cluster_two_tier",
-                               [allreduce_table(allreduce), step_table(records),
-                                target_lines(targets, args.configs, args.rates)],
-                               payload, lambda: plot(allreduce, records, params))
+    return bench.finish("cluster", args.out, start, [allreduce_table(allreduce), step_table(records),
+                                                     target_lines(targets, args.configs, args.rates)],
+                        {"skipped": None, "allreduce": allreduce, "records": records, "targets": targets},
+                        lambda: plot(allreduce, records, params), "cluster_two_tier", **meta)
