@@ -403,10 +403,8 @@ def plot(records: Sequence[dict[str, Any]]) -> Any:
         ax.scatter([x + random.Random(i).uniform(-0.15, 0.15) for i in range(len(times))], times, c=colors, s=30)
         ax.hlines(bound_s(kind), x - 0.3, x + 0.3, colors="black", linestyles="dashed")
     ax.set_xticks(range(len(KINDS)), [f"{k}\n(bound dashed)" for k in KINDS])
-    ax.set_ylabel("fault to the survivors' first step, s")
-    ax.set_title(f"elastic restarts on {HOSTS} simulated hosts (green: ledger exact, accuracy kept)")
-    ax.set_ylim(bottom=0)
-    fig.tight_layout()
+    bench.style(ax, None, ylabel="fault to the survivors' first step, s", ylim=(0, None),
+                title=f"elastic restarts on {HOSTS} simulated hosts (green: ledger exact, accuracy kept)")
     return fig
 
 
@@ -433,12 +431,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         cli.error(f"--kinds {args.kinds}: choose from {','.join(KINDS)}")
     if (why := unavailable()) is not None:
         cli.error(f"the simulated cluster cannot run here: {why}")
-    out = bench.output_dir(args.out, "elastic")
     trials = [replace(t, diloco_every=args.diloco_every) for t in plan_trials(args.trials, args.seed, args.quick,
                                                                                kinds)]
     records: list[dict[str, Any]] = []
     anchor = None
-    started = time.monotonic()
+    started = time.perf_counter()
     with bench.scratch("elastic", args.keep_runs) as workdir:
         bench.progress(f"[elastic] reference run, then {len(trials)} trials; runs in {workdir}")
         reference = run_trial(Trial(diloco_every=args.diloco_every), workdir / "reference")
@@ -455,12 +452,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         if not args.quick and "kill" in kinds and not args.diloco_every:
             anchor = anchor_record(run_trial(Trial("kill", 2, 0, strategy="ddp"), workdir / "anchor"))
             bench.progress(f"  anchor (stock DDP): {anchor}")
-    meta = bench.environment("elastic", hosts=HOSTS, epochs=EPOCHS, global_batch=GLOBAL_BATCH, seed=args.seed,
-                             quick=args.quick, timeout_s=TIMEOUT_S, rdzv=list(RDZV), monitor_s=MONITOR_S,
-                             wall_s=time.monotonic() - started, cpu_threads=os.cpu_count())
-    return bench.write_results(out, "elastic", [report(records, reference, anchor)],
-                               {"meta": meta, "reference": _plain(reference), "records": [_plain(r) for r in records],
-                                "anchor": anchor}, lambda: plot(records))
+    return bench.finish("elastic", args.out, started, [report(records, reference, anchor)],
+                        {"reference": _plain(reference), "records": [_plain(r) for r in records], "anchor": anchor},
+                        lambda: plot(records), hosts=HOSTS, epochs=EPOCHS, global_batch=GLOBAL_BATCH, seed=args.seed,
+                        quick=args.quick, timeout_s=TIMEOUT_S, rdzv=list(RDZV), monitor_s=MONITOR_S,
+                        cpu_threads=os.cpu_count())
 
 
 if __name__ == "__main__":
