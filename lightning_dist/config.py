@@ -156,11 +156,21 @@ class DiLoCoConf:  # sync=diloco: lightning_dist.sync.DiLoCo's arguments
     balance: str = MISSING  # batches | steps: how workers of different speeds meet at a sync
 
 
+@dataclass
+class OneBitAdamConf:  # sync=onebit_adam: lightning_dist.sync.OneBitAdam's arguments
+    name: str = "onebit_adam"
+    warmup: Any = MISSING  # dense Adam steps first: an int of steps, or a fraction in [0, 1) of the fit's steps
+    compressor: Any = MISSING  # the momentum's: a compressor's name or a dict of build_compressor's arguments
+    refresh: int = MISSING  # every refresh-th step after the warm-up, Adam updates v from a compressed gradient
+    refresh_compressor: Any = MISSING  # how a refresh's gradient travels
+    bound: Optional[float] = MISSING  # the largest update per coordinate, in units of lr (null: none)
+
+
 # group -> option -> its schema, stored in the group as "<option>_schema" (the option's YAML lists it in its defaults)
 OPTION_SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"cnn": DigitsCNNConf, "lm": ByteLMConf},
     "data": {"digits": DigitsDataConf, "stdlib": StdlibTextConf},
-    "sync": {"every_step": EveryStepConf, "diloco": DiLoCoConf},
+    "sync": {"every_step": EveryStepConf, "diloco": DiLoCoConf, "onebit_adam": OneBitAdamConf},
 }
 
 
@@ -220,13 +230,14 @@ def stock_ddp_strategy(timeout: float, algorithm: Optional[str] = None, overlap:
                          "are on CPU); drop compression= or use strategy=ring_ddp")
     if hetero:
         raise ValueError("hetero=balanced needs strategy=ring_ddp; drop hetero= or use strategy=ring_ddp")
-    if as_sync(sync) is not None:
-        raise ValueError(_DILOCO_NEEDS_RING_DDP)
+    if (driver := as_sync(sync)) is not None:
+        raise ValueError(_needs_ring_ddp(driver.name))
     return DDPStrategy(timeout=timedelta(seconds=timeout), **kwargs)
 
 
-_DILOCO_NEEDS_RING_DDP = ("sync=diloco needs strategy=ring_ddp (stock ddp all-reduces every step and has no outer "
-                          "loop); drop sync= or use strategy=ring_ddp")
+def _needs_ring_ddp(sync: str) -> str:
+    return (f"sync={sync} needs strategy=ring_ddp (stock ddp only all-reduces the gradient every step); drop sync= or "
+            "use strategy=ring_ddp")
 
 
 def register_configs() -> None:
@@ -472,17 +483,23 @@ def _sync_problems(cfg: DictConfig) -> list[str]:
         return [f"sync: {err}"]
     if settings is None:
         return []
-    problems = []
+    problems, name = [], settings.name
     if cfg.strategy.get("_target_", "") != StrategyConf._target_:
-        problems.append(_DILOCO_NEEDS_RING_DDP)
-    if settings.balance == "steps" and not (cfg.get("hetero") or {}).get("enabled", False):
+        problems.append(_needs_ring_ddp(name))
+    if getattr(settings, "balance", None) == "steps" and not (cfg.get("hetero") or {}).get("enabled", False):
         problems.append("sync.balance=steps runs more inner steps on a faster worker, from the speeds heterogeneous "
                         "batching measures: add hetero=balanced, or use sync.balance=batches")
     compression = (cfg.get("compression") or {}).get("name", "none")
     if compression != "none":
-        problems.append(f"sync=diloco with compression={compression}: between syncs nothing travels across workers, "
-                        f"so there is no per-step gradient to compress; compress the pseudo-gradient instead: "
-                        f"sync.compressor={compression} (and drop compression=)")
+        why = ("between syncs nothing travels across workers, so there is no per-step gradient to compress; compress "
+               "the pseudo-gradient instead" if name == "diloco" else
+               "its dense steps (warm-up, refreshes) are plain Adam steps; compress the momentum instead")
+        problems.append(f"sync={name} with compression={compression}: {why}: sync.compressor={compression} (and drop "
+                        "compression=)")
+    warmup, max_steps = getattr(settings, "warmup", None), cfg.trainer.get("max_steps", -1)
+    if isinstance(warmup, int) and max_steps is not None and 0 < max_steps <= warmup:
+        problems.append(f"sync.warmup={warmup} with trainer.max_steps={max_steps}: the dense warm-up must end before "
+                        f"the fit does; use sync.warmup < {max_steps}, or a fraction such as sync.warmup=0.15")
     return problems
 
 

@@ -20,7 +20,7 @@ from lightning_dist.strategy.comm_worker import CommWorker
 from lightning_dist.strategy.skip import StepGuard
 
 # the compressors of the per-step path (the registry's, as of issue 41), with and without error feedback
-CODECS = [("none", {}), ("fp16", {}), ("bf16", {}), ("int8", {}), ("int4", {}), ("powersgd", {}),
+CODECS = [("none", {}), ("fp16", {}), ("bf16", {}), ("int8", {}), ("int4", {}), ("powersgd", {}), ("sign", {}),
           ("topk", {"selection": "exact"}),  # on CUDA top-k always runs torch.topk (compression/topk.py)
           ("int8", {"clip_norm": 1.0}), ("powersgd", {"clip_norm": 1.0}), ("topk", {"selection": "exact",
                                                                                      "clip_norm": 0.5})]

@@ -310,7 +310,7 @@ def test_a_setting_without_its_group_selects_hetero_or_names_the_compressor(monk
                                      r"'ratio'; it is a setting of compression=topk: use compression=topk "
                                      r"compression.ratio=0.01"),
         (["compression=fp16", "compression.rank=4"], "use compression=powersgd compression.rank=4"),
-        (["compression.clip_norm=1"], r"compression=int4, int8, powersgd, threshold, topk: choose one"),
+        (["compression.clip_norm=1"], r"compression=int4, int8, powersgd, sign, threshold, topk: choose one"),
         (["compression=topk", "compression.ration=0.1"], r"no compression option has it; compression=topk's settings"),
         (["hetero=none", "hetero.speeds=[3,1]"], "use hetero=balanced hetero.speeds=\\[3,1\\]"),
     ):
@@ -453,10 +453,15 @@ def test_the_sync_group_streams_fragments_and_balances_steps(tmp_path):
 
 
 def test_a_diloco_setting_without_the_group_names_it(monkeypatch):
-    for override in ("sync.every=5", "sync.compressor=int8", "sync.outer_lr=1.0"):
+    for override in ("sync.every=5", "sync.outer_lr=1.0"):
         fix = f"it is a setting of sync=diloco: use sync=diloco {override}"
         with pytest.raises(ValueError, match=r"sync=every_step \(the default\) has no setting .*; " + fix):
             complete_overrides([override])
+    with pytest.raises(ValueError, match="it is a setting of sync=diloco, onebit_adam: choose one, e.g. sync=diloco "
+                                         "sync.compressor=int8"):
+        complete_overrides(["sync.compressor=int8"])
+    with pytest.raises(ValueError, match="it is a setting of sync=onebit_adam: use sync=onebit_adam sync.warmup=0.2"):
+        complete_overrides(["sync.warmup=0.2"])
     with pytest.raises(ValueError, match="use sync=diloco sync.every=5"):
         complete_overrides(["sync=every_step", "sync.every=5"])
     with pytest.raises(ValueError, match="no sync option has it; sync=diloco's settings are balance, compressor, "

@@ -11,6 +11,7 @@ name           what travels                                   summable  error fe
 ``topk``       the ``ratio`` largest entries per layer        no        yes
 ``threshold``  entries with ``|g| >= threshold`` (capped)     no        yes
 ``powersgd``   rank-``rank`` factors P and Q, warm start      no        yes
+``sign``       1 bit + a scale per chunk, 2-phase, server EF  no        yes
 =============  =============================================  ========  ==============================
 
 Common keywords: ``error_feedback`` (None: the table's default), ``clip_norm`` (local clipping before error
@@ -27,6 +28,7 @@ from lightning_dist.compression.cast import CastCompressor
 from lightning_dist.compression.error_feedback import ErrorFeedback
 from lightning_dist.compression.int8 import Int8Compressor
 from lightning_dist.compression.powersgd import PowerSGDCompressor
+from lightning_dist.compression.sign import SignCompressor
 from lightning_dist.compression.threshold import ThresholdCompressor
 from lightning_dist.compression.topk import TopKCompressor
 
@@ -39,6 +41,7 @@ _REGISTRY: dict[str, tuple[type[Compressor], dict[str, Any]]] = {
     "topk": (TopKCompressor, {}),
     "threshold": (ThresholdCompressor, {}),
     "powersgd": (PowerSGDCompressor, {}),
+    "sign": (SignCompressor, {}),
 }
 COMPRESSORS = tuple(_REGISTRY)
 

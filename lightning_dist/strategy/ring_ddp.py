@@ -265,7 +265,10 @@ class RingDDPStrategy(DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         context = SyncContext(strategy=self, ddp=self.model, topology=self.topology, algorithm=self._algorithm,
                               timeout=self._timeout, stats=self._hook_state.stats, guard=self._guard,
-                              hetero=self._hetero, checkpoint=self._restoring, record_skip=self._record_skipped_sync)
+                              hetero=self._hetero, checkpoint=self._restoring, record_skip=self._record_skipped_sync,
+                              share=self._hook_state.step_share, reduction=lambda: gradient_groups(
+                                  self.topology, self.global_rank, self.world_size, self._algorithm,
+                                  self._hook_state.stats, self._timeout))
         self._restoring = None
         self._driver = (self._sync or EveryStep()).bind(context)
         self._features.sync = self._driver if self._sync is not None else None

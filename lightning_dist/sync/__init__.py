@@ -1,6 +1,7 @@
-"""Ways of syncing the workers, as sync drivers (:mod:`lightning_dist.sync.driver`): every step (the default) or every H
-steps (:class:`DiLoCo`, for links too slow for any per-step exchange). ``RingDDPStrategy(sync=DiLoCo(every=50))``;
-docs/sync.md says when it pays, docs/contributing/feature-seam.md how to write a driver of your own."""
+"""Ways of syncing the workers, as sync drivers (:mod:`lightning_dist.sync.driver`): every step (the default), every H
+steps (:class:`DiLoCo`, for links too slow for any per-step exchange), or every step with Adam's momentum compressed
+(:class:`OneBitAdam`). ``RingDDPStrategy(sync=DiLoCo(every=50))``; docs/sync.md and docs/onebit-adam.md say when each
+pays, docs/contributing/feature-seam.md how to write a driver of your own."""
 
 from __future__ import annotations
 
@@ -9,14 +10,16 @@ from typing import Any, Optional
 
 from lightning_dist.sync.diloco_driver import DiLoCo
 from lightning_dist.sync.driver import EveryStep, SyncContext, SyncDriver
+from lightning_dist.sync.onebit_adam import OneBitAdam
 from lightning_dist.sync.settings import BALANCES
 
 # What ``sync=`` may name: the default (every step: today's gradient all-reduce, unchanged) and the drivers by name. The
 # one list, read by the strategy's check, the Hydra group (conf/sync/) and the errors.
-DRIVERS: dict[str, type[SyncDriver]] = {"every_step": EveryStep, "diloco": DiLoCo}
+DRIVERS: dict[str, type[SyncDriver]] = {"every_step": EveryStep, "diloco": DiLoCo, "onebit_adam": OneBitAdam}
 SYNCS = tuple(DRIVERS)
 
-__all__ = ["BALANCES", "DRIVERS", "SYNCS", "DiLoCo", "EveryStep", "SyncContext", "SyncDriver", "as_sync"]
+__all__ = ["BALANCES", "DRIVERS", "SYNCS", "DiLoCo", "EveryStep", "OneBitAdam", "SyncContext", "SyncDriver",
+           "as_sync"]
 
 
 def as_sync(sync: Any) -> Optional[SyncDriver]:

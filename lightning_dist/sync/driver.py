@@ -59,6 +59,10 @@ class SyncContext:
     hetero: Any  # the strategy's HeteroBatching, or None
     checkpoint: Optional[dict[str, Any]]  # a resumed checkpoint's ``"lightning_dist"`` entry ({}: none), else None
     record_skip: Callable[[int, str], None]  # tell NaNRecovery a sync was skipped: (global step, reason)
+    share: Callable[[], float]  # this rank's share of the step's samples (its gradient is weighted by it), live
+    # new groups (a collective: every rank, in the same order) that reduce a flat bucket over every rank as the comm
+    # hook does: a strategy.tiers.GradientGroups (``tiers``: two_tier's dense-inside-the-host reduction, else ``group``)
+    reduction: Callable[[], Any]
 
     @property
     def rank(self) -> int:

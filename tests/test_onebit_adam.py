@@ -1,0 +1,319 @@
+"""OneBitAdam (issue 42) on launched fork ranks, against a one-process replay of its contract.
+
+The replay (:func:`replay`) writes the contract out on one process: every rank's gradient of its own batch, weighted
+by its share of the step's samples; on the dense steps (the warm-up, the refreshes) their sum is the gradient of the
+user's own AdamW; on the others each rank's preconditioned momentum ``mask (a_r beta1 m + (1 - beta1) g_r) / d`` goes
+through the ``sign`` compressor (each rank's own instance, emulated in threads; under two_tier the host's dense sum of
+part ``i`` goes across hosts between the ``i``-th ranks), and ``u``, the sum, gives ``m = mask u d`` and the update
+``lr clamp(mask u / (1 - beta1^t), -bound, bound)`` after AdamW's decay. The launched runs must match it within float
+rounding at every step, every rank bit-identical after every step, and the warm-up bit-identical to ring_ddp + AdamW.
+
+Two launched groups (2 flat ranks; 4 ranks posing as 2 hosts of 2) hold every fit; the assertions share them.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_dist import RingDDPStrategy
+from lightning_dist.callbacks import NaNRecovery
+from lightning_dist.compression import BucketLayout, build_compressor
+from lightning_dist.compression.emulate import emulate_reduce
+from lightning_dist.compression.parts import PartPlan
+from lightning_dist.hetero import HeteroBatching
+from lightning_dist.sync import OneBitAdam
+from lightning_dist.sync.onebit_adam import COMPRESSED, REFRESH, WARMUP, phase
+from lightning_dist.testing import ToyClassifier, launched_externally, quiet_trainer, run_ranks
+
+pytestmark = pytest.mark.slow
+
+N_SAMPLES, BATCH = 96, 8
+STEPS_DENSE, EVERY, BOUND = 3, 3, 2.0  # the warm-up: steps 0, 1, 2; refreshes at 6 and 9
+TOLERANCE = 1e-5  # relative to the parameters' largest value
+
+
+class Net(ToyClassifier):
+    """16 -> 32 -> 5 on 96 samples, AdamW (decay 0.01) or Adam; the batches it trained on kept in ``seen``."""
+
+    def __init__(self, optimizer="adamw"):
+        super().__init__(features=16, hidden=(32,), classes=5, samples=N_SAMPLES, batch_size=BATCH,
+                         optimizer=optimizer, lr=0.01, distributed_sampler=True, seed=0)
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append((batch[0].clone(), batch[1].clone()))
+        return super().training_step(batch, batch_idx)
+
+
+class NanLoss(Net):
+    """Rank 1's loss is NaN at global step 7 (a compressed step): every rank skips it."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if (self.global_rank, self.trainer.global_step) == (1, 7) else loss
+
+
+class Manual(Net):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class SGDNet(Net):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Record(Callback):
+    def __init__(self):
+        self.params = []
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        self.params.append(_flat(pl_module))
+
+
+def _flat(module):
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone()
+
+
+def _settings(**kwargs):
+    return OneBitAdam(**{"warmup": STEPS_DENSE, "refresh": EVERY, "bound": BOUND, **kwargs})
+
+
+def _fit(sync, world, hosts=1, model=None, epochs=2, callbacks=(), ckpt_path=None, **strategy):
+    pl.seed_everything(0, verbose=False)
+    record = Record()
+    model = model or Net()
+    trainer = quiet_trainer(devices=world // hosts, num_nodes=hosts, max_epochs=epochs, callbacks=[record, *callbacks],
+                            strategy=RingDDPStrategy(sync=sync, timeout=60, start_method="fork", **strategy),
+                            use_distributed_sampler=False)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return trainer, record, model
+
+
+def _refused(model, sync, world, hosts=1, **fit):
+    try:
+        _fit(sync, world, hosts, model=model, **fit)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+# -- the one-process replay -----------------------------------------------------------------------------------------
+def replay(batches, hosts=1, optimizer="adamw", warmup=STEPS_DENSE, refresh=EVERY, bound=BOUND):
+    """The parameters after every step by the contract alone (the module's docstring), from every rank's batches."""
+    world, steps = len(batches), len(batches[0])
+    per = world // hosts
+    model = Net(optimizer)
+    opt = model.configure_optimizers()
+    params = list(model.parameters())
+    layout = BucketLayout.of([(name, p.shape) for name, p in model.named_parameters()])
+    compressors = [build_compressor("sign") for _ in range(world)]
+    refreshers = [build_compressor("int8", error_feedback=False) for _ in range(world)]
+    plans = [PartPlan.of(layout, per, i) for i in range(per)]
+    history, frozen, variance_step = [], None, {}
+    for step in range(steps):
+        data = [batches[r][step] for r in range(world)]
+        total = sum(len(y) for _, y in data)
+        shares = [len(y) / total for _, y in data]
+        grads = []
+        for (x, y), share in zip(data, shares):
+            model.zero_grad()
+            (torch.nn.functional.cross_entropy(model.net(x), y) * share).backward()
+            grads.append([p.grad.detach().clone() for p in params])
+        group = opt.param_groups[0]
+        (beta1, beta2), lr, eps, wd = group["betas"], group["lr"], group["eps"], group["weight_decay"]
+        now = phase(step, warmup, refresh)
+        if now == WARMUP:
+            for i, p in enumerate(params):  # the two-tier path's order: each host's sum, then across hosts
+                p.grad = _sum([_sum([grads[r][i] for r in range(h * per, (h + 1) * per)]) for h in range(hosts)])
+        elif now == REFRESH:  # every rank's weighted gradient through int8
+            total = _reduce(refreshers, [torch.cat([g.reshape(-1) for g in grads[r]]) for r in range(world)], layout,
+                            plans, hosts)
+            for p, (_, start, end, _) in zip(params, layout.spans()):
+                p.grad = total[start:end].view_as(p).clone()
+        if now != COMPRESSED:
+            opt.step()
+            frozen = None
+            variance_step = {i: int(opt.state[p]["step"]) for i, p in enumerate(params)}
+        else:
+            if frozen is None:
+                frozen = []
+                for i, p in enumerate(params):
+                    v = opt.state[p]["exp_avg_sq"]
+                    frozen.append(((v.sqrt() / math.sqrt(1 - beta2 ** variance_step[i])).add_(eps), v > 0))
+            flats = []
+            for r in range(world):
+                xs = []
+                for i, p in enumerate(params):
+                    d, mask = frozen[i]
+                    x = opt.state[p]["exp_avg"] * (shares[r] * beta1) + (1 - beta1) * grads[r][i]
+                    xs.append((x / d * mask).reshape(-1))
+                flats.append(torch.cat(xs))
+            u = _reduce(compressors, flats, layout, plans, hosts)
+            with torch.no_grad():
+                for i, (p, (_, start, end, _)) in enumerate(zip(params, layout.spans())):
+                    d, mask = frozen[i]
+                    state = opt.state[p]
+                    ui = u[start:end].view_as(p) * mask
+                    state["exp_avg"].copy_(ui * d)
+                    state["step"] += 1
+                    p.mul_(1 - lr * wd)
+                    p.add_((ui / (1 - beta1 ** float(state["step"]))).clamp(-bound, bound), alpha=-lr)
+        history.append(_flat(model))
+    return history
+
+
+def _sum(tensors):
+    total = tensors[0].clone()
+    for t in tensors[1:]:
+        total += t
+    return total
+
+
+def _reduce(compressors, flats, layout, plans, hosts):
+    """The sum over every rank through each rank's compressor: flat, or the host's dense sum of part ``i`` across
+    hosts between the ``i``-th ranks (emulated), parts gathered back."""
+    world = len(flats)
+    per = world // hosts
+    if hosts == 1:
+        result = emulate_reduce(compressors, flats, layout)[0]
+    else:
+        host_sums = [_sum(flats[h * per:(h + 1) * per]) for h in range(hosts)]
+        result = torch.empty_like(flats[0])
+        for i, plan in enumerate(plans):
+            parts = [torch.cat([s[a:b] for a, b in plan.spans]) for s in host_sums]
+            reduced = emulate_reduce([compressors[h * per + i] for h in range(hosts)], parts, plan.layout)[0]
+            offset = 0
+            for a, b in plan.spans:
+                result[a:b] = reduced[offset:offset + b - a]
+                offset += b - a
+    for c in compressors:
+        c.commit()
+    return result
+
+
+def _close(a, b):
+    return (a - b).abs().max().item() <= TOLERANCE * max(1.0, b.abs().max().item())
+
+
+# -- the launched groups --------------------------------------------------------------------------------------------
+def _run_flat(rank, world, ckpt_dir):
+    out = {}
+    with launched_externally(rank, world), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for optimizer in ("adamw", "adam"):
+            trainer, record, model = _fit(_settings(), world, model=Net(optimizer))
+            out[("replay", optimizer)] = (record.params, model.seen)
+        out["metrics"] = dict(trainer.strategy.features.sync.metrics)
+        _, record, _ = _fit(None, world)
+        out["ring_ddp"] = record.params
+        # heterogeneous batches: each rank's momentum weighted by its samples
+        _, record, model = _fit(_settings(), world, hetero=HeteroBatching(batch_sizes=[12, 4]))
+        out["hetero"] = (record.params, model.seen)
+        # resume mid-run (6 steps: the warm-up, compressed steps and a refresh; residuals in flight), and the same
+        # checkpoint under plain ring_ddp (Adam's own state)
+        trainer, _, _ = _fit(_settings(), world, epochs=1)
+        path = f"{ckpt_dir}/mid.ckpt"
+        trainer.save_checkpoint(path)
+        _, record, _ = _fit(_settings(), world, ckpt_path=path)
+        out["resumed"] = record.params
+        _, record, _ = _fit(None, world, ckpt_path=path)
+        out["resumed_plain"] = record.params
+        # a non-finite loss on rank 1 at a compressed step: skipped on every rank
+        nan = NaNRecovery()
+        trainer, record, _ = _fit(_settings(), world, model=NanLoss(), callbacks=[nan])
+        out["nan"] = (record.params, nan.skipped)
+        # the refusals, at set-up, on every rank alike
+        out["refused"] = {"sgd": _refused(SGDNet(), _settings(), world),
+                          "manual": _refused(Manual(), _settings(), world),
+                          "warmup": _refused(Net(), _settings(warmup=12), world)}
+    return out
+
+
+def _run_hosts(rank, world):
+    with launched_externally(rank, world, hosts=2), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, record, model = _fit(_settings(), world, hosts=2, epochs=3, topology="two_tier")
+        _, dense, _ = _fit(None, world, hosts=2, epochs=3, topology="two_tier")
+    return {"replay": (record.params, model.seen), "ring_ddp": dense.params}
+
+
+@pytest.fixture(scope="module")
+def flat2(tmp_path_factory):
+    return run_ranks(_run_flat, 2, str(tmp_path_factory.mktemp("onebit")), deadline_s=240)
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    return run_ranks(_run_hosts, 4, deadline_s=180)
+
+
+def _check(runs, key, hosts_=1, optimizer="adamw"):
+    world = len(runs)
+    got = [runs[r][key][0] for r in range(world)]
+    expected = replay([runs[r][key][1] for r in range(world)], hosts_, optimizer)
+    assert len(got[0]) == len(expected)
+    for step, (a, b) in enumerate(zip(got[0], expected)):
+        assert _close(a, b), f"step {step}: {(a - b).abs().max():.3g} from the replay"
+    for rank in range(1, world):  # every rank bit-identical after every step
+        assert all(torch.equal(a, b) for a, b in zip(got[rank], got[0])), f"rank {rank}"
+    return got[0]
+
+
+@pytest.mark.parametrize("optimizer", ("adamw", "adam"))
+def test_two_flat_ranks_replay_onebit_adam(flat2, optimizer):
+    _check(flat2, ("replay", optimizer), optimizer=optimizer)
+
+
+def test_two_hosts_of_two_replay_onebit_adam(hosts):
+    got = _check(hosts, "replay", hosts_=2)
+    assert all(torch.equal(a, b) for a, b in zip(got[:STEPS_DENSE], hosts[0]["ring_ddp"][:STEPS_DENSE]))
+
+
+def test_the_warm_up_is_ring_ddp_with_adam_bit_for_bit(flat2):
+    got, dense = flat2[0][("replay", "adamw")][0], flat2[0]["ring_ddp"]
+    assert all(torch.equal(a, b) for a, b in zip(got[:STEPS_DENSE], dense[:STEPS_DENSE]))
+    assert not torch.equal(got[STEPS_DENSE], dense[STEPS_DENSE])  # the first compressed step is not the dense one
+
+
+def test_heterogeneous_batches_weigh_each_rank_by_its_samples(flat2):
+    _check(flat2, "hetero")
+    assert [len(y) for _, y in flat2[0]["hetero"][1][:1]] == [12] and len(flat2[1]["hetero"][1][0][1]) == 4
+
+
+def test_resume_mid_run_is_exact_and_plain_ring_ddp_resumes_adams_state(flat2):
+    for rank in range(2):
+        uninterrupted = flat2[rank][("replay", "adamw")][0]
+        resumed = flat2[rank]["resumed"]
+        assert all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted[6:])), f"rank {rank}"
+        assert len(flat2[rank]["resumed_plain"]) == 6
+
+
+def test_a_non_finite_gradient_skips_the_step_on_every_rank(flat2):
+    params, skipped = flat2[0]["nan"]
+    assert [flat2[rank]["nan"][1] for rank in range(2)] == [1, 1]
+    assert torch.equal(params[7], params[6])  # step 7 changed nothing
+    assert all(torch.equal(a, b) for a, b in zip(params, flat2[1]["nan"][0]))
+    assert all(torch.isfinite(p).all() for p in params)
+
+
+def test_the_metrics_count_compressed_steps_and_refreshes(flat2):
+    m = flat2[0]["metrics"]
+    # 12 steps: the warm-up 0-2, refreshes at 6 and 9, compressed the other 7
+    assert (m["sync/compressed_steps"], m["sync/refreshes"]) == (7.0, 2.0)
+    assert m["sync/bytes_total"] > 0
+
+
+def test_refusals_name_the_fix(flat2):
+    for rank in range(2):
+        refused = flat2[rank]["refused"]
+        assert "return torch.optim.Adam or AdamW" in refused["sgd"]
+        assert "manual optimization" in refused["manual"]
+        assert "warm-up must end before the fit does" in refused["warmup"]

@@ -1,0 +1,111 @@
+"""OneBitAdam's settings, its schedule and one compressed update, without a process group (issue 42)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_dist import RingDDPStrategy
+from lightning_dist.compression import NoCompressor
+from lightning_dist.strategy.tiers import GradientGroups
+from lightning_dist.sync import OneBitAdam, as_sync
+from lightning_dist.sync.onebit_adam import COMPRESSED, REFRESH, WARMUP, OneBitAdamDriver, phase
+
+
+def test_the_schedule_warm_up_then_a_refresh_every_r_steps():
+    phases = [phase(i, 3, 4) for i in range(13)]
+    assert phases[:3] == [WARMUP] * 3
+    assert [i for i, p in enumerate(phases) if p == REFRESH] == [7, 11]
+    assert phase(100, 3, 0) == COMPRESSED  # refresh=0: never
+
+
+@pytest.mark.parametrize("settings,match", [
+    ({"warmup": -1}, r"warmup=-1\): the dense Adam steps first"),
+    ({"warmup": 1.0}, r"a fraction in \[0, 1\)"),
+    ({"warmup": True}, "an int >= 0"),
+    ({"refresh": -5}, r"refresh=-5\)"),
+    ({"bound": 0}, r"bound=0\): the largest update"),
+    ({"compressor": "sign9"}, r"compressor='sign9' is unknown.*sync.compressor=int4"),
+    ({"refresh_compressor": "int9"}, r"refresh_compressor=.*unknown.*sync.refresh_compressor=none"),
+])
+def test_bad_settings_name_the_fix(settings, match):
+    with pytest.raises(ValueError, match=match):
+        OneBitAdam(**settings)
+
+
+def test_a_per_step_compressor_beside_it_is_refused_before_any_process():
+    with pytest.raises(ValueError, match=r"OneBitAdam\(compressor='topk'\).*drop compressor="):
+        RingDDPStrategy(sync=OneBitAdam(), compressor="topk")
+
+
+def test_as_sync_takes_its_name_and_a_dict():
+    assert isinstance(as_sync("onebit_adam"), OneBitAdam)
+    made = as_sync({"name": "onebit_adam", "warmup": 20, "compressor": "int4", "bound": None})
+    assert made.describe() == ("OneBitAdam(warmup=20, compressor=int4(chunk=64)+ef, refresh=25, "
+                               "refresh_compressor=int4(chunk=64), bound=None)")
+    with pytest.raises(ValueError, match=r"OneBitAdam has no setting\(s\) \['every'\]"):
+        as_sync({"name": "onebit_adam", "every": 5})
+
+
+class _Guard:
+    armed = False
+
+
+def _driver(model, compressor="none", bound=4.5):
+    """A driver of one rank (no group), bound to ``model``."""
+    context = SimpleNamespace(module=model, topology=None, rank=0, world_size=1, algorithm="auto", timeout=None,
+                              stats=__import__("lightning_dist.comm", fromlist=["CommStats"]).CommStats(),
+                              guard=_Guard(), checkpoint=None, share=lambda: 1.0, record_skip=lambda *a: None,
+                              reduction=lambda: GradientGroups(None, None, 1, False, []))
+    return OneBitAdamDriver(OneBitAdam(warmup=1, compressor=compressor, bound=bound), context)
+
+
+def test_a_compressed_update_is_adam_with_v_frozen_masked_and_bounded():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01)
+    # one dense step that leaves weight column 0 with v == 0 (its inputs are 0): masked afterwards
+    x = torch.randn(8, 4)
+    x[:, 0] = 0
+    model(x).square().sum().backward()
+    opt.step()
+    driver = _driver(model, bound=1.5)
+    driver._after_adam(opt)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    m_before = {name: opt.state[p]["exp_avg"].clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    model(torch.randn(8, 4)).square().sum().backward()  # column 0 now has a gradient: the mask ignores it
+    driver._compressed_update(opt)
+    (beta1, beta2), lr, eps, wd = opt.param_groups[0]["betas"], 0.1, opt.param_groups[0]["eps"], 0.01
+    for name, p in model.named_parameters():
+        state = opt.state[p]
+        v = state["exp_avg_sq"]
+        d = v.sqrt() / math.sqrt(1 - beta2) + eps
+        mask = v > 0
+        m = (beta1 * m_before[name] + (1 - beta1) * p.grad) * mask
+        update = (m / d / (1 - beta1 ** 2)).clamp(-1.5, 1.5)
+        torch.testing.assert_close(p.detach(), before[name] * (1 - lr * wd) - lr * update)
+        torch.testing.assert_close(state["exp_avg"], m)
+        assert int(state["step"]) == 2
+    weight = dict(model.named_parameters())["weight"]
+    assert not (opt.state[weight]["exp_avg_sq"][:, 0] > 0).any() and (opt.state[weight]["exp_avg"][:, 0] == 0).all()
+    assert driver.compressed_steps == 1 and driver.metrics["sync/compressed"] == 1.0
+
+
+def test_an_optimizer_other_than_adam_is_refused():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="return torch.optim.Adam or AdamW"):
+        _driver(model)._check_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"Adam\(amsgrad=True\).*set amsgrad=False"):
+        _driver(model)._check_optimizer(torch.optim.Adam(model.parameters(), amsgrad=True))
+
+
+def test_memory_counts_denominators_masks_buckets_and_residuals():
+    model = torch.nn.Linear(10, 10)  # 110 parameters
+    assert _driver(model).memory_bytes() == 110 * (2 * 4 + 1)
+    assert _driver(model, compressor="sign").memory_bytes() == 110 * 9 + 110 * 4 * 2 + 110 * 4 * 2
+    assert _driver(model).refresh_compressor.describe() == "int4(chunk=64)"
+    assert not isinstance(_driver(model).compressor, type(None)) and isinstance(_driver(model).compressor, NoCompressor)
