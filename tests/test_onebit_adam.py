@@ -115,7 +115,7 @@ def replay(batches, hosts=1, optimizer="adamw", warmup=STEPS_DENSE, refresh=EVER
     params = list(model.parameters())
     layout = BucketLayout.of([(name, p.shape) for name, p in model.named_parameters()])
     compressors = [build_compressor("sign") for _ in range(world)]
-    refreshers = [build_compressor("int8", error_feedback=False) for _ in range(world)]
+    refreshers = [build_compressor("int4", error_feedback=False) for _ in range(world)]
     plans = [PartPlan.of(layout, per, i) for i in range(per)]
     history, frozen, variance_step = [], None, {}
     for step in range(steps):
@@ -133,7 +133,7 @@ def replay(batches, hosts=1, optimizer="adamw", warmup=STEPS_DENSE, refresh=EVER
         if now == WARMUP:
             for i, p in enumerate(params):  # the two-tier path's order: each host's sum, then across hosts
                 p.grad = _sum([_sum([grads[r][i] for r in range(h * per, (h + 1) * per)]) for h in range(hosts)])
-        elif now == REFRESH:  # every rank's weighted gradient through int8
+        elif now == REFRESH:  # every rank's weighted gradient through int4
             total = _reduce(refreshers, [torch.cat([g.reshape(-1) for g in grads[r]]) for r in range(world)], layout,
                             plans, hosts)
             for p, (_, start, end, _) in zip(params, layout.spans()):
