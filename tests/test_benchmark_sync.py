@@ -148,7 +148,7 @@ def test_argument_checks():
     args = sync._parse_args(["--quick"])
     assert (args.shapes, args.rates, args.methods) == (("flat",), (100.0,), sync.QUICK_METHODS)
     args = sync._parse_args([])
-    assert args.shapes == ("flat", "two_tier") and args.rates == (10.0, 100.0) and len(args.methods) == 9
+    assert args.shapes == ("flat", "two_tier") and args.rates == (10.0, 100.0) and len(args.methods) == 10
     with pytest.raises(SystemExit):
         sync._parse_args(["--methods", "diloco10"])  # no dense to compare with
     with pytest.raises(SystemExit):

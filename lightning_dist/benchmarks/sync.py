@@ -36,7 +36,7 @@ from lightning_dist.examples import ByteLM, StdlibText
 from lightning_dist.hetero import HeteroBatching
 from lightning_dist.simcluster import link_bytes_sent, unavailable
 from lightning_dist.strategy import RingDDPStrategy, features_of
-from lightning_dist.sync import DiLoCo
+from lightning_dist.sync import DiLoCo, OneBitAdam, SyncDriver
 from lightning_dist.testing import RanksFailed, free_port, launched_externally, quiet_trainer, run_ranks
 
 WORKER_MODULE = "lightning_dist.benchmarks.sync"
@@ -48,7 +48,9 @@ COLLECTIVE_TIMEOUT_S = 300.0  # a dense step at 10 Mbit/s takes seconds; a hang 
 TIMED_STEPS = 6  # a per-step method's timed steps after 2 of warm-up (dense at 10 Mbit/s: ~2.5 s each)
 NOSYNC_WARMUP = 5  # steps left out of a no-sync fit's step times (and of the hetero scenario's own speeds)
 NOSYNC_EVERY = 10**9  # H beyond any run: no step of it syncs
-QUALITY_BOUNDS = {"diloco50": 0.03, "diloco50/int8": 0.035}  # final loss above dense's, at most
+QUALITY_BOUNDS = {"diloco50": 0.03, "diloco50/int8": 0.035, "onebit-adam": 0.01}  # final loss above dense's, at most
+ONEBIT_BYTES = 1 / 25  # OneBitAdam: bytes across workers per step after the warm-up, of dense's (issue 42)
+ONEBIT_SHAPE, ONEBIT_RATE = "two_tier", 1000.0  # where its step speed-up is judged against top-k's
 INT8_BYTES_FACTOR = 3.5  # int8 pseudo-gradients: bytes per inner step <= 1 / (3.5 H) of dense's
 TIME_VS_DENSE, TIME_VS_COMPRESSOR = 10.0, 2.0  # at TARGET_RATE
 NOSYNC_BOUND = 1.03
@@ -71,15 +73,16 @@ class Method:
     delay: Optional[int] = None  # DiLoCo(delay=tau): inner steps a fragment's exchange overlaps before it lands
     mix: Optional[float] = None  # DiLoCo(mix=alpha) for a delayed fragment
     balance: Optional[str] = None  # DiLoCo(balance=...) for workers of different speeds
+    onebit: bool = False  # OneBitAdam() with its defaults: Adam's momentum compressed after a dense warm-up
 
     @property
     def diloco(self) -> bool:
         return self.every > 1
 
-    def settings(self) -> Optional[DiLoCo]:
-        """The DiLoCo settings (None for a per-step method); raises DiLoCo's ValueError for a refused combination."""
+    def settings(self) -> Optional[SyncDriver]:
+        """The sync driver (None: every step); raises DiLoCo's ValueError for a refused combination."""
         if not self.diloco:
-            return None
+            return OneBitAdam() if self.onebit else None
         streaming = {k: v for k in ("fragments", "delay", "mix", "balance") if (v := getattr(self, k)) is not None}
         return DiLoCo(every=self.every, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
                       compressor=dict(self.sync_compressor) if self.sync_compressor else None, **streaming)
@@ -101,6 +104,7 @@ METHODS = {m.label: m for m in (
     Method("dense"),
     Method("topk1%", compressor=TOPK),
     Method("powersgd-r2", compressor={"name": "powersgd", "rank": 2}),
+    Method("onebit-adam", onebit=True),
     *(Method(f"diloco{h}{suffix}", every=h, sync_compressor=codec)
       for h in (10, 50) for suffix, codec in (("", None), ("/int8", INT8), ("/topk1%", TOPK))),
 )}
@@ -307,7 +311,7 @@ def fit(method: Method, shape: Shape, sizes: Sizes, steps: int, curve: bool, lin
         record.curve.append((trainer.global_step, val_loss(model, record.batch), time.perf_counter(), 0.0))
     features = features_of(trainer.strategy)
     global_loss = None
-    if record.every and trainer.is_global_zero and features.sync is not None:
+    if record.every and trainer.is_global_zero and method.diloco:
         global_loss = val_loss(global_model(model, features.sync.state_dict()), record.batch)
     return {"method": method.label, "steps": trainer.global_step, "params": sum(p.numel() for p in model.parameters()),
             "start": record.starts[0] if record.starts else None, "starts": record.starts, "ends": record.ends,
@@ -551,6 +555,13 @@ def check_targets(quality: Sequence[dict[str, Any]], combined: Sequence[dict[str
                 "value": value, "bound": {"vs_dense": TIME_VS_DENSE, "vs_best_compressor": TIME_VS_COMPRESSOR},
                 "met": bool(row["vs_dense"] and row["vs_dense"] >= TIME_VS_DENSE and row["vs_best_compressor"]
                             and row["vs_best_compressor"] >= TIME_VS_COMPRESSOR)}
+    if q.get("onebit-adam", {}).get("bytes_vs_dense") is not None:
+        out["bytes/onebit-adam"] = bench.target(q["onebit-adam"]["bytes_vs_dense"], ONEBIT_BYTES)
+    step = {r["method"]: r["per_step_s"] for r in combined
+            if (r["shape"], r["rate_mbit"]) == (ONEBIT_SHAPE, ONEBIT_RATE)}
+    if step.get(DENSE) and step.get("onebit-adam") and step.get("topk1%"):
+        value = {m: step[DENSE] / step[m] for m in ("onebit-adam", "topk1%")}
+        out["time/onebit-adam"] = {"value": value, "met": value["onebit-adam"] >= value["topk1%"]}
     if nosync and nosync.get("ratio"):
         out["nosync_step"] = bench.target(nosync["ratio"]["median"], NOSYNC_BOUND)
     return out
@@ -578,6 +589,11 @@ def target_lines(targets: dict[str, dict[str, Any]], methods: Sequence[str]) -> 
     lines += [bench.judged(f"{where} @ {TARGET_RATE:g} Mbit/s: {label} to dense's final loss >= {TIME_VS_DENSE:g}x "
                            f"faster than dense, >= {TIME_VS_COMPRESSOR:g}x than the best per-step compressor",
                            targets.get(f"time/{label}"), time_detail) for label in methods if METHODS[label].diloco]
+    lines.append(bench.judged(f"{where}: onebit-adam bytes across workers per step after the warm-up <= 1/25 of "
+                              "dense's", targets.get("bytes/onebit-adam"), lambda t: f"1/{1 / t['value']:.1f}"))
+    lines.append(bench.judged(f"{ONEBIT_SHAPE} @ {ONEBIT_RATE:g} Mbit/s: onebit-adam's step speed-up over dense >= "
+                              "topk1%'s", targets.get("time/onebit-adam"),
+                              lambda t: "{onebit-adam:.2f}x against {topk1%:.2f}x".format(**t["value"])))
     lines.append(bench.judged(f"flat, 2 ranks: a DiLoCo step with no sync <= {NOSYNC_BOUND:g}x a single process's "
                               "step", targets.get("nosync_step"), "{value:.3f}x"))
     return lines
@@ -635,9 +651,10 @@ def nosync_lines(nosync: Optional[dict[str, Any]]) -> list[str]:
 
 def plot(curves: Sequence[dict[str, Any]], combined: Sequence[dict[str, Any]], rates: Sequence[float],
          validation: Optional[dict[str, Any]]) -> Any:
-    """Per shape (rows): validation loss against wall time at each rate (log x), and against bytes across workers."""
+    """Per shape (rows): validation loss against wall time at each rate (log x), against bytes across workers, and
+    against steps (equal samples)."""
     shapes = list(dict.fromkeys(c["shape"] for c in curves))
-    fig, grid = bench.figure_grid(max(len(shapes), 1), len(rates) + 1, 5.2, 4.2)
+    fig, grid = bench.figure_grid(max(len(shapes), 1), len(rates) + 2, 5.2, 4.2)
     per_step = {(r["shape"], r["rate_mbit"], r["method"]): r["per_step_s"] for r in combined}
     colors = {label: f"C{i}" for i, label in enumerate(METHODS)}
 
@@ -659,9 +676,12 @@ def plot(curves: Sequence[dict[str, Any]], combined: Sequence[dict[str, Any]], r
                 ax.plot(v["measured_times"], v["measured_loss"], "k.", ms=4, label=f"{v['method']}, measured run")
             bench.style(ax, xscale="log", xlabel="wall time, s (log)", ylabel="val loss, nats/byte",
                         title=f"{shape} ({SHAPES[shape].hosts}x{SHAPES[shape].per_host}), {rate:g} Mbit/s")
-        lines(row[-1], mine, lambda c: c["bytes_across_per_step"] and c["bytes_across_per_step"] / 1e6)
-        bench.style(row[-1], xscale="log", xlabel="MB across workers, all ranks (log)", ylabel="val loss, nats/byte",
+        lines(row[-2], mine, lambda c: c["bytes_across_per_step"] and c["bytes_across_per_step"] / 1e6)
+        bench.style(row[-2], xscale="log", xlabel="MB across workers, all ranks (log)", ylabel="val loss, nats/byte",
                     title=f"{shape}: loss against bytes")
+        lines(row[-1], mine, lambda c: 1)
+        bench.style(row[-1], xlabel="optimizer steps (equal samples)", ylabel="val loss, nats/byte",
+                    title=f"{shape}: loss against steps")
         row[0].legend(fontsize="x-small")
     return fig
 

@@ -371,7 +371,9 @@ class OneBitAdamDriver(SyncDriver):
     def _report(self, dense: bool, sent: int = 0) -> None:
         self.metrics = {"sync/compressed": 0.0 if dense else 1.0, "sync/compressed_steps": float(self.compressed_steps),
                         "sync/refreshes": float(self.refreshes), "sync/skipped": float(self.skipped),
-                        "sync/bytes": float(sent), "sync/bytes_total": float(self.bytes_total)}
+                        "sync/bytes": float(sent), "sync/bytes_total": float(self.bytes_total),
+                        # this rank's bytes per step after the warm-up (DiLoCo's key: what a sync costs per step)
+                        "sync/bytes_per_step": self.bytes_total / max(1, self.compressed_steps + self.refreshes)}
 
     def _check_optimizer(self, optimizer: Any) -> None:
         if id(optimizer) in self._checked:
