@@ -48,6 +48,11 @@ quote no accuracy cost: its quality is what the ``sync`` benchmark measures (doc
 step (a few elementwise passes over the parameters), and under ``two_tier`` the host's own all-reduce on the fast
 links every step and its all-gather after a sync.
 
+When the model's optimizer is Adam (or AdamW), one more row (:func:`onebit_prediction`): OneBitAdam after its warm-up
+(:class:`~lightning_dist.sync.OneBitAdam`, its defaults), whose momentum goes through ``sign`` after backward (nothing
+to overlap with) and a refresh's gradient through ``int4`` every ``refresh`` steps; and where a compressor pays (a
+speed-up above 1), a line recommending it, with its measured quality (:data:`ONEBIT_QUALITY`).
+
 :class:`Advisor` is the callback that measures (``AdviseCallback``, its name before one naming rule for callbacks,
 still imports for one release, with a ``DeprecationWarning``).
 """
@@ -82,7 +87,7 @@ from lightning_dist.compression.accuracy import ACCURACY_COST
 from lightning_dist.compression.registry import error_feedback_default
 from lightning_dist.config import StrategyConf, resolve_devices
 from lightning_dist.strategy import BucketObserver, RingDDPStrategy, features_of
-from lightning_dist.sync import DiLoCo
+from lightning_dist.sync import DiLoCo, OneBitAdam
 from lightning_dist.train import build, hydra_command, hydra_main
 
 
@@ -220,6 +225,27 @@ def sync_predictions(measured: dict[str, Any], codecs: dict[str, dict[str, list[
     return out
 
 
+PAYS = 1.05  # a compressor's predicted speed-up from which OneBitAdam is recommended under Adam
+# OneBitAdam's measured quality at equal samples (docs/onebit-adam.md has the tables)
+ONEBIT_QUALITY = "digits +0.65 pt (98.80% vs 98.15%); LM +0.4% val loss at 400 steps: docs/onebit-adam.md"
+
+
+def onebit_prediction(measured: dict[str, Any], codecs: dict[str, dict[str, list[float]]],
+                      dense_step_s: Optional[float], refresh: int = OneBitAdam.refresh) -> Optional[dict[str, Any]]:
+    """OneBitAdam's row after its warm-up: the compute-only step, then every bucket through ``sign`` (the momentum,
+    after backward), and every ``refresh`` steps every bucket through ``int4`` (a refresh's gradient); None unless
+    advise measured both codecs."""
+    if "sign" not in codecs or "int4" not in codecs:
+        return None
+    sign, int4 = codecs["sign"], codecs["int4"]
+    coding_s = sum(sign["coding_s"]) + sum(int4["coding_s"]) / refresh
+    wire_s = sum(sign["wire_s"]) + sum(int4["wire_s"]) / refresh
+    step_s = measured["compute_s"] + coding_s + wire_s
+    return {"bytes_per_step": sum(sign["bytes"]) + sum(int4["bytes"]) / refresh, "coding_s": coding_s,
+            "wire_s": wire_s, "predicted_step_s": step_s, "quality": ONEBIT_QUALITY,
+            "speedup_vs_dense": dense_step_s / step_s if dense_step_s and step_s else None}
+
+
 def table(report: dict[str, Any]) -> str:
     """The rows rank zero prints: one per compressor, dense's measured step above them, DiLoCo's rows below."""
     m = report["measured"]
@@ -239,6 +265,15 @@ def table(report: dict[str, Any]) -> str:
         cost = r["accuracy_cost_pt"]
         lines.append(row(name, r, "-" if cost is None else f"{cost:+.2f} pt ({r['accuracy_measured_at']})",
                          f"{r['bytes_per_step'] / 1e6:.3f}"))
+    onebit = report.get("onebit")
+    if onebit is not None:
+        lines.append(row("onebit_adam", onebit, onebit["quality"], f"{onebit['bytes_per_step'] / 1e6:.3f}"))
+        pays = [n for n, r in report["compressors"].items() if n != DENSE and (r["speedup_vs_dense"] or 0) >= PAYS]
+        if pays:
+            lines.append(f"The optimizer is Adam and compression pays here ({', '.join(pays)}): sync=onebit_adam "
+                         f"(predicted {1e3 * onebit['predicted_step_s']:.1f} ms, "
+                         f"{onebit['speedup_vs_dense'] or float('nan'):.2f}x) sends Adam's momentum at 1 bit and keeps "
+                         "Adam's quality, where per-step compressors lose it under Adam")
     if sync.get("rows"):
         first = next(iter(sync["rows"].values()))
         lines.append(f"DiLoCo: a sync every H={first['every']} steps ({first['every_from']}), {sync['workers']} "
@@ -438,7 +473,9 @@ class Advisor(Callback):
         else:
             rows = sync_predictions(measured, codecs, self.sync, dense_s)
             workers, worker = trainer.world_size, "rank"
+        adam = any(isinstance(optimizer, torch.optim.Adam) for optimizer in trainer.optimizers)
         self.report = {"world_size": trainer.world_size, "algorithm": trainer.strategy.algorithm,
+                       "onebit": onebit_prediction(measured, codecs, dense_s) if adam else None,
                        "settings": asdict(self.settings),
                        "candidates": self.candidates, "measured": measured, "per_bucket": codecs,
                        "compressors": compressors,

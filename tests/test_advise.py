@@ -20,6 +20,7 @@ from lightning_dist.advise import (
     check,
     configured_sync,
     host_parts,
+    onebit_prediction,
     predict_step,
     predictions,
     replay,
@@ -68,6 +69,25 @@ def test_predictions_take_dense_as_the_base_and_quote_the_readme():
     assert out["topk"]["bytes_per_step"] == 24
     assert out["topk"]["accuracy_cost_pt"] == -5.0  # the benchmark's table: topk 1% with EF (the default)
     assert out["none"]["accuracy_cost_pt"] == 0.0
+
+
+def test_onebit_adam_row_sends_sign_every_step_and_int4_every_refresh_and_is_recommended_where_compression_pays():
+    measured = {"compute_s": 1.0, "ready_s": [0.2, 0.5]}
+    codecs = {"sign": {"coding_s": [0.1, 0.1], "wire_s": [0.05, 0.05], "bytes": [30, 30]},
+              "int4": {"coding_s": [0.25, 0.25], "wire_s": [0.25, 0.25], "bytes": [100, 100]}}
+    row = onebit_prediction(measured, codecs, dense_step_s=2.0, refresh=25)
+    assert row["predicted_step_s"] == pytest.approx(1.0 + 0.3 + 1.0 / 25)  # after backward: nothing overlaps it
+    assert row["bytes_per_step"] == pytest.approx(60 + 200 / 25)
+    assert row["speedup_vs_dense"] == pytest.approx(2.0 / 1.34)
+    assert onebit_prediction(measured, {"sign": codecs["sign"]}, 2.0) is None
+    compressors = predictions(measured, {"none": {"coding_s": [0, 0], "wire_s": [0.5, 0.5], "bytes": [800, 800]},
+                                         **codecs})
+    report = {"measured": {**measured, "step_s": 2.0, "exposed_s": 1.0}, "world_size": 2, "compressors": compressors,
+              "onebit": row}
+    text = table(report)
+    assert "onebit_adam" in text and "sync=onebit_adam (predicted 1340.0 ms" in text  # sign pays here (1.2x)
+    compressors["sign"]["speedup_vs_dense"] = compressors["int4"]["speedup_vs_dense"] = 1.0
+    assert "sync=onebit_adam (predicted" not in table(report)  # nothing pays: no recommendation
 
 
 def test_accuracy_costs_match_the_settings_they_were_measured_at():
