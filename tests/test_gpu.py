@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not CUDA, reason="needs a CUDA device (torch.cuda.is_available() is False here; run scripts/gpu-check.sh on one)")]
 
 # the per-step compressors (as in tests/test_gpu_path_pure.py); top-k's default selection runs torch.topk on CUDA
-CODECS = [("none", {}), ("fp16", {}), ("bf16", {}), ("int8", {}), ("int4", {}), ("powersgd", {}), ("sign", {}), ("topk", {}),
+CODECS = [("none", {}), ("fp16", {}), ("bf16", {}), ("int8", {}), ("int4", {}), ("powersgd", {}), ("sign", {}),
+          ("topk", {}),
           ("int8", {"clip_norm": 1.0}), ("topk", {"clip_norm": 0.5})]
 
 
