@@ -67,7 +67,7 @@ def test_error_feedback_on_both_sides_sends_everything_in_the_end():
             for c in compressors:
                 c.commit()
         errors[server] = float((total / 40 - dense).norm() / dense.norm())
-    assert errors[True] < 0.25 and errors[True] < errors[False] / 2, errors  # measured 0.15 and 0.38
+    assert errors[True] < 0.25 and errors[True] < errors[False] / 2, errors  # measured 0.18 and 0.43 (chunk 512)
 
 
 def test_a_skipped_step_leaves_the_owners_residual_and_a_resume_restores_it():

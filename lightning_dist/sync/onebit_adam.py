@@ -5,19 +5,23 @@ Error feedback assumes an update that is linear in what is compressed; Adam's is
 second moment ``v``; from then on every worker's momentum is what travels, compressed, with error feedback on the
 workers and on the reduction. Here, per optimizer step ``t`` (counted by Lightning's ``global_step``):
 
-- **dense steps**: the first ``warmup`` steps, and the *refreshes* at ``warmup + R (2^k - 1)`` for ``k = 1, 2, ...``
-  (``R = refresh``: intervals that double, as 0/1 Adam's, arXiv 2202.06009, grow). They are today's ring_ddp step bit
-  for bit: DDP's gradient all-reduce through the strategy's comm hook, then the user's ``torch.optim.Adam``/``AdamW``
-  step, which updates ``v``. After each, ``v`` is frozen as it is: the denominator ``d = sqrt(v / (1 - beta2^s)) +
-  eps`` (``s`` the step of that last update) and the mask ``v > 0`` are fixed until the next refresh.
-- **compressed steps**: DDP's gradient synchronisation is off; each rank ``r`` (share ``a_r`` of the step's samples,
-  ``1 / N`` with even batches; its gradient ``g_r`` already carries it) sends ``x_r = mask (a_r beta1 m + (1 - beta1)
-  g_r) / d``, the *preconditioned* momentum, through the compressor (``sign`` by default: 1 bit and a scale per 256
-  elements, error feedback on the rank and on each region's owner), flat or two-tier (dense inside a host, the
-  compressor across hosts: :class:`~lightning_dist.strategy.tiers.TwoTier`). Every rank gets the same sum ``u``, the
-  new momentum over ``d``; then ``m = mask u d``, ``p -= lr clamp(mask u / (1 - beta1^t), -bound, bound)``, with
-  AdamW's decoupled decay first (Adam's L2 term joins ``g_r`` as ``a_r wd p``). The optimizer's ``state`` keeps Adam's
-  keys (``step``, ``exp_avg``, ``exp_avg_sq``), so a checkpoint resumes under plain ring_ddp or stock DDP.
+- **the warm-up**, the first ``warmup`` steps: today's ring_ddp step bit for bit (DDP's gradient all-reduce through
+  the strategy's comm hook, then the user's ``torch.optim.Adam``/``AdamW``).
+- **refreshes**, every ``refresh``-th step after it: DDP's synchronisation is off, every rank's weighted gradient is
+  summed through ``refresh_compressor`` (int4 without error feedback by default) into ``.grad``, and the user's Adam
+  steps on it, updating ``v``. After a warm-up step or a refresh, ``v`` is frozen as it is: the denominator ``d =
+  sqrt(v / (1 - beta2^s)) + eps`` (``s`` the step of that last update) and the mask ``v > 0``.
+- **compressed steps**, the others: each rank ``r`` (share ``a_r`` of the step's samples, ``1 / N`` with even
+  batches; its gradient ``g_r`` already carries it) sends ``x_r = mask (a_r beta1 m + (1 - beta1) g_r) / d``, the
+  *preconditioned* momentum, through the compressor (``sign`` by default: 1 bit and a scale per 512 elements, error
+  feedback on the rank and on each region's owner). Every rank gets the same sum ``u``, the new momentum over ``d``;
+  then ``m = mask u d``, ``p -= lr clamp(mask u / (1 - beta1^t), -bound, bound)``, with AdamW's decoupled decay first
+  (Adam's L2 term joins ``g_r`` as ``a_r wd p``).
+
+Both exchanges are flat or two-tier as the gradients' are (dense inside a host, the compressor across hosts: the
+strategy's :class:`~lightning_dist.strategy.tiers.GradientGroups`, made through :attr:`SyncContext.reduction`). The
+optimizer's ``state`` keeps Adam's keys (``step``, ``exp_avg``, ``exp_avg_sq``), so a checkpoint resumes under plain
+ring_ddp or stock DDP.
 
 What keeps it stable (docs/onebit-adam.md has the measurements): compressing ``m / d`` rather than ``m`` (a chunk's
 scale then never meets a ``d`` near 0, which blew up coordinates the warm-up never saw); the mask (coordinates
@@ -279,8 +283,7 @@ class OneBitAdamDriver(SyncDriver):
         frozen = self._frozen(optimizer)
         share = self.context.share()
         decoupled = _decoupled(optimizer)
-        stats = self.context.stats
-        sent_before = stats.bytes_sent
+        sent_before = self._across()
         finite = torch.ones((), dtype=torch.bool, device=self._buckets[0].flat.device) if self._buckets else None
         with torch.no_grad():
             for bucket in self._buckets:
@@ -296,7 +299,7 @@ class OneBitAdamDriver(SyncDriver):
                     x.div_(d).mul_(mask)
                 self._reduce(bucket, self.compressor)
                 finite &= torch.isfinite(bucket.flat).all()
-        sent = stats.bytes_sent - sent_before
+        sent = self._across() - sent_before
         self.bytes_total += sent
         if finite is not None and not bool(finite):  # the same verdict on every rank: they hold the same sum
             self.compressor.discard()
@@ -325,8 +328,7 @@ class OneBitAdamDriver(SyncDriver):
     def _reduce_gradients(self) -> bool:
         """A refresh: every rank's weighted gradient summed through the refresh's compressor into ``.grad``; whether
         the sum is finite (else the step is skipped on every rank: they hold the same sum)."""
-        stats = self.context.stats
-        sent_before = stats.bytes_sent
+        sent_before = self._across()
         finite = torch.ones((), dtype=torch.bool)
         with torch.no_grad():
             for bucket in self._buckets:
@@ -339,7 +341,7 @@ class OneBitAdamDriver(SyncDriver):
                         p.grad = g.clone()
                     else:
                         p.grad.copy_(g)
-        sent = stats.bytes_sent - sent_before
+        sent = self._across() - sent_before
         self.bytes_total += sent
         if not bool(finite):
             self.refresh_compressor.discard()
@@ -348,6 +350,10 @@ class OneBitAdamDriver(SyncDriver):
         self.refresh_compressor.commit()
         self.refreshes += 1
         return True
+
+    def _across(self) -> int:
+        """This step's bytes across workers so far (under two_tier the host's dense collectives are not counted)."""
+        return self.context.stats.tier_bytes.get(self._tier, 0)
 
     def _skip(self, what: str) -> None:
         self.skipped += 1
