@@ -78,6 +78,29 @@ class Feedback:
         return out
 
 
+def gather_by_name(flat: torch.Tensor, layout: BucketLayout, feedback: Optional[Feedback],
+                   out: torch.Tensor) -> list[tuple[int, int]]:
+    """``flat`` plus what ``feedback`` says is owed, parameter by parameter in name order, into the start of ``out``
+    (the rest zeroed); returns the bucket's ``(start, end)`` ranges in that order. A codec that cuts a bucket into
+    chunks and regions (int8, int4, sign) takes the parameters in name order, not DDP's: DDP's first step in every
+    process lays a bucket out in a different order than its rebuilt buckets do, and chunks, regions and noise would
+    follow the order (a resumed run would then code its first step differently from an uninterrupted one)."""
+    order = sorted(range(len(layout.names)), key=layout.names.__getitem__)
+    every = layout.spans()
+    spans = [(every[i][1], every[i][2]) for i in order]
+    offset = 0
+    for i, (start, end) in zip(order, spans):
+        owed = None if feedback is None else feedback.owed[i]
+        part = out[offset: offset + end - start]
+        if owed is None:
+            part.copy_(flat[start:end])
+        else:
+            torch.add(flat[start:end], owed, out=part)
+        offset += end - start
+    out[offset:].zero_()
+    return spans
+
+
 @dataclass(frozen=True)
 class BucketLayout:
     """Which parameters a flat gradient bucket holds, in order: DDP lays them end to end, no padding."""

@@ -47,7 +47,7 @@ from typing import Optional
 import torch
 
 from lightning_dist.compression import kernels
-from lightning_dist.compression.base import BucketLayout, Compressor, Feedback
+from lightning_dist.compression.base import BucketLayout, Compressor, Feedback, gather_by_name
 from lightning_dist.compression.state import Scratch, StagedGenerator
 from lightning_dist.compression.transport import Transport
 
@@ -106,23 +106,8 @@ class Int8Compressor(Compressor):
         n, numel, chunk, bits = transport.world_size, flat.numel(), self.chunk, self.bits
         region = _region(numel, n, chunk, bits)  # elements each rank owns
         width = region * bits // 8  # bytes of one region's codes
-        # The parameters in name order, not DDP's: DDP's first step in every process lays a bucket out in a
-        # different order than its rebuilt buckets do, and chunks, regions and noise would follow the order
-        # (a resumed run would then round its first step differently from an uninterrupted one).
-        order = sorted(range(len(layout.names)), key=layout.names.__getitem__)
-        every = layout.spans()
-        spans = [every[i] for i in order]
         x = self._buffer("x", n * region, flat.device)
-        offset = 0
-        for i, (_, start, end, _) in zip(order, spans):
-            owed = None if feedback is None else feedback.owed[i]
-            part = x[offset : offset + end - start]
-            if owed is None:
-                part.copy_(flat[start:end])
-            else:
-                torch.add(flat[start:end], owed, out=part)
-            offset += end - start
-        x[numel:].zero_()
+        spans = gather_by_name(flat, layout, feedback, x)  # in name order, not DDP's
         # the noise table's offsets come from a CPU generator on every device: reading a draw made on the GPU would
         # wait for every kernel backward has queued (one host sync per rounding, two per bucket)
         gen = self.rng.get(transport.rank, _HOST)
@@ -136,7 +121,7 @@ class Int8Compressor(Compressor):
         _write(codes8, steps, message, width, bits)
         if feedback is not None:  # what this rank owes, x - q s (in `work`), back in the bucket's layout
             offset = 0
-            for _, start, end, _ in spans:
+            for start, end in spans:
                 feedback.keep[start:end].copy_(work[offset : offset + end - start])
                 offset += end - start
             feedback.finite = torch.isfinite(steps).all()  # read at the commit, not here (no host sync)
@@ -160,7 +145,7 @@ class Int8Compressor(Compressor):
         all_steps = torch.cat([part[width:].view(torch.float32) for part in everyone])
         codes = _read(everyone, width, bits, codes8)
         offset = 0
-        for _, start, end, _ in spans:
+        for start, end in spans:
             for a, b, c in _pieces(offset, offset + end - start, chunk, region):
                 out = flat[start + a - offset : start + b - offset]
                 row = a // region

@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_dist.compression.base import BucketLayout, Compressor, Feedback
+from lightning_dist.compression.base import BucketLayout, Compressor, Feedback, gather_by_name
 from lightning_dist.compression.state import Scratch
 from lightning_dist.compression.transport import Transport
 
@@ -79,20 +79,8 @@ class SignCompressor(Compressor):
         n, numel, chunk = transport.world_size, flat.numel(), self.chunk
         region = _region(numel, n, chunk)
         width = region // 8  # bytes of one region's bits
-        order = sorted(range(len(layout.names)), key=layout.names.__getitem__)
-        every = layout.spans()
-        spans = [every[i] for i in order]
         x = self._scratch.get("x", n * region, torch.float32, flat.device)
-        offset = 0
-        for i, (_, start, end, _) in zip(order, spans):
-            owed = None if feedback is None else feedback.owed[i]
-            part = x[offset: offset + end - start]
-            if owed is None:
-                part.copy_(flat[start:end])
-            else:
-                torch.add(flat[start:end], owed, out=part)
-            offset += end - start
-        x[numel:].zero_()
+        spans = gather_by_name(flat, layout, feedback, x)  # in name order, not DDP's
         # phase 1: region j of every rank's bits and scales goes to rank j
         message = self._scratch.get("phase1", n * _row(region, chunk), torch.uint8, flat.device).view(n, -1)
         _encode(x, chunk, message.view(-1), n, width)
@@ -100,7 +88,7 @@ class SignCompressor(Compressor):
             offset = 0
             decoded = _decode(message, width, chunk, self._scratch.get("decoded", n * region, torch.float32,
                                                                           flat.device).view(n, -1))
-            for _, start, end, _ in spans:
+            for start, end in spans:
                 torch.sub(x[offset: offset + end - start], decoded.view(-1)[offset: offset + end - start],
                           out=feedback.keep[start:end])
                 offset += end - start
@@ -132,7 +120,7 @@ class SignCompressor(Compressor):
         result = _decode(everyone, width, chunk, self._scratch.get("result", n * region, torch.float32,
                                                                      flat.device).view(n, -1)).view(-1)
         offset = 0
-        for _, start, end, _ in spans:
+        for start, end in spans:
             flat[start:end].copy_(result[offset: offset + end - start])
             offset += end - start
         return flat
