@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightning_dist import RingDDPStrategy
+from lightning_dist.comm import CommStats
 from lightning_dist.compression import NoCompressor
 from lightning_dist.strategy.tiers import GradientGroups
 from lightning_dist.sync import OneBitAdam, as_sync
@@ -54,13 +55,30 @@ class _Guard:
     armed = False
 
 
-def _driver(model, compressor="none", bound=4.5):
+def _driver(model, compressor="none", bound=4.5, checkpoint=None):
     """A driver of one rank (no group), bound to ``model``."""
     context = SimpleNamespace(module=model, topology=None, rank=0, world_size=1, algorithm="auto", timeout=None,
-                              stats=__import__("lightning_dist.comm", fromlist=["CommStats"]).CommStats(),
-                              guard=_Guard(), checkpoint=None, share=lambda: 1.0, record_skip=lambda *a: None,
-                              reduction=lambda: GradientGroups(None, None, 1, False, []))
+                              stats=CommStats(), guard=_Guard(), checkpoint=checkpoint, share=lambda: 1.0,
+                              record_skip=lambda *a: None, reduction=lambda: GradientGroups(None, None, 1, False, []))
     return OneBitAdamDriver(OneBitAdam(warmup=1, compressor=compressor, bound=bound), context)
+
+
+def test_a_resume_at_another_world_size_restarts_the_residuals_and_keeps_the_rest():
+    model = torch.nn.Linear(4, 4)
+    saved = _driver(model, compressor="sign")
+    saved.compressor.residuals.stage("weight", torch.ones(16))
+    saved.compressor.commit()
+    saved.compressed_steps, saved.refreshes, saved._variance_step = 7, 2, {"weight": 5, "bias": 5}
+    entry = saved.checkpoint_entry()
+    assert torch.equal(entry["ranks"][0]["residuals"]["weight"], torch.ones(16))
+    same = _driver(model, compressor="sign", checkpoint={"sync": entry})
+    assert torch.equal(same.compressor.residuals.get("weight"), torch.ones(16))
+    elastic = _driver(model, compressor="sign", checkpoint={"sync": {**entry, "world_size": 4, "ranks": [
+        None, entry["ranks"][0], None, None]}})
+    assert elastic.compressor.residuals.get("weight") is None  # each rank's debt on its own cut: restarts at zero
+    assert (elastic.compressed_steps, elastic.refreshes, elastic._variance_step) == (7, 2, {"weight": 5, "bias": 5})
+    with pytest.raises(ValueError, match="resume with the same OneBitAdam settings"):
+        _driver(model, compressor="int8", checkpoint={"sync": entry})
 
 
 def test_a_compressed_update_is_adam_with_v_frozen_masked_and_bounded():
