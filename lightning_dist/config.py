@@ -154,6 +154,8 @@ class DiLoCoConf:  # sync=diloco: lightning_dist.sync.DiLoCo's arguments
     delay: int = MISSING  # inner steps a fragment's exchange overlaps (0: synced in its step)
     mix: float = MISSING  # how much of theta_global a delayed fragment takes on landing, in (0, 1]
     balance: str = MISSING  # batches | steps: how workers of different speeds meet at a sync
+    final_sync: bool = MISSING  # every worker meets once more when the fit ends (every rank ends with theta_global)
+    validate: str = MISSING  # global | worker: the model validation runs on
 
 
 @dataclass
@@ -493,7 +495,8 @@ def _sync_problems(cfg: DictConfig) -> list[str]:
     if compression != "none":
         why = ("between syncs nothing travels across workers, so there is no per-step gradient to compress; compress "
                "the pseudo-gradient instead" if name == "diloco" else
-               "its dense steps (warm-up, refreshes) are plain Adam steps; compress the momentum instead")
+               "its warm-up's steps are plain Adam steps and after it the momentum travels; compress the momentum "
+               "instead")
         problems.append(f"sync={name} with compression={compression}: {why}: sync.compressor={compression} (and drop "
                         "compression=)")
     warmup, max_steps = getattr(settings, "warmup", None), cfg.trainer.get("max_steps", -1)

@@ -18,6 +18,8 @@ from lightning_dist.sync.diloco import DiLoCoSync, Workers, _buckets, fragment_c
     ({"outer_lr": 0}, "outer_lr=0"), ({"outer_lr": float("nan")}, "outer_lr=nan"),
     ({"outer_momentum": 1.0}, "outer_momentum=1.0"), ({"outer_momentum": -0.1}, "outer_momentum=-0.1"),
     ({"compressor": "zip"}, "zip"),
+    ({"final_sync": "yes"}, "final_sync='yes'"), ({"final_sync": 1}, "sync.final_sync=true or false"),
+    ({"validate": "best"}, "validate='best'"), ({"validate": None}, "sync.validate=global or worker"),
 ])
 def test_bad_settings_are_refused_naming_the_value(bad, words):
     with pytest.raises(ValueError, match=words.replace(".", r"\.").replace("(", r"\(")):
@@ -313,3 +315,42 @@ def test_the_workers_meet_on_the_loops_thread_only_where_a_sync_runs_in_the_step
     delayed = DiLoCoSync(DiLoCo(every=4, fragments=2, delay=1), Workers(((0,), (1,)), rank=0), "auto", None)
     delayed.attach(module)
     assert [s for s in steps if delayed.meets(s)] == [4, 8, 12]  # once per H: the first fragment's start
+
+
+# -- the end of a fit and validation (issue 43) ----------------------------------------------------------------------
+def test_the_final_sync_takes_an_outer_step_on_the_partial_cycle_and_leaves_theta_global():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    sync = _bound(DiLoCo(every=4, outer_lr=0.7, outer_momentum=0.9), model)
+    reference = [p.detach().clone() for p in model.parameters()]
+    outer = torch.optim.SGD(reference, lr=0.7, momentum=0.9, nesterov=True)
+    model.train()
+    model(torch.randn(8, 4))  # the buffers move
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1)  # three steps of a cycle of four
+        for r, p in zip(reference, model.parameters()):
+            r.grad = r - p
+    outer.step()
+    result, = sync.final_sync(step=3)
+    assert not result.skipped and sync.outer_steps == 1
+    assert all(torch.equal(r, p) and torch.equal(p, g) for r, p, g in zip(reference, model.parameters(), sync._global))
+    assert sync.final_sync(step=4) == [] and sync.outer_steps == 1  # a cycle's end: synced already, nothing more
+
+
+def test_validating_the_global_model_restores_the_workers_own_bit_for_bit():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    sync = _bound(DiLoCo(every=4), model)
+    model.train()
+    model(torch.randn(8, 4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) / 3)
+    own = [t.clone() for t in (*model.parameters(), *model.buffers())]
+    sync.swap_in_global()
+    assert all(torch.equal(p, g) for p, g in zip(model.parameters(), sync._global))
+    assert torch.equal(model[1].running_mean, torch.zeros(3))  # the averaged buffers: the start's
+    assert set(sync.own_state()) == {"0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var",
+                                     "1.num_batches_tracked"}
+    sync.swap_back()
+    assert all(torch.equal(a, b) for a, b in zip(own, (*model.parameters(), *model.buffers())))
+    assert sync.own_state() == {}

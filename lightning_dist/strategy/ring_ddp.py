@@ -422,7 +422,15 @@ class RingDDPStrategy(DDPStrategy):
         self._driver.after_step(self.lightning_module.trainer.global_step + 1)
         self._cycle.finish(skipped)
 
-    # -- end of a fit -----------------------------------------------------------------------------------------
+    # -- validation (the sync driver's: e.g. DiLoCo validates theta_global) and the end of a fit --------------
+    @override
+    def on_validation_start(self) -> None:
+        self._driver.before_validation()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._driver.after_validation()
+
     @override
     def on_train_end(self) -> None:
         self._schedule.drain()  # every rank started it, so every rank can finish it
@@ -484,12 +492,9 @@ class RingDDPStrategy(DDPStrategy):
             ("ring_ddp_fork", "fork"),
             ("ring_ddp_notebook", "fork"),
         ):
+            strategy_registry.register(name, cls, description=f"Ring all-reduce DDP, start_method={start_method!r}",
+                                       override=True, start_method=start_method)
             strategy_registry.register(
-                name, cls, description=f"Ring all-reduce DDP, start_method={start_method!r}",
-                override=True, start_method=start_method,
-            )
-            strategy_registry.register(
-                f"{name}_find_unused_parameters_true", cls,
+                f"{name}_find_unused_parameters_true", cls, override=True, start_method=start_method,
                 description=f"Ring all-reduce DDP, find_unused_parameters=True, start_method={start_method!r}",
-                override=True, start_method=start_method, find_unused_parameters=True,
-            )
+                find_unused_parameters=True)

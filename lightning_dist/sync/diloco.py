@@ -49,6 +49,12 @@ its step, steps 1-5 as above: ``F = 1`` is the synchronous sync, bit for bit. Wi
   value plus the worker's progress since ``s``. On a skip the fragment restarts from ``theta_global`` (unchanged) on
   every worker, as without a delay: the worker whose value was not finite would otherwise keep it.
 
+**The end of a fit** (``DiLoCo(final_sync=True)``, the default: :meth:`DiLoCoSync.final_sync`): what is in flight
+lands, then every fragment with a partial cycle takes one more outer step, in the step, and every rank leaves the fit
+holding ``theta_global``. **Validation** (``validate="global"``, the default) runs on ``theta_global`` and the averaged
+buffers, swapped in (:meth:`DiLoCoSync.swap_in_global`) and each rank's own parameters put back afterwards, bit for
+bit.
+
 A checkpoint written while an exchange is in flight waits for its reduction first (:meth:`DiLoCoSync.settle`: nothing
 lands early) and saves the reduced sum beside ``theta_global`` and each worker's parameters at ``s`` beside the
 worker's own state, so a resumed run lands it at ``s + tau`` exactly as the uninterrupted run does. An emergency
@@ -233,6 +239,7 @@ class DiLoCoSync:
         self._global_buffers: list[torch.Tensor] = []
         self._outer: Optional[torch.optim.SGD] = None
         self.device: torch.device = HOST  # the model's device (attach); the state stays on HOST
+        self._own: Optional[list[torch.Tensor]] = None  # this rank's own parameters and buffers while validating global
 
     @classmethod
     def create(cls, settings: DiLoCoSettings, topology: Optional[Topology], rank: int, world_size: int, algorithm: str,
@@ -357,11 +364,12 @@ class DiLoCoSync:
                 results.append(self._land(exchange, stats, tier, flags_group))
         return results
 
-    def _start(self, fragment: Fragment, step: int, stats: Optional[CommStats], tier: str) -> Exchange:
+    def _start(self, fragment: Fragment, step: int, stats: Optional[CommStats], tier: str,
+               delay: Optional[int] = None) -> Exchange:
         """The fragment's weighted pseudo-gradient into its buckets, and its reduction: here (no delay) or on the
-        sync's thread."""
+        sync's thread (``delay``: the settings' unless given)."""
         started = time.perf_counter()
-        delay = self.settings.delay
+        delay = self.settings.delay if delay is None else delay
         exchange = Exchange(fragment, step, step + delay, list(fragment.samples))
         weight = self.weight(fragment.index)
         fragment.samples = [0.0] * self.workers.count
@@ -511,6 +519,52 @@ class DiLoCoSync:
         """The end of a fit, on every rank together: every exchange still in flight lands now (the model the fit
         leaves holds every sync it started)."""
         return [self._land(ex, stats, tier, flags_group) for ex in list(self.inflight)]
+
+    def final_sync(self, step: int, stats: Optional[CommStats] = None, tier: str = "inter_host",
+                   flags_group: Optional[dist.ProcessGroup] = None) -> list[SyncResult]:
+        """The end of a fit after optimizer step ``step`` (``DiLoCo(final_sync=True)``), on every rank together: the
+        exchanges in flight land (:meth:`finish`), then every fragment whose sync did not start after ``step`` syncs
+        now, in the step (its partial cycle's pseudo-gradient, workers weighted by their samples since its last sync,
+        as every sync's), and every rank's parameters and buffers become ``theta_global`` and the averaged buffers."""
+        results = self.finish(stats, tier, flags_group)
+        if step > 0:
+            for fragment in self.fragments:
+                if step % self.settings.every != fragment.offset:  # a partial cycle since its last sync
+                    results.append(self._land(self._start(fragment, step, stats, tier, delay=0), stats, tier,
+                                              flags_group))
+        with torch.no_grad():
+            for t, g in zip(self._tensors(), (*self._global, *self._global_buffers)):
+                t.copy_(g)
+        return results
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """This rank's parameters and buffers, in the order of ``theta_global`` and the averaged buffers."""
+        return [*self._params, *(b for _, b in self._buffers)]
+
+    def swap_in_global(self) -> None:
+        """Validation of the global model: this rank's own parameters and buffers kept in host memory, and
+        ``theta_global`` and the averaged buffers (the model after the last sync that landed) set in their place."""
+        if self._own is not None:
+            return
+        with torch.no_grad():
+            self._own = [host_copy(t) for t in self._tensors()]
+            for t, g in zip(self._tensors(), (*self._global, *self._global_buffers)):
+                t.copy_(g)
+
+    def swap_back(self) -> None:
+        """This rank's own parameters and buffers back, bit for bit (after :meth:`swap_in_global`)."""
+        if self._own is None:
+            return
+        with torch.no_grad():
+            for t, own in zip(self._tensors(), self._own):
+                t.copy_(own)
+        self._own = None
+
+    def own_state(self) -> dict[str, torch.Tensor]:
+        """While the global model is swapped in: this rank's own parameters and buffers by name (a checkpoint written
+        during validation saves them as the worker's); else {}."""
+        names = [*self._names, *(name for name, _ in self._buffers)]
+        return dict(zip(names, self._own)) if self._own is not None else {}
 
     def _executor(self) -> ThreadPoolExecutor:
         """The exchanges' thread (one, first in first out). It selects the model's CUDA device first: a thread's

@@ -15,7 +15,10 @@ outer loop (:class:`~lightning_dist.sync.diloco.DiLoCoSync`) with the hooks the 
 - *every batch*: each worker's samples weigh its pseudo-gradient; ``balance="steps"`` runs a faster worker's share as
   more inner steps (:func:`~lightning_dist.sync.diloco.inner_steps`, agreed from every rank's share);
 - *after every optimizer step*: the fragment syncs that land and start there; a skipped outer step is warned of and
-  reported to NaNRecovery as a skipped step;
+  reported to NaNRecovery as a skipped step; after the fit's last step (:func:`~lightning_dist.sync.driver.ends_fit`,
+  or a stop a callback agreed on, met at the last validation or at the end) the final sync;
+- *validation*: ``theta_global`` swapped in (``validate="global"``) and each rank's own parameters back afterwards;
+  ``sync/validated_global`` names the model validated;
 - *checkpoints*: :func:`sync_entry` (every rank's part gathered to rank zero) and :func:`restore_sync`.
 """
 
@@ -33,7 +36,7 @@ from lightning_dist.compression import NoCompressor
 from lightning_dist.hetero import micro_batch_sizes
 from lightning_dist.identities import map_ranks
 from lightning_dist.sync.diloco import DiLoCoSync, SyncResult, inner_steps
-from lightning_dist.sync.driver import SyncContext, SyncDriver
+from lightning_dist.sync.driver import SyncContext, SyncDriver, ends_fit
 from lightning_dist.sync.settings import DiLoCoSettings
 
 
@@ -62,6 +65,8 @@ class DiLoCoDriver(DiLoCoSync, SyncDriver):
         self.context: Optional[SyncContext] = None  # what the strategy handed at set-up (bind)
         self.inner_counts: Optional[list[int]] = None  # balance="steps": each rank's inner steps per training step
         self.worker_optimizers: Optional[list[Any]] = None  # this worker's inner optimizer states, from a checkpoint
+        self.final_step: Optional[int] = None  # the step after which the final sync ran (None: not yet)
+        self.ended = False  # end_of_fit ran (close() after a fault says the final sync was skipped)
 
     @classmethod
     def start(cls, settings: DiLoCoSettings, context: SyncContext) -> DiLoCoDriver:
@@ -134,9 +139,56 @@ class DiLoCoDriver(DiLoCoSync, SyncDriver):
         if self.due(global_step):
             context = self.context
             self._report(self.sync_after(global_step, context.stats, self._tier(), flags_group=context.exchange_group))
+        if self.settings.final_sync and ends_fit(self._trainer, global_step):
+            self._final_sync(global_step, "the fit's last step")
 
-    def end_of_fit(self) -> None:  # exchanges still in flight land: the fit's model holds every sync it started
-        self._report(self.finish(self.context.stats, self._tier(), self.context.exchange_group))
+    def _final_sync(self, step: int, why: str) -> None:
+        """Every worker meets once more (the settings' ``final_sync``): every rank then holds ``theta_global``."""
+        if self.final_step is not None:
+            return
+        self.final_step = step
+        syncs = self.syncs
+        self._report(self.final_sync(step, self.context.stats, self._tier(), self.context.exchange_group))
+        rank_zero_info(f"RingDDPStrategy: DiLoCo's final sync after global step {step} ({why}): "
+                       f"{self.syncs - syncs} outer step(s); every rank holds theta_global")
+
+    @property
+    def _trainer(self) -> Any:
+        return self.context.strategy.lightning_module.trainer
+
+    def _fitting(self) -> bool:
+        module = self.context.strategy.lightning_module
+        return module is not None and module._trainer is not None and module.trainer.state.fn == "fit"
+
+    # -- validation -----------------------------------------------------------------------------------------------
+    def before_validation(self) -> None:
+        if not self._fitting():
+            return
+        trainer = self._trainer
+        stopping = trainer.should_stop and getattr(trainer.fit_loop, "_can_stop_early", True)
+        if self.settings.final_sync and stopping and not trainer.sanity_checking:  # the fit's last validation
+            self._final_sync(trainer.global_step, "a stop every rank agreed on")
+        if self.settings.validate == "global":
+            self.swap_in_global()
+
+    def after_validation(self) -> None:
+        self.swap_back()
+        trainer = self._trainer if self._fitting() else None
+        if trainer is None or trainer.sanity_checking:
+            return
+        validated = {"sync/validated_global": float(self.settings.validate == "global")}
+        trainer.callback_metrics.update({k: torch.tensor(v) for k, v in validated.items()})
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(validated, step=trainer.global_step)
+
+    # -- the end ----------------------------------------------------------------------------------------------------
+    def end_of_fit(self) -> None:
+        self.ended = True
+        if self.settings.final_sync:
+            self._final_sync(self._trainer.global_step, "the fit ended")
+        else:  # exchanges still in flight land: the fit's model holds every sync it started
+            self._report(self.finish(self.context.stats, self._tier(), self.context.exchange_group))
 
     def _tier(self) -> str:
         topology = self.context.topology
@@ -157,8 +209,12 @@ class DiLoCoDriver(DiLoCoSync, SyncDriver):
     # -- checkpoints and reports ----------------------------------------------------------------------------------
     def checkpoint_entry(self, local: bool = False) -> dict[str, Any]:
         context = self.context
+        if local and self.settings.final_sync and self.final_step is None:
+            warnings.warn(f"rank {context.rank}: an emergency checkpoint (peers may be gone): DiLoCo's final sync is "
+                          "skipped; it holds theta_global beside this worker's own parameters", stacklevel=2)
         leader = local or context.rank == self.workers.mine[0]  # a worker's ranks hold the same state
-        return sync_entry(self, worker_state(context.strategy) if leader else None, context.rank, context.world_size,
+        own = worker_state(context.strategy, self.own_state()) if leader else None
+        return sync_entry(self, own, context.rank, context.world_size,
                           None if local else context.exchange_group, local=local,
                           identities=context.strategy.features.identities)
 
@@ -173,6 +229,11 @@ class DiLoCoDriver(DiLoCoSync, SyncDriver):
         return self.outer_steps + self.skipped
 
     def close(self) -> None:
+        if self.settings.final_sync and self.final_step is None and not self.ended and self.context is not None \
+                and self._fitting() and self._trainer.global_step > 0:
+            warnings.warn(f"rank {self.context.rank}: the fit stopped on a fault (a peer gone, an error): DiLoCo's "
+                          "final sync is skipped, and this rank keeps its own worker's parameters", stacklevel=2)
+        self.swap_back()  # a fault during validation: this rank's own parameters, as its checkpoint holds them
         super().close()  # the exchanges' thread
         destroy_groups(self.groups)
 
@@ -214,10 +275,11 @@ def _sigterm_broadcast_before_syncs(trainer: Any, diloco: DiLoCoSync) -> None:
 
 
 # -- checkpoints ------------------------------------------------------------------------------------------------------
-def worker_state(strategy: Any) -> dict[str, Any]:
+def worker_state(strategy: Any, own: Optional[dict[str, torch.Tensor]] = None) -> dict[str, Any]:
     """A rank's (so its DiLoCo worker's) parameters, buffers and inner optimizer states, as Lightning saves rank
-    zero's."""
-    return {"module": strategy.lightning_module.state_dict(),
+    zero's; ``own``: its own parameters and buffers by name while the global model is swapped in for validation."""
+    module = strategy.lightning_module.state_dict()
+    return {"module": {k: own.get(k, v) for k, v in module.items()} if own else module,
             "optimizers": [strategy.optimizer_state(optimizer) for optimizer in strategy.optimizers]}
 
 

@@ -18,13 +18,16 @@ first driver with hooks of its own. A driver's life, in the order the strategy c
    among), :meth:`SyncDriver.before_batch` (heterogeneous batching's plan of the batch: its sizes and micro-batches),
    :meth:`SyncDriver.before_forward`, :meth:`SyncDriver.verdict_group` (where NaNRecovery's step-or-skip is agreed),
    :meth:`SyncDriver.optimizer_step` (around the optimizer's own step) and :meth:`SyncDriver.after_step` after every
-   optimizer step, taken or skipped (Lightning counts both).
-4. **The end**: :meth:`SyncDriver.end_of_fit` (``on_train_end``: what is in flight lands, on every rank together),
-   :meth:`SyncDriver.close` (teardown, also after a fault: never waits for a peer).
-5. **Checkpoints**: :meth:`SyncDriver.checkpoint_entry` (saved under ``checkpoint["lightning_dist"]["sync"]``),
+   optimizer step, taken or skipped (Lightning counts both); :func:`ends_fit` says whether that step is the fit's last
+   by its limits (``max_steps``, ``max_epochs``), the same on every rank.
+4. **Validation**: :meth:`SyncDriver.before_validation` and :meth:`SyncDriver.after_validation` (Lightning's
+   ``on_validation_start`` and ``on_validation_end``, on every rank: e.g. DiLoCo validates ``theta_global``).
+5. **The end**: :meth:`SyncDriver.end_of_fit` (``on_train_end``, after the fit's last validation: what is in flight
+   lands, on every rank together), :meth:`SyncDriver.close` (teardown, also after a fault: never waits for a peer).
+6. **Checkpoints**: :meth:`SyncDriver.checkpoint_entry` (saved under ``checkpoint["lightning_dist"]["sync"]``),
    restored through :attr:`SyncContext.checkpoint` at the next bind, and :meth:`SyncDriver.restore_optimizers` (a
    driver whose workers hold optimizer states of their own hands Lightning this rank's).
-6. **Reports**: :attr:`SyncDriver.metrics` (logged by DistMetrics whenever :attr:`SyncDriver.syncs` changes),
+7. **Reports**: :attr:`SyncDriver.metrics` (logged by DistMetrics whenever :attr:`SyncDriver.syncs` changes),
    :meth:`SyncDriver.memory_bytes` (MemoryMonitor's estimate).
 
 Every hook runs on every rank, in the same order: a driver that runs a collective in a hook runs it on every rank.
@@ -145,9 +148,17 @@ class SyncDriver:
     def after_step(self, global_step: int) -> None:
         """After every optimizer step, taken or skipped; ``global_step`` counts it."""
 
+    # -- validation -------------------------------------------------------------------------------------------------
+    def before_validation(self) -> None:
+        """Before a validation loop (the sanity check's too; every rank: a collective may run). In a fit that a callback
+        stopped (``trainer.should_stop``) this is the fit's last one, before ``end_of_fit``."""
+
+    def after_validation(self) -> None:
+        """After a validation loop, once the callbacks' ``on_validation_end`` ran (a checkpoint may have been saved)."""
+
     # -- the end ------------------------------------------------------------------------------------------------
     def end_of_fit(self) -> None:
-        """The fit ended normally (every rank calls this: a collective may run)."""
+        """The fit ended normally, after its last validation (every rank calls this: a collective may run)."""
 
     def close(self) -> None:
         """Teardown, also after a fault: release threads and state; never wait for a peer."""
@@ -175,6 +186,20 @@ class SyncDriver:
     def memory_bytes(self) -> int:
         """Bytes the driver keeps beside the model and its optimizer (MemoryMonitor's estimate)."""
         return 0
+
+
+def ends_fit(trainer: Any, global_step: int) -> bool:
+    """Whether the optimizer step that made ``global_step`` is the fit's last by its limits, the same on every rank:
+    ``max_steps`` reached, or the last batch of ``max_epochs``' last epoch (called from :meth:`SyncDriver.after_step`,
+    before the fit's last validation and the checkpoints of its end). A stop a callback sets (``trainer.should_stop``:
+    FaultTolerance's agreed stop, EarlyStopping) is known later: at :meth:`SyncDriver.before_validation`, or at
+    :meth:`SyncDriver.end_of_fit` when no validation follows; so is ``max_time``."""
+    if 0 < trainer.max_steps <= global_step:
+        return True
+    epochs, loop = trainer.max_epochs, trainer.fit_loop.epoch_loop
+    if epochs is None or epochs < 0 or trainer.current_epoch + 1 < epochs:
+        return False
+    return loop.batch_progress.current.ready >= trainer.num_training_batches or loop.batch_progress.is_last_batch
 
 
 class EveryStep(SyncDriver):

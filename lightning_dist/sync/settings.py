@@ -12,6 +12,7 @@ from typing import Any, Union
 from lightning_dist.compression import Compressor, as_compressor
 
 BALANCES = ("batches", "steps")  # how workers of different speeds meet at a sync (DiLoCo(balance=...))
+VALIDATES = ("global", "worker")  # which model validation runs on (DiLoCo(validate=...))
 
 
 @dataclass
@@ -54,6 +55,18 @@ class DiLoCoSettings:
             pseudo-gradients are weighted by samples. ``"steps"``: every worker keeps the same batch size, and a faster
             worker runs more inner steps between syncs (from the measured speeds, agreed by every rank); its
             pseudo-gradient is weighted by the samples it processed.
+        final_sync: when the fit ends (``max_steps``, the last batch of ``max_epochs``, or a stop every rank agreed on,
+            such as FaultTolerance's) every worker meets once more: exchanges in flight land, then every fragment whose
+            cycle is partial takes an outer step on its partial cycle's pseudo-gradient (workers weighted by their
+            samples, as at every sync), and every rank leaves ``fit`` holding ``theta_global``: the fit's last
+            validation and the checkpoint written at its end hold the one global model. ``False``: each worker keeps
+            its own parameters (a fit to be resumed as if never stopped). A fault (a peer gone) skips it, with a
+            warning.
+        validate: which model validation runs on: ``"global"`` (the default): ``theta_global`` and the averaged
+            buffers, i.e. the model after the last sync that landed, swapped in for the validation loop and each
+            rank's own parameters restored afterwards, bit for bit; ``"worker"``: each rank's own worker's parameters
+            (mid-cycle the workers differ, and ``sync_dist`` metrics average over them). The metric
+            ``sync/validated_global`` (1 or 0) names the model validated.
     """
 
     every: int = 50
@@ -64,6 +77,8 @@ class DiLoCoSettings:
     delay: int = 0
     mix: float = 0.5
     balance: str = "batches"
+    final_sync: bool = True
+    validate: str = "global"
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -92,6 +107,14 @@ class DiLoCoSettings:
         if self.balance not in BALANCES:
             raise ValueError(f"DiLoCo(balance={self.balance!r}); use 'batches' (a faster worker takes a larger batch: "
                              "HeteroBatching) or 'steps' (a faster worker runs more inner steps between syncs)")
+        if not isinstance(self.final_sync, bool):
+            raise ValueError(f"DiLoCo(final_sync={self.final_sync!r}) must be True (every worker meets once more when "
+                             "the fit ends, and every rank leaves fit holding theta_global) or False (each worker "
+                             "keeps its own parameters); on the command line sync.final_sync=true or false")
+        if self.validate not in VALIDATES:
+            raise ValueError(f"DiLoCo(validate={self.validate!r}); use 'global' (validation runs on theta_global, the "
+                             "model after the last sync) or 'worker' (each rank validates its own worker's "
+                             "parameters); on the command line sync.validate=global or worker")
         # a name or a dict is built now, so a bad compressor fails here, before any process starts
         try:
             self.compressor = as_compressor(getattr(self.compressor, "value", self.compressor))
