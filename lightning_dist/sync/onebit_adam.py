@@ -88,8 +88,8 @@ class OneBitAdam(SyncDriver):
             raise ValueError(f"OneBitAdam(warmup={warmup!r}): the dense Adam steps first, an int >= 0 of optimizer "
                              "steps or a fraction in [0, 1) of the fit's steps (0.15: 15%)")
         if isinstance(self.refresh, bool) or not isinstance(self.refresh, int) or self.refresh < 0:
-            raise ValueError(f"OneBitAdam(refresh={self.refresh!r}): steps from the warm-up's end to the first dense "
-                             "refresh of the second moment, an int >= 0 (0: never; 25 is the default)")
+            raise ValueError(f"OneBitAdam(refresh={self.refresh!r}): the steps between refreshes of Adam's second "
+                             "moment after the warm-up, an int >= 0 (0: never; 25 is the default)")
         if self.bound is not None and (isinstance(self.bound, bool) or not isinstance(self.bound, (int, float))
                                        or not 0 < self.bound < math.inf):
             raise ValueError(f"OneBitAdam(bound={self.bound!r}): the largest update per coordinate in units of the "
@@ -113,16 +113,12 @@ class OneBitAdam(SyncDriver):
     def check(self, *, compressor: Any, hetero: Any, topology: str) -> None:
         if compressor.name != "none":
             raise ValueError(f"compressor={compressor.describe()} compresses every step's gradient; under "
-                             "sync=OneBitAdam the dense steps (warm-up, refreshes) are plain Adam steps and the "
-                             f"momentum travels compressed: OneBitAdam(compressor={compressor.name!r}) (on the command "
-                             f"line sync.compressor={compressor.name}), and drop compressor=")
+                             "sync=OneBitAdam the warm-up's steps are plain Adam steps and after it the momentum "
+                             f"travels compressed: OneBitAdam(compressor={compressor.name!r}) (on the command line "
+                             f"sync.compressor={compressor.name}), and drop compressor=")
 
     def bind(self, context: SyncContext) -> OneBitAdamDriver:
         return OneBitAdamDriver(self, context)
-
-    @property
-    def settings(self) -> OneBitAdam:  # what the run's summary describes (as DiLoCo's running driver has)
-        return self
 
 
 WARMUP, REFRESH, COMPRESSED = "warmup", "refresh", "compressed"  # what a step is
@@ -210,13 +206,15 @@ class OneBitAdamDriver(SyncDriver):
         was not finite (only with NaNRecovery armed, the only caller). The verdict is then every rank's."""
         if self._phase() == WARMUP:
             return None
-        guard, bad = self.context.guard, torch.zeros(1)
+        guard, sentinels = self.context.guard, []
         for bucket in self._buckets:
             for p in bucket.params:
                 if p.grad is not None and p.grad.numel():
                     flat = p.grad.view(-1)
-                    guard.check_local(flat)  # who saw it, for NaNRecovery's message
-                    bad += (~torch.isfinite(flat[:1])).float().cpu()
+                    guard.check_local(flat)  # NaN in the first element when not finite; who saw it, for the message
+                    sentinels.append(flat[:1].float())
+        # one read of every parameter's sentinel (on a GPU: one synchronisation)
+        bad = (~torch.isfinite(torch.cat(sentinels))).any().float().cpu().view(1) if sentinels else torch.zeros(1)
         if self.context.world_size > 1:
             dist.all_reduce(bad, group=self.context.exchange_group)
         guard.check_reduced(torch.full((1,), math.nan if bad.item() else 0.0))
