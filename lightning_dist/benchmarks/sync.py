@@ -48,7 +48,7 @@ COLLECTIVE_TIMEOUT_S = 300.0  # a dense step at 10 Mbit/s takes seconds; a hang 
 TIMED_STEPS = 6  # a per-step method's timed steps after 2 of warm-up (dense at 10 Mbit/s: ~2.5 s each)
 NOSYNC_WARMUP = 5  # steps left out of a no-sync fit's step times (and of the hetero scenario's own speeds)
 NOSYNC_EVERY = 10**9  # H beyond any run: no step of it syncs
-QUALITY_BOUNDS = {"diloco50": 0.03, "diloco50/int8": 0.035, "onebit-adam": 0.01}  # final loss above dense's, at most
+QUALITY_BOUNDS = {"diloco50": 0.02, "diloco50/int8": 0.025, "onebit-adam": 0.01}  # loss above dense's (issue 43)
 ONEBIT_BYTES = 1 / 25  # OneBitAdam: bytes across workers per step after the warm-up, of dense's (issue 42)
 ONEBIT_SHAPE, ONEBIT_RATE = "two_tier", 1000.0  # where its step speed-up is judged against top-k's
 INT8_BYTES_FACTOR = 3.5  # int8 pseudo-gradients: bytes per inner step <= 1 / (3.5 H) of dense's
@@ -173,11 +173,12 @@ class Sizes:
                        * self.hetero_batch * (self.context + 1))
 
 
-# Chosen for this 2-core machine (docs/benchmarks.md, sync's workload): 0.47 M parameters, so that 18 curves of 400
-# steps take ~10 minutes and a dense step at 10 Mbit/s still spends ~2.3 s on the wire; 400 steps: 8 syncs at H = 50.
-FULL = Sizes(width=128, depth=2, heads=4, context=64, batch_size=8, train_bytes=1 << 20, warmup_steps=50, steps=400,
-             horizon=800, eval_every=20, val_windows=256, min_timed_steps=40, shapes=tuple(SHAPES),
-             rates=(10.0, 100.0), methods=tuple(METHODS), nosync_rounds=10, nosync_steps=200, run_timeout=1800.0,
+# Chosen for this 2-core machine (docs/benchmarks.md, sync's workload): 0.47 M parameters, a dense step at 10 Mbit/s
+# still spends ~2.3 s on the wire; 1,600 steps: 32 syncs at H = 50 (issue 43: fewer methods rather than fewer syncs).
+FULL = Sizes(width=128, depth=2, heads=4, context=64, batch_size=8, train_bytes=1 << 20, warmup_steps=50, steps=1600,
+             horizon=2400, eval_every=20, val_windows=256, min_timed_steps=40, shapes=tuple(SHAPES),
+             rates=(10.0, 100.0), methods=("dense", "topk1%", "onebit-adam", "diloco10/int8", "diloco50",
+                                           "diloco50/int8"), nosync_rounds=10, nosync_steps=200, run_timeout=3600.0,
              stream_every=50, stream_fragments=(1, 5, 10), stream_delays=(0, 1, 5), stream_timed_cycles=5,
              hetero_sync=(50, 5, 1), hetero_batch=16, hetero_epoch_steps=128, hetero_epochs=3, own_speed_steps=60)
 QUICK = Sizes(width=32, depth=1, heads=2, context=32, batch_size=8, train_bytes=64 << 10, warmup_steps=5, steps=20,
