@@ -8,17 +8,23 @@ launches its own module's workers through :func:`launch_job` too.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
 
 from lightning_dist.benchmarks import _common as bench
-from lightning_dist.simcluster import SimCluster, unavailable
+from lightning_dist.benchmarks.allreduce import time_rounds
+from lightning_dist.simcluster import SimCluster, link_bytes_sent, unavailable
 
 WORKER_MODULE = "lightning_dist.benchmarks.cluster"  # what every host runs under torchrun (its --worker* modes)
 # The workload: WideMLP(width, depth), per-rank batch, DDP's bucket size; the all-reduce's buffer
@@ -70,6 +76,36 @@ def run_record(raw: dict[str, Any], warmup: int) -> dict[str, Any]:
             "link_bytes_per_step": link}
 
 
+def allreduce_worker(args: argparse.Namespace, contenders: Callable[[], tuple[dict[str, Callable], dict]],
+                     link: bool = False) -> None:
+    """One rank of an all-reduce job: ``contenders()`` (once the group is up) names two calls and the fields rank 0
+    writes beside their times; a round each per iteration (one untimed), the two taking turns first, the slowest
+    rank's seconds; with ``link``, what one call of each puts on host 0's link, between barriers."""
+    torch.set_num_threads(1)  # hosts share the machine's cores
+    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=args.collective_timeout))
+    calls, fields = contenders()
+    tensor, names = torch.empty(args.nbytes // 4, dtype=torch.float32), list(calls)
+    orders = [names if k % 2 == 0 else names[::-1] for k in range(-1, args.iterations)]
+    times = time_rounds(calls, tensor, orders, warmup=1, slowest=True)
+    for name, call in calls.items() if link else ():
+        tensor.fill_(1.0)
+        dist.barrier()
+        before = link_bytes_sent()
+        call(tensor)
+        dist.barrier()
+        fields.setdefault("link_sent", {})[name] = link_bytes_sent() - before
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps({"world_size": dist.get_world_size(), "bytes": args.nbytes,
+                                              "times": times, **fields}))
+    dist.destroy_process_group()
+
+
+def allreduce_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """Per contender of an all-reduce job: its median seconds and every timed iteration, in the order they ran."""
+    return {key: value for name, times in raw["times"].items()
+            for key, value in ((f"{name}_median_s", bench.median(times)), (f"{name}_times_s", list(times)))}
+
+
 def ms_cell(seconds: Optional[float]) -> str:
     return bench.cell(seconds, ",.1f", 1e3)
 
@@ -113,30 +149,28 @@ class Jobs:
     def __exit__(self, *exc: Any) -> None:
         self._scratch.cleanup()
 
-    def json(self, hosts: int, rate: float, tag: str, worker_args: list[str], per_host: int = 1
-             ) -> tuple[Optional[dict], Optional[str], float]:
-        """One job of workers that write rank 0's JSON (their ``--out``): that JSON (None when the job failed), why it
-        failed, and the wall time."""
+    def measure(self, hosts: int, rate: float, tag: str, worker_args: list[str], where: str, record: dict[str, Any],
+                build: Callable[[dict], dict], report: Callable[[dict], str], per_host: int = 1) -> dict[str, Any]:
+        """One job of workers that write rank 0's JSON (their ``--out``): ``build(json)`` (``record`` where the job
+        failed) with the ``error`` and ``wall_s``; the progress line says ``where`` it ran and ``report(record)``."""
         log, result = self.logs / f"{tag}.log", Path(self._scratch.name) / f"{tag}.json"
         error, wall = launch_job(hosts, rate, [*worker_args, "--out", str(result)], next(self.ports), self.timeout_s,
                                  log, per_host)
         if error is None and result.exists():
-            return json.loads(result.read_text()), None, wall
-        return None, error or f"no result written; see {log}", wall
+            record = build(json.loads(result.read_text()))
+            bench.progress(f"[{self.name}] {where}{report(record)} (run {wall:.0f}s)")
+            return {**record, "error": None, "wall_s": wall}
+        bench.progress(f"[{self.name}] {where} FAILED: {(error := error or f'no result written; see {log}')}")
+        return {**record, "error": error, "wall_s": wall}
 
     def train(self, hosts: int, rate: float, tag: str, worker_args: list[str], warmup: int, record: dict[str, Any],
               where: str, per_host: int = 1) -> dict[str, Any]:
         """One training job: ``record`` with :func:`run_record`'s figures (or the error) and the wall time."""
-        raw, error, wall = self.json(hosts, rate, tag, worker_args, per_host)
-        record = {**record, "wall_s": wall}
-        if raw is None:
-            bench.progress(f"[{self.name}] {where} FAILED: {error}")
-            return {**record, "median_s": None, "error": error}
-        record.update(run_record(raw, warmup), error=None)
-        bench.progress(f"[{self.name}] {where} {ms_cell(record['median_s']):>9} ms/step, rank 0 sent "
-                       f"{mb_cell(record['bytes_sent_per_step'])} MB/step, host 0's link "
-                       f"{mb_cell(record['link_bytes_per_step'])} MB/step (run {wall:.0f}s)")
-        return record
+        return self.measure(hosts, rate, tag, worker_args, where, {**record, "median_s": None},
+                            lambda raw: {**record, **run_record(raw, warmup)},
+                            lambda r: f" {ms_cell(r['median_s']):>9} ms/step, rank 0 sent "
+                                      f"{mb_cell(r['bytes_sent_per_step'])} MB/step, host 0's link "
+                                      f"{mb_cell(r['link_bytes_per_step'])} MB/step", per_host)
 
 
 def skipped(name: str, benchmark: str, meta: dict[str, Any], *lists: str) -> Optional[dict[str, Any]]:

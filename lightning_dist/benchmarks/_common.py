@@ -215,23 +215,23 @@ def check_counts(cli: argparse.ArgumentParser, steps: Optional[int] = None, warm
                   f"use --steps >= {warmup + 3}.")
 
 
+def quick_defaults(args: argparse.Namespace, **options: tuple[Any, Any]) -> None:
+    """Each option of ``options`` not given on the command line takes its ``(full, quick)`` default by ``--quick``;
+    a sequence becomes a tuple."""
+    for name, (full, quick) in options.items():
+        value = getattr(args, name) or (quick if args.quick else full)
+        setattr(args, name, tuple(value) if isinstance(value, (list, tuple, dict)) else value)
+
+
 def environment(benchmark: str, **fields: Any) -> dict[str, Any]:
     """A result file's ``meta``: enough to tell two apart (when, where, with what, how invoked), the benchmark's
     name and its ``fields``."""
-    return {
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "host": platform.node(),
-        # platform.platform() would run `uname -p` in a subprocess; these three read os.uname()
-        "platform": f"{platform.system()}-{platform.release()}-{platform.machine()}",
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu_count": os.cpu_count(),
-        # other processes' load when the run started: above the core count, timings include their share
-        "load_average_1m": os.getloadavg()[0],
-        "argv": sys.argv[1:],
-        "benchmark": benchmark,
-        **fields,
-    }
+    return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(),
+            # platform.platform() would run `uname -p` in a subprocess; these three read os.uname()
+            "platform": f"{platform.system()}-{platform.release()}-{platform.machine()}",
+            "python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
+            # other processes' load when the run started: above the core count, timings include their share
+            "load_average_1m": os.getloadavg()[0], "argv": sys.argv[1:], "benchmark": benchmark, **fields}
 
 
 def output_dir(path: str | os.PathLike | None, default_name: str) -> Path:

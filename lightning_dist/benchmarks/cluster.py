@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 import time
 from dataclasses import asdict
-from datetime import timedelta
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import lightning as L
@@ -42,11 +39,12 @@ from lightning_dist.benchmarks._cluster import (
     QUICK_STEPS,
     TOPK,
     Jobs,
+    allreduce_fields,
+    allreduce_worker,
     mb_cell,
     ms_cell,
     skipped,
 )
-from lightning_dist.benchmarks.allreduce import time_rounds
 from lightning_dist.comm import ring_allreduce_
 from lightning_dist.comm.topology import TOPOLOGIES
 from lightning_dist.compression import build_compressor
@@ -117,18 +115,6 @@ def add_predictions(records: list[dict[str, Any]], advice: dict[tuple[int, float
     return records
 
 
-def _allreduce_worker(args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=args.collective_timeout))
-    orders = [("ring", "native") if k % 2 == 0 else ("native", "ring") for k in range(-1, args.iterations)]
-    times = time_rounds({"ring": ring_allreduce_, "native": dist.all_reduce},
-                        torch.empty(args.nbytes // 4, dtype=torch.float32), orders, warmup=1, slowest=True)
-    if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps({"world_size": dist.get_world_size(), "bytes": args.nbytes,
-                                              "times": times}))
-    dist.destroy_process_group()
-
-
 # -- pure summaries (tested without a cluster) -----------------------------------------------------------------
 def add_speedups(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``speedup_vs_dense`` on every record: dense's step time over the record's, same (hosts, rate)."""
@@ -142,14 +128,11 @@ def add_speedups(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def busbw_record(raw: dict[str, Any], hosts: int, rate_mbit: float) -> dict[str, Any]:
     """Ring and native median times and bus bandwidths of one all-reduce run."""
-    factor = 2 * (hosts - 1) / hosts
-    rec: dict[str, Any] = {"hosts": hosts, "rate_mbit": rate_mbit, "bytes": raw["bytes"],
-                           "line_GBps": rate_mbit * 1e6 / 8 / 1e9}
+    rec = {"hosts": hosts, "rate_mbit": rate_mbit, "bytes": raw["bytes"], "line_GBps": rate_mbit * 1e6 / 8 / 1e9,
+           **allreduce_fields(raw)}
     for name in ("ring", "native"):
-        seconds = bench.median(raw["times"][name])
-        rec[f"{name}_median_s"] = seconds
-        rec[f"{name}_times_s"] = list(raw["times"][name])  # every timed iteration, in the order they ran
-        rec[f"{name}_busbw_GBps"] = factor * raw["bytes"] / seconds / 1e9 if seconds else None
+        seconds = rec[f"{name}_median_s"]
+        rec[f"{name}_busbw_GBps"] = 2 * (hosts - 1) / hosts * raw["bytes"] / seconds / 1e9 if seconds else None
     ring, native = rec["ring_busbw_GBps"], rec["native_busbw_GBps"]
     rec["ring_vs_native"] = ring / native if ring and native else None
     return rec
@@ -226,8 +209,10 @@ def plot(records: Sequence[dict[str, Any]], busbw: Sequence[dict[str, Any]]) -> 
     return fig
 
 
-WORKERS = {"train": _train_worker, "allreduce": _allreduce_worker, "advise": _advise_worker,
-           "tiers": tiers.allreduce_worker}
+WORKERS = {"train": _train_worker, "advise": _advise_worker,
+           "tiers": lambda args: allreduce_worker(args, tiers.contenders, link=True),
+           "allreduce": lambda args: allreduce_worker(args, lambda: ({"ring": ring_allreduce_,
+                                                                      "native": dist.all_reduce}, {}))}
 
 
 def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -259,13 +244,11 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     args = cli.parse_args(argv)
     if args.two_tier:
         tiers.defaults(args)
-    args.hosts = tuple(args.hosts or ((TARGET_HOSTS,) if args.quick else DEFAULT_HOSTS))
-    args.rates = tuple(args.rates or ((TARGET_RATE,) if args.quick else DEFAULT_RATES))
-    args.configs = tuple(args.configs or (QUICK_CONFIGS if args.quick else CONFIGS))
-    args.steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
-    args.iterations = args.iterations or (QUICK_ITERATIONS if args.quick else DEFAULT_ITERATIONS)
-    args.advise_steps = args.advise_steps or (QUICK_ADVISE_STEPS if args.quick else ADVISE_STEPS)
-    args.advise_rounds = args.advise_rounds or (QUICK_ADVISE_ROUNDS if args.quick else ADVISE_ROUNDS)
+    bench.quick_defaults(args, hosts=(DEFAULT_HOSTS, (TARGET_HOSTS,)), rates=(DEFAULT_RATES, (TARGET_RATE,)),
+                         configs=(CONFIGS, QUICK_CONFIGS), steps=(DEFAULT_STEPS, QUICK_STEPS),
+                         iterations=(DEFAULT_ITERATIONS, QUICK_ITERATIONS),
+                         advise_steps=(ADVISE_STEPS, QUICK_ADVISE_STEPS),
+                         advise_rounds=(ADVISE_ROUNDS, QUICK_ADVISE_ROUNDS))
     if not args.worker:
         if min(args.hosts) < 2:
             cli.error(f"--hosts {args.hosts}: a cluster needs at least 2 hosts.")
@@ -300,22 +283,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                     "--worker", "train", "--config", label, "--steps", str(args.steps)], args.warmup, {
                     "hosts": hosts, "rate_mbit": rate, "config": label, "algorithm": config.algorithm,
                     "compressor": config.compressor}, f"{where} {label:<12}"))
-            raw, error, wall = jobs.json(hosts, rate, f"h{hosts}_r{rate:g}_advise", [
+            advice[(hosts, rate)] = jobs.measure(hosts, rate, f"h{hosts}_r{rate:g}_advise", [
                 "--worker", "advise", "--configs", *args.configs, "--advise-steps", str(args.advise_steps),
-                "--advise-rounds", str(args.advise_rounds)])
-            advice[(hosts, rate)] = raw or {"error": error}
-            bench.progress(f"[cluster] {where} advise FAILED: {error}" if raw is None else
-                           f"[cluster] {where} advise: " + ", ".join(
-                               f"{label} {ms_cell(row['predicted_step_s'])} ms"
-                               for label, row in raw["compressors"].items()) + f" (run {wall:.0f}s)")
-            raw, error, wall = jobs.json(hosts, rate, f"h{hosts}_r{rate:g}_allreduce", [
-                "--worker", "allreduce", "--iterations", str(args.iterations)])
-            bus = {"hosts": hosts, "rate_mbit": rate} if raw is None else busbw_record(raw, hosts, rate)
-            busbw.append({**bus, "error": error, "wall_s": wall})
-            bench.progress(f"[cluster] {where} all-reduce FAILED: {error}" if raw is None else
-                           f"[cluster] {where} all-reduce: ring {bus['ring_busbw_GBps'] * 1e3:.1f} MB/s, native "
-                           f"{bus['native_busbw_GBps'] * 1e3:.1f} MB/s busbw ({bus['ring_vs_native']:.2f}x; "
-                           f"run {wall:.0f}s)")
+                "--advise-rounds", str(args.advise_rounds)], f"{where} advise", {}, dict, lambda raw: ": " + ", ".join(
+                f"{label} {ms_cell(row['predicted_step_s'])} ms" for label, row in raw["compressors"].items()))
+            busbw.append(jobs.measure(hosts, rate, f"h{hosts}_r{rate:g}_allreduce", [
+                "--worker", "allreduce", "--iterations", str(args.iterations)], f"{where} all-reduce",
+                {"hosts": hosts, "rate_mbit": rate}, lambda raw: busbw_record(raw, hosts, rate),
+                lambda b: f": ring {b['ring_busbw_GBps'] * 1e3:.1f} MB/s, native "
+                          f"{b['native_busbw_GBps'] * 1e3:.1f} MB/s busbw ({b['ring_vs_native']:.2f}x)"))
     add_predictions(add_speedups(records), advice)
     targets = check_targets(records, busbw)
     payload = {"skipped": None, "records": records, "allreduce": busbw, "targets": targets,

@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import os
 import time
-from datetime import timedelta
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -27,31 +24,28 @@ from lightning_dist.benchmarks._cluster import (
     ALLREDUCE_BYTES,
     BATCH_SIZE,
     BUCKET_CAP_MB,
-    DEFAULT_RATES,
     MLP_DEPTH,
     MLP_WIDTH,
-    QUICK_ITERATIONS,
     QUICK_STEPS,
     TOPK,
     Jobs,
+    allreduce_fields,
     mb_cell,
     ms_cell,
     skipped,
 )
-from lightning_dist.benchmarks.allreduce import time_rounds
 from lightning_dist.comm import CommStats
 from lightning_dist.comm.topology import TOPOLOGIES as REQUESTS
 from lightning_dist.comm.topology import resolve_topology
 from lightning_dist.compression import BucketLayout, NoCompressor
 from lightning_dist.examples import WideMLP
-from lightning_dist.simcluster import link_bytes_sent
 from lightning_dist.strategy.tiers import TwoTier
 
 HOSTS = 2
 DEFAULT_PER_HOST, QUICK_PER_HOST = (2, 4), (2,)
 CONFIGS = ("dense", "int8", "topk1%", "powersgd-r2")
 QUICK_CONFIGS = ("dense", "topk1%")
-DEFAULT_STEPS, DEFAULT_ITERATIONS = 15, 4
+DEFAULT_STEPS = 15
 TOPOLOGIES = tuple(t for t in REQUESTS if t != "auto")  # what "auto" resolves to: each one measured
 TARGET_PER_HOST, TARGET_RATE = 4, 100
 ALLREDUCE_TARGET, TOPK_BYTES_TARGET = 1.5, 0.1
@@ -61,60 +55,37 @@ BASE_PORT = 29700
 
 
 def defaults(args: argparse.Namespace) -> None:
-    """The two-tier run's defaults, before the cluster benchmark's own fill what is left."""
+    """The two-tier run's defaults, before the cluster benchmark's own (rates, iterations) fill what is left."""
     args.hosts = (HOSTS,)
-    args.ranks_per_host = tuple(args.ranks_per_host or (QUICK_PER_HOST if args.quick else DEFAULT_PER_HOST))
-    args.rates = tuple(args.rates or ((TARGET_RATE,) if args.quick else DEFAULT_RATES))
-    args.configs = tuple(args.configs or (QUICK_CONFIGS if args.quick else CONFIGS))
-    args.steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
-    args.iterations = args.iterations or (QUICK_ITERATIONS if args.quick else DEFAULT_ITERATIONS)
+    bench.quick_defaults(args, ranks_per_host=(DEFAULT_PER_HOST, QUICK_PER_HOST), configs=(CONFIGS, QUICK_CONFIGS),
+                         steps=(DEFAULT_STEPS, QUICK_STEPS))
 
 
 # -- the all-reduce worker (every rank of one job, under torchrun) ---------------------------------------------------
-def allreduce_worker(args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=args.collective_timeout))
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    nodes: list[Any] = [None] * world_size
+def contenders() -> tuple[dict[str, Any], dict[str, Any]]:
+    """Flat (gloo's all-reduce) and two_tier, as the strategy sends a gradient: in buckets, each one's reduce-scatter
+    issued as it comes, then each one's part across hosts while the next bucket's reduce-scatter and the last one's
+    all-gather run."""
+    nodes: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(nodes, int(os.environ["GROUP_RANK"]))
     topology = resolve_topology("two_tier", nodes)
-    tiers = TwoTier.create(topology, rank, "native", CommStats(keep_records=False))
+    tiers = TwoTier.create(topology, dist.get_rank(), "native", CommStats(keep_records=False))
     codec, bucket = NoCompressor(), BUCKET_CAP_MB << 18  # float32 elements per bucket
 
     def two_tier(tensor: torch.Tensor) -> None:
-        # as the strategy sends a gradient: in buckets, each one's reduce-scatter issued as it comes, then each
-        # one's part across hosts while the next bucket's reduce-scatter and the last one's all-gather run
         spans = [(a, min(a + bucket, tensor.numel())) for a in range(0, tensor.numel(), bucket)]
         flights = [tiers.begin(tensor[a:b], BucketLayout.single(b - a), slot) for slot, (a, b) in enumerate(spans)]
         for done in [tiers.finish(flight, codec) for flight in flights]:
             done.wait()
 
-    calls = {"flat": dist.all_reduce, "two_tier": two_tier}
-    tensor = torch.empty(args.nbytes // 4, dtype=torch.float32)
-    orders = [("flat", "two_tier") if k % 2 == 0 else ("two_tier", "flat") for k in range(-1, args.iterations)]
-    times = time_rounds(calls, tensor, orders, warmup=1, slowest=True)
-    link = {}
-    for name, call in calls.items():  # what one call puts on host 0's link, between barriers
-        tensor.fill_(1.0)
-        dist.barrier()
-        before = link_bytes_sent()
-        call(tensor)
-        dist.barrier()
-        link[name] = link_bytes_sent() - before
-    if rank == 0:
-        Path(args.out).write_text(json.dumps({"world_size": world_size, "per_host": topology.ranks_per_host,
-                                              "bytes": args.nbytes, "times": times, "link_sent": link}))
-    dist.destroy_process_group()
+    return {"flat": dist.all_reduce, "two_tier": two_tier}, {"per_host": topology.ranks_per_host}
 
 
 # -- pure summaries (tested without a cluster) ------------------------------------------------------------------------
 def allreduce_record(raw: dict[str, Any], per_host: int, rate_mbit: float) -> dict[str, Any]:
     """Flat and two_tier medians, the speed-up, and the bytes one call put on host 0's link."""
-    rec: dict[str, Any] = {"per_host": per_host, "rate_mbit": rate_mbit, "bytes": raw["bytes"]}
-    for name in TOPOLOGIES:
-        rec[f"{name}_median_s"] = bench.median(raw["times"][name])
-        rec[f"{name}_times_s"] = list(raw["times"][name])
-        rec[f"{name}_link_bytes"] = raw["link_sent"][name]
+    rec = {"per_host": per_host, "rate_mbit": rate_mbit, "bytes": raw["bytes"], **allreduce_fields(raw),
+           **{f"{name}_link_bytes": raw["link_sent"][name] for name in TOPOLOGIES}}
     flat, tiered = rec["flat_median_s"], rec["two_tier_median_s"]
     rec["speedup"] = flat / tiered if flat and tiered else None
     return rec
@@ -263,13 +234,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with Jobs(bench.output_dir(args.out, "cluster"), "two-tier", args.run_timeout, BASE_PORT + 1) as jobs:
         for rate, per_host in itertools.product(args.rates, args.ranks_per_host):
             where, tag = f"{HOSTS}x{per_host} @ {rate:g} Mbit/s", f"two_tier_{HOSTS}x{per_host}_r{rate:g}"
-            raw, error, wall = jobs.json(HOSTS, rate, f"{tag}_allreduce", [
-                "--worker", "tiers", "--iterations", str(args.iterations)], per_host)
-            rec = {"per_host": per_host, "rate_mbit": rate} if raw is None else allreduce_record(raw, per_host, rate)
-            allreduce.append({**rec, "error": error, "wall_s": wall})
-            bench.progress(f"[two-tier] {where} all-reduce FAILED: {error}" if raw is None else
-                           f"[two-tier] {where} all-reduce: flat {ms_cell(rec['flat_median_s'])} ms, two_tier "
-                           f"{ms_cell(rec['two_tier_median_s'])} ms ({rec['speedup']:.2f}x; run {wall:.0f}s)")
+            allreduce.append(jobs.measure(HOSTS, rate, f"{tag}_allreduce", [
+                "--worker", "tiers", "--iterations", str(args.iterations)], f"{where} all-reduce",
+                {"per_host": per_host, "rate_mbit": rate},
+                lambda raw: allreduce_record(raw, per_host, rate),
+                lambda a: f": flat {ms_cell(a['flat_median_s'])} ms, two_tier "
+                          f"{ms_cell(a['two_tier_median_s'])} ms ({a['speedup']:.2f}x)", per_host))
             for label, topology in itertools.product(args.configs, TOPOLOGIES):
                 records.append(jobs.train(HOSTS, rate, f"{tag}_{label.replace('%', 'pct')}_{topology}", [
                     "--worker", "train", "--config", label, "--topology", topology, "--steps", str(args.steps)],
