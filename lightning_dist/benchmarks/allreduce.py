@@ -263,22 +263,20 @@ def _recommend_threshold(cross: dict[int, dict[str, Optional[int]]]) -> list[str
     tree at (3 and more: at 2 ranks the tree saves no round)."""
     lines = ["tree/native crossover: " + "; ".join(f"{n} ranks: {_describe_crossover(c)}"
                                                   for n, c in sorted(cross.items())) + "."]
-    froms = [c["native_wins_from"] for n, c in cross.items() if n >= 3]
+    froms, current = [c["native_wins_from"] for n, c in cross.items() if n >= 3], bench.size_label(AUTO_TREE_MAX_BYTES)
     if not froms:
-        current = bench.size_label(AUTO_TREE_MAX_BYTES)
         return lines + [f"recommendation: none without 3 or more ranks (current {current})."]
     # one threshold serves every world size from 3 on
     advice = (f"AUTO_TREE_MAX_BYTES = {bench.size_label(min(froms))}" if None not in froms
               else "the tree wins at the largest size somewhere: measure larger sizes before choosing")
-    lines.append(f"recommendation: {advice} (current {bench.size_label(AUTO_TREE_MAX_BYTES)}).")
-    return lines
+    return lines + [f"recommendation: {advice} (current {current})."]
 
 
 def _recommend_segment(records: Sequence[dict[str, Any]], cases: Sequence[Case]) -> str:
     score = {}
     for case in cases[1:]:
         ratios = [r["busbw_ratio_vs_native"] for r in records if r["algorithm"] == case.label]
-        score[case.segment_bytes] = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        score[case.segment_bytes] = math.exp(sum(map(math.log, ratios)) / len(ratios))  # the geometric mean
     best = max(score, key=score.get)
     current = score.get(DEFAULT_SEGMENT_BYTES)
     now = (f"current {bench.size_label(DEFAULT_SEGMENT_BYTES)} scores {current:.2f}x" if current is not None
@@ -317,13 +315,8 @@ def _parse_args(argv: Optional[Sequence[str]]) -> Any:
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = _parse_args(argv)
-    if args.segment_sweep:
-        cases = (Case("native", "native"),) + tuple(
-            Case(f"ring/{bench.size_label(s)}", "ring", segment_bytes=s) for s in SWEEP_SEGMENTS)
-        name = "segment_sweep"
-    else:
-        cases, name = MAIN_CASES, "allreduce"
-
+    cases = (Case("native", "native"), *(Case(f"ring/{bench.size_label(s)}", "ring", segment_bytes=s)
+                                         for s in SWEEP_SEGMENTS)) if args.segment_sweep else MAIN_CASES
     records: list[dict[str, Any]] = []
     started = time.perf_counter()
     for n in args.world_sizes:
@@ -346,7 +339,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                                        f"worst {t['worst_ratio']:.2f}x at {bench.size_label(t['worst_bytes'])}"))
     payload["recommendation"] = lines
     return bench.finish("allreduce", args.out, started, [table, lines], payload,
-                        lambda: plot(records, [c.label for c in cases]), name, repeats=args.repeats,
+                        lambda: plot(records, [c.label for c in cases]),
+                        "segment_sweep" if args.segment_sweep else "allreduce", repeats=args.repeats,
                         warmup=args.warmup, cases=[asdict(c) for c in cases],
                         default_segment_bytes=DEFAULT_SEGMENT_BYTES, auto_tree_max_bytes=AUTO_TREE_MAX_BYTES)
 

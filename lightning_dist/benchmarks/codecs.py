@@ -81,9 +81,7 @@ def mass_kept(codec: Codec, grad: torch.Tensor, layout: BucketLayout) -> Optiona
         return None
     sampled, exact = codec.build(), codec.exact()
     sampled, exact = getattr(sampled, "inner", sampled), getattr(exact, "inner", exact)
-    mine = grad[sampled.select(grad, layout)].abs().sum()
-    best = grad[exact.select(grad, layout)].abs().sum()
-    return float(mine / best)
+    return float(grad[sampled.select(grad, layout)].abs().sum() / grad[exact.select(grad, layout)].abs().sum())
 
 
 def gradient(layout: BucketLayout, seed: int, device: torch.device) -> torch.Tensor:
@@ -117,9 +115,9 @@ def measure_bucket(bucket: str, codecs: Sequence[str], rounds: int, world_size: 
     now = _timer(device)
     transport = MirrorTransport(world_size)
     compressors = {name: CODECS[name].build() for name in codecs}
-    run: dict[str, Callable[[torch.Tensor], Any]] = {"pass": unit_pass}
-    for name, compressor in compressors.items():
-        run[name] = functools.partial(compressor.reduce, layout=layout, transport=transport)
+    run: dict[str, Callable[[torch.Tensor], Any]] = {"pass": unit_pass, **{
+        name: functools.partial(compressor.reduce, layout=layout, transport=transport)
+        for name, compressor in compressors.items()}}
     first_ms: dict[str, float] = {}
     for name in codecs:  # the first call of a fresh compressor: buffers, tables
         first_ms[name] = 1e3 * _timed(run[name], flat, grad, now)
@@ -154,13 +152,10 @@ def table(records: Sequence[dict[str, Any]]) -> str:
 
 
 def verdicts(records: Sequence[dict[str, Any]]) -> list[str]:
-    lines = []
-    for r in records:
-        if r["target"] is not None and r["device"] == "cpu":
-            lines.append(bench.verdict(f"{r['codec']} <= {r['target']:.0f} passes on the {r['numel'] / 1e6:.2f} M "
-                                       "bucket", r["passes"] <= r["target"],
-                                       f"{r['passes']:.1f} passes, {r['ms']:.1f} ms, one pass {r['pass_ms']:.2f} ms"))
-    return lines
+    return [bench.verdict(f"{r['codec']} <= {r['target']:.0f} passes on the {r['numel'] / 1e6:.2f} M bucket",
+                          r["passes"] <= r["target"],
+                          f"{r['passes']:.1f} passes, {r['ms']:.1f} ms, one pass {r['pass_ms']:.2f} ms")
+            for r in records if r["target"] is not None and r["device"] == "cpu"]
 
 
 def plot(records: Sequence[dict[str, Any]]) -> Any:
