@@ -438,18 +438,17 @@ def _literal(value: Any) -> str:
 
 def render_accuracy_table(rows: Sequence[tuple], text: str) -> str:
     """``text`` (``lightning_dist/compression/accuracy.py``'s) with its ``ACCURACY_COST`` list holding ``rows``."""
-    head, rest = text.split("ACCURACY_COST: list[tuple[str, dict[str, Any], float, str]] = [\n", 1)
-    return (head + "ACCURACY_COST: list[tuple[str, dict[str, Any], float, str]] = [\n"
-            + "".join(f"    ({', '.join(map(_literal, row))}),\n" for row in rows) + rest[rest.index("]\n"):])
+    opening = "ACCURACY_COST: list[tuple[str, dict[str, Any], float, str]] = [\n"
+    head, rest = text.split(opening, 1)
+    body = "".join(f"    ({', '.join(map(_literal, row))}),\n" for row in rows)
+    return head + opening + body + rest[rest.index("]\n"):]
 
 
 def write_accuracy_table(summary: Sequence[dict[str, Any]], path: Path) -> list[tuple]:
     """Rewrite the accuracy table at ``path`` (the package's module, or a copy of it) from a run's digits rows."""
-    rows = accuracy_rows(summary)
-    path.write_text(render_accuracy_table(rows, Path(accuracy.__file__).read_text()))
-    table = "\n".join(f"  {name} {_literal(settings)} {points:+.2f} pt ({what})" for name, settings, points, what
-                      in rows)
-    bench.progress(f"[compression] wrote {path} (docs/compression.md shows it row for row):\n{table}")
+    path.write_text(render_accuracy_table(rows := accuracy_rows(summary), Path(accuracy.__file__).read_text()))
+    bench.progress(f"[compression] wrote {path} (docs/compression.md shows it row for row):\n" + "\n".join(
+        f"  {name} {_literal(settings)} {points:+.2f} pt ({what})" for name, settings, points, what in rows))
     return rows
 
 
@@ -459,12 +458,11 @@ def table(summary: Sequence[dict[str, Any]]) -> str:
     for s in summary:
         if s["quality_mean"] is None:
             quality = spread = "-"
-        elif s["quality"] == "val_acc":
-            quality = f"acc {100 * s['quality_mean']:.2f}%"
-            spread = f"{100 * s['quality_std']:.2f} [{100 * s['quality_min']:.1f}, {100 * s['quality_max']:.1f}]"
         else:
-            quality = f"loss {s['quality_mean']:.4f}"
-            spread = f"{s['quality_std']:.4f} [{s['quality_min']:.4f}, {s['quality_max']:.4f}]"
+            acc = s["quality"] == "val_acc"  # an accuracy in %, a loss as it is
+            mean, std, low, high = ((100 if acc else 1) * s[f"quality_{k}"] for k in ("mean", "std", "min", "max"))
+            quality = f"acc {mean:.2f}%" if acc else f"loss {mean:.4f}"
+            spread = f"{std:.2f} [{low:.1f}, {high:.1f}]" if acc else f"{std:.4f} [{low:.4f}, {high:.4f}]"
         rows.append([
             s["workload"], s["config"], s["compressor"],
             f"{s['seeds']}" + (f" ({s['failed']} failed)" if s["failed"] else ""), quality, spread,
@@ -478,6 +476,12 @@ def table(summary: Sequence[dict[str, Any]]) -> str:
     return bench.format_table(headers, rows)
 
 
+MARKERS = {DENSE: {"marker": "*", "ms": 14, "color": "black", "label": "dense (ring_ddp)"},
+           "torch": {"marker": "s", "ms": 8, "mfc": "none", "mew": 1.6, "color": "tab:red",
+                     "label": "torch hook (peer)"},
+           "ring": {"marker": "o", "ms": 7, "color": "tab:blue", "label": "ring_ddp compressor"}}
+
+
 def plot(summary: Sequence[dict[str, Any]]) -> Any:
     """One panel per workload: quality (mean, min-max over seeds) against bytes per step, log x."""
     names = list(dict.fromkeys(s["workload"] for s in summary))
@@ -487,16 +491,9 @@ def plot(summary: Sequence[dict[str, Any]]) -> Any:
         scale = 100.0 if rows and rows[0]["quality"] == "val_acc" else 1.0
         labelled: dict[tuple[bool, float], int] = {}  # labels at the same bytes: stacked, torch's on the left
         for s in rows:
-            x = s["bytes_per_step"] / 1024
-            y = scale * s["quality_mean"]
+            x, y = s["bytes_per_step"] / 1024, scale * s["quality_mean"]
             err = [[y - scale * s["quality_min"]], [scale * s["quality_max"] - y]]
-            if s["config"] == DENSE:
-                style = {"marker": "*", "ms": 14, "color": "black", "label": "dense (ring_ddp)"}
-            elif s["torch_peer"]:
-                style = {"marker": "s", "ms": 8, "mfc": "none", "mew": 1.6, "color": "tab:red",
-                         "label": "torch hook (peer)"}
-            else:
-                style = {"marker": "o", "ms": 7, "color": "tab:blue", "label": "ring_ddp compressor"}
+            style = MARKERS[DENSE if s["config"] == DENSE else "torch" if s["torch_peer"] else "ring"]
             ax.errorbar([x], [y], yerr=err, capsize=3, ls="none", **style)
             spot = (s["torch_peer"], round(math.log10(x), 2))
             stack = labelled[spot] = labelled.get(spot, -1) + 1
@@ -507,8 +504,7 @@ def plot(summary: Sequence[dict[str, Any]]) -> Any:
         if dense is not None and scale == 100.0:
             ax.axhline(100 * dense["quality_mean"], color="gray", lw=0.8)
             ax.axhline(100 * dense["quality_mean"] - 1, color="gray", lw=0.8, ls="--", label="dense - 1 point")
-        handles, labels = ax.get_legend_handles_labels()
-        unique = dict(zip(labels, handles))
+        unique = dict(zip(*ax.get_legend_handles_labels()[::-1]))  # one entry per label
         ax.legend(unique.values(), unique.keys(), fontsize="x-small")
         ax.set_title(f"{name}: {WORKLOADS[name].description}", fontsize="small")
         bench.style(ax, which="both", xscale="log", xlabel="gradient bytes sent per step by rank 0, KiB (log)",
@@ -564,10 +560,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                 continue
             seeds = list(range(args.seeds or job.seeds))
             warmup = QUICK_WARMUP if args.quick else job.warmup
-            length = (f"{QUICK_DIGITS_BATCHES} batches" if args.quick and job.epochs
-                      else f"{QUICK_MLP_STEPS} steps" if args.quick
-                      else f"{args.epochs or job.epochs} epochs" if job.epochs
-                      else f"{args.steps or job.steps} steps")
+            length = (f"{QUICK_DIGITS_BATCHES} batches" if job.epochs else f"{QUICK_MLP_STEPS} steps") if args.quick \
+                else f"{args.epochs or job.epochs} epochs" if job.epochs else f"{args.steps or job.steps} steps"
             meta_workloads[name] = {"description": job.description, "configs": labels, "seeds": seeds,
                                     "length": length, "batch_size": job.workload.batch_size,
                                     "bucket_cap_mb": job.workload.bucket_cap_mb, "warmup": warmup,

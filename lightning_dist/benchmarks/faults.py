@@ -109,11 +109,9 @@ def inspect_checkpoints(directory: Path) -> dict[str, Any]:
                 error = None if meta.get("verified") else "no sidecar: not verifiable"
             except CheckpointError as err:
                 meta, error = {}, str(err)
-            match = CKPT_NAME.search(name)
-            if match:
-                rank = meta.get("rank", int(match.group(1)))
-                step = meta.get("global_step", int(match.group(2)))
-                emergency.append({"file": rel, "rank": rank, "step": step, "verified": error is None,
+            if match := CKPT_NAME.search(name):
+                emergency.append({"file": rel, "rank": meta.get("rank", int(match.group(1))),
+                                  "step": meta.get("global_step", int(match.group(2))), "verified": error is None,
                                   "error": error})
             if error is not None:
                 bad.append({"file": rel, "why": error})
