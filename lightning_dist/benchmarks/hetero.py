@@ -256,17 +256,15 @@ def cost_table(records: Sequence[dict[str, Any]]) -> str:
 def _plot_capped(ax: Any, records: Sequence[dict[str, Any]]) -> None:
     colors = {"uncapped": "tab:gray", "capped, off": "tab:red", "capped, auto": "tab:green"}
     modes = [m for m in CAPPED_MODES if _timed(records, CAPPED, m)]
-    top = 0.0
+    steps = {mode: [1e3 * r["step_median_s"] for r in _timed(records, CAPPED, mode)] for mode in modes}
     for i, mode in enumerate(modes):
-        runs = _timed(records, CAPPED, mode)
-        steps = [1e3 * r["step_median_s"] for r in runs]
-        ax.bar(i, bench.median(steps), color=colors[mode], alpha=0.8)
-        ax.plot([i] * len(steps), steps, "k.", ms=5)
+        ax.bar(i, bench.median(steps[mode]), color=colors[mode], alpha=0.8)
+        ax.plot([i] * len(steps[mode]), steps[mode], "k.", ms=5)
         paired = paired_summary(records, CAPPED, mode, "uncapped")
         ratio = "" if paired is None or mode == "uncapped" else f"\n{paired['paired_ratio']:.2f}x uncapped"
-        ax.annotate(_micro_cell(runs[0]) + ratio, (i, max(steps)), ha="center", va="bottom", fontsize="x-small",
-                    xytext=(0, 4), textcoords="offset points")
-        top = max(top, *steps)
+        ax.annotate(_micro_cell(_timed(records, CAPPED, mode)[0]) + ratio, (i, max(steps[mode])), ha="center",
+                    va="bottom", fontsize="x-small", xytext=(0, 4), textcoords="offset points")
+    top = max((v for values in steps.values() for v in values), default=0.0)
     base = paired_summary(records, CAPPED, "uncapped", "uncapped")
     if base is not None:
         ax.axhline(1e3 * AUTO_TARGET * base["step_s"], color="red", ls="--", lw=1,
