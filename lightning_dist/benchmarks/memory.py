@@ -192,9 +192,7 @@ def plot(summary: Sequence[dict[str, Any]]) -> Any:
     fig, (ax,) = bench.figure_row(1, 1.3 * len(summary) + 5.0, 5.0)
     parts = _part_names(summary)
     colors = dict(zip(parts, [f"C{i}" for i in range(len(parts))]))
-    x = np.arange(len(summary))
-    width = 0.36
-    bottom = np.zeros(len(summary))
+    x, width, bottom = np.arange(len(summary)), 0.36, np.zeros(len(summary))
     for part in parts:
         values = np.array([s["parts_mib"].get(part, 0.0) for s in summary])
         ax.bar(x - width / 2, values, width, bottom=bottom, color=colors[part], label=PART_LABELS.get(part, part))
@@ -204,18 +202,18 @@ def plot(summary: Sequence[dict[str, Any]]) -> Any:
            label="measured growth (peak RSS)")
     for i, s in enumerate(summary):
         band = [i - width - 0.04, i + width + 0.04]
-        ax.fill_between(band, (1 - TARGET_ERROR) * grown[i], (1 + TARGET_ERROR) * grown[i], color="red", alpha=0.1,
-                        lw=0, zorder=0, label=f"measured +-{100 * TARGET_ERROR:.0f}% (target)" if i == 0 else None)
-        for edge in (1 - TARGET_ERROR, 1 + TARGET_ERROR):
-            ax.plot(band, [edge * grown[i]] * 2, color="red", ls="--", lw=1)
+        low, high = (1 - TARGET_ERROR) * grown[i], (1 + TARGET_ERROR) * grown[i]
+        ax.fill_between(band, low, high, color="red", alpha=0.1, lw=0, zorder=0,
+                        label=f"measured +-{100 * TARGET_ERROR:.0f}% (target)" if i == 0 else None)
+        ax.hlines([low, high], *band, color="red", ls="--", lw=1)
         ax.plot(i + width / 2, s["monitor_measured_mib"], "k_", ms=14, mew=2,
                 label="the monitor's own measure" if i == 0 else None)
         ax.annotate(f"{s['error_pct']:+.1f}%", (i - width / 2, bottom[i]), ha="center", va="bottom",
                     fontsize="small")
     ax.set_xticks(x, [s["config"] for s in summary], rotation=30, ha="right")
-    ax.set(ylabel="MiB per rank (rank 0)", title="MemoryMonitor's estimate (stacked by part, error on top) against\n"
-           f"the measured growth of peak RSS over the fit, {bench.WORLD_SIZE} CPU ranks, {ESTIMATE_STEPS} steps")
-    bench.style(ax, "y")
+    bench.style(ax, "y", ylabel="MiB per rank (rank 0)", title="MemoryMonitor's estimate (stacked by part, error on "
+                f"top) against\nthe measured growth of peak RSS over the fit, {bench.WORLD_SIZE} CPU ranks, "
+                f"{ESTIMATE_STEPS} steps")
     ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig
 
