@@ -107,6 +107,7 @@ CONFIGS = {c.label: c for c in (
     # 2 dense steps first, as torch's hook must (start_powerSGD_iter=2): the same protocol, the same bytes
     Config("powersgd-r1", {"name": "powersgd", "rank": 1, "start_step": TORCH_POWERSGD_START_ITER}),
     Config("powersgd-r2", {"name": "powersgd", "rank": 2, "start_step": TORCH_POWERSGD_START_ITER}),
+    Config("sign", {"name": "sign", "chunk": 256}),
     Config("torch-fp16", torch_hook="fp16"),
     Config("torch-powersgd-r1", torch_hook="powersgd", torch_rank=1),
     Config("torch-powersgd-r2", torch_hook="powersgd", torch_rank=2),
@@ -405,6 +406,7 @@ TABLE_ROWS = {
     "threshold": ("threshold", {"threshold": 0.1}, "0.1, EF"),
     "powersgd-r2": ("powersgd", {"rank": 2}, "r2, EF"),
     "powersgd-r1": ("powersgd", {"rank": 1}, "r1, EF"),
+    "sign": ("sign", {"chunk": 256}, "chunk 256, EF on ranks and owners"),
 }
 
 

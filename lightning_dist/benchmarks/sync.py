@@ -655,7 +655,8 @@ def plot(curves: Sequence[dict[str, Any]], combined: Sequence[dict[str, Any]], r
     """Per shape (rows): validation loss against wall time at each rate (log x), against bytes across workers, and
     against steps (equal samples)."""
     shapes = list(dict.fromkeys(c["shape"] for c in curves))
-    fig, grid = bench.figure_grid(max(len(shapes), 1), len(rates) + 2, 5.2, 4.2)
+    rows, cols = max(len(shapes), 1), len(rates) + 2
+    fig, grid = bench.figure_grid(rows, cols, 4.6 * cols, 3.8 * rows)
     per_step = {(r["shape"], r["rate_mbit"], r["method"]): r["per_step_s"] for r in combined}
     colors = {label: f"C{i}" for i, label in enumerate(METHODS)}
 
