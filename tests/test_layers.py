@@ -233,3 +233,15 @@ def test_every_callback_is_exported_from_the_package_root():
 
     for name in ("DistMetrics", "ElasticTraining", "FaultTolerance", "MemoryMonitor", "NaNRecovery"):
         assert getattr(lightning_dist, name) is getattr(callbacks, name) and name in lightning_dist.__all__
+
+
+def _lines(paths) -> int:
+    return sum(len(p.read_text().splitlines()) for p in paths)
+
+
+def test_the_benchmarks_are_at_most_a_quarter_of_the_package():
+    """What measures the product stays smaller than the product: ``benchmarks/`` at most 25% of the package's Python
+    lines (the house's rule since issue 40; a benchmark shares what it repeats, through benchmarks/_common.py)."""
+    package = _lines(PACKAGE.rglob("*.py"))
+    benchmarks = _lines((PACKAGE / "benchmarks").rglob("*.py"))
+    assert benchmarks <= package / 4, f"benchmarks/ is {benchmarks} of {package} lines ({benchmarks / package:.1%})"
