@@ -623,13 +623,14 @@ class ToyClassifier(pl.LightningModule):
     ``momentum``), ``"adam"`` or ``"adamw"`` (torch's default weight decay, 0.01). ``distributed_sampler``: the
     loader brings its own unshuffled ``DistributedSampler`` (Lightning's own always shuffles; pass
     ``use_distributed_sampler=False``), so that global batch ``k`` holds rows ``k * world_size * batch_size`` on.
+    ``keep_batches``: every training batch this rank saw is kept in ``seen`` (a one-process replay reads them).
     Subclasses change the data through :meth:`dataset` and the step through ``training_step``.
     """
 
     def __init__(self, features: int = 12, hidden: Sequence[int] = (32,), classes: int = 2, samples: int = 128,
                  batch_size: int = 8, optimizer: str = "sgd", lr: float = 0.1, momentum: float = 0.0,
                  activation: bool = True, shuffle: bool = False, distributed_sampler: bool = False,
-                 seed: Optional[int] = None) -> None:
+                 seed: Optional[int] = None, keep_batches: bool = False) -> None:
         super().__init__()
         if optimizer not in ("sgd", "adam", "adamw"):
             raise ValueError(f"ToyClassifier optimizer={optimizer!r}: use 'sgd', 'adam' or 'adamw'")
@@ -644,6 +645,7 @@ class ToyClassifier(pl.LightningModule):
         self.features, self.classes, self.samples, self.batch_size = features, classes, samples, batch_size
         self.optimizer, self.lr, self.momentum = optimizer, lr, momentum
         self.shuffle, self.distributed_sampler = shuffle, distributed_sampler
+        self.keep_batches, self.seen = keep_batches, []
 
     def data(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The inputs and labels, the same on every call and every rank."""
@@ -655,6 +657,8 @@ class ToyClassifier(pl.LightningModule):
         return TensorDataset(*self.data())
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.keep_batches:
+            self.seen.append((batch[0].clone(), batch[1].clone()))
         return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -43,12 +43,7 @@ class Net(ToyClassifier):
 
     def __init__(self, optimizer="adamw"):
         super().__init__(features=16, hidden=(32,), classes=5, samples=N_SAMPLES, batch_size=BATCH,
-                         optimizer=optimizer, lr=0.01, distributed_sampler=True, seed=0)
-        self.seen = []
-
-    def training_step(self, batch, batch_idx):
-        self.seen.append((batch[0].clone(), batch[1].clone()))
-        return super().training_step(batch, batch_idx)
+                         optimizer=optimizer, lr=0.01, distributed_sampler=True, seed=0, keep_batches=True)
 
 
 class NanLoss(Net):

@@ -44,12 +44,7 @@ class Net(ToyClassifier):
     def __init__(self, optimizer="sgd", **kwargs):
         super().__init__(features=16, hidden=(32,), classes=5, samples=N_SAMPLES, batch_size=BATCH, momentum=0.9,
                          optimizer=optimizer, lr=0.1 if optimizer == "sgd" else 0.01, distributed_sampler=True,
-                         seed=0, **kwargs)
-        self.seen = []
-
-    def training_step(self, batch, batch_idx):
-        self.seen.append((batch[0].clone(), batch[1].clone()))
-        return super().training_step(batch, batch_idx)
+                         seed=0, keep_batches=True, **kwargs)
 
 
 class NanLoss(Net):

@@ -74,6 +74,7 @@ class Method:
     mix: Optional[float] = None  # DiLoCo(mix=alpha) for a delayed fragment
     balance: Optional[str] = None  # DiLoCo(balance=...) for workers of different speeds
     onebit: bool = False  # OneBitAdam() with its defaults: Adam's momentum compressed after a dense warm-up
+    final_sync: bool = True  # DiLoCo's meeting after the last step; off in the timing fits (no step's time)
 
     @property
     def diloco(self) -> bool:
@@ -84,7 +85,7 @@ class Method:
         if not self.diloco:
             return OneBitAdam() if self.onebit else None
         streaming = {k: v for k in ("fragments", "delay", "mix", "balance") if (v := getattr(self, k)) is not None}
-        return DiLoCo(every=self.every, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
+        return DiLoCo(every=self.every, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, final_sync=self.final_sync,
                       compressor=dict(self.sync_compressor) if self.sync_compressor else None, **streaming)
 
     def strategy(self, topology: str, hetero: Optional[HeteroBatching] = None) -> RingDDPStrategy:
@@ -396,7 +397,7 @@ def _worker(args: argparse.Namespace) -> None:
             record = FitRecord(link=rank == 0, trace=True, sample=sample)
         else:
             steps, record = timing_steps(method, sizes)[0], FitRecord(link=True)
-        raw = fit(method, SHAPES[args.shape], sizes, steps, curve=False, record=record)
+        raw = fit(replace(method, final_sync=False), SHAPES[args.shape], sizes, steps, curve=False, record=record)
         _rank_file(out, label, rank).write_text(json.dumps({k: raw[k] for k in TIMING_KEYS}))
     if args.validate:
         raw = fit(METHODS[args.validate], SHAPES[args.shape], sizes, sizes.steps, curve=True, link=True)
