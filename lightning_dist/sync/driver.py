@@ -187,6 +187,11 @@ class SyncDriver:
         """Bytes the driver keeps beside the model and its optimizer (MemoryMonitor's estimate)."""
         return 0
 
+    def memory_by_device(self) -> Optional[dict[str, int]]:
+        """:meth:`memory_bytes` by device type (``"cpu"``, ``"cuda"``), where a driver keeps its state off the model's
+        device (DiLoCo keeps it in host memory); None: all of it beside the model, on its device."""
+        return None
+
 
 def ends_fit(trainer: Any, global_step: int) -> bool:
     """Whether the optimizer step that made ``global_step`` is the fit's last by its limits, the same on every rank:
