@@ -164,6 +164,10 @@ class OneBitAdamDriver(SyncDriver):
         self._reduction = context.reduction()  # groups of its own, flat or two-tier as the gradients' (collective)
         self._tiers = self._reduction.tiers
         self._tier = "inter_host" if self._reduction.spans_hosts else "intra_host"
+        # the flat path's transport, made once (its byte counts go into the strategy's step statistics)
+        self._transport = (Transport(context.algorithm, self._reduction.group, context.stats.tier(self._tier))
+                           if self._reduction.group is not None else None)
+        self._groups: dict[int, dict[str, Any]] = {}  # id(parameter) -> its param group, from the checked optimizer
         self._restore(context.checkpoint)
         rank_zero_info(f"RingDDPStrategy: {settings.describe()} over {context.world_size} ranks "
                        f"({'two_tier' if self._tiers is not None else 'flat'})")
@@ -277,7 +281,8 @@ class OneBitAdamDriver(SyncDriver):
         return self._denoms
 
     def _compressed_update(self, optimizer: Any) -> None:
-        groups = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        self._check_optimizer(optimizer)  # once per optimizer: it maps each parameter to its group
+        groups = self._groups
         frozen = self._frozen(optimizer)
         share = self.context.share()
         decoupled = _decoupled(optimizer)
@@ -368,9 +373,8 @@ class OneBitAdamDriver(SyncDriver):
                                            flat.element_size()))
         if self._tiers is not None:
             self._tiers.reduce(flat, layout, compressor)
-        elif self._reduction.group is not None:
-            compressor.reduce(flat, layout, Transport(self.context.algorithm, self._reduction.group,
-                                                      stats.tier(self._tier)))
+        elif self._transport is not None:
+            compressor.reduce(flat, layout, self._transport)
 
     def _report(self, dense: bool, sent: int = 0) -> None:
         self.metrics = {"sync/compressed": 0.0 if dense else 1.0, "sync/compressed_steps": float(self.compressed_steps),
@@ -394,6 +398,7 @@ class OneBitAdamDriver(SyncDriver):
             if unknown:
                 raise ValueError("sync=OneBitAdam: the optimizer steps parameters that are not the module's trainable "
                                  "parameters; give configure_optimizers the module's own parameters")
+        self._groups.update({id(p): group for group in optimizer.param_groups for p in group["params"]})
         self._checked.add(id(optimizer))
 
     # -- checkpoints and reports ----------------------------------------------------------------------------------
