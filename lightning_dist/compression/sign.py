@@ -83,11 +83,10 @@ class SignCompressor(Compressor):
         spans = gather_by_name(flat, layout, feedback, x)  # in name order, not DDP's
         # phase 1: region j of every rank's bits and scales goes to rank j
         message = self._scratch.get("phase1", n * _row(region, chunk), torch.uint8, flat.device).view(n, -1)
-        _encode(x, chunk, message.view(-1), n, width)
+        scales = _encode(x, chunk, message.view(-1), n, width)
         if feedback is not None:  # what this rank owes: x - s sign(x), back in the bucket's layout
             offset = 0
-            decoded = _decode(message, width, chunk, self._scratch.get("decoded", n * region, torch.float32,
-                                                                          flat.device).view(n, -1))
+            decoded = _sent(x, chunk, scales, self._scratch.get("decoded", n * region, torch.float32, flat.device))
             for start, end in spans:
                 torch.sub(x[offset: offset + end - start], decoded.view(-1)[offset: offset + end - start],
                           out=feedback.keep[start:end])
@@ -107,11 +106,9 @@ class SignCompressor(Compressor):
             mine.add_(owed_here.to(mine.device))
         # phase 2: the owner's re-encoded sum goes to every rank
         reply = self._scratch.get("phase2", _row(region, chunk), torch.uint8, flat.device)
-        _encode(mine, chunk, reply, 1, width)
+        scales = _encode(mine, chunk, reply, 1, width)
         if self.server_feedback:
-            sent = _decode(reply.view(1, -1), width, chunk, self._scratch.get("sent", region, torch.float32,
-                                                                                mine.device).view(1, -1))[0]
-            residual = mine - sent
+            residual = mine - _sent(mine, chunk, scales, self._scratch.get("sent", region, torch.float32, mine.device))
             residual[valid:].zero_()
             # a non-finite chunk never reaches the residual: it keeps what it owed before (without a host sync)
             before = owed_here if owed_here is not None else torch.zeros_like(residual)
@@ -164,14 +161,21 @@ def _row(region: int, chunk: int) -> int:
     return region // 8 + 4 * (region // chunk)
 
 
-def _encode(x: torch.Tensor, chunk: int, out: torch.Tensor, rows: int, width: int) -> None:
+def _encode(x: torch.Tensor, chunk: int, out: torch.Tensor, rows: int, width: int) -> torch.Tensor:
     """``x`` (``rows`` regions) into ``out`` (uint8, ``rows`` messages of :func:`_row` bytes): each region's bits, then
-    its chunks' scales (``mean |x|``; NaN for a chunk with a NaN, Inf for one with an Inf)."""
+    its chunks' scales (``mean |x|``; NaN for a chunk with a NaN, Inf for one with an Inf). Returns the scales."""
     scales = x.view(-1, chunk).abs().mean(1)
     message = out.view(rows, -1)
     bits = (x >= 0).view(rows, width, 8).to(torch.uint8)
     torch.sum(bits << _SHIFTS.to(x.device), dim=2, dtype=torch.uint8, out=message[:, :width])
     message[:, width:].view(torch.float32).copy_(scales.view(rows, -1))
+    return scales
+
+
+def _sent(x: torch.Tensor, chunk: int, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """What :func:`_decode` makes of ``x``'s encoding, from ``x`` and its ``scales`` without unpacking bits: ``+-s``."""
+    out.copy_(x >= 0).mul_(2).sub_(1).view(-1, chunk).mul_(scales.view(-1, 1))
+    return out
 
 
 def _decode(message: torch.Tensor, width: int, chunk: int, out: torch.Tensor) -> torch.Tensor:
