@@ -129,3 +129,19 @@ def test_the_registry_builds_it_with_error_feedback():
     assert build_compressor("sign").describe() == "sign(chunk=512)+ef"
     assert build_compressor("sign", error_feedback=False, server_feedback=False).describe() == \
         "sign(chunk=512, server_feedback=False)"
+
+
+def test_packing_by_words_writes_the_bytes_the_shifts_write_and_decoding_inverts_it(monkeypatch):
+    from lightning_dist.compression import sign
+    torch.manual_seed(4)
+    rows, chunk, width = 3, 64, 16  # regions of 128 elements: two chunks each
+    x = torch.randn(rows * 8 * width)
+    x[:9] = torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), -float("inf"), 0.5, -0.5, 2.0])
+    by_words = torch.empty(rows * sign._row(8 * width, chunk), dtype=torch.uint8)
+    by_shifts = torch.empty_like(by_words)
+    sign._encode(x, chunk, by_words, rows, width)
+    monkeypatch.setattr(sign, "_PACK_BY_WORDS", False)  # a big-endian machine's path
+    sign._encode(x, chunk, by_shifts, rows, width)
+    assert torch.equal(by_words, by_shifts)
+    decoded = sign._decode(by_words.view(rows, -1), width, chunk, torch.empty(rows, 8 * width))
+    assert torch.equal(torch.sign(decoded).view(-1), torch.where(torch.signbit(x), -1.0, 1.0))  # -0.0 is negative

@@ -1,7 +1,7 @@
 """sign: one bit per element and a float32 scale per chunk, through int8's two-phase compressed all-reduce.
 
 Encoding a chunk of ``chunk`` elements: ``s = mean |x|`` (the scale that minimises ``||x - s sign(x)||``), and one bit
-per element, set where ``x >= 0``; it decodes to ``s`` or ``-s``. This is the scaled sign of 1-bit SGD (Seide et al.,
+per element, its sign bit; it decodes to ``-s`` where the bit is set (``-0.0`` included), else ``s``. This is the scaled sign of 1-bit SGD (Seide et al.,
 2014) and of DeepSpeed's 1-bit Adam (Tang et al., arXiv 2102.02888). A chunk holding a NaN or Inf gets a non-finite
 scale and decodes as non-finite on every rank.
 
@@ -29,6 +29,7 @@ takes them, so chunks do not depend on the order DDP lays a bucket out in.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Optional
 
 import torch
@@ -38,7 +39,15 @@ from lightning_dist.compression.state import Scratch
 from lightning_dist.compression.transport import Transport
 
 DEFAULT_CHUNK = 512
-_SHIFTS = torch.arange(8, dtype=torch.uint8)  # bit i of a byte holds element i of its 8
+# Bit i of a byte holds element i of its 8: set when its sign bit is (a negative value, -0.0 included: it decodes to
+# -s, as copysign would give it). Packing: the 8 bytes (0 or 1) of 8 elements read as one little-endian int64 hold
+# element i at bit 8 i; times _GATHER (the sum of 2 ** (56 - 7 i)) puts it at bit 56 + i with no carries, and the
+# top byte is the packed byte. Unpacking: a table of the 256 bytes' 8 signs.
+_GATHER = 0x0102040810204080
+_PACK_BY_WORDS = sys.byteorder == "little"
+_SHIFTS = torch.arange(8, dtype=torch.uint8)
+_SIGNS = torch.tensor([[-1.0 if byte >> i & 1 else 1.0 for i in range(8)] for byte in range(256)])
+_SIGNS_ON: dict[torch.device, torch.Tensor] = {}
 
 
 class SignCompressor(Compressor):
@@ -110,9 +119,11 @@ class SignCompressor(Compressor):
         if self.server_feedback:
             residual = mine - _sent(mine, chunk, scales, self._scratch.get("sent", region, torch.float32, mine.device))
             residual[valid:].zero_()
-            # a non-finite chunk never reaches the residual: it keeps what it owed before (without a host sync)
+            # a non-finite chunk (its scale is: a finite scale means finite values) never reaches the residual: it
+            # keeps what it owed before (without a host sync)
             before = owed_here if owed_here is not None else torch.zeros_like(residual)
-            self._staged[key] = torch.where(torch.isfinite(residual), residual, before.to(residual.device))
+            self._staged[key] = torch.where(torch.isfinite(scales).view(-1, 1), residual.view(-1, chunk),
+                                            before.to(residual.device).view(-1, chunk)).view(-1)
         everyone = transport.all_gather(reply)
         result = _decode(everyone, width, chunk, self._scratch.get("result", n * region, torch.float32,
                                                                      flat.device).view(n, -1)).view(-1)
@@ -166,23 +177,30 @@ def _encode(x: torch.Tensor, chunk: int, out: torch.Tensor, rows: int, width: in
     its chunks' scales (``mean |x|``; NaN for a chunk with a NaN, Inf for one with an Inf). Returns the scales."""
     scales = x.view(-1, chunk).abs().mean(1)
     message = out.view(rows, -1)
-    bits = (x >= 0).view(rows, width, 8).to(torch.uint8)
-    torch.sum(bits << _SHIFTS.to(x.device), dim=2, dtype=torch.uint8, out=message[:, :width])
+    if _PACK_BY_WORDS:  # one multiply per 8 elements (int64 overflow wraps; only the top byte is kept)
+        words = torch.signbit(x).view(torch.uint8).view(torch.int64).view(rows, width)
+        message[:, :width].copy_(words.mul(_GATHER).bitwise_right_shift_(56))
+    else:
+        bits = torch.signbit(x).view(rows, width, 8).to(torch.uint8)
+        torch.sum(bits << _SHIFTS.to(x.device), dim=2, dtype=torch.uint8, out=message[:, :width])
     message[:, width:].view(torch.float32).copy_(scales.view(rows, -1))
     return scales
 
 
 def _sent(x: torch.Tensor, chunk: int, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """What :func:`_decode` makes of ``x``'s encoding, from ``x`` and its ``scales`` without unpacking bits: ``+-s``."""
-    out.copy_(x >= 0).mul_(2).sub_(1).view(-1, chunk).mul_(scales.view(-1, 1))
+    """What :func:`_decode` makes of ``x``'s encoding, from ``x`` and its ``scales`` without unpacking bits: ``+-s``
+    with ``x``'s sign bit."""
+    torch.copysign(scales.view(-1, 1).expand(-1, chunk), x.view(-1, chunk), out=out.view(-1, chunk))
     return out
 
 
 def _decode(message: torch.Tensor, width: int, chunk: int, out: torch.Tensor) -> torch.Tensor:
     """Every row of ``message`` (as :func:`_encode` wrote them) into ``out`` (float32, ``rows x region``): ``+-s``."""
     rows = message.shape[0]
-    bits = (message[:, :width].unsqueeze(2) >> _SHIFTS.to(message.device)).bitwise_and_(1)
-    out.view(rows, width, 8).copy_(bits).mul_(2).sub_(1)
+    signs = _SIGNS_ON.get(out.device)
+    if signs is None:
+        signs = _SIGNS_ON.setdefault(out.device, _SIGNS.to(out.device))
+    torch.index_select(signs, 0, message[:, :width].reshape(-1).to(torch.int64), out=out.view(-1, 8))
     scales = message[:, width:].contiguous().view(torch.float32)
     out.view(rows, -1, chunk).mul_(scales.view(rows, -1, 1))
     return out
