@@ -119,8 +119,9 @@ def _fit(strategy, world, hosts=1, model=None, callbacks=(), epochs=EPOCHS, ckpt
 
 
 # -- the one-process replay -----------------------------------------------------------------------------------------
-def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=0.7, outer_momentum=0.9, epochs=EPOCHS,
-           batches=None, fragments=1, delay=0, mix=0.5, steps=None, final_sync=True):
+def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=DiLoCo.outer_lr,
+           outer_momentum=DiLoCo.outer_momentum, epochs=EPOCHS, batches=None, fragments=1, delay=0, mix=0.5, steps=None,
+           final_sync=True):
     """Each worker's parameters after every step, and at the end of the fit, and the workers' ranks, by the contract
     alone (the module's docstring; streaming's, tests/test_sync_streaming.py: ``fragments`` cut by :data:`CUTS`,
     ``delay`` and ``mix``). ``hosts > 1``: workers of ``world // hosts`` ranks, whose gradient is the mean of their

@@ -192,7 +192,7 @@ def test_streaming_settings_are_refused_naming_the_fix(settings, match):
 
 
 def test_streaming_settings_describe_themselves_and_part_one_is_unchanged():
-    assert DiLoCo(every=50).describe() == "DiLoCo(every=50, outer_lr=0.7, outer_momentum=0.9, compressor=none)"
+    assert DiLoCo(every=50).describe() == "DiLoCo(every=50, outer_lr=0.7, outer_momentum=0.8, compressor=none)"
     assert DiLoCo(every=40, fragments=4, delay=1).describe().endswith("fragments=4, delay=1, mix=0.5)")
     assert DiLoCo(every=40, fragments=4).describe().endswith("fragments=4, delay=0)")  # mix unused without a delay
     assert "balance=steps" in DiLoCo(every=4, balance="steps").describe()

@@ -423,11 +423,11 @@ def test_the_sync_group_gives_the_strategy_a_diloco(tmp_path):
                                         "sync.compressor=int8"]))
     validate(cfg)
     sync = build(cfg, str(tmp_path), 0.0)[0].strategy.sync
-    assert isinstance(sync, DiLoCo) and (sync.every, sync.outer_lr, sync.outer_momentum) == (50, 0.7, 0.9)
+    assert isinstance(sync, DiLoCo) and (sync.every, sync.outer_lr, sync.outer_momentum) == (50, 0.7, 0.8)
     assert sync.compressor.describe() == "int8(chunk=512)+ef"
     # the file's defaults; a dict of build_compressor's arguments; and every_step's none
     sync = build(_compose("sync=diloco"), str(tmp_path), 0.0)[0].strategy.sync
-    assert sync.describe() == "DiLoCo(every=50, outer_lr=0.7, outer_momentum=0.9, compressor=none)"
+    assert sync.describe() == "DiLoCo(every=50, outer_lr=0.7, outer_momentum=0.8, compressor=none)"
     cfg = _compose("sync=diloco", "sync.every=5", "sync.outer_lr=1.0", "sync.outer_momentum=0",
                    "sync.compressor={name:topk,ratio:0.02}")
     sync = build(cfg, str(tmp_path), 0.0)[0].strategy.sync

@@ -41,7 +41,7 @@ from lightning_dist.testing import RanksFailed, free_port, launched_externally, 
 
 WORKER_MODULE = "lightning_dist.benchmarks.sync"
 SEED = 0
-OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # the paper's, and the issue's
+OUTER_LR, OUTER_MOMENTUM = DiLoCo.outer_lr, DiLoCo.outer_momentum  # DiLoCo's defaults
 # gloo's own all-reduce, what "auto" picks for the full model's 1.9 MB bucket (for --quick's, auto's tree: ~15x slower)
 ALGORITHM = "native"
 COLLECTIVE_TIMEOUT_S = 300.0  # a dense step at 10 Mbit/s takes seconds; a hang still fails the run

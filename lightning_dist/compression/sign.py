@@ -1,9 +1,9 @@
 """sign: one bit per element and a float32 scale per chunk, through int8's two-phase compressed all-reduce.
 
 Encoding a chunk of ``chunk`` elements: ``s = mean |x|`` (the scale that minimises ``||x - s sign(x)||``), and one bit
-per element, its sign bit; it decodes to ``-s`` where the bit is set (``-0.0`` included), else ``s``. This is the scaled sign of 1-bit SGD (Seide et al.,
-2014) and of DeepSpeed's 1-bit Adam (Tang et al., arXiv 2102.02888). A chunk holding a NaN or Inf gets a non-finite
-scale and decodes as non-finite on every rank.
+per element, its sign bit; it decodes to ``-s`` where the bit is set (``-0.0`` included), else ``s``. This is the
+scaled sign of 1-bit SGD (Seide et al., 2014) and of DeepSpeed's 1-bit Adam (Tang et al., arXiv 2102.02888). A chunk
+holding a NaN or Inf gets a non-finite scale and decodes as non-finite on every rank.
 
 The bucket travels as int8's does (:mod:`lightning_dist.compression.int8`): cut into N regions, one per rank;
 
