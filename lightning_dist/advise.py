@@ -227,7 +227,7 @@ def sync_predictions(measured: dict[str, Any], codecs: dict[str, dict[str, list[
 
 PAYS = 1.05  # a compressor's predicted speed-up from which OneBitAdam is recommended under Adam
 # OneBitAdam's measured quality at equal samples (docs/onebit-adam.md has the tables)
-ONEBIT_QUALITY = "digits +0.65 pt (98.80% vs 98.15%); LM +0.4% val loss at 400 steps: docs/onebit-adam.md"
+ONEBIT_QUALITY = "digits +0.37 pt (98.52% vs 98.15%); LM +0.6% val loss at 400 steps: docs/onebit-adam.md"
 
 
 def onebit_prediction(measured: dict[str, Any], codecs: dict[str, dict[str, list[float]]],

@@ -502,7 +502,7 @@ def _sync_problems(cfg: DictConfig) -> list[str]:
     warmup, max_steps = getattr(settings, "warmup", None), cfg.trainer.get("max_steps", -1)
     if isinstance(warmup, int) and max_steps is not None and 0 < max_steps <= warmup:
         problems.append(f"sync.warmup={warmup} with trainer.max_steps={max_steps}: the dense warm-up must end before "
-                        f"the fit does; use sync.warmup < {max_steps}, or a fraction such as sync.warmup=0.15")
+                        f"the fit does; use sync.warmup < {max_steps}, or a fraction such as sync.warmup=0.2")
     return problems
 
 
