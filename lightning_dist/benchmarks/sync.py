@@ -41,7 +41,6 @@ from lightning_dist.testing import RanksFailed, free_port, launched_externally, 
 
 WORKER_MODULE = "lightning_dist.benchmarks.sync"
 SEED = 0
-OUTER_LR, OUTER_MOMENTUM = DiLoCo.outer_lr, DiLoCo.outer_momentum  # DiLoCo's defaults
 # gloo's own all-reduce, what "auto" picks for the full model's 1.9 MB bucket (for --quick's, auto's tree: ~15x slower)
 ALGORITHM = "native"
 COLLECTIVE_TIMEOUT_S = 300.0  # a dense step at 10 Mbit/s takes seconds; a hang still fails the run
@@ -85,7 +84,7 @@ class Method:
         if not self.diloco:
             return OneBitAdam() if self.onebit else None
         streaming = {k: v for k in ("fragments", "delay", "mix", "balance") if (v := getattr(self, k)) is not None}
-        return DiLoCo(every=self.every, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, final_sync=self.final_sync,
+        return DiLoCo(every=self.every, final_sync=self.final_sync,  # the outer optimizer's defaults
                       compressor=dict(self.sync_compressor) if self.sync_compressor else None, **streaming)
 
     def strategy(self, topology: str, hetero: Optional[HeteroBatching] = None) -> RingDDPStrategy:
@@ -738,7 +737,7 @@ def run_streaming(args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], 
     meta = bench.environment("sync", scenario="streaming", sizes=asdict(args.sizes), every=every,
                              fragments=list(fragments), delays=list(delays), codec=args.codec,
                              mix=args.mix if args.mix is not None else DiLoCo().mix,
-                             outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, hosts=shape.hosts,
+                             outer_lr=DiLoCo.outer_lr, outer_momentum=DiLoCo.outer_momentum, hosts=shape.hosts,
                              rate_mbit=stream.STREAM_RATE, timing_steps=steps, peak_window_s=stream.PEAK_WINDOW_S,
                              sample_every_s=stream.SAMPLE_EVERY_S)
     curves = run_curves(args, STREAM_SHAPE, methods, args.sizes.steps)
@@ -1070,7 +1069,7 @@ def run_methods(args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], di
     sizes = args.sizes
     meta = bench.environment("sync", shapes={s: asdict(SHAPES[s]) for s in args.shapes}, rates_mbit=list(args.rates),
                              methods={m: asdict(METHODS[m]) for m in args.methods}, sizes=asdict(sizes),
-                             outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
+                             outer_lr=DiLoCo.outer_lr, outer_momentum=DiLoCo.outer_momentum,
                              timing_steps={m: timing_steps(METHODS[m], sizes)[0] for m in args.methods})
     methods = {label: METHODS[label] for label in args.methods}
     curves = [rec for shape in args.shapes for rec in run_curves(args, shape, methods, sizes.steps, sizes.horizon)]

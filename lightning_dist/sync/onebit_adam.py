@@ -135,6 +135,7 @@ def phase(index: int, warmup: int, refresh: int) -> str:
 
 
 _Run = tuple[dict[str, Any], list[torch.Tensor], list[torch.Tensor]]  # a param group, its parameters, their views
+_Frozen = tuple[list[torch.Tensor], list[torch.Tensor]]  # a run's denominators d and masks v > 0
 
 
 @dataclass
@@ -163,7 +164,7 @@ class OneBitAdamDriver(SyncDriver):
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self._names = {id(p): name for name, p in named}
         self._buckets = _buckets(named)
-        self._denoms: Optional[dict[int, tuple[torch.Tensor, torch.Tensor]]] = None  # id(p) -> (d, mask)
+        self._denoms: Optional[list[list[_Frozen]]] = None  # per bucket and run of _runs(): (ds, masks)
         self._variance_step: dict[str, int] = {}  # name -> the Adam step of v's last update
         self._reduction = context.reduction()  # groups of its own, flat or two-tier as the gradients' (collective)
         self._tiers = self._reduction.tiers
@@ -269,21 +270,27 @@ class OneBitAdamDriver(SyncDriver):
                     self._variance_step[self._names[id(p)]] = int(state["step"])
         self._report(dense=True)
 
-    def _frozen(self, optimizer: Any) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Per parameter, ``d = sqrt(v / (1 - beta2^s)) + eps`` and the mask ``v > 0``, from the optimizer's state."""
+    def _frozen(self, optimizer: Any) -> list[list[_Frozen]]:
+        """Per bucket and run of :meth:`_runs`, its parameters' ``d = sqrt(v / (1 - beta2^s)) + eps`` and masks ``v >
+        0``, from the optimizer's state (taken once after each step of Adam's own)."""
         if self._denoms is None:
-            self._denoms = {}
-            for group in optimizer.param_groups:
-                beta2, eps = group["betas"][1], group["eps"]
-                for p in group["params"]:
-                    state = optimizer.state[p]
-                    if "exp_avg_sq" not in state:  # never stepped: no v, no update until a refresh sees it
-                        _init_state(state, p)
-                    s = self._variance_step.get(self._names.get(id(p), ""), int(state["step"]))
-                    v = state["exp_avg_sq"]
-                    correction = math.sqrt(1 - beta2 ** s) if s > 0 else 1.0
-                    self._denoms[id(p)] = ((v.sqrt() / correction).add_(eps), v > 0)
+            self._denoms = [[self._denominators(optimizer, group, params) for group, params, _ in runs]
+                            for runs in self._runs()]
         return self._denoms
+
+    def _denominators(self, optimizer: Any, group: dict[str, Any], params: list[torch.Tensor]) -> _Frozen:
+        beta2, eps = group["betas"][1], group["eps"]
+        ds, masks = [], []
+        for p in params:
+            state = optimizer.state[p]
+            if "exp_avg_sq" not in state:  # never stepped: no v, no update until a refresh sees it
+                _init_state(state, p)
+            s = self._variance_step.get(self._names.get(id(p), ""), int(state["step"]))
+            v = state["exp_avg_sq"]
+            correction = math.sqrt(1 - beta2 ** s) if s > 0 else 1.0
+            ds.append((v.sqrt() / correction).add_(eps))
+            masks.append(v > 0)
+        return ds, masks
 
     def _compressed_update(self, optimizer: Any) -> None:
         self._check_optimizer(optimizer)  # once per optimizer: it maps each parameter to its group
@@ -293,8 +300,8 @@ class OneBitAdamDriver(SyncDriver):
         sent_before = self._across()
         finite = torch.ones((), dtype=torch.bool, device=self._buckets[0].flat.device) if self._buckets else None
         with torch.no_grad():  # one foreach call per group and operation (a loop over parameters costs ~2x)
-            for bucket, runs in zip(self._buckets, self._runs()):
-                for group, params, xs in runs:
+            for bucket, runs, denoms in zip(self._buckets, self._runs(), frozen):
+                for (group, params, xs), (ds, masks) in zip(runs, denoms):
                     beta1, wd = group["betas"][0], group["weight_decay"]
                     torch._foreach_copy_(xs, [optimizer.state[p]["exp_avg"] for p in params])
                     torch._foreach_mul_(xs, share * beta1)
@@ -303,8 +310,8 @@ class OneBitAdamDriver(SyncDriver):
                         torch._foreach_add_(*map(list, zip(*with_grad)), alpha=1 - beta1)
                     if wd and not decoupled:  # Adam's L2 term, this rank's share of it
                         torch._foreach_add_(xs, params, alpha=(1 - beta1) * share * wd)
-                    torch._foreach_div_(xs, [frozen[id(p)][0] for p in params])
-                    torch._foreach_mul_(xs, [frozen[id(p)][1] for p in params])
+                    torch._foreach_div_(xs, ds)
+                    torch._foreach_mul_(xs, masks)
                 self._reduce(bucket, self.compressor)
                 # a sum is finite where every element is (no preconditioned momentum, |u| ~ 1, overflows it): one
                 # reduction instead of a finiteness pass
@@ -318,14 +325,14 @@ class OneBitAdamDriver(SyncDriver):
         self.compressor.commit()
         bound = self.settings.bound
         with torch.no_grad():
-            for runs in self._runs():
-                for group, params, us in runs:
+            for runs, denoms in zip(self._runs(), frozen):
+                for (group, params, us), (ds, masks) in zip(runs, denoms):
                     beta1, lr, wd = group["betas"][0], float(group["lr"]), group["weight_decay"]
                     states = [optimizer.state[p] for p in params]
-                    torch._foreach_mul_(us, [frozen[id(p)][1] for p in params])
+                    torch._foreach_mul_(us, masks)
                     momenta = [state["exp_avg"] for state in states]
                     torch._foreach_copy_(momenta, us)
-                    torch._foreach_mul_(momenta, [frozen[id(p)][0] for p in params])  # m = mask u d
+                    torch._foreach_mul_(momenta, ds)  # m = mask u d
                     steps = [state["step"] for state in states]
                     torch._foreach_add_(steps, 1)
                     if wd and decoupled:
@@ -425,7 +432,7 @@ class OneBitAdamDriver(SyncDriver):
                 raise ValueError("sync=OneBitAdam: the optimizer steps parameters that are not the module's trainable "
                                  "parameters; give configure_optimizers the module's own parameters")
         self._groups.update({id(p): group for group in optimizer.param_groups for p in group["params"]})
-        self._plan = None  # the runs follow the groups
+        self._plan = self._denoms = None  # the runs follow the groups, the denominators the runs
         self._checked.add(id(optimizer))
 
     # -- checkpoints and reports ----------------------------------------------------------------------------------
