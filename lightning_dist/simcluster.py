@@ -32,6 +32,15 @@ from typing import Any, Optional, Sequence
 _COUNTER = itertools.count(1)  # next() is atomic: clusters made on several threads at once get distinct names
 
 
+# SimCluster.torchrun(go_file=...)'s agent: torchrun imported, then run as ``python -m`` would once the file exists
+_RUN_ON_FILE = """import os, runpy, sys, time, torch.distributed.run
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+del sys.argv[1]
+runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+"""
+
+
 # ip and tc run with PATH alone: they need nothing else, and a variable a test tags its jobs' processes with (to kill
 # them all on a failure: lightning_dist.testing) must not reach the commands that take a cluster apart
 def _admin_env() -> dict[str, str]:
@@ -201,19 +210,25 @@ class SimCluster:
         return proc
 
     def torchrun(self, host: int, args: Sequence[str], port: int = 29500, nproc: int = 1,
-                 nnodes: Optional[str] = None, max_restarts: int = 0, rdzv: Sequence[str] = ()) -> list[str]:
+                 nnodes: Optional[str] = None, max_restarts: int = 0, rdzv: Sequence[str] = (),
+                 go_file: Optional[str] = None) -> list[str]:
         """The command that starts ``nproc`` ranks on ``host`` of a multi-node torchrun job: a static rendezvous on
         host 0's address, or with ``nnodes="MIN:MAX"`` an elastic one (c10d, its store hosted by host 0's agent;
-        every host gives its own address, which decides the node order; ``rdzv``: more ``--rdzv-conf`` settings)."""
+        every host gives its own address, which decides the node order; ``rdzv``: more ``--rdzv-conf`` settings).
+        ``go_file``: the agent's Python starts and imports torchrun now, and runs it once that file exists (a host
+        that is up with its launcher loaded: the moment it enters the rendezvous is the caller's, not its start's)."""
         if nnodes is None:
-            return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.hosts), "--node-rank",
-                    str(host), "--nproc-per-node", str(nproc), "--master-addr", self.addresses[0], "--master-port",
-                    str(port), "--max-restarts", str(max_restarts), *args]
-        conf = ",".join([f"is_host={int(host == 0)}", *rdzv])
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
-                "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                f"{self.addresses[0]}:{port}", "--rdzv-id", f"sim{self.namespaces[0]}", "--rdzv-conf", conf,
-                "--local-addr", self.addresses[host], *args]
+            launch = ["--nnodes", str(self.hosts), "--node-rank", str(host), "--nproc-per-node", str(nproc),
+                      "--master-addr", self.addresses[0], "--master-port", str(port), "--max-restarts",
+                      str(max_restarts), *args]
+        else:
+            conf = ",".join([f"is_host={int(host == 0)}", *rdzv])
+            launch = ["--nnodes", nnodes, "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+                      "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.addresses[0]}:{port}", "--rdzv-id",
+                      f"sim{self.namespaces[0]}", "--rdzv-conf", conf, "--local-addr", self.addresses[host], *args]
+        if go_file is None:
+            return [sys.executable, "-m", "torch.distributed.run", *launch]
+        return [sys.executable, "-c", _RUN_ON_FILE, go_file, *launch]
 
     @staticmethod
     def env(host: Optional[int] = None) -> dict[str, str]:

@@ -116,10 +116,13 @@ def test_quick_run_on_a_simulated_cluster(tmp_path):
     if reason is not None:
         pytest.skip(reason)
     # a run's own deadline well inside pytest's: a hung run is a FAILED record with its log's tail, not a timeout.
-    # Fewer steps and rounds than --quick's own: 3 timed steps of each configuration after 2 of warm-up (a dense step
-    # is ~1.7 s on the 100 Mbit/s link), one timed all-reduce per algorithm, advise on 2 dense steps and 1 round
-    payload = cluster.main(["--quick", "--steps", "5", "--warmup", "2", "--iterations", "1", "--advise-steps", "2",
-                            "--advise-rounds", "1", "--run-timeout", "150", "--out", str(tmp_path)])
+    # Fewer steps and rounds than --quick's own: 3 timed steps of each configuration after 2 of warm-up, one timed
+    # all-reduce per algorithm, advise on 2 dense steps and 1 round; at 1 Gbit/s, not the targets' 100 Mbit/s (a dense
+    # step there is ~1.8 s: the run took 59 s, at 1 Gbit/s 30 s), so the targets are left unjudged: their verdicts are
+    # test_targets_met_and_missed's
+    payload = cluster.main(["--quick", "--rates", "1000", "--steps", "5", "--warmup", "2", "--iterations", "1",
+                            "--advise-steps", "2", "--advise-rounds", "1", "--run-timeout", "150", "--out",
+                            str(tmp_path)])
     for name in ("cluster.json", "cluster.txt", "cluster.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert json.loads((tmp_path / "cluster.json").read_text())["records"] == payload["records"]
@@ -136,7 +139,9 @@ def test_quick_run_on_a_simulated_cluster(tmp_path):
         assert 0.25 < rec["predicted_vs_measured"] < 4.0, rec
     (bus,) = payload["allreduce"]
     assert bus["error"] is None and bus["ring_busbw_GBps"] > 0 and bus["native_busbw_GBps"] > 0
-    assert set(payload["targets"]) == {"topk_speedup_vs_dense", "ring_busbw_vs_native"}
+    verdicts = [line for line in (tmp_path / "cluster.txt").read_text().splitlines() if line.startswith("target")]
+    assert payload["targets"] == {} and len(verdicts) == 2
+    assert all(line.endswith("MISSED (not measured)") for line in verdicts)
 
 
 # -- the two-tier part (--two-tier, lightning_dist.benchmarks.tiers): summaries and verdicts on hand-made records --
