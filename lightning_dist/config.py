@@ -156,6 +156,7 @@ class DiLoCoConf:  # sync=diloco: lightning_dist.sync.DiLoCo's arguments
     balance: str = MISSING  # batches | steps: how workers of different speeds meet at a sync
     final_sync: bool = MISSING  # every worker meets once more when the fit ends (every rank ends with theta_global)
     validate: str = MISSING  # global | worker: the model validation runs on
+    warmup: int = MISSING  # the first optimizer steps average the workers after every step (0: none)
 
 
 @dataclass
@@ -501,8 +502,9 @@ def _sync_problems(cfg: DictConfig) -> list[str]:
                         "compression=)")
     warmup, max_steps = getattr(settings, "warmup", None), cfg.trainer.get("max_steps", -1)
     if isinstance(warmup, int) and max_steps is not None and 0 < max_steps <= warmup:
-        problems.append(f"sync.warmup={warmup} with trainer.max_steps={max_steps}: the dense warm-up must end before "
-                        f"the fit does; use sync.warmup < {max_steps}, or a fraction such as sync.warmup=0.2")
+        fraction = ", or a fraction such as sync.warmup=0.2" if name == "onebit_adam" else ""
+        problems.append(f"sync.warmup={warmup} with trainer.max_steps={max_steps}: the warm-up must end before the "
+                        f"fit does; use sync.warmup < {max_steps}{fraction}")
     return problems
 
 

@@ -30,6 +30,7 @@ from lightning_dist.testing import RecordingLogger, ToyClassifier, launched_exte
 
 N_SAMPLES, BATCH = 96, 8
 EVERY = 4
+WARMUP = 3  # DiLoCo(warmup=...)'s fits: steps 1-3 average, then the first cycle is partial (one step, to step 4)
 EPOCHS = 2
 TOLERANCE = 2e-5  # relative to the parameters' largest value: float rounding of other summation orders
 # Net's parameters in the module's order: net.0.weight (512), net.0.bias (32), net.2.weight (160), net.2.bias (5);
@@ -121,7 +122,7 @@ def _fit(strategy, world, hosts=1, model=None, callbacks=(), epochs=EPOCHS, ckpt
 # -- the one-process replay -----------------------------------------------------------------------------------------
 def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=DiLoCo.outer_lr,
            outer_momentum=DiLoCo.outer_momentum, epochs=EPOCHS, batches=None, fragments=1, delay=0, mix=0.5, steps=None,
-           final_sync=True):
+           final_sync=True, warmup=0):
     """Each worker's parameters after every step, and at the end of the fit, and the workers' ranks, by the contract
     alone (the module's docstring; streaming's, tests/test_sync_streaming.py: ``fragments`` cut by :data:`CUTS`,
     ``delay`` and ``mix``). ``hosts > 1``: workers of ``world // hosts`` ranks, whose gradient is the mean of their
@@ -131,7 +132,9 @@ def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=DiLoCo.outer_l
     ``steps`` (``balance="steps"``, flat): per rank the inner steps of each training step, each its own mean-loss
     step on one of the rank's ``batches`` (which then hold every inner step's ``(x, y)``).
     ``final_sync``: after the last step what is in flight lands, every fragment whose sync did not start after that
-    step syncs (its partial cycle, no delay), and every worker takes ``theta_global`` (DiLoCo(final_sync=True))."""
+    step syncs (its partial cycle, no delay), and every worker takes ``theta_global`` (DiLoCo(final_sync=True)).
+    ``warmup``: after each of the first ``warmup`` steps every fragment's ``theta_global`` becomes itself minus the mean
+    pseudo-gradient (the workers' mean), with no outer momentum, and every worker takes it."""
     per = world // hosts if hosts > 1 else 1
     workers = [list(range(w * per, (w + 1) * per)) for w in range(world // per)]
     x, y = Net().data()
@@ -157,12 +160,16 @@ def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=DiLoCo.outer_l
             return {i: sum(m * (theta[i] - list(models[w].parameters())[i]) for w, m in enumerate(weights))
                     for i in cut[fragment]}
 
-    def land(fragment, mean, snapshots):
+    def land(fragment, mean, snapshots, averages=False):
         with torch.no_grad():
             for i in cut[fragment]:
-                theta[i].grad = mean[i]
-            outer.step()
-            outer.zero_grad(set_to_none=True)
+                if averages:
+                    theta[i].sub_(mean[i])
+                else:
+                    theta[i].grad = mean[i]
+            if not averages:
+                outer.step()
+                outer.zero_grad(set_to_none=True)
             for w, model in enumerate(models):
                 params = list(model.parameters())
                 for i in cut[fragment]:
@@ -200,7 +207,10 @@ def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=DiLoCo.outer_l
             for item in [p for p in pending if p[0] == step]:
                 pending.remove(item)
                 land(*item[1:])
-            if step % spacing == 0:
+            if step <= warmup:
+                for fragment in range(len(cut)):
+                    land(fragment, mean_of(fragment), None, averages=True)
+            elif step % spacing == 0:
                 fragment = (step % every) // spacing
                 mean = mean_of(fragment)
                 snapshots = [[p.detach().clone() for p in model.parameters()] for model in models]
@@ -212,7 +222,7 @@ def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=DiLoCo.outer_l
                 for item in pending:  # every fragment whose sync did not start after it syncs, all take theta
                     land(*item[1:])
                 pending = []
-                for fragment in range(len(cut)):
+                for fragment in range(len(cut) if step > warmup else 0):
                     if step % spacing or (step % every) // spacing != fragment:
                         land(fragment, mean_of(fragment), None)
                 with torch.no_grad():
@@ -238,6 +248,8 @@ def _run_flat(rank, world, ckpt_dir):
         for optimizer in ("sgd", "adamw"):
             _, record = _fit(_strategy(DiLoCo(every=EVERY)), world, model=Net(optimizer))
             out[("replay", optimizer)] = record.params
+        _, record = _fit(_strategy(DiLoCo(every=EVERY, warmup=WARMUP)), world, model=Net("adamw"))
+        out[("replay", "adamw", WARMUP)] = record.params
         if world == 3:
             return out
         # every compressor on the pseudo-gradient: ranks identical after each sync, residuals carried
@@ -314,6 +326,9 @@ def _run_hosts(rank, world, ckpt_dir):
             _, record = _fit(_strategy(DiLoCo(every=EVERY), topology="two_tier"), world, hosts=2,
                              model=Net(optimizer))
             out[("replay", optimizer)] = record.params
+        _, record = _fit(_strategy(DiLoCo(every=EVERY, warmup=WARMUP), topology="two_tier"), world, hosts=2,
+                         model=Net("adamw"))
+        out[("replay", "adamw", WARMUP)] = record.params
         for name in ("int8", "topk", "powersgd"):
             compressor = {"name": name, **SETTINGS.get(name, {})}
             trainer, record = _fit(_strategy(DiLoCo(every=EVERY, compressor=compressor), topology="two_tier"), world,
@@ -352,9 +367,9 @@ def hosts(tmp_path_factory):
     return run_ranks(_run_hosts, 4, str(tmp_path_factory.mktemp("sync4")), deadline_s=240)
 
 
-def _check_replay(runs, world, hosts_, optimizer):
-    expected, _, workers = replay(world, hosts_, optimizer)
-    got = [runs[rank][("replay", optimizer)] for rank in range(world)]
+def _check_replay(runs, world, hosts_, optimizer, warmup=0):
+    expected, _, workers = replay(world, hosts_, optimizer, warmup=warmup)
+    got = [runs[rank][("replay", optimizer, warmup) if warmup else ("replay", optimizer)] for rank in range(world)]
     for w, ranks in enumerate(workers):
         for rank in ranks:
             assert len(got[rank]) == len(expected[w])
@@ -364,7 +379,7 @@ def _check_replay(runs, world, hosts_, optimizer):
     for step in range(len(expected[0])):
         for ranks in workers:
             assert all(torch.equal(got[rank][step], got[ranks[0]][step]) for rank in ranks)
-        if (step + 1) % EVERY == 0 or step == len(expected[0]) - 1:  # every sync, and the final sync
+        if (step + 1) % EVERY == 0 or step < warmup or step == len(expected[0]) - 1:  # every sync, the final sync
             assert all(torch.equal(got[rank][step], got[0][step]) for rank in range(world)), f"step {step + 1}"
 
 
@@ -384,6 +399,13 @@ def test_three_flat_ranks_replay_diloco(flat3, optimizer):
 @pytest.mark.parametrize("optimizer", ("sgd", "adamw"))
 def test_two_hosts_of_two_replay_diloco(hosts, optimizer):
     _check_replay(hosts, 4, 2, optimizer)
+
+
+def test_a_warm_up_that_averages_every_step_replays_flat_and_two_tier(flat2, hosts):
+    _check_replay(flat2, 2, 1, "adamw", warmup=WARMUP)
+    _check_replay(hosts, 4, 2, "adamw", warmup=WARMUP)
+    # the warm-up's steps are other steps than the plain run's: the runs part after the first step
+    assert not torch.equal(flat2[0][("replay", "adamw", WARMUP)][0], flat2[0][("replay", "adamw")][0])
 
 
 def test_hetero_batches_weigh_ranks_and_workers_by_samples(hosts):

@@ -20,6 +20,7 @@ from lightning_dist.sync.diloco import DiLoCoSync, Workers, _buckets, fragment_c
     ({"compressor": "zip"}, "zip"),
     ({"final_sync": "yes"}, "final_sync='yes'"), ({"final_sync": 1}, "sync.final_sync=true or false"),
     ({"validate": "best"}, "validate='best'"), ({"validate": None}, "sync.validate=global or worker"),
+    ({"warmup": -1}, "warmup=-1"), ({"warmup": 0.2}, "sync.warmup=100"), ({"warmup": True}, "warmup=True"),
 ])
 def test_bad_settings_are_refused_naming_the_value(bad, words):
     with pytest.raises(ValueError, match=words.replace(".", r"\.").replace("(", r"\(")):
@@ -315,6 +316,57 @@ def test_the_workers_meet_on_the_loops_thread_only_where_a_sync_runs_in_the_step
     delayed = DiLoCoSync(DiLoCo(every=4, fragments=2, delay=1), Workers(((0,), (1,)), rank=0), "auto", None)
     delayed.attach(module)
     assert [s for s in steps if delayed.meets(s)] == [4, 8, 12]  # once per H: the first fragment's start
+
+
+def test_the_warm_up_averages_every_fragment_after_each_step_then_the_outer_steps_start():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    sync = _bound(DiLoCo(every=4, fragments=2, warmup=3, outer_lr=0.7, outer_momentum=0.9), model)
+    assert [s for s in range(1, 13) if sync.due(s)] == [1, 2, 3, 4, 6, 8, 10, 12]  # warm-up, then fragments' offsets
+    assert [s for s in range(1, 13) if sync.meets(s)] == [1, 2, 3, 4, 6, 8, 10, 12]
+    for step in range(1, 7):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * step)  # the worker's inner progress
+            moved = [p.detach().clone() for p in model.parameters()]
+        results = sync.sync_after(step=step)
+        if step <= 3:  # one worker: its parameters are the mean, taken whole, and no momentum is built
+            assert [r.fragment for r in results] == [0, 1] and not sync._outer.state
+            assert all(torch.equal(m, p) for m, p in zip(moved, model.parameters()))
+            reference = [m.clone() for m in moved]
+            outer = torch.optim.SGD(reference, lr=0.7, momentum=0.9, nesterov=True)
+        elif step in (4, 6):  # fragment 0 (offset 0), then fragment 1 (offset 2), each on its partial cycle
+            (result,) = results
+            index = sync.fragments[result.fragment].params
+            with torch.no_grad():
+                for i, (r, m) in enumerate(zip(reference, moved)):
+                    r.grad = (r - m) if i in index else None
+            outer.step()
+            for i, (r, p) in enumerate(zip(reference, model.parameters())):
+                assert torch.equal(r, p) if i in index else not torch.equal(r, p)
+        else:
+            assert results == []
+    assert [sync.fragments[0].params, sync.fragments[1].params] == [[0], [1, 2, 3]]  # both checked above
+    assert sync.outer_steps == 3 * 2 + 2
+    # with a delay the warm-up syncs in its steps all the same, and the first exchange in flight starts after it
+    delayed = _bound(DiLoCo(every=4, fragments=2, delay=1, warmup=3), model)
+    assert [s for s in range(1, 13) if delayed.meets(s)] == [1, 2, 3, 4, 8, 12]
+    assert [len(delayed.sync_after(step=s)) for s in range(1, 8)] == [2, 2, 2, 0, 1, 0, 1]
+    assert [ex.lands for ex in delayed.inflight] == [] and delayed.outer_steps == 8
+
+
+def test_a_fit_that_ends_in_its_warm_up_has_nothing_left_to_sync():
+    model = torch.nn.Linear(3, 2)
+    sync = _bound(DiLoCo(every=4, warmup=5), model)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    assert len(sync.sync_after(step=2)) == 1
+    assert sync.final_sync(step=2) == [] and sync.outer_steps == 1
+
+
+def test_warm_up_describes_itself():
+    assert DiLoCo(every=50, warmup=100).describe().endswith("compressor=none, warmup=100)")
+    assert "warmup" not in DiLoCo(every=50).describe()
 
 
 # -- the end of a fit and validation (issue 43) ----------------------------------------------------------------------

@@ -429,9 +429,9 @@ def test_the_sync_group_gives_the_strategy_a_diloco(tmp_path):
     sync = build(_compose("sync=diloco"), str(tmp_path), 0.0)[0].strategy.sync
     assert sync.describe() == "DiLoCo(every=50, outer_lr=0.7, outer_momentum=0.8, compressor=none)"
     cfg = _compose("sync=diloco", "sync.every=5", "sync.outer_lr=1.0", "sync.outer_momentum=0",
-                   "sync.compressor={name:topk,ratio:0.02}")
+                   "sync.compressor={name:topk,ratio:0.02}", "sync.warmup=10")
     sync = build(cfg, str(tmp_path), 0.0)[0].strategy.sync
-    assert (sync.every, sync.outer_lr, sync.outer_momentum) == (5, 1.0, 0.0)
+    assert (sync.every, sync.outer_lr, sync.outer_momentum, sync.warmup) == (5, 1.0, 0.0, 10)
     assert sync.compressor.describe() == "topk(ratio=0.02, values=bf16)+ef"
     assert build(_compose("sync=every_step"), str(tmp_path), 0.0)[0].strategy.sync is None
 
@@ -460,8 +460,11 @@ def test_a_diloco_setting_without_the_group_names_it(monkeypatch):
     with pytest.raises(ValueError, match="it is a setting of sync=diloco, onebit_adam: choose one, e.g. sync=diloco "
                                          "sync.compressor=int8"):
         complete_overrides(["sync.compressor=int8"])
-    with pytest.raises(ValueError, match="it is a setting of sync=onebit_adam: use sync=onebit_adam sync.warmup=0.2"):
-        complete_overrides(["sync.warmup=0.2"])
+    with pytest.raises(ValueError, match="it is a setting of sync=onebit_adam: use sync=onebit_adam sync.refresh=25"):
+        complete_overrides(["sync.refresh=25"])
+    with pytest.raises(ValueError, match="it is a setting of sync=diloco, onebit_adam: choose one, e.g. sync=diloco "
+                                         "sync.warmup=100"):
+        complete_overrides(["sync.warmup=100"])
     with pytest.raises(ValueError, match="use sync=diloco sync.every=5"):
         complete_overrides(["sync=every_step", "sync.every=5"])
     with pytest.raises(ValueError, match="no sync option has it; sync=diloco's settings are balance, compressor, "
@@ -478,6 +481,9 @@ def test_a_diloco_setting_without_the_group_names_it(monkeypatch):
     (["+sync.evry=5"], r"DiLoCo has no setting\(s\) \['evry'\]"),  # `+` adds past any schema: DiLoCo refuses it
     (["sync.outer_momentum=1.0"], r"outer_momentum=1.0\) must be in \[0, 1\)"),
     (["sync.compressor=int9"], r"compressor='int9' is unknown.*on the command line sync.compressor=int8"),
+    (["sync.warmup=-1"], r"DiLoCo\(warmup=-1\): .* an int >= 0"),
+    (["sync.warmup=200", "trainer.max_steps=200"], "sync.warmup=200 with trainer.max_steps=200: the warm-up must end "
+                                                   "before the fit does; use sync.warmup < 200$"),
     (["compression=int8"], "sync=diloco with compression=int8: .*compress the pseudo-gradient instead: "
                            r"sync.compressor=int8 \(and drop compression=\)"),
     (["strategy=ddp"], "sync=diloco needs strategy=ring_ddp .*; drop sync= or use strategy=ring_ddp"),
@@ -587,5 +593,5 @@ def test_the_lm_trains_with_diloco_from_the_command(tmp_path):
     assert summary["config"] == expected
     assert summary["config"]["sync"] == {"name": "diloco", "every": 2, "outer_lr": 0.7, "outer_momentum": 0.8,
                                          "compressor": "int8", "fragments": 1, "delay": 0, "mix": 0.5,
-                                         "balance": "batches", "final_sync": True, "validate": "global"}
+                                         "balance": "batches", "final_sync": True, "validate": "global", "warmup": 0}
     assert summary["sync"].startswith("DiLoCo(every=2, ") and "int8" in summary["sync"]

@@ -72,6 +72,7 @@ class Method:
     delay: Optional[int] = None  # DiLoCo(delay=tau): inner steps a fragment's exchange overlaps before it lands
     mix: Optional[float] = None  # DiLoCo(mix=alpha) for a delayed fragment
     balance: Optional[str] = None  # DiLoCo(balance=...) for workers of different speeds
+    warmup: Optional[int] = None  # DiLoCo(warmup=W): the first W steps average the workers after every step
     onebit: bool = False  # OneBitAdam() with its defaults: Adam's momentum compressed after a dense warm-up
     final_sync: bool = True  # DiLoCo's meeting after the last step; off in the timing fits (no step's time)
 
@@ -83,7 +84,8 @@ class Method:
         """The sync driver (None: every step); raises DiLoCo's ValueError for a refused combination."""
         if not self.diloco:
             return OneBitAdam() if self.onebit else None
-        streaming = {k: v for k in ("fragments", "delay", "mix", "balance") if (v := getattr(self, k)) is not None}
+        streaming = {k: v for k in ("fragments", "delay", "mix", "balance", "warmup")
+                     if (v := getattr(self, k)) is not None}
         return DiLoCo(every=self.every, final_sync=self.final_sync,  # the outer optimizer's defaults
                       compressor=dict(self.sync_compressor) if self.sync_compressor else None, **streaming)
 
@@ -107,6 +109,7 @@ METHODS = {m.label: m for m in (
     Method("onebit-adam", onebit=True),
     *(Method(f"diloco{h}{suffix}", every=h, sync_compressor=codec)
       for h in (10, 50) for suffix, codec in (("", None), ("/int8", INT8), ("/topk1%", TOPK))),
+    *(Method(f"diloco50+warmup{w}", every=50, warmup=w) for w in (50, 100)),
 )}
 DENSE = "dense"
 PER_STEP_COMPRESSORS = ("topk1%", "powersgd-r2")
@@ -139,7 +142,8 @@ class Sizes:
     heads: int
     context: int  # bytes per window
     batch_size: int  # windows per rank and step (4 ranks: the global batch is 4x)
-    train_bytes: int  # StdlibText's training stream: steps x global batch windows fit once (no repeat)
+    train_bytes: int  # StdlibText's training stream (FULL's 1 MiB is read ~3.2 times in 1,600 steps; without
+    # repeats DiLoCo's gap to dense grew: docs/sync.md)
     warmup_steps: int  # ByteLM's linear learning-rate warm-up
     steps: int  # optimizer steps at equal samples (dense DDP's whole curve); a multiple of every H and of eval_every
     horizon: int  # the other methods' curves go on to this many steps, to time where they reach dense's final loss

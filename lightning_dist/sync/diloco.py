@@ -28,6 +28,11 @@ the worker's gradient; its state stays the worker's own (never reset, never aver
 5. every rank sets its parameters to ``theta_global``; floating buffers (BatchNorm statistics) become the mean over
    the workers (integer ones, such as ``num_batches_tracked``, the floor of the mean).
 
+**The warm-up** (``DiLoCo(warmup=W)``): after each of the fit's first ``W`` optimizer steps every fragment syncs, in
+the step, with step 4 replaced by plain averaging (``theta_global`` minus the mean pseudo-gradient: the workers'
+weighted mean; the outer momentum is not touched). The syncs every H steps follow from step ``W + 1`` on, on their
+usual steps (a cycle after the warm-up may be partial: its pseudo-gradient covers the steps since the last sync).
+
 The bytes of step 2 are recorded in the strategy's step statistics under the tier the sync crosses, so the sync step's
 ``dist/*`` metrics and the fit's totals show them; :attr:`DiLoCoSync.metrics` holds the ``sync/*`` figures.
 
@@ -199,6 +204,7 @@ class Exchange:
     waited: float = 0.0  # the main thread's part
     bytes_sent: int = 0  # this rank's bytes across workers, recorded in the step's stats so far
     norm: Optional[float] = None  # the mean pseudo-gradient's norm, once reduced (NaN: skip)
+    averages: bool = False  # a warm-up step's: theta_global takes the mean (learning rate 1, no momentum)
 
 
 class DiLoCoSync:
@@ -297,23 +303,31 @@ class DiLoCoSync:
         self._outer = torch.optim.SGD(self._global, lr=self.settings.outer_lr, momentum=self.settings.outer_momentum,
                                       nesterov=self.settings.outer_momentum > 0)
 
+    def warming(self, global_step: int) -> bool:
+        """Whether the optimizer step that made ``global_step`` is one of the warm-up's (``DiLoCo(warmup=...)``):
+        every fragment averages after it."""
+        return 0 < global_step <= self.settings.warmup
+
     def due(self, global_step: int) -> bool:
         """Whether the optimizer step that made ``global_step`` is followed by a fragment's sync starting or landing
         (the same on every rank)."""
-        return self._starting(global_step) is not None or any(ex.lands == global_step for ex in self.inflight)
+        return (self.warming(global_step) or self._starting(global_step) is not None
+                or any(ex.lands == global_step for ex in self.inflight))
 
     def meets(self, global_step: int) -> bool:
         """Whether the workers meet on the training loop's thread in the step that makes ``global_step``: a sync runs
         in it (no delay), or, with a delay (the exchanges run beside the loop), the first fragment's sync starts after
         it: once per H steps. Where a collective of every rank costs no extra wait (the strategy's SIGTERM
         broadcast)."""
+        if self.warming(global_step):
+            return True
         fragment = self._starting(global_step)
         return fragment is not None and (not self.settings.delay or fragment.index == 0)
 
     def _starting(self, global_step: int) -> Optional[Fragment]:
         """The fragment whose sync starts after the optimizer step that made ``global_step`` (at most one: the
-        offsets differ)."""
-        if global_step <= 0:
+        offsets differ; none in the warm-up, whose steps sync every fragment)."""
+        if global_step <= self.settings.warmup:
             return None
         phase = global_step % self.settings.every
         return next((f for f in self.fragments if f.offset == phase), None)
@@ -355,6 +369,9 @@ class DiLoCoSync:
         workers saw a non-finite value.
         """
         results = [self._land(ex, stats, tier, flags_group) for ex in list(self.inflight) if ex.lands == step]
+        if self.warming(step):  # (nothing is in flight: the first delayed exchange starts after the warm-up)
+            return results + [self._land(self._start(fragment, step, stats, tier, delay=0, averages=True), stats, tier,
+                               flags_group) for fragment in self.fragments]
         fragment = self._starting(step)
         if fragment is not None:
             exchange = self._start(fragment, step, stats, tier)
@@ -365,12 +382,12 @@ class DiLoCoSync:
         return results
 
     def _start(self, fragment: Fragment, step: int, stats: Optional[CommStats], tier: str,
-               delay: Optional[int] = None) -> Exchange:
+               delay: Optional[int] = None, averages: bool = False) -> Exchange:
         """The fragment's weighted pseudo-gradient into its buckets, and its reduction: here (no delay) or on the
-        sync's thread (``delay``: the settings' unless given)."""
+        sync's thread (``delay``: the settings' unless given). ``averages``: a warm-up step's (no outer momentum)."""
         started = time.perf_counter()
         delay = self.settings.delay if delay is None else delay
-        exchange = Exchange(fragment, step, step + delay, list(fragment.samples))
+        exchange = Exchange(fragment, step, step + delay, list(fragment.samples), averages=averages)
         weight = self.weight(fragment.index)
         fragment.samples = [0.0] * self.workers.count
         with torch.no_grad():
@@ -478,9 +495,14 @@ class DiLoCoSync:
             else:
                 for bucket in fragment.buckets:
                     for i, (start, end) in zip(bucket.index, bucket.spans):
-                        self._global[i].grad = bucket.flat[start:end].view(self._global[i].shape)
-                self._outer.step()
-                self._outer.zero_grad(set_to_none=True)
+                        reduced = bucket.flat[start:end].view(self._global[i].shape)
+                        if exchange.averages:  # theta_global - mean(theta_global - theta_w): the workers' mean
+                            self._global[i].sub_(reduced)
+                        else:
+                            self._global[i].grad = reduced
+                if not exchange.averages:
+                    self._outer.step()
+                    self._outer.zero_grad(set_to_none=True)
                 if fragment.buffers and exchange.buffers is not None:
                     for keep, mean in zip(self._global_buffers, exchange.buffers):
                         keep.copy_(mean)
@@ -527,7 +549,7 @@ class DiLoCoSync:
         now, in the step (its partial cycle's pseudo-gradient, workers weighted by their samples since its last sync,
         as every sync's), and every rank's parameters and buffers become ``theta_global`` and the averaged buffers."""
         results = self.finish(stats, tier, flags_group)
-        if step > 0:
+        if step > 0 and not self.warming(step):  # a warm-up step synced every fragment already
             for fragment in self.fragments:
                 if step % self.settings.every != fragment.offset:  # a partial cycle since its last sync
                     results.append(self._land(self._start(fragment, step, stats, tier, delay=0), stats, tier,
