@@ -1,13 +1,16 @@
 """Elastic training on the simulated cluster: 3 hosts under ``torchrun --nnodes 2:3`` with a c10d rendezvous on host 0
-(which no fault touches: it holds the rendezvous). A host killed and later back, a host's link cut, a host that gets
-notice and leaves: the survivors go on, every global batch is the uninterrupted run's, each sample is applied once per
+(which no fault touches: it holds the rendezvous). A host killed and later back, a host that gets notice and leaves:
+the survivors go on, every global batch is the uninterrupted run's, each sample is applied once per
 epoch, the accuracy and the loss curve are the uninterrupted run's, no worker is left behind, and recovery is within
 its bound (:func:`lightning_dist.benchmarks.elastic.judge`; a leave's is the benchmark's, untimed here: below). Under
 PowerSGD (per-rank and shared state), a restart without a host trains on and says once what was lost. Syncing every H
 steps (DiLoCo), a lost worker's samples since the sync train again on the survivors. Skipped, with the reason, where
-namespaces cannot be made.
+namespaces cannot be made. A host's link cut under the elastic launch is the benchmark's (``python -m
+lightning_dist.benchmarks.elastic``: its 20 random trials draw cuts); how a cut ends every rank, and the resume after
+it, are tests/test_simcluster.py's. It left this module to keep the suite within its 15 minutes (a cut job waits out
+the watchdog's timeout, then restarts: ~35 s of a lane).
 
-The six jobs (the uninterrupted reference, on one host, and five with faults) run two at a time
+The five jobs (the uninterrupted reference, on one host, and four with faults) run two at a time
 (:func:`side_by_side`): a job spends much of its time starting processes on one core, or waiting for a rendezvous
 or a watchdog."""
 
@@ -23,17 +26,15 @@ REASON = unavailable()
 # the fixture runs every job: two lanes of two jobs, each ended at its own deadline, and their clean-up
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.timeout(600)]
 DEADLINE_S = 240  # a job that hangs is ended, and judged: two in a lane end well before the module's timeout
-# 3 epochs of 15 global batches, as the benchmark runs: the kill, the return and the cut land in the first, so
-# that the survivors of each cross an epoch's start at the new size, and a return (which takes effect 20-30 s after
-# the host is back, beside a second job) still finds training left to do (at 2 epochs it once came after the end)
+# 3 epochs of 15 global batches, as the benchmark runs: the kill and the return land in the first, so that the
+# survivors cross an epoch's start at the new size, and the join finds training left to do
 EPOCHS = 3
-# taken in this order by the two lanes: the reference (short) first beside the kill, so that the cut strikes after it
+# taken in this order by the two lanes: the reference (short) beside the kill, then the rest as lanes free
 TRIALS = {
     "kill_and_back": Trial("kill", host=2, position=5, rejoin_at=7, epochs=EPOCHS),
     # on one host: its global batches, their samples and its losses are the 3-host run's (the global batch is fixed,
     # only its split follows the world), so the trials at 3 and 2 hosts are judged against another world size too
     "reference": Trial(epochs=EPOCHS, hosts=1),
-    "cut": Trial("cut", host=1, position=12, epochs=EPOCHS),
     # PowerSGD holds both kinds of state (per-rank residuals, shared factors); every stateful compressor's state
     # mapping by identity is tests/test_elastic_pure.py's, without a cluster
     "powersgd": Trial("kill", host=1, position=5, compression="powersgd", epochs=1),
@@ -67,12 +68,6 @@ def test_a_host_killed_then_back_costs_no_sample(runs, reference):
     rejoined = [a for a in record["attempts"] if a["first_done"] > record["rejoined"]]
     assert rejoined and rejoined[0]["first_done"] - record["rejoined"] < 60  # a join costs no more than a restart
     assert record["resumed_from"][-1].startswith(str(out / "checkpoints" / "preempted-step="))  # the agreed stop
-
-
-def test_a_host_cut_off_costs_no_sample(runs, reference):
-    record, _ = runs["cut"]
-    assert judge(record, reference) == []
-    assert [a["world_size"] for a in record["attempts"]] == [3, 2]
 
 
 def test_a_stateful_compressor_trains_on_and_warns_once(runs):

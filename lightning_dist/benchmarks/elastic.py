@@ -9,6 +9,7 @@ Target: every trial passes. Method and results: docs/benchmarks.md.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -134,9 +135,10 @@ def run_trial(trial: Trial, out: Path, deadline_s: float = DEADLINE_S) -> dict[s
         procs: dict[int, Any] = {}
 
         held: dict[int, Path] = {}  # a joining host's agent, loaded and waiting for its go file (:func:`release`)
+        holds = itertools.count()  # each hold's own go file
 
         def start(host: int, hold: bool = False) -> None:
-            go = out / f"host{host}.go{len(held)}" if hold else None
+            go = out / f"host{host}.go{next(holds)}" if hold else None
             with open(out / f"host{host}.log", "a") as log:
                 procs[host] = cluster.popen(host, cluster.torchrun(host, args, port=PORT, nnodes=f"{low}:{HOSTS}",
                                                                    max_restarts=3, rdzv=RDZV,
