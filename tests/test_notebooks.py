@@ -16,6 +16,8 @@ import psutil
 import pytest
 from nbclient import NotebookClient
 
+from lightning_dist.testing import side_by_side
+
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 CELL_TIMEOUT_S = 150  # the longest cell trains several 2-rank jobs: ~20 s on 2 cores with small settings
@@ -24,13 +26,13 @@ MIN_FIGURES = {"01-quickstart.ipynb": 4, "02-compression.ipynb": 4, "03-heteroge
                "04-sync-every-h.ipynb": 2}  # two figures of two panels each
 
 
-def _execute(nb, cwd):
+def _execute(nb, cwd, env=None):
     # shutdown_kernel="immediate": at the end, or when a cell fails or times out, the kernel is killed at once
     # with its process group (jupyter_client starts it in a session of its own), forked ranks included, rather
-    # than asked to shut down while a rank may be stuck in a collective
+    # than asked to shut down while a rank may be stuck in a collective. ``env``: the kernel's (default: ours)
     client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", shutdown_kernel="immediate",
                             resources={"metadata": {"path": str(cwd)}})
-    return client.execute()
+    return client.execute(**({"env": env} if env is not None else {}))
 
 
 def _gone(pid):
@@ -80,16 +82,36 @@ def test_processes_the_kernel_started_end_with_it(kernel_run):
     assert _gone(pid), f"process {pid}, started by the kernel, outlived it"
 
 
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """Every notebook executed on small settings, two at a time (:func:`~lightning_dist.testing.side_by_side`: a
+    kernel's start and imports leave the second core idle), the longest first: name -> (the executed notebook, the
+    error a cell raised or None, seconds). A failing notebook does not stop the others."""
+    def run(path):
+        tmp = tmp_path_factory.mktemp(path.stem)
+        # the notebooks' run directories (tempfile.mkdtemp) go to TMPDIR; built here, inside the lane, so that the
+        # kernel also carries side_by_side's tag (it kills every process a failing lane started)
+        env = {**os.environ, "LIGHTNING_DIST_NB_SMALL": "1", "TMPDIR": str(tmp),
+               "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
+        nb = nbformat.read(path, as_version=4)
+        started = time.perf_counter()
+        try:
+            _execute(nb, tmp, env)  # raises CellExecutionError, with the cell and its traceback, if any cell fails
+        except Exception as err:  # noqa: BLE001 - reported by the notebook's own test
+            return nb, err, time.perf_counter() - started
+        return nb, None, time.perf_counter() - started
+
+    longest_first = sorted(NOTEBOOKS, key=lambda p: p.name == "01-quickstart.ipynb")
+    results = side_by_side(*(lambda p=p: run(p) for p in longest_first))
+    return {p.name: result for p, result in zip(longest_first, results)}
+
+
 @pytest.mark.slow  # each trains 2-rank jobs forked from its kernel: 10-25 s on 2 cores
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs_on_small_settings(path, tmp_path, monkeypatch):
-    monkeypatch.setenv("LIGHTNING_DIST_NB_SMALL", "1")  # the kernel inherits this process's environment
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebooks' run directories (tempfile.mkdtemp) go here too
-    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-    nb = nbformat.read(path, as_version=4)
-    started = time.perf_counter()
-    _execute(nb, tmp_path)  # raises CellExecutionError, with the cell and its traceback, if any cell fails
-    elapsed = time.perf_counter() - started
+def test_notebook_runs_on_small_settings(path, executed):
+    nb, error, elapsed = executed[path.name]
+    if error is not None:
+        raise error
     outputs = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
     assert not [out for out in outputs if out.output_type == "error"]
     figures = sum(1 for out in outputs if "image/png" in out.get("data", {}))

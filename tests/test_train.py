@@ -20,6 +20,7 @@ import lightning_dist.train  # noqa: F401 - registers the schema
 from lightning_dist.compression import COMPRESSORS
 from lightning_dist.config import OPTION_SCHEMAS, complete_overrides, validate
 from lightning_dist.sync import SYNCS, DiLoCo, as_sync
+from lightning_dist.testing import side_by_side
 from lightning_dist.train import build
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,30 +116,68 @@ def test_limit_batches_keep_their_int_or_float_meaning():
     assert cfg.trainer.limit_val_batches == 0.5
 
 
+LM_SHORTER = ["sync.every=2", "trainer.max_steps=4", "trainer.val_check_interval=3", "trainer.limit_val_batches=2",
+              "trainer.enable_progress_bar=false"]  # the documented LM command, shortened (its test below)
+SHORT = ["trainer.limit_train_batches=6", "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1",
+         "trainer.enable_model_summary=false"]
+
+
+def _launcher_args(start_method):
+    # popen re-runs the command per rank (Lightning passes Hydra the run directory); spawn pickles the job
+    # spawn also pickles NaNRecovery and MemoryMonitor into the ranks
+    extra = ["callbacks=[dist_metrics,nan_recovery,memory_monitor]"] if start_method == "spawn" else []
+    return extra + [f"strategy.start_method={start_method}", "trainer.max_epochs=1", "trainer.limit_train_batches=3",
+                    "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false"]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Every command this module launches, two at a time (:func:`~lightning_dist.testing.side_by_side`: a launch
+    spends seconds importing on one core), the longest first: name -> (the finished process, its run directory)."""
+    tmp = tmp_path_factory.mktemp("cli")
+
+    def run(name, args, timeout=300, env=None, sweep=False):
+        out = tmp / name
+        where = f"hydra.{'sweep' if sweep else 'run'}.dir={out}"
+        return subprocess.run(CLI + args + [where], capture_output=True, text=True, timeout=timeout, env=env), out
+
+    def short_then_resumed():  # one epoch of 6 steps, then a second epoch resumed from its checkpoint
+        first, out = run("first", SHORT + ["trainer.max_epochs=1"], timeout=240,
+                         env={**os.environ, "TORCH_DISTRIBUTED_DEBUG": "INFO"})
+        ckpt = out / "checkpoints" / "last.ckpt"
+        second = run("second", SHORT + ["trainer.max_epochs=2", f"ckpt_path={ckpt}"], timeout=240)
+        return (first, out), second
+
+    jobs = {
+        # the README's main job (its first command), unchanged but for the output directory and a quiet progress bar
+        "default": lambda: run("default", ["trainer.enable_progress_bar=false"]),
+        "short": short_then_resumed,
+        "spawn": lambda: run("spawn", _launcher_args("spawn")),
+        "popen": lambda: run("popen", _launcher_args("popen")),
+        "lm": lambda: run("lm", _documented_lm_command() + LM_SHORTER, timeout=240),
+        "multirun": lambda: run("multirun", ["-m", "strategy.algorithm=ring,native", "trainer.max_epochs=1",
+                                             "trainer.limit_train_batches=3", "trainer.limit_val_batches=1",
+                                             "trainer.enable_progress_bar=false"], sweep=True),
+        "typo": lambda: run("typo", ["trainer.max_epoch=3"], timeout=120),
+        "bad_compressor": lambda: run("bad_compressor", ["compression=topk", "compression.ratio=0"], timeout=120),
+    }
+    return dict(zip(jobs, side_by_side(*jobs.values())))
+
+
 @pytest.mark.slow  # a subprocess of the command
-def test_cli_rejects_a_typo_before_starting_any_rank(tmp_path):
-    proc = subprocess.run(CLI + ["trainer.max_epoch=3", f"hydra.run.dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=120)
+def test_cli_rejects_a_typo_before_starting_any_rank(launched):
+    proc, _ = launched["typo"]
     assert proc.returncode != 0
     assert "max_epoch" in proc.stderr
     assert "Initializing distributed" not in proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="module")
-def short_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("train")
-    common = ["trainer.limit_train_batches=6", "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1",
-              "trainer.enable_model_summary=false"]
-    first = subprocess.run(CLI + common + ["trainer.max_epochs=1", f"hydra.run.dir={out / 'first'}"],
-                           capture_output=True, text=True, timeout=240,
-                           env={**os.environ, "TORCH_DISTRIBUTED_DEBUG": "INFO"})
+def short_run(launched):
+    (first, out), (second, _) = launched["short"]
     assert first.returncode == 0, first.stderr[-3000:]
-    ckpt = out / "first" / "checkpoints" / "last.ckpt"
-    second = subprocess.run(CLI + common + ["trainer.max_epochs=2", f"ckpt_path={ckpt}",
-                                            f"hydra.run.dir={out / 'second'}"],
-                            capture_output=True, text=True, timeout=240)
     assert second.returncode == 0, second.stderr[-3000:]
-    return out, first, second
+    return out.parent, first, second
 
 
 @pytest.mark.slow  # the command on 2 ranks, and a resume
@@ -166,39 +205,28 @@ def test_checkpoint_holds_plain_types_and_resume_continues(short_run):
 
 
 @pytest.mark.slow  # the command's default job, 10 epochs on 2 ranks
-def test_the_default_job_reaches_97_percent(tmp_path):
-    # the README's main job (its first command), unchanged but for the output directory and a quiet progress bar
-    proc = subprocess.run(CLI + [f"hydra.run.dir={tmp_path}", "trainer.enable_progress_bar=false"],
-                          capture_output=True, text=True, timeout=300)
+def test_the_default_job_reaches_97_percent(launched):
+    proc, out = launched["default"]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
     assert summary["metrics"]["val/acc"] >= 0.97, summary["metrics"]
     assert summary["epochs"] == 10 and summary["world_size"] == 2
 
 
 @pytest.mark.slow  # two runs of the command
-def test_multirun_runs_each_job(tmp_path):
-    proc = subprocess.run(CLI + ["-m", "strategy.algorithm=ring,native", "trainer.max_epochs=1",
-                                 "trainer.limit_train_batches=3", "trainer.limit_val_batches=1",
-                                 "trainer.enable_progress_bar=false", f"hydra.sweep.dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=300)
+def test_multirun_runs_each_job(launched):
+    proc, out = launched["multirun"]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    algorithms = [json.loads((tmp_path / str(job) / "summary.json").read_text())["algorithm"] for job in (0, 1)]
+    algorithms = [json.loads((out / str(job) / "summary.json").read_text())["algorithm"] for job in (0, 1)]
     assert algorithms == ["ring", "native"]
 
 
 @pytest.mark.slow  # the command on 2 ranks
 @pytest.mark.parametrize("start_method", ["popen", "spawn"])
-def test_other_launchers_run_the_command(tmp_path, start_method):
-    # popen re-runs the command per rank (Lightning passes Hydra the run directory); spawn pickles the job
-    # spawn also pickles NaNRecovery and MemoryMonitor into the ranks
-    extra = ["callbacks=[dist_metrics,nan_recovery,memory_monitor]"] if start_method == "spawn" else []
-    proc = subprocess.run(CLI + extra + [f"strategy.start_method={start_method}", "trainer.max_epochs=1",
-                                 "trainer.limit_train_batches=3", "trainer.limit_val_batches=1",
-                                 "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=300)
+def test_other_launchers_run_the_command(launched, start_method):
+    proc, out = launched[start_method]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
     assert summary["global_step"] == 3 and summary["config"]["strategy"]["start_method"] == start_method
     if start_method == "spawn":  # MemoryMonitor's estimate and peaks in summary.json
         memory = summary["memory_monitor"]
@@ -231,9 +259,8 @@ def test_the_compression_group_builds_the_strategys_compressor(tmp_path):
 
 
 @pytest.mark.slow  # a subprocess of the command
-def test_cli_rejects_a_bad_compressor_argument_before_starting_any_rank(tmp_path):
-    proc = subprocess.run(CLI + ["compression=topk", "compression.ratio=0", f"hydra.run.dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=120)
+def test_cli_rejects_a_bad_compressor_argument_before_starting_any_rank(launched):
+    proc, _ = launched["bad_compressor"]
     assert proc.returncode != 0
     assert "ratio=0 must be in (0, 1]" in proc.stderr
     assert "Initializing distributed" not in proc.stdout + proc.stderr
@@ -567,14 +594,12 @@ def test_the_summary_asks_for_a_validation_after_the_last_step():
 
 
 @pytest.mark.slow  # the command on 2 ranks
-def test_the_lm_trains_with_diloco_from_the_command(tmp_path):
+def test_the_lm_trains_with_diloco_from_the_command(launched):
     """The sync page's LM command, as documented but for 4 steps (syncs every 2): the summary holds the validation of
     the model the run ends with (a validation every 3 steps would leave step 4 unvalidated; the final one runs after
     step 4), and the run's configuration is the documented command's."""
-    shorter = ["sync.every=2", "trainer.max_steps=4", "trainer.val_check_interval=3", "trainer.limit_val_batches=2",
-               "trainer.enable_progress_bar=false"]
-    proc = subprocess.run(CLI + _documented_lm_command() + shorter + [f"hydra.run.dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=240)
+    proc, tmp_path = launched["lm"]
+    shorter = LM_SHORTER
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["global_step"] == 4 and summary["world_size"] == 2
