@@ -16,7 +16,7 @@ import psutil
 import pytest
 from nbclient import NotebookClient
 
-from lightning_dist.testing import side_by_side
+from lightning_dist.testing import free_port, side_by_side
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
@@ -90,8 +90,9 @@ def executed(tmp_path_factory):
     def run(path):
         tmp = tmp_path_factory.mktemp(path.stem)
         # the notebooks' run directories (tempfile.mkdtemp) go to TMPDIR; built here, inside the lane, so that the
-        # kernel also carries side_by_side's tag (it kills every process a failing lane started)
-        env = {**os.environ, "LIGHTNING_DIST_NB_SMALL": "1", "TMPDIR": str(tmp),
+        # kernel also carries side_by_side's tag (it kills every process a failing lane started); a port of its own
+        # for the ranks its fits fork: two kernels each finding a free one at once can pick the same (free_port)
+        env = {**os.environ, "LIGHTNING_DIST_NB_SMALL": "1", "TMPDIR": str(tmp), "MASTER_PORT": str(free_port()),
                "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
         nb = nbformat.read(path, as_version=4)
         started = time.perf_counter()

@@ -20,7 +20,7 @@ import lightning_dist.train  # noqa: F401 - registers the schema
 from lightning_dist.compression import COMPRESSORS
 from lightning_dist.config import OPTION_SCHEMAS, complete_overrides, validate
 from lightning_dist.sync import SYNCS, DiLoCo, as_sync
-from lightning_dist.testing import side_by_side
+from lightning_dist.testing import free_port, side_by_side
 from lightning_dist.train import build
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,11 +139,13 @@ def launched(tmp_path_factory):
     def run(name, args, timeout=300, env=None, sweep=False):
         out = tmp / name
         where = f"hydra.{'sweep' if sweep else 'run'}.dir={out}"
+        # a port of its own: two jobs each finding a free one at once can pick the same (testing.free_port)
+        env = {**os.environ, "MASTER_PORT": str(free_port()), **(env or {})}
         return subprocess.run(CLI + args + [where], capture_output=True, text=True, timeout=timeout, env=env), out
 
     def short_then_resumed():  # one epoch of 6 steps, then a second epoch resumed from its checkpoint
         first, out = run("first", SHORT + ["trainer.max_epochs=1"], timeout=240,
-                         env={**os.environ, "TORCH_DISTRIBUTED_DEBUG": "INFO"})
+                         env={"TORCH_DISTRIBUTED_DEBUG": "INFO"})
         ckpt = out / "checkpoints" / "last.ckpt"
         second = run("second", SHORT + ["trainer.max_epochs=2", f"ckpt_path={ckpt}"], timeout=240)
         return (first, out), second
