@@ -601,7 +601,6 @@ def test_the_lm_trains_with_diloco_from_the_command(launched):
     the model the run ends with (a validation every 3 steps would leave step 4 unvalidated; the final one runs after
     step 4), and the run's configuration is the documented command's."""
     proc, tmp_path = launched["lm"]
-    shorter = LM_SHORTER
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["global_step"] == 4 and summary["world_size"] == 2
@@ -614,8 +613,8 @@ def test_the_lm_trains_with_diloco_from_the_command(launched):
     assert float(rows[-1]["val/loss"]) == pytest.approx(summary["metrics"]["val/loss"])
     assert "validated after step 4 of 4" in proc.stdout and "train/loss=" in proc.stdout
     # the documented command's configuration, with only the test's shortenings changed
-    expected = OmegaConf.to_container(_compose(*complete_overrides(_documented_lm_command() + shorter)), resolve=True,
-                                      enum_to_str=True)
+    documented = _compose(*complete_overrides(_documented_lm_command() + LM_SHORTER))
+    expected = OmegaConf.to_container(documented, resolve=True, enum_to_str=True)
     expected["callbacks"]["checkpoint"]["dirpath"] = str(tmp_path / "checkpoints")
     assert summary["config"] == expected
     assert summary["config"]["sync"] == {"name": "diloco", "every": 2, "outer_lr": 0.7, "outer_momentum": 0.8,
