@@ -180,8 +180,8 @@ def test_quick_run_curves_and_bytes(quick):
     assert set(curves) == {"dense", "diloco10"}
     for c in curves.values():
         assert c["error"] is None, c["error"]
-        horizon = [10, 20] if c["method"] == "dense" else [10, 20, 30, 40]  # the others go on to find dense's loss
-        assert c["curve_steps"] == horizon and c["equal_steps"] == 20 and 0 < c["final_loss"] < math.log(256)
+        # DiLoCo ends at equal samples, with its final sync (only per-step compressors go on, to find dense's loss)
+        assert c["curve_steps"] == [10, 20] and c["equal_steps"] == 20 and 0 < c["final_loss"] < math.log(256)
         assert c["final_loss"] == c["curve_loss"][1]  # the quality at equal samples
     # every byte across workers is the pseudo-gradient's: one dense all-reduce per H steps
     ratio = curves["diloco10"]["bytes_across_per_step"] / curves["dense"]["bytes_across_per_step"]

@@ -131,8 +131,9 @@ def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=DiLoCo.outer_l
     sync.
     ``steps`` (``balance="steps"``, flat): per rank the inner steps of each training step, each its own mean-loss
     step on one of the rank's ``batches`` (which then hold every inner step's ``(x, y)``).
-    ``final_sync``: after the last step what is in flight lands, every fragment whose sync did not start after that
-    step syncs (its partial cycle, no delay), and every worker takes ``theta_global`` (DiLoCo(final_sync=True)).
+    ``final_sync``: after the last step, in place of the sync due there, what is in flight lands, every fragment's
+    ``theta_global`` becomes itself minus the mean pseudo-gradient since its last sync (the workers' mean, no outer
+    momentum), and every worker takes ``theta_global`` (DiLoCo(final_sync=True)).
     ``warmup``: after each of the first ``warmup`` steps every fragment's ``theta_global`` becomes itself minus the mean
     pseudo-gradient (the workers' mean), with no outer momentum, and every worker takes it."""
     per = world // hosts if hosts > 1 else 1
@@ -207,7 +208,17 @@ def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=DiLoCo.outer_l
             for item in [p for p in pending if p[0] == step]:
                 pending.remove(item)
                 land(*item[1:])
-            if step <= warmup:
+            if final_sync and step == epochs * steps_per_epoch:  # its last step: what is in flight lands, every
+                for item in pending:  # fragment averages the workers, and they all take theta
+                    land(*item[1:])
+                pending = []
+                for fragment in range(len(cut)):
+                    land(fragment, mean_of(fragment), None, averages=True)
+                with torch.no_grad():
+                    for model in models:
+                        for p, g in zip(model.parameters(), theta):
+                            p.copy_(g)
+            elif step <= warmup:
                 for fragment in range(len(cut)):
                     land(fragment, mean_of(fragment), None, averages=True)
             elif step % spacing == 0:
@@ -218,17 +229,6 @@ def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=DiLoCo.outer_l
                     pending.append((step + delay, fragment, mean, snapshots))
                 else:
                     land(fragment, mean, None)
-            if final_sync and step == epochs * steps_per_epoch:  # in its last step: what is in flight lands,
-                for item in pending:  # every fragment whose sync did not start after it syncs, all take theta
-                    land(*item[1:])
-                pending = []
-                for fragment in range(len(cut) if step > warmup else 0):
-                    if step % spacing or (step % every) // spacing != fragment:
-                        land(fragment, mean_of(fragment), None)
-                with torch.no_grad():
-                    for model in models:
-                        for p, g in zip(model.parameters(), theta):
-                            p.copy_(g)
             for w in range(len(workers)):
                 history[w].append(_flat(models[w]))
     for item in pending:  # final_sync=False: what is in flight lands as the fit ends

@@ -160,8 +160,9 @@ def test_two_flat_ranks_replay_streaming(flat2, case, optimizer):
 
 
 def test_workers_differ_between_syncs_and_the_final_sync_lands_what_is_in_flight_first(flat2):
-    # the last case (F=2, tau=3): 12 steps; 6 exchanges, of which the one started after step 12 is in flight at the
-    # end: it lands in the final sync, then fragment 1 (last synced after step 10) takes a 7th outer step
+    # the last case (F=2, tau=3): 12 steps; 5 exchanges (after steps 2-10; the one due after step 12 is the final
+    # sync's), of which the one started after step 10 is in flight at the end: it lands in the final sync, then
+    # fragment 0 (last synced after step 8) and fragment 1 average their steps since: 7 syncs
     steps, skipped, inflight = flat2[0]["counts"]
     assert (steps, skipped, inflight) == (7, 0, 0)
     a, b = flat2[0][("replay", 2, 3, 0.5, "adamw")][0], flat2[1][("replay", 2, 3, 0.5, "adamw")][0]
@@ -225,8 +226,8 @@ def test_sync_metrics_after_every_landing(flat2):
     logged = flat2[0]["logged"]
     syncs = [(step, m) for step, m in logged if "sync/waited_s" in m]
     # 6 steps of one epoch: exchanges land after steps 3 and 5 (fragment 1 from step 2, fragment 0 from step 4);
-    # the final sync after step 6 lands fragment 1's (started there), then fragment 0's partial cycle
-    assert [(step, m["sync/fragment"]) for step, m in syncs] == [(3, 1.0), (5, 0.0), (6, 0.0)]
+    # the final sync after step 6 averages fragment 0's steps since step 4, then fragment 1's (in place of its sync)
+    assert [(step, m["sync/fragment"]) for step, m in syncs] == [(3, 1.0), (5, 0.0), (6, 1.0)]
     for _, m in syncs:
         assert m["sync/bytes_per_sync"] > 0 and 0 <= m["sync/waited_s"] <= m["sync/seconds"]
 

@@ -146,7 +146,7 @@ class Sizes:
     # repeats DiLoCo's gap to dense grew: docs/sync.md)
     warmup_steps: int  # ByteLM's linear learning-rate warm-up
     steps: int  # optimizer steps at equal samples (dense DDP's whole curve); a multiple of every H and of eval_every
-    horizon: int  # the other methods' curves go on to this many steps, to time where they reach dense's final loss
+    horizon: int  # per-step compressors' curves go on to this many steps, to time where they reach dense's final loss
     eval_every: int  # steps between curve points (DiLoCo: the first multiple of H at or above it)
     val_windows: int  # held-out windows per evaluation, spread evenly over the held-out stream
     min_timed_steps: int  # a DiLoCo timing fit's timed cycles: at least 2, and at least this many steps
@@ -956,15 +956,18 @@ def _logs(out: Path) -> Path:
 
 def run_curves(args: argparse.Namespace, shape: str, methods: dict[str, Method], steps: int,
                horizon: Optional[int] = None) -> list[dict[str, Any]]:
-    """Every method's curve on ``shape``'s loopback ranks, to ``steps`` (dense) or ``horizon`` (the others; default
-    ``steps``); quality at ``args.sizes.steps``. A failed fit is a record with its error."""
+    """Every method's curve on ``shape``'s loopback ranks, to ``steps`` (dense, DiLoCo) or ``horizon`` (per-step
+    compressors; default ``steps``); quality at ``args.sizes.steps``. A DiLoCo fit ends there: its last point is the
+    model its final sync leaves (the workers' mean), where one going on holds the outer step's ``theta_global``. A
+    failed fit is a record with its error."""
     val_batch(args.sizes)  # read the library once, before the ranks fork
     records = []
     for label, method in methods.items():
         started = time.perf_counter()
         try:
             outs = run_ranks(_loopback_rank, SHAPES[shape].world, method, shape, args.sizes,
-                             steps if label == DENSE else horizon or steps, deadline_s=args.run_timeout)
+                             steps if label == DENSE or method.diloco else horizon or steps,
+                             deadline_s=args.run_timeout)
             rec = curve_record(outs, shape, args.sizes.steps)
             bench.progress(f"[sync] curve {shape:<8} {label:<15} final val loss "
                            f"{bench.cell(rec['final_loss'], '.4f')}, "

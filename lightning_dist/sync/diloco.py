@@ -55,8 +55,11 @@ its step, steps 1-5 as above: ``F = 1`` is the synchronous sync, bit for bit. Wi
   every worker, as without a delay: the worker whose value was not finite would otherwise keep it.
 
 **The end of a fit** (``DiLoCo(final_sync=True)``, the default: :meth:`DiLoCoSync.final_sync`): what is in flight
-lands, then every fragment with a partial cycle takes one more outer step, in the step, and every rank leaves the fit
-holding ``theta_global``. **Validation** (``validate="global"``, the default) runs on ``theta_global`` and the averaged
+lands, then every fragment with steps since its last sync averages them, in the step, as a warm-up step does (step 4
+replaced by plain averaging: no outer step's extrapolation in the model the fit leaves), and every rank leaves the fit
+holding ``theta_global``, the workers' weighted mean. Where the fit's end is known in its last step (``max_steps``,
+``max_epochs``), the sync due after that step is this averaging; a stop found after it (a stop a callback sets) keeps
+that sync's outer step. **Validation** (``validate="global"``, the default) runs on ``theta_global`` and the averaged
 buffers, swapped in (:meth:`DiLoCoSync.swap_in_global`) and each rank's own parameters put back afterwards, bit for
 bit.
 
@@ -185,6 +188,7 @@ class Fragment:
     compressor: Compressor  # its own copy: error feedback per fragment
     samples: list[float]  # per worker, since this fragment's last sync (heterogeneous batches)
     buffers: bool  # whether the model's buffers are averaged with it (the first fragment)
+    started: int = -1  # the step after which its last sync started (-1: none in this fit yet)
 
 
 @dataclass
@@ -204,7 +208,7 @@ class Exchange:
     waited: float = 0.0  # the main thread's part
     bytes_sent: int = 0  # this rank's bytes across workers, recorded in the step's stats so far
     norm: Optional[float] = None  # the mean pseudo-gradient's norm, once reduced (NaN: skip)
-    averages: bool = False  # a warm-up step's: theta_global takes the mean (learning rate 1, no momentum)
+    averages: bool = False  # a warm-up step's or the final sync's: theta_global takes the mean (lr 1, no momentum)
 
 
 class DiLoCoSync:
@@ -388,6 +392,7 @@ class DiLoCoSync:
         started = time.perf_counter()
         delay = self.settings.delay if delay is None else delay
         exchange = Exchange(fragment, step, step + delay, list(fragment.samples), averages=averages)
+        fragment.started = step
         weight = self.weight(fragment.index)
         fragment.samples = [0.0] * self.workers.count
         with torch.no_grad():
@@ -545,15 +550,17 @@ class DiLoCoSync:
     def final_sync(self, step: int, stats: Optional[CommStats] = None, tier: str = "inter_host",
                    flags_group: Optional[dist.ProcessGroup] = None) -> list[SyncResult]:
         """The end of a fit after optimizer step ``step`` (``DiLoCo(final_sync=True)``), on every rank together: the
-        exchanges in flight land (:meth:`finish`), then every fragment whose sync did not start after ``step`` syncs
-        now, in the step (its partial cycle's pseudo-gradient, workers weighted by their samples since its last sync,
-        as every sync's), and every rank's parameters and buffers become ``theta_global`` and the averaged buffers."""
+        exchanges in flight land (:meth:`finish`), then every fragment whose sync did not start after ``step`` averages
+        the workers, in the step (its pseudo-gradient since its last sync, workers weighted by their samples, as every
+        sync's; ``theta_global`` minus it, as a warm-up step: no outer momentum), and every rank's parameters and
+        buffers become ``theta_global`` and the averaged buffers. Called instead of :meth:`sync_after` in a last step
+        known as such, it takes the place of the sync due there."""
         results = self.finish(stats, tier, flags_group)
-        if step > 0 and not self.warming(step):  # a warm-up step synced every fragment already
+        if step > 0:
             for fragment in self.fragments:
-                if step % self.settings.every != fragment.offset:  # a partial cycle since its last sync
-                    results.append(self._land(self._start(fragment, step, stats, tier, delay=0), stats, tier,
-                                              flags_group))
+                if fragment.started != step:  # steps since its last sync
+                    results.append(self._land(self._start(fragment, step, stats, tier, delay=0, averages=True), stats,
+                                              tier, flags_group))
         with torch.no_grad():
             for t, g in zip(self._tensors(), (*self._global, *self._global_buffers)):
                 t.copy_(g)

@@ -136,11 +136,11 @@ class DiLoCoDriver(DiLoCoSync, SyncDriver):
         return self.worker_verdict_group(self.context.guard, self.context.module)
 
     def after_step(self, global_step: int) -> None:
-        if self.due(global_step):
+        if self.settings.final_sync and ends_fit(self._trainer, global_step):
+            self._final_sync(global_step, "the fit's last step")  # in place of the sync due after it, if any
+        elif self.due(global_step):
             context = self.context
             self._report(self.sync_after(global_step, context.stats, self._tier(), flags_group=context.exchange_group))
-        if self.settings.final_sync and ends_fit(self._trainer, global_step):
-            self._final_sync(global_step, "the fit's last step")
 
     def _final_sync(self, step: int, why: str) -> None:
         """Every worker meets once more (the settings' ``final_sync``): every rank then holds ``theta_global``."""
@@ -150,7 +150,7 @@ class DiLoCoDriver(DiLoCoSync, SyncDriver):
         syncs = self.syncs
         self._report(self.final_sync(step, self.context.stats, self._tier(), self.context.exchange_group))
         rank_zero_info(f"RingDDPStrategy: DiLoCo's final sync after global step {step} ({why}): "
-                       f"{self.syncs - syncs} outer step(s); every rank holds theta_global")
+                       f"{self.syncs - syncs} fragment(s) averaged; every rank holds theta_global")
 
     @property
     def _trainer(self) -> Any:
