@@ -548,7 +548,8 @@ def check_targets(quality: Sequence[dict[str, Any]], combined: Sequence[dict[str
             out[f"quality/{label}"] = bench.target(q[label]["loss_vs_dense"], bound)
     for label, row in q.items():
         method = METHODS.get(label)
-        if method and method.diloco and method.sync_compressor != TOPK and row["bytes_vs_dense"] is not None:
+        if method and method.diloco and method.sync_compressor != TOPK and not method.warmup \
+                and row["bytes_vs_dense"] is not None:
             # dense DiLoCo sends exactly one step's gradient bytes per sync: 1/H on the nose, up to float rounding
             out[f"bytes/{label}"] = {**bench.target(row["bytes_vs_dense"], _bytes_bound(method) * (1 + 1e-9)),
                                      "bound": _bytes_bound(method)}
@@ -576,7 +577,8 @@ def target_lines(targets: dict[str, dict[str, Any]], methods: Sequence[str]) -> 
     where = f"{TARGET_SHAPE} ({SHAPES[TARGET_SHAPE].hosts} workers)"
     lines = [bench.judged(f"{where}: {label} final val loss within {bound:.1%} of dense's",
                           targets.get(f"quality/{label}"), "{value:+.2%}") for label, bound in QUALITY_BOUNDS.items()]
-    for label in (m for m in methods if METHODS[m].diloco and METHODS[m].sync_compressor != TOPK):
+    for label in (m for m in methods if METHODS[m].diloco and METHODS[m].sync_compressor != TOPK
+                  and not METHODS[m].warmup):
         t = targets.get(f"bytes/{label}")
         lines.append(bench.judged(f"{where}: {label} bytes across workers per inner step <= "
                                   f"{'1/(3.5 H)' if METHODS[label].sync_compressor == INT8 else '1/H'} of dense's",
@@ -593,7 +595,8 @@ def target_lines(targets: dict[str, dict[str, Any]], methods: Sequence[str]) -> 
 
     lines += [bench.judged(f"{where} @ {TARGET_RATE:g} Mbit/s: {label} to dense's final loss >= {TIME_VS_DENSE:g}x "
                            f"faster than dense, >= {TIME_VS_COMPRESSOR:g}x than the best per-step compressor",
-                           targets.get(f"time/{label}"), time_detail) for label in methods if METHODS[label].diloco]
+                           targets.get(f"time/{label}"), time_detail) for label in methods
+              if METHODS[label].diloco and not METHODS[label].warmup]
     lines.append(bench.judged(f"{where}: onebit-adam bytes across workers per step after the warm-up <= 1/25 of "
                               "dense's", targets.get("bytes/onebit-adam"), lambda t: f"1/{1 / t['value']:.1f}"))
     lines.append(bench.judged(f"{ONEBIT_SHAPE} @ {ONEBIT_RATE:g} Mbit/s: onebit-adam's step speed-up over dense >= "
@@ -662,7 +665,7 @@ def plot(curves: Sequence[dict[str, Any]], combined: Sequence[dict[str, Any]], r
     rows, cols = max(len(shapes), 1), len(rates) + 2
     fig, grid = bench.figure_grid(rows, cols, 4.6 * cols, 3.8 * rows)
     per_step = {(r["shape"], r["rate_mbit"], r["method"]): r["per_step_s"] for r in combined}
-    colors = {label: f"C{i}" for i, label in enumerate(METHODS)}
+    colors = {label: f"C{i % 10}" for i, label in enumerate(dict.fromkeys(c["method"] for c in curves))}
 
     def lines(ax: Any, mine: Sequence[dict[str, Any]], scale: Callable[[dict[str, Any]], Optional[float]]) -> None:
         for c in mine:
@@ -689,6 +692,7 @@ def plot(curves: Sequence[dict[str, Any]], combined: Sequence[dict[str, Any]], r
         bench.style(row[-1], xlabel="optimizer steps (equal samples)", ylabel="val loss, nats/byte",
                     title=f"{shape}: loss against steps")
         row[0].legend(fontsize="x-small")
+        row[-1].legend(fontsize="x-small")  # every curve's (a method without a timing has none in the first panels)
     return fig
 
 
@@ -889,7 +893,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
              "(sync-hetero.*: one host at half speed), or all of them (default methods)")
     add("--shapes", nargs="+", choices=list(SHAPES), help="default flat two_tier")
     add("--rates", type=float, nargs="+", help="link rates, Mbit/s (default 10 100)")
-    add("--methods", nargs="+", choices=list(METHODS), help=f"default all: {' '.join(METHODS)}".replace("%", "%%"))
+    add("--methods", nargs="+", choices=list(METHODS), help=f"default {' '.join(FULL.methods)}".replace("%", "%%"))
     add("--codec", default=stream.STREAM_CODEC,
         help=f"streaming and hetero: the pseudo-gradient's compressor (default {stream.STREAM_CODEC})")
     add("--every", type=int,
@@ -999,16 +1003,18 @@ def run_cluster(args: argparse.Namespace, logs: Path) -> tuple[list[dict[str, An
     run; returns the timing records and the validation's raw record."""
     timings: list[dict[str, Any]] = []
     validation_raw = None
+    # a warm-up's steps each sync: a time per step from its cycles would not hold for its first steps (no timing)
+    methods = [m for m in args.methods if not METHODS[m].warmup]
     for rate, shape_name in itertools.product(args.rates, args.shapes):
         shape = SHAPES[shape_name]
         where = f"{shape_name} ({shape.hosts}x{shape.per_host}) @ {rate:g} Mbit/s"
-        here = (not args.no_validate and VALIDATE_METHOD in args.methods
+        here = (not args.no_validate and VALIDATE_METHOD in methods
                 and (shape_name, rate) == (VALIDATE_SHAPE, VALIDATE_RATE))
-        bench.progress(f"[sync] timing {where}: {' '.join(args.methods)}"
+        bench.progress(f"[sync] timing {where}: {' '.join(methods)}"
                        + (f", then the full {VALIDATE_METHOD} run" if here else ""))
-        worker = ["--shape", shape_name, "--methods", *args.methods, *(["--validate", VALIDATE_METHOD] * here)]
+        worker = ["--shape", shape_name, "--methods", *methods, *(["--validate", VALIDATE_METHOD] * here)]
         ranks, validation, error, wall = cluster_job(args, shape, rate, worker, logs / f"{shape_name}_r{rate:g}.log",
-                                                     args.methods)
+                                                     methods)
         for label, mine in ranks.items():
             rec: dict[str, Any] = {"shape": shape_name, "rate_mbit": rate, "method": label}
             if mine:  # rank 0's

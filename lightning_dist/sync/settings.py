@@ -33,7 +33,8 @@ class DiLoCoSettings:
         outer_momentum: the outer SGD's Nesterov momentum, in ``[0, 1)``. 0.8 by default, under the paper's 0.9 (a
             run of thousands of inner steps from a pretrained model): on runs of 10-32 syncs from scratch 0.9
             overshoots. Measured (docs/sync.md): the digits job at H=20 reaches 97.8% at 0.8 against 96.5% at 0.9
-            (3 seeds), the sync benchmark's LM at H=50 and 1,600 steps +2.4% above dense against +3.5%.
+            (3 seeds), the sync benchmark's LM at H=50 and 1,600 steps +2.4% above dense against +3.5% (both with
+            an outer step at the end, before the final sync averaged).
         compressor: how the pseudo-gradient travels between workers: None (dense, by the strategy's algorithm), a
             compressor name (``"int8"``, ``"topk"``, ...: :func:`~lightning_dist.compression.build_compressor` with
             its defaults, error feedback included where it has it), a dict of ``build_compressor``'s arguments, or a
@@ -74,7 +75,7 @@ class DiLoCoSettings:
             ``every`` steps, with their outer momentum, start after it. Each warm-up step sends one model's worth
             across workers, as a sync does. 0 (the default) starts syncing every ``every`` steps from the first step.
             Measured (docs/sync.md): on the sync benchmark's LM at H=50 over 1,600 steps, 100 steps of warm-up
-            bring DiLoCo from +2.86% above dense AdamW to +1.15% (means of 3 seeds), for 130 exchanges of the model
+            bring DiLoCo from +1.65% above dense AdamW to -0.21% (means of 3 seeds), for 130 exchanges of the model
             instead of 32.
         validate: which model validation runs on: ``"global"`` (the default): ``theta_global`` and the averaged
             buffers, i.e. the model after the last sync that landed, swapped in for the validation loop and each
