@@ -80,6 +80,12 @@ class Method:
     def diloco(self) -> bool:
         return self.every > 1
 
+    @property
+    def steady(self) -> bool:
+        """Every step alike, so one time and one byte count per step hold for the run: no warm-up, whose steps each
+        sync (such a method is not timed, and DiLoCo's 1/H bytes bound is not judged on it)."""
+        return not self.warmup
+
     def settings(self) -> Optional[SyncDriver]:
         """The sync driver (None: every step); raises DiLoCo's ValueError for a refused combination."""
         if not self.diloco:
@@ -548,7 +554,7 @@ def check_targets(quality: Sequence[dict[str, Any]], combined: Sequence[dict[str
             out[f"quality/{label}"] = bench.target(q[label]["loss_vs_dense"], bound)
     for label, row in q.items():
         method = METHODS.get(label)
-        if method and method.diloco and method.sync_compressor != TOPK and not method.warmup \
+        if method and method.diloco and method.steady and method.sync_compressor != TOPK \
                 and row["bytes_vs_dense"] is not None:
             # dense DiLoCo sends exactly one step's gradient bytes per sync: 1/H on the nose, up to float rounding
             out[f"bytes/{label}"] = {**bench.target(row["bytes_vs_dense"], _bytes_bound(method) * (1 + 1e-9)),
@@ -577,8 +583,8 @@ def target_lines(targets: dict[str, dict[str, Any]], methods: Sequence[str]) -> 
     where = f"{TARGET_SHAPE} ({SHAPES[TARGET_SHAPE].hosts} workers)"
     lines = [bench.judged(f"{where}: {label} final val loss within {bound:.1%} of dense's",
                           targets.get(f"quality/{label}"), "{value:+.2%}") for label, bound in QUALITY_BOUNDS.items()]
-    for label in (m for m in methods if METHODS[m].diloco and METHODS[m].sync_compressor != TOPK
-                  and not METHODS[m].warmup):
+    for label in (m for m in methods if METHODS[m].diloco and METHODS[m].steady
+                  and METHODS[m].sync_compressor != TOPK):
         t = targets.get(f"bytes/{label}")
         lines.append(bench.judged(f"{where}: {label} bytes across workers per inner step <= "
                                   f"{'1/(3.5 H)' if METHODS[label].sync_compressor == INT8 else '1/H'} of dense's",
@@ -596,7 +602,7 @@ def target_lines(targets: dict[str, dict[str, Any]], methods: Sequence[str]) -> 
     lines += [bench.judged(f"{where} @ {TARGET_RATE:g} Mbit/s: {label} to dense's final loss >= {TIME_VS_DENSE:g}x "
                            f"faster than dense, >= {TIME_VS_COMPRESSOR:g}x than the best per-step compressor",
                            targets.get(f"time/{label}"), time_detail) for label in methods
-              if METHODS[label].diloco and not METHODS[label].warmup]
+              if METHODS[label].diloco and METHODS[label].steady]
     lines.append(bench.judged(f"{where}: onebit-adam bytes across workers per step after the warm-up <= 1/25 of "
                               "dense's", targets.get("bytes/onebit-adam"), lambda t: f"1/{1 / t['value']:.1f}"))
     lines.append(bench.judged(f"{ONEBIT_SHAPE} @ {ONEBIT_RATE:g} Mbit/s: onebit-adam's step speed-up over dense >= "
@@ -1003,8 +1009,7 @@ def run_cluster(args: argparse.Namespace, logs: Path) -> tuple[list[dict[str, An
     run; returns the timing records and the validation's raw record."""
     timings: list[dict[str, Any]] = []
     validation_raw = None
-    # a warm-up's steps each sync: a time per step from its cycles would not hold for its first steps (no timing)
-    methods = [m for m in args.methods if not METHODS[m].warmup]
+    methods = [m for m in args.methods if METHODS[m].steady]  # (Method.steady)
     for rate, shape_name in itertools.product(args.rates, args.shapes):
         shape = SHAPES[shape_name]
         where = f"{shape_name} ({shape.hosts}x{shape.per_host}) @ {rate:g} Mbit/s"

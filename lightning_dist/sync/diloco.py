@@ -374,8 +374,7 @@ class DiLoCoSync:
         """
         results = [self._land(ex, stats, tier, flags_group) for ex in list(self.inflight) if ex.lands == step]
         if self.warming(step):  # (nothing is in flight: the first delayed exchange starts after the warm-up)
-            return results + [self._land(self._start(fragment, step, stats, tier, delay=0, averages=True), stats, tier,
-                               flags_group) for fragment in self.fragments]
+            return results + [self._average_now(f, step, stats, tier, flags_group) for f in self.fragments]
         fragment = self._starting(step)
         if fragment is not None:
             exchange = self._start(fragment, step, stats, tier)
@@ -385,10 +384,17 @@ class DiLoCoSync:
                 results.append(self._land(exchange, stats, tier, flags_group))
         return results
 
+    def _average_now(self, fragment: Fragment, step: int, stats: Optional[CommStats], tier: str,
+                     flags_group: Optional[dist.ProcessGroup]) -> SyncResult:
+        """A warm-up step's or the final sync's: the fragment's exchange in the step, landed as the workers' weighted
+        mean (``theta_global`` minus the mean pseudo-gradient; no outer step, the momentum untouched)."""
+        return self._land(self._start(fragment, step, stats, tier, delay=0, averages=True), stats, tier, flags_group)
+
     def _start(self, fragment: Fragment, step: int, stats: Optional[CommStats], tier: str,
                delay: Optional[int] = None, averages: bool = False) -> Exchange:
         """The fragment's weighted pseudo-gradient into its buckets, and its reduction: here (no delay) or on the
-        sync's thread (``delay``: the settings' unless given). ``averages``: a warm-up step's (no outer momentum)."""
+        sync's thread (``delay``: the settings' unless given). ``averages``: it lands as the workers' mean
+        (:meth:`_average_now`)."""
         started = time.perf_counter()
         delay = self.settings.delay if delay is None else delay
         exchange = Exchange(fragment, step, step + delay, list(fragment.samples), averages=averages)
@@ -559,8 +565,7 @@ class DiLoCoSync:
         if step > 0:
             for fragment in self.fragments:
                 if fragment.started != step:  # steps since its last sync
-                    results.append(self._land(self._start(fragment, step, stats, tier, delay=0, averages=True), stats,
-                                              tier, flags_group))
+                    results.append(self._average_now(fragment, step, stats, tier, flags_group))
         with torch.no_grad():
             for t, g in zip(self._tensors(), (*self._global, *self._global_buffers)):
                 t.copy_(g)
