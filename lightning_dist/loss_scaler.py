@@ -8,12 +8,16 @@ it after ``growth_interval`` good steps. DeepSpeed's dynamic loss scaler adds tw
 - **a minimum scale**: the scale never drops below ``min_scale``; a bad step that would cut it further sets
   :attr:`exhausted`, which :class:`~lightning_dist.callbacks.NaNRecovery` turns into a stop on every rank.
 
-And two for :class:`~lightning_dist.strategy.RingDDPStrategy`'s step-or-skip point, which decides before
+And three for :class:`~lightning_dist.strategy.RingDDPStrategy`'s step-or-skip point, which decides before
 Lightning's precision plugin runs:
 
 - :meth:`unscale_` is idempotent within a step: the strategy unscales (one pass over the reduced, identical
   gradients: the check that every rank agrees on without a collective), the plugin's own call is then a no-op;
-- :meth:`skip` records the skip in the scaler's counters exactly as ``step`` + ``update`` would.
+- :meth:`skip` records the skip in the scaler's counters exactly as ``step`` + ``update`` would;
+- :meth:`agree` makes one rank's non-finite gradient every rank's bad step, where the ranks do not hold the same
+  reduced gradient before the step (``sync=OneBitAdam`` after its warm-up): torch's scaler decides per rank, and a
+  rank that skips the step while its peers enter the step's collectives hangs them. :meth:`plain` gives torch's
+  GradScaler's behaviour in this class, for that.
 
 The scale is kept as a Python float next to torch's tensor (updated where :meth:`update` already synchronises),
 so the strategy can read it before each backward without a device synchronisation.
@@ -28,6 +32,7 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
 
@@ -75,6 +80,15 @@ class LossScaler(torch.amp.GradScaler):
                                  "backoff_factor": new._backoff_factor, "growth_interval": new._growth_interval})
         return new
 
+    @classmethod
+    def plain(cls, scaler: torch.amp.GradScaler) -> LossScaler:
+        """A LossScaler that behaves as torch's GradScaler ``scaler`` (its settings and state; every bad step cuts the
+        scale, no floor above float32's smallest normal number), for what needs :meth:`unscale_` idempotent or
+        :meth:`agree`: a way of syncing whose ranks do not all hold the reduced gradient before the step."""
+        return cls.like(scaler, init_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
+                        backoff_factor=scaler.get_backoff_factor(), growth_interval=scaler.get_growth_interval(),
+                        hysteresis=1, min_scale=float(torch.finfo(torch.float32).tiny))
+
     @property
     def scale_value(self) -> float:
         """The current scale as a float, without a device synchronisation."""
@@ -93,6 +107,27 @@ class LossScaler(torch.amp.GradScaler):
         self.unscale_(optimizer)
         return bool(sum(v.item() for v in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()))
 
+    def agree(self, optimizer: torch.optim.Optimizer, group: Optional[dist.ProcessGroup]) -> bool:
+        """Unscale ``optimizer``'s gradients (once per step) and make the step bad on every rank of ``group`` where any
+        rank found a non-finite gradient (one all-reduce of one number; every rank of ``group`` must call it). Where
+        gradients are not reduced before the step, each rank's own check differs: a rank that skips ``step`` while
+        its peers enter the collectives inside it would hang them. Returns whether the step is bad."""
+        bad = self.found_inf(optimizer)
+        if not self._enabled or not dist.is_initialized() or dist.get_world_size(group) == 1:
+            return bad
+        flag = torch.tensor([float(bad)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if flag.item() and not bad:
+            self._mark_bad(self._per_optimizer_states[id(optimizer)])
+        return bool(flag.item())
+
+    def _mark_bad(self, state: dict[str, Any]) -> None:
+        if not state["found_inf_per_device"]:  # nothing to unscale (no gradients): still a bad step
+            assert self._scale is not None
+            state["found_inf_per_device"] = {self._scale.device: torch.ones((), device=self._scale.device)}
+        for found in state["found_inf_per_device"].values():
+            found.fill_(1.0)
+
     def skip(self, optimizer: torch.optim.Optimizer) -> None:
         """Record a skipped step for ``optimizer`` (its gradients unscaled and found non-finite), as
         ``step`` would, without stepping; :meth:`update` then backs off."""
@@ -101,11 +136,7 @@ class LossScaler(torch.amp.GradScaler):
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
-        if not state["found_inf_per_device"]:  # nothing to unscale (no gradients): still a bad step
-            assert self._scale is not None
-            state["found_inf_per_device"] = {self._scale.device: torch.ones((), device=self._scale.device)}
-        for found in state["found_inf_per_device"].values():
-            found.fill_(1.0)
+        self._mark_bad(state)
         state["stage"] = OptState.STEPPED
 
     def update(self, new_scale: Optional[float | torch.Tensor] = None) -> None:

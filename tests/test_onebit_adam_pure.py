@@ -57,7 +57,8 @@ class _Guard:
 
 def _driver(model, compressor="none", bound=4.5, checkpoint=None):
     """A driver of one rank (no group), bound to ``model``."""
-    context = SimpleNamespace(module=model, topology=None, rank=0, world_size=1, algorithm="auto", timeout=None,
+    context = SimpleNamespace(module=model, ddp=SimpleNamespace(find_unused_parameters=False), topology=None, rank=0,
+                              world_size=1, algorithm="auto", timeout=None,
                               stats=CommStats(), guard=_Guard(), checkpoint=checkpoint, share=lambda: 1.0,
                               record_skip=lambda *a: None, reduction=lambda: GradientGroups(None, None, 1, False, []))
     return OneBitAdamDriver(OneBitAdam(warmup=1, compressor=compressor, bound=bound), context)

@@ -94,7 +94,7 @@ def test_a_drivers_check_refuses_before_any_process():
 class Net(ToyClassifier):
     def __init__(self):
         super().__init__(features=16, hidden=(32,), classes=5, samples=96, batch_size=8, momentum=0.9, lr=0.1,
-                         distributed_sampler=True, seed=0)
+                         distributed_sampler=True, seed=0, keep_batches=True)
 
 
 class Params(Callback):
@@ -107,12 +107,13 @@ class Params(Callback):
         self.params.append(torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()]).clone())
 
 
-def _fit(sync, epochs=2, ckpt_path=None):
+def _fit(sync, epochs=2, ckpt_path=None, **strategy):
     pl.seed_everything(0, verbose=False)
     record = Params()
-    trainer = quiet_trainer(devices=WORLD, strategy=RingDDPStrategy(sync=sync, timeout=60, start_method="fork"),
-                            max_epochs=epochs, callbacks=[record], use_distributed_sampler=False)
-    trainer.fit(Net(), ckpt_path=ckpt_path)
+    trainer = quiet_trainer(devices=WORLD, max_epochs=epochs, callbacks=[record], use_distributed_sampler=False,
+                            strategy=RingDDPStrategy(sync=sync, timeout=60, start_method="fork", **strategy))
+    trainer.fit(model := Net(), ckpt_path=ckpt_path)
+    trainer.seen = model.seen
     return trainer, record.params
 
 
@@ -130,6 +131,9 @@ def _run(rank, world, ckpt_dir):
         out["saved"] = torch.load(path, weights_only=True)["lightning_dist"]["sync"] if rank == 0 else None
         trainer, out["resumed"] = _fit(ParameterAveraging(EVERY), ckpt_path=path)
         out["resumed_syncs"] = features_of(trainer.strategy).sync.syncs
+        # uneven batches: a rank's share of its gradient is taken among its worker's ranks (itself), not every rank
+        trainer, params = _fit(ParameterAveraging(EVERY), epochs=1, hetero={"batch_sizes": [12, 4]})
+        out["hetero"] = (params[0], trainer.seen[0])
     return out
 
 
@@ -171,3 +175,16 @@ def test_the_example_saves_and_resumes(ranks):
         assert len(out["resumed"]) == STEPS_PER_EPOCH  # the second epoch, the same steps as uninterrupted
         for mine, uninterrupted in zip(out["resumed"], out["averaging"][STEPS_PER_EPOCH:]):
             assert torch.equal(mine, uninterrupted)
+
+
+@pytest.mark.slow
+def test_under_uneven_batches_each_rank_steps_on_its_own_mean_gradient(ranks):
+    # the example leaves the share to the strategy, which takes it among the worker's ranks: each rank's first step is
+    # plain SGD on its own batch's mean loss at the full learning rate (12 and 4 samples), not lr times its share
+    for rank, out in enumerate(ranks):
+        first, (x, y) = out["hetero"]
+        assert len(y) == (12, 4)[rank]
+        model = Net()
+        torch.nn.functional.cross_entropy(model.net(x), y).backward()
+        expected = torch.cat([(p - 0.1 * p.grad).detach().reshape(-1) for p in model.parameters()])
+        assert torch.allclose(first, expected, rtol=0, atol=1e-6), float((first - expected).abs().max())

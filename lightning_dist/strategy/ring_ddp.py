@@ -29,6 +29,7 @@ Features (callbacks, experiments, benchmarks) use the strategy only through :att
 
 from __future__ import annotations
 
+import copy
 import time
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence, Union
@@ -144,6 +145,7 @@ class RingDDPStrategy(DDPStrategy):
             ddp_comm_wrapper=ddp_comm_wrapper, model_averaging_period=model_averaging_period)
         self._sync = as_sync(sync)
         compressor = as_compressor(compressor)
+        self._compressor = compressor  # the settings: each fit reduces through a fresh copy (setup_distributed)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
@@ -164,6 +166,7 @@ class RingDDPStrategy(DDPStrategy):
         self._meter = StepMeter()  # this rank's per-step measurements; its step count is the strategy's
         self._micro = MicroBatches()  # a share run as several micro-batches (hetero accumulate), or as inner steps
         self._driver: SyncDriver = EveryStep()  # the sync driver of this fit, bound at set-up (sync=, or every step)
+        self._worker: Optional[list[int]] = None  # the ranks of this rank's worker, where the driver has workers
         self._restoring: Optional[dict[str, Any]] = None  # a resumed checkpoint's entry, for the driver's bind
         self._cycle = StepCycle(self._meter, self._schedule, self._hook_state, self._hetero)  # one step's bookkeeping
         self._features = RingFeatures(self, self._meter, self._schedule, self._guard, self._hook_state,
@@ -191,6 +194,8 @@ class RingDDPStrategy(DDPStrategy):
     # -- set-up ---------------------------------------------------------------------------------------------
     @override
     def setup_distributed(self) -> None:
+        # a fit starts from the compressor's settings, not from another fit's residuals (before a checkpoint's restore)
+        self._hook_state.compressor = copy.deepcopy(self._compressor)
         store = attempt_store(self._timeout)
         if store is None:
             super().setup_distributed()
@@ -272,7 +277,10 @@ class RingDDPStrategy(DDPStrategy):
         self._restoring = None
         self._driver = (self._sync or EveryStep()).bind(context)
         self._features.sync = self._driver if self._sync is not None else None
-        return self._driver.gradient_ranks
+        workers = self._driver.gradient_ranks
+        # a rank's share of the gradient is taken among the ranks its gradient is reduced with: its worker's
+        self._worker = None if workers is None else next(list(w) for w in workers if self.global_rank in w)
+        return workers
 
     def _record_skipped_sync(self, step: int, reason: str) -> None:
         if self._guard.armed:  # NaNRecovery hears of a skipped sync as of a skipped step
@@ -314,7 +322,7 @@ class RingDDPStrategy(DDPStrategy):
         if self._hetero is not None and self._hetero.attached:  # the share, from the plan every rank holds
             batch_idx = args[1] if len(args) > 1 else kwargs["batch_idx"]
             epoch = self.lightning_module.trainer.current_epoch
-            self._hook_state.share = self._hetero.start_batch(epoch, batch_idx, self.global_rank, driver.averaged_among)
+            self._hook_state.share = self._hetero.start_batch(epoch, batch_idx, self.global_rank, self._worker)
             micro, accumulate = driver.before_batch(self._hetero.sizes_of(epoch, batch_idx),
                                                     self._hetero.micro_sizes(epoch, batch_idx, self.global_rank))
         driver.before_forward()

@@ -230,7 +230,6 @@ class DiLoCoSync:
         # two_tier with a delay: the buffers' broadcast inside the host, from the main thread (host_group is the
         # sync thread's then)
         self.buffers_group = buffers_group if buffers_group is not None else host_group
-        self.compressor: Compressor = settings.compressor  # the first fragment's (the only one without fragments)
         self.outer_steps = 0  # outer steps taken (one per fragment sync)
         self.skipped = 0  # outer steps skipped (a non-finite pseudo-gradient)
         self.bytes_total = 0
@@ -294,7 +293,7 @@ class DiLoCoSync:
         self._buffers = [(name, b) for name, b in module.named_buffers() if b is not None]
         self.fragments = []
         for f, index in enumerate(fragment_cut([(name, p.numel()) for name, p in named], self.settings.fragments)):
-            compressor = self.settings.compressor if f == 0 else copy.deepcopy(self.settings.compressor)
+            compressor = copy.deepcopy(self.settings.compressor)  # the settings' stays unused: a second fit starts anew
             self.fragments.append(Fragment(
                 f, self.settings.offset(f), index,
                 _buckets([named[i] for i in index], self.workers.local_size, self.workers.local_index, index),

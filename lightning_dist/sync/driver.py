@@ -12,14 +12,14 @@ first driver with hooks of its own. A driver's life, in the order the strategy c
    resumed checkpoint's entry, and returns the driver that receives every later hook (``self``, or an object holding
    the fit's running state). Its :attr:`SyncDriver.gradient_ranks` tells the strategy how the comm hook reduces:
    None, over every rank (the strategy's own groups, flat or two_tier); else the ranks of this rank's worker (the
-   driver has turned DDP's synchronisation off where a worker is one rank). Then :meth:`SyncDriver.setup` with the
-   trainer.
-3. **Every training step**: :attr:`SyncDriver.averaged_among` (the ranks a rank's share of the gradient is taken
-   among), :meth:`SyncDriver.before_batch` (heterogeneous batching's plan of the batch: its sizes and micro-batches),
-   :meth:`SyncDriver.before_forward`, :meth:`SyncDriver.verdict_group` (where NaNRecovery's step-or-skip is agreed),
-   :meth:`SyncDriver.optimizer_step` (around the optimizer's own step) and :meth:`SyncDriver.after_step` after every
-   optimizer step, taken or skipped (Lightning counts both); :func:`ends_fit` says whether that step is the fit's last
-   by its limits (``max_steps``, ``max_epochs``), the same on every rank.
+   driver has turned DDP's synchronisation off where a worker is one rank); a rank's share of the step's gradient
+   is then taken among its worker's ranks. Then :meth:`SyncDriver.setup` with the trainer.
+3. **Every training step**: :meth:`SyncDriver.before_batch` (heterogeneous batching's plan of the batch: its sizes
+   and micro-batches), :meth:`SyncDriver.before_forward`, :meth:`SyncDriver.verdict_group` (where NaNRecovery's
+   step-or-skip is agreed), :meth:`SyncDriver.optimizer_step` (around the optimizer's own step) and
+   :meth:`SyncDriver.after_step` after every optimizer step, taken or skipped (Lightning counts both);
+   :func:`ends_fit` says whether that step is the fit's last by its limits (``max_steps``, ``max_epochs``), the same
+   on every rank.
 4. **Validation**: :meth:`SyncDriver.before_validation` and :meth:`SyncDriver.after_validation` (Lightning's
    ``on_validation_start`` and ``on_validation_end``, on every rank: e.g. DiLoCo validates ``theta_global``).
 5. **The end**: :meth:`SyncDriver.end_of_fit` (``on_train_end``, after the fit's last validation: what is in flight
@@ -111,18 +111,14 @@ class SyncDriver:
     @property
     def gradient_ranks(self) -> Optional[Sequence[Sequence[int]]]:
         """How the comm hook reduces each gradient bucket: None over every rank; else the ranks of every worker (each
-        rank's hook then reduces over its own worker's ranks only)."""
+        rank's hook then reduces over its own worker's ranks only, and a rank's share of the step's gradient, under
+        heterogeneous batching, is its samples over its worker's)."""
         return None
 
     def setup(self, trainer: Any) -> None:
         """After Lightning's set-up of the fit (the trainer's loops exist)."""
 
     # -- every step ---------------------------------------------------------------------------------------------
-    @property
-    def averaged_among(self) -> Optional[Sequence[int]]:
-        """The ranks among which a rank's share of the gradient is taken (None: every rank)."""
-        return None
-
     def before_batch(self, sizes: Sequence[int], micro: Optional[list[int]]) -> tuple[Optional[list[int]], bool]:
         """Heterogeneous batching's plan of a batch: every rank's ``sizes`` and this rank's ``micro``-batches (None:
         one pass). Returns the passes this rank runs and whether they accumulate into one optimizer step (``False``:

@@ -48,10 +48,12 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_dist.comm import destroy_groups, ring_bytes_sent
-from lightning_dist.compression import BucketLayout, Compressor, Transport, as_compressor
+from lightning_dist.compression import BucketLayout, Compressor, NoCompressor, Transport, as_compressor
+from lightning_dist.loss_scaler import LossScaler
 from lightning_dist.sync.driver import SyncContext, SyncDriver
 
 BUCKET_BYTES = 25 << 20  # the momentum's buckets: DDP's default bucket size
+_DENSE = NoCompressor()  # what a compressor's first start_step steps send
 
 
 @dataclass
@@ -174,6 +176,8 @@ class OneBitAdamDriver(SyncDriver):
                            if self._reduction.group is not None else None)
         self._groups: dict[int, dict[str, Any]] = {}  # id(parameter) -> its param group, from the checked optimizer
         self._plan: Optional[list[list[_Run]]] = None
+        self._scaler: Optional[LossScaler] = None  # fp16 loss scaling's, which this driver makes agree (setup)
+        self._agreed_at = -1  # the global step whose scaler verdict was agreed
         self._restore(context.checkpoint)
         rank_zero_info(f"RingDDPStrategy: {settings.describe()} over {context.world_size} ranks "
                        f"({'two_tier' if self._tiers is not None else 'flat'})")
@@ -196,6 +200,20 @@ class OneBitAdamDriver(SyncDriver):
             raise ValueError(f"OneBitAdam(warmup={self.warmup}) with a fit of {int(total)} optimizer steps: the "
                              f"warm-up must end before the fit does; use warmup < {int(total)} (or a fraction such "
                              "as 0.2)")
+        clip = trainer.gradient_clip_val
+        if clip:
+            raise ValueError(f"sync=OneBitAdam with gradient_clip_val={clip}: after the warm-up no rank holds the "
+                             "summed gradient (each rank's momentum travels compressed), so clipping would see this "
+                             f"rank's share of it, a limit about {self.context.world_size}x looser than under dense; "
+                             "drop gradient_clip_val (OneBitAdam bounds each coordinate's update instead: bound=4.5 "
+                             "learning rates by default), or train with sync=None")
+        plugin = trainer.precision_plugin
+        scaler = getattr(plugin, "scaler", None)
+        if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() and not isinstance(scaler, LossScaler):
+            # fp16 loss scaling decides per rank, and after the warm-up the ranks' gradients differ: the scaler must
+            # agree (LossScaler.agree), which torch's GradScaler cannot; this one behaves as it does
+            plugin.scaler = LossScaler.plain(scaler)
+        self._scaler = plugin.scaler if isinstance(getattr(plugin, "scaler", None), LossScaler) else None
         for optimizer in trainer.optimizers:
             self._check_optimizer(optimizer)
 
@@ -207,14 +225,20 @@ class OneBitAdamDriver(SyncDriver):
         return phase(index, self.warmup or 0, self.settings.refresh)
 
     def before_forward(self) -> None:
-        # DDP's gradient all-reduce runs in the warm-up only (the flag is read by its forward)
-        self.context.ddp.require_backward_grad_sync = self._phase() == WARMUP
+        # DDP's gradient all-reduce runs in the warm-up only (the flag is read by its forward). In the warm-up the flag
+        # stays Lightning's: under accumulate_grad_batches its no_sync window turns it off for the window's earlier
+        # micro-batches, whose gradients must not be reduced (and summed again) before the window's last one.
+        if self._phase() != WARMUP:
+            self.context.ddp.require_backward_grad_sync = False
 
     def verdict_group(self) -> None:
         """After the warm-up no gradient goes through the comm hook, whose reduced sentinels let the ranks agree
         in-band: each rank checks its own gradients, and one all-reduce of one number tells every rank whether any
         was not finite (only with NaNRecovery armed, the only caller). The verdict is then every rank's."""
         if self._phase() == WARMUP:
+            return None
+        if self._scaler is not None:  # the scaler's verdict, made every rank's (the strategy's decision reads it)
+            self._agree_scale(self._trainer.optimizers[0])
             return None
         guard, sentinels = self.context.guard, []
         for bucket in self._buckets:
@@ -238,6 +262,12 @@ class OneBitAdamDriver(SyncDriver):
             self._after_adam(optimizer)
             return output
 
+        def agreed() -> Any:  # backward, then (fp16) every rank's scaler holds the same verdict
+            output = closure()
+            if self._scaler is not None:
+                self._agree_scale(optimizer)
+            return output
+
         def ours(closure: Any = None) -> Any:  # Lightning's path runs (hooks, clipping), then this step
             loss = None
             if closure is not None:
@@ -253,12 +283,20 @@ class OneBitAdamDriver(SyncDriver):
         own = optimizer.__dict__.get("step")
         optimizer.step = ours
         try:
-            return step(closure)
+            return step(agreed)
         finally:
             if own is None:
                 del optimizer.step
             else:
                 optimizer.step = own
+
+    def _agree_scale(self, optimizer: Any) -> None:
+        """fp16 loss scaling after the warm-up: one rank's non-finite gradient is every rank's skipped step (once a
+        step: the verdict's group and the optimizer step both ask)."""
+        step = self._trainer.global_step
+        if self._agreed_at != step:
+            self._agreed_at = step
+            self._scaler.agree(optimizer, self.context.exchange_group)
 
     def _after_adam(self, optimizer: Any) -> None:
         """Adam stepped (warm-up, refresh): v changed, and the denominators and the mask are taken afresh."""
@@ -294,14 +332,25 @@ class OneBitAdamDriver(SyncDriver):
 
     def _compressed_update(self, optimizer: Any) -> None:
         self._check_optimizer(optimizer)  # once per optimizer: it maps each parameter to its group
+        unused = self._unused()
         frozen = self._frozen(optimizer)
+        runs_of = self._runs()
+        if unused:  # a parameter no rank used this step is left as torch's Adam leaves it: untouched
+            frozen = [[_keep(denoms, params, unused) for (_, params, _), denoms in zip(runs, bucket)]
+                      for runs, bucket in zip(runs_of, frozen)]
+            runs_of = [[(group, *_keep((params, xs), params, unused)) for group, params, xs in runs]
+                       for runs in runs_of]
         share = self.context.share()
         decoupled = _decoupled(optimizer)
         sent_before = self._across()
         finite = torch.ones((), dtype=torch.bool, device=self._buckets[0].flat.device) if self._buckets else None
         with torch.no_grad():  # one foreach call per group and operation (a loop over parameters costs ~2x)
-            for bucket, runs, denoms in zip(self._buckets, self._runs(), frozen):
+            for bucket, runs, denoms in zip(self._buckets, runs_of, frozen):
+                if unused:
+                    bucket.flat.zero_()  # an unused parameter's part sends nothing
                 for (group, params, xs), (ds, masks) in zip(runs, denoms):
+                    if not params:
+                        continue
                     beta1, wd = group["betas"][0], group["weight_decay"]
                     torch._foreach_copy_(xs, [optimizer.state[p]["exp_avg"] for p in params])
                     torch._foreach_mul_(xs, share * beta1)
@@ -325,8 +374,10 @@ class OneBitAdamDriver(SyncDriver):
         self.compressor.commit()
         bound = self.settings.bound
         with torch.no_grad():
-            for runs, denoms in zip(self._runs(), frozen):
+            for runs, denoms in zip(runs_of, frozen):
                 for (group, params, us), (ds, masks) in zip(runs, denoms):
+                    if not params:
+                        continue
                     beta1, lr, wd = group["betas"][0], float(group["lr"]), group["weight_decay"]
                     states = [optimizer.state[p] for p in params]
                     torch._foreach_mul_(us, masks)
@@ -364,6 +415,7 @@ class OneBitAdamDriver(SyncDriver):
     def _reduce_gradients(self) -> bool:
         """A refresh: every rank's weighted gradient summed through the refresh's compressor into ``.grad``; whether
         the sum is finite (else the step is skipped on every rank: they hold the same sum)."""
+        unused = self._unused()
         sent_before = self._across()
         finite = torch.ones((), dtype=torch.bool)
         with torch.no_grad():
@@ -373,6 +425,8 @@ class OneBitAdamDriver(SyncDriver):
                 self._reduce(bucket, self.refresh_compressor)
                 finite &= torch.isfinite(bucket.flat).all().cpu()
                 for p, g in zip(bucket.params, bucket.layout.views(bucket.flat)):
+                    if id(p) in unused:  # no gradient on any rank: Adam's own step skips it
+                        continue
                     if p.grad is None:
                         p.grad = g.clone()
                     else:
@@ -386,6 +440,18 @@ class OneBitAdamDriver(SyncDriver):
         self.refresh_compressor.commit()
         self.refreshes += 1
         return True
+
+    def _unused(self) -> set[int]:
+        """The parameters (``id``) that no rank's backward reached this step. Only with DDP's
+        ``find_unused_parameters=True``, which says parameters may go unused; then one all-reduce of a flag per
+        parameter (stock DDP learns the same in its reduction, which is off after the warm-up)."""
+        if not self.context.ddp.find_unused_parameters:
+            return set()
+        params = [p for bucket in self._buckets for p in bucket.params]
+        used = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
+        if self.context.world_size > 1:
+            dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.context.exchange_group)
+        return {id(p) for p, flag in zip(params, used.tolist()) if not flag}
 
     def _across(self) -> int:
         """This step's bytes across workers so far (under two_tier the host's dense collectives are not counted)."""
@@ -404,10 +470,11 @@ class OneBitAdamDriver(SyncDriver):
         stats = self.context.stats
         stats.record_dense(ring_bytes_sent(flat.numel(), self.context.world_size, self.context.rank,
                                            flat.element_size()))
+        codec = _DENSE if compressor.warming_up else compressor  # its start_step: sent dense first, as the comm hook
         if self._tiers is not None:
-            self._tiers.reduce(flat, layout, compressor)
+            self._tiers.reduce(flat, layout, codec)
         elif self._transport is not None:
-            compressor.reduce(flat, layout, self._transport)
+            codec.reduce(flat, layout, self._transport)
 
     def _report(self, dense: bool, sent: int = 0) -> None:
         self.metrics = {"sync/compressed": 0.0 if dense else 1.0, "sync/compressed_steps": float(self.compressed_steps),
@@ -423,10 +490,11 @@ class OneBitAdamDriver(SyncDriver):
             raise ValueError(f"sync=OneBitAdam compresses Adam's momentum, and configure_optimizers returned a "
                              f"{type(optimizer).__name__}: return torch.optim.Adam or AdamW, or drop sync=")
         for group in optimizer.param_groups:
-            refused = [key for key in ("amsgrad", "maximize") if group.get(key)]
+            refused = [key for key in ("amsgrad", "maximize", "fused", "capturable") if group.get(key)]
             if refused:
                 raise ValueError(f"sync=OneBitAdam with Adam({refused[0]}=True): the compressed steps follow plain "
-                                 f"Adam's rule; set {refused[0]}=False")
+                                 f"Adam's rule with foreach kernels and Adam's step count on the CPU; set "
+                                 f"{refused[0]}=False")
             unknown = [p for p in group["params"] if p.requires_grad and id(p) not in self._names]
             if unknown:
                 raise ValueError("sync=OneBitAdam: the optimizer steps parameters that are not the module's trainable "
@@ -504,6 +572,11 @@ def _buckets(named: list[tuple[str, torch.Tensor]]) -> list[_Bucket]:
     return [_Bucket([p for _, p in run], BucketLayout.of([(name, p.shape) for name, p in run]),
                     torch.zeros(sum(p.numel() for _, p in run), dtype=run[0][1].dtype, device=run[0][1].device))
             for run in runs]
+
+
+def _keep(lists: tuple[list, ...], params: list[torch.Tensor], unused: set[int]) -> tuple[list, ...]:
+    """``lists`` (parallel to ``params``) without the entries of the ``unused`` parameters."""
+    return tuple([item for item, p in zip(items, params) if id(p) not in unused] for items in lists)
 
 
 def _decoupled(optimizer: torch.optim.Adam) -> bool:

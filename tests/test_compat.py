@@ -1,0 +1,271 @@
+"""The compatibility matrix (docs/compatibility.md): every way of syncing under the settings users train with, each
+cell equal to its reference or refused at set-up on every rank with the fix.
+
+The recipe every fit trains (:class:`Recipe`): AdamW with two param groups (their own learning rates and weight
+decay), a scheduler stepped every optimizer step and one stepped every epoch, a frozen layer inside the forward, a
+layer no forward uses (``find_unused_parameters=True``) and, where the way of syncing takes it, clipping by norm.
+The references:
+
+- **stock DDP** on the same samples for the dense ways (ring_ddp, and OneBitAdam's warm-up, which is ring_ddp bit for
+  bit): within float rounding at every step, under accumulation, bf16 and fp16 loss scaling too;
+- **the same way without accumulation**, for every way: ``accumulate_grad_batches=2`` of micro-batches of 4 against
+  batches of 8 whose rows are the two micro-batches' (an unshuffled DistributedSampler), so one optimizer step sees
+  the same samples. The way's plain recipe is checked against its own reference elsewhere (the one-process replays of
+  tests/test_sync.py and tests/test_onebit_adam.py, tests/test_compression_ranks.py); a way that reduced a window's
+  earlier micro-batches again, or once per micro-batch, differs from it by whole gradients;
+- **the initial weights**: a frozen or unused parameter is exactly where it started, under every way;
+- **the same fit again with the same settings object**: bit for bit (no state carried from one fit to the next);
+- **a stop by a callback** (``trainer.should_stop``, as EarlyStopping and ``max_time`` stop): every rank ends with
+  the same parameters where the way promises them (DiLoCo's final sync).
+
+One launched group of 2 fork ranks holds every fit; the assertions share it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins import MixedPrecision
+from torch import nn
+
+from lightning_dist import RingDDPStrategy
+from lightning_dist.callbacks import NaNRecovery
+from lightning_dist.compression import build_compressor
+from lightning_dist.sync import DiLoCo, OneBitAdam
+from lightning_dist.testing import ToyClassifier, launched_externally, quiet_trainer, run_ranks
+
+pytestmark = pytest.mark.slow
+
+WORLD, SAMPLES, STEPS = 2, 64, 8  # 2 epochs of 4 optimizer steps (global batches of 16)
+CLIP = 0.5
+DENSE_TOL, LOSSY_TOL = 1e-5, 2e-3  # relative to the parameters' largest value; a codec's rounding can flip a quantum
+
+# the ways of syncing on 2 flat ranks: strategy arguments (a settings object is made anew for each fit but the one
+# that checks a second fit) and the optimizer steps (0-based) after which every rank holds the same parameters
+EVERY_STEP = tuple(range(STEPS))
+WAYS = {
+    "dense": (lambda: {}, EVERY_STEP),
+    "int8": (lambda: {"compressor": "int8"}, EVERY_STEP),
+    "topk": (lambda: {"compressor": {"name": "topk", "ratio": 0.1}}, EVERY_STEP),
+    "diloco": (lambda: {"sync": DiLoCo(every=4, compressor="int8")}, (3, 7)),  # its sync, then the final one
+    # fragments land a step late, mixed with each worker's own progress: alike after the fit's final sync only
+    "streaming": (lambda: {"sync": DiLoCo(every=4, fragments=2, delay=1)}, (7,)),
+    "onebit_warmup": (lambda: {"sync": OneBitAdam(warmup=STEPS - 1)}, EVERY_STEP),
+    "onebit": (lambda: {"sync": OneBitAdam(warmup=2, refresh=3)}, EVERY_STEP),
+}
+CLIPPED = ("dense", "int8", "topk", "diloco", "streaming")  # OneBitAdam refuses clipping (test below)
+
+
+class Recipe(ToyClassifier):
+    """16 -> frozen 16 -> 32 -> 5, and a layer no forward uses; AdamW in two param groups with a per-step and a
+    per-epoch scheduler. ``nan_at``: (rank, global step) whose loss is NaN (an fp16 overflow on one rank)."""
+
+    def __init__(self, batch_size=8, nan_at=None):
+        super().__init__(features=16, hidden=(32,), classes=5, samples=SAMPLES, batch_size=batch_size,
+                         distributed_sampler=True, seed=0)
+        self.frozen = nn.Linear(16, 16).requires_grad_(False)
+        self.unused = nn.Linear(16, 5)
+        self.nan_at = nan_at
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(torch.tanh(self.frozen(x))), y)
+        if (self.global_rank, self.trainer.global_step) == self.nan_at:
+            loss = loss * float("nan")
+        return loss
+
+    def configure_optimizers(self):
+        first, last = self.net[0], self.net[2]
+        opt = torch.optim.AdamW([
+            {"params": list(first.parameters()), "lr": 0.02, "weight_decay": 0.0},
+            {"params": [*last.parameters(), *self.unused.parameters()], "lr": 0.01, "weight_decay": 0.05}])
+        per_step = torch.optim.lr_scheduler.MultiplicativeLR(opt, lambda _: 0.9)
+        per_epoch = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return [opt], [{"scheduler": per_step, "interval": "step"}, {"scheduler": per_epoch, "interval": "epoch"}]
+
+
+class Steps(Callback):
+    """The parameters after every optimizer step (once per step under accumulation), and the learning rates."""
+
+    def __init__(self):
+        self.params, self.lrs, self._last = [], [], 0
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        if trainer.global_step > self._last:
+            self._last = trainer.global_step
+            self.params.append(_flat(pl_module))
+            self.lrs.append([g["lr"] for g in trainer.optimizers[0].param_groups])
+
+
+class StopAt(Callback):
+    """Stops the fit after global step ``step`` (trainer.should_stop, as EarlyStopping and max_time do)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+def _flat(module):
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone()
+
+
+def _fit(strategy, accumulate=1, clip=None, callbacks=(), model=None, **trainer):
+    pl.seed_everything(0, verbose=False)
+    steps = Steps()
+    model = model or Recipe(batch_size=8 // accumulate)
+    if strategy == "ddp":
+        strategy = pl.strategies.DDPStrategy(find_unused_parameters=True)  # launches nothing here
+    else:
+        strategy = RingDDPStrategy(timeout=60, start_method="fork", find_unused_parameters=True, **strategy)
+    fit = quiet_trainer(devices=WORLD, max_epochs=2, accumulate_grad_batches=accumulate, gradient_clip_val=clip,
+                        callbacks=[steps, *callbacks], strategy=strategy, use_distributed_sampler=False, **trainer)
+    fit.fit(model)
+    return {"params": steps.params, "lrs": steps.lrs, "final": _flat(model),
+            "frozen": _flat(model.frozen), "unused": _flat(model.unused)}
+
+
+def _refused(strategy, **fit):
+    try:
+        _fit(strategy, **fit)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _fp16():
+    return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
+
+
+def _run(rank, world):
+    out = {}
+    with launched_externally(rank, world), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        start = Recipe()
+        out["initial"] = {"frozen": _flat(start.frozen), "unused": _flat(start.unused)}
+        for name, (make, _) in WAYS.items():
+            clip = CLIP if name in CLIPPED else None
+            out[name, "accumulate"] = _fit(make(), accumulate=2, clip=clip)
+            out[name, "plain"] = _fit(make(), clip=clip)
+            same = make()  # one settings object (and one compressor object) for two fits in a row
+            if name == "topk":
+                same = {"compressor": build_compressor("topk", ratio=0.1)}
+            out[name, "first"], out[name, "second"] = _fit(same), _fit(same)
+            out[name, "stopped"] = _fit(make(), callbacks=[StopAt(5)])
+        for accumulate in (1, 2):
+            out["ddp", accumulate] = _fit("ddp", accumulate=accumulate, clip=CLIP)
+            out["ddp_noclip", accumulate] = _fit("ddp", accumulate=accumulate)
+        out["ddp", "bf16"] = _fit("ddp", accumulate=2, clip=CLIP, precision="bf16-mixed")
+        out["dense", "bf16"] = _fit({}, accumulate=2, clip=CLIP, precision="bf16-mixed")
+        out["onebit_warmup", "bf16"] = _fit(WAYS["onebit_warmup"][0](), accumulate=2, precision="bf16-mixed")
+        out["ddp_noclip", "bf16"] = _fit("ddp", accumulate=2, precision="bf16-mixed")
+        out["ddp", "fp16"] = _fit("ddp", accumulate=2, clip=CLIP, **_fp16())
+        out["dense", "fp16"] = _fit({}, accumulate=2, clip=CLIP, **_fp16())
+        # fp16 loss scaling, one rank's gradients overflowing after OneBitAdam's warm-up: skipped on every rank
+        # (each rank's scaler decided alone, and the other entered the compressed step's collectives: a hang)
+        for key, callbacks in (("fp16_nan", ()), ("fp16_nan_recovery", (NaNRecovery(),))):
+            out["onebit", key] = _fit(WAYS["onebit"][0](), model=Recipe(nan_at=(1, 5)), callbacks=callbacks,
+                                      **_fp16())
+        out["refused"] = {
+            "onebit_clip": _refused({"sync": OneBitAdam(warmup=2)}, clip=CLIP),
+            "onebit_clip_value": _refused({"sync": OneBitAdam(warmup=2)}, clip=CLIP,
+                                          gradient_clip_algorithm="value"),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_ranks(_run, WORLD, deadline_s=120)
+
+
+def _close(got, expected, tolerance, what):
+    assert len(got) == len(expected) == STEPS, (what, len(got), len(expected))
+    for step, (a, b) in enumerate(zip(got, expected), 1):
+        error = (a - b).abs().max().item()
+        assert error <= tolerance * max(1.0, b.abs().max().item()), f"{what}, step {step}: {error:.3g}"
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_accumulation_equals_the_same_samples_in_one_batch(ranks, way):
+    tolerance = DENSE_TOL if way in ("dense", "onebit_warmup", "diloco", "streaming") else LOSSY_TOL
+    for rank, out in enumerate(ranks):
+        _close(out[way, "accumulate"]["params"], out[way, "plain"]["params"], tolerance, f"{way}, rank {rank}")
+        assert out[way, "accumulate"]["lrs"] == out[way, "plain"]["lrs"]  # both schedulers, stepped alike
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_frozen_and_unused_parameters_stay_where_they_started(ranks, way):
+    for out in ranks:
+        for fit in ("accumulate", "plain", "first"):
+            assert torch.equal(out[way, fit]["frozen"], out["initial"]["frozen"]), (way, fit)
+            assert torch.equal(out[way, fit]["unused"], out["initial"]["unused"]), (way, fit)
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_a_second_fit_with_the_same_settings_object_is_the_first_again(ranks, way):
+    for out in ranks:
+        first, second = out[way, "first"]["params"], out[way, "second"]["params"]
+        assert len(first) == STEPS and all(torch.equal(a, b) for a, b in zip(first, second)), way
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_ranks_agree_where_the_way_promises_and_after_a_callbacks_stop(ranks, way):
+    for fit in ("accumulate", "plain"):
+        a, b = ranks[0][way, fit]["params"], ranks[1][way, fit]["params"]
+        assert all(torch.equal(a[s], b[s]) for s in WAYS[way][1]), (way, fit)
+    stopped = [ranks[r][way, "stopped"] for r in range(WORLD)]
+    assert len(stopped[0]["params"]) == 5  # stopped after step 5, mid-cycle for DiLoCo
+    assert torch.equal(stopped[0]["final"], stopped[1]["final"]), way  # DiLoCo's final sync ran at the stop
+
+
+@pytest.mark.parametrize("accumulate", (1, 2))
+def test_ring_ddp_is_stock_ddp_under_the_recipe(ranks, accumulate):
+    fit = "plain" if accumulate == 1 else "accumulate"
+    for out in ranks:
+        _close(out["dense", fit]["params"], out["ddp", accumulate]["params"], DENSE_TOL, f"dense x{accumulate}")
+
+
+def test_onebit_adams_warm_up_is_stock_ddp_under_accumulation(ranks):
+    # the warm-up's steps (all but the last) are ring_ddp's, so stock DDP's: a window's first micro-batch is not
+    # reduced twice (the warm-up used to turn DDP's synchronisation back on inside Lightning's no_sync window)
+    for out in ranks:
+        got, expected = out["onebit_warmup", "accumulate"]["params"], out["ddp_noclip", 2]["params"]
+        for step in range(STEPS - 1):
+            error = (got[step] - expected[step]).abs().max().item()
+            assert error <= DENSE_TOL * max(1.0, expected[step].abs().max().item()), (step, error)
+
+
+def test_bf16_mixed_is_stock_ddps(ranks):
+    for out in ranks:
+        _close(out["dense", "bf16"]["params"], out["ddp", "bf16"]["params"], DENSE_TOL, "bf16")
+        for step in range(STEPS - 1):
+            got, expected = out["onebit_warmup", "bf16"]["params"][step], out["ddp_noclip", "bf16"]["params"][step]
+            assert (got - expected).abs().max().item() <= DENSE_TOL * max(1.0, expected.abs().max().item()), step
+
+
+def test_fp16_loss_scaling_is_stock_ddps(ranks):
+    for out in ranks:
+        _close(out["dense", "fp16"]["params"], out["ddp", "fp16"]["params"], DENSE_TOL, "fp16")
+
+
+@pytest.mark.parametrize("key", ("fp16_nan", "fp16_nan_recovery"))
+def test_onebit_adam_skips_one_ranks_fp16_overflow_on_every_rank(ranks, key):
+    # the fit ended (no hang), rank 1's NaN at global step 5 skipped the step on both ranks, ranks identical
+    a, b = ranks[0]["onebit", key]["params"], ranks[1]["onebit", key]["params"]
+    assert len(a) == len(b) == STEPS and all(torch.equal(x, y) for x, y in zip(a, b))
+    assert torch.equal(a[5], a[4])  # step 5 (the sixth) changed nothing
+    assert all(torch.isfinite(p).all() for p in a)
+
+
+def test_refusals_name_the_fix_on_every_rank(ranks):
+    for out in ranks:
+        for name in ("onebit_clip", "onebit_clip_value"):
+            message = out["refused"][name]
+            assert message is not None and "drop gradient_clip_val" in message, name
