@@ -41,9 +41,45 @@ TOLERANCE = 1e-5  # relative to the parameters' largest value
 class Net(ToyClassifier):
     """16 -> 32 -> 5 on 96 samples, AdamW (decay 0.01) or Adam; the batches it trained on kept in ``seen``."""
 
-    def __init__(self, optimizer="adamw"):
-        super().__init__(features=16, hidden=(32,), classes=5, samples=N_SAMPLES, batch_size=BATCH,
+    def __init__(self, optimizer="adamw", batch_size=BATCH):
+        super().__init__(features=16, hidden=(32,), classes=5, samples=N_SAMPLES, batch_size=batch_size,
                          optimizer=optimizer, lr=0.01, distributed_sampler=True, seed=0, keep_batches=True)
+
+    def loss(self, x, y):
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append((batch[0].clone(), batch[1].clone()))
+        return self.loss(*batch)
+
+    def schedulers(self, optimizer):
+        return []
+
+
+class Recipe(Net):
+    """The recipe users train with: a frozen layer inside the forward, a layer no forward uses
+    (``find_unused_parameters=True``), AdamW in two param groups (their own learning rate and weight decay) and a
+    scheduler stepped every optimizer step; fitted with ``accumulate_grad_batches=2`` of micro-batches of 4."""
+
+    def __init__(self):
+        super().__init__(batch_size=BATCH // 2)
+        self.frozen = torch.nn.Linear(16, 16).requires_grad_(False)
+        self.unused = torch.nn.Linear(16, 5)
+
+    def loss(self, x, y):
+        return torch.nn.functional.cross_entropy(self.net(torch.tanh(self.frozen(x))), y)
+
+    def configure_optimizers(self):
+        opt = self.optimizer_only()
+        return [opt], [{"scheduler": self.schedulers(opt)[0], "interval": "step"}]
+
+    def optimizer_only(self):
+        return torch.optim.AdamW([
+            {"params": list(self.net[0].parameters()), "lr": 0.02, "weight_decay": 0.0},
+            {"params": [*self.net[2].parameters(), *self.unused.parameters()], "lr": 0.01, "weight_decay": 0.05}])
+
+    def schedulers(self, optimizer):
+        return [torch.optim.lr_scheduler.MultiplicativeLR(optimizer, lambda _: 0.9)]
 
 
 class NanLoss(Net):
@@ -66,11 +102,20 @@ class SGDNet(Net):
 
 
 class Record(Callback):
+    """The parameters after every optimizer step (once per step under accumulation)."""
+
     def __init__(self):
         self.params = []
 
     def on_train_batch_end(self, trainer, pl_module, *args):
-        self.params.append(_flat(pl_module))
+        if trainer.global_step > len(self.params) + self.resumed_at(trainer):
+            self.params.append(_flat(pl_module))
+
+    def on_train_start(self, trainer, pl_module):
+        self._start = trainer.global_step
+
+    def resumed_at(self, trainer):
+        return getattr(self, "_start", 0)
 
 
 def _flat(module):
@@ -81,11 +126,12 @@ def _settings(**kwargs):
     return OneBitAdam(**{"warmup": STEPS_DENSE, "refresh": EVERY, "bound": BOUND, **kwargs})
 
 
-def _fit(sync, world, hosts=1, model=None, epochs=2, callbacks=(), ckpt_path=None, **strategy):
+def _fit(sync, world, hosts=1, model=None, epochs=2, callbacks=(), ckpt_path=None, accumulate=1, **strategy):
     pl.seed_everything(0, verbose=False)
     record = Record()
     model = model or Net()
     trainer = quiet_trainer(devices=world // hosts, num_nodes=hosts, max_epochs=epochs, callbacks=[record, *callbacks],
+                            accumulate_grad_batches=accumulate,
                             strategy=RingDDPStrategy(sync=sync, timeout=60, start_method="fork", **strategy),
                             use_distributed_sampler=False)
     trainer.fit(model, ckpt_path=ckpt_path)
@@ -101,29 +147,36 @@ def _refused(model, sync, world, hosts=1, **fit):
 
 
 # -- the one-process replay -----------------------------------------------------------------------------------------
-def replay(batches, hosts=1, optimizer="adamw", warmup=STEPS_DENSE, refresh=EVERY, bound=BOUND):
-    """The parameters after every step by the contract alone (the module's docstring), from every rank's batches."""
-    world, steps = len(batches), len(batches[0])
+def replay(batches, hosts=1, optimizer="adamw", warmup=STEPS_DENSE, refresh=EVERY, bound=BOUND, model=None,
+           accumulate=1):
+    """The parameters after every step by the contract alone (the module's docstring), from every rank's batches
+    (``accumulate`` micro-batches to an optimizer step, each loss divided by ``accumulate`` as Lightning does). A
+    parameter no rank's loss reaches is left alone (torch's Adam skips a parameter without a gradient)."""
+    world, steps = len(batches), len(batches[0]) // accumulate
     per = world // hosts
-    model = Net(optimizer)
-    opt = model.configure_optimizers()
-    params = list(model.parameters())
-    layout = BucketLayout.of([(name, p.shape) for name, p in model.named_parameters()])
+    model = model or Net(optimizer)
+    opt = model.optimizer_only() if isinstance(model, Recipe) else model.configure_optimizers()
+    schedulers = model.schedulers(opt)
+    group_of = {id(p): group for group in opt.param_groups for p in group["params"]}
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    layout = BucketLayout.of([(name, p.shape) for name, p in named])
     compressors = [build_compressor("sign") for _ in range(world)]
     refreshers = [build_compressor("int4", error_feedback=False) for _ in range(world)]
     plans = [PartPlan.of(layout, per, i) for i in range(per)]
     history, frozen, variance_step = [], None, {}
     for step in range(steps):
-        data = [batches[r][step] for r in range(world)]
-        total = sum(len(y) for _, y in data)
-        shares = [len(y) / total for _, y in data]
+        data = [batches[r][step * accumulate:(step + 1) * accumulate] for r in range(world)]
+        total = sum(len(y) for micro in data for _, y in micro)
+        shares = [sum(len(y) for _, y in micro) / total for micro in data]
         grads = []
-        for (x, y), share in zip(data, shares):
-            model.zero_grad()
-            (torch.nn.functional.cross_entropy(model.net(x), y) * share).backward()
-            grads.append([p.grad.detach().clone() for p in params])
-        group = opt.param_groups[0]
-        (beta1, beta2), lr, eps, wd = group["betas"], group["lr"], group["eps"], group["weight_decay"]
+        for micro, share in zip(data, shares):
+            model.zero_grad(set_to_none=True)
+            for x, y in micro:
+                (model.loss(x, y) * share / accumulate).backward()
+            grads.append([None if p.grad is None else p.grad.detach().clone() for p in params])
+        used = [any(grads[r][i] is not None for r in range(world)) for i in range(len(params))]
+        grads = [[torch.zeros_like(p) if g is None else g for g, p in zip(rank, params)] for rank in grads]
         now = phase(step, warmup, refresh)
         if now == WARMUP:
             for i, p in enumerate(params):  # the two-tier path's order: each host's sum, then across hosts
@@ -133,27 +186,39 @@ def replay(batches, hosts=1, optimizer="adamw", warmup=STEPS_DENSE, refresh=EVER
                             plans, hosts)
             for p, (_, start, end, _) in zip(params, layout.spans()):
                 p.grad = total[start:end].view_as(p).clone()
+        for i, p in enumerate(params):
+            if not used[i]:
+                p.grad = None
         if now != COMPRESSED:
             opt.step()
             frozen = None
-            variance_step = {i: int(opt.state[p]["step"]) for i, p in enumerate(params)}
+            variance_step = {i: int(opt.state[p]["step"]) for i, p in enumerate(params) if opt.state[p]}
         else:
             if frozen is None:
                 frozen = []
                 for i, p in enumerate(params):
-                    v = opt.state[p]["exp_avg_sq"]
-                    frozen.append(((v.sqrt() / math.sqrt(1 - beta2 ** variance_step[i])).add_(eps), v > 0))
+                    beta2, eps = group_of[id(p)]["betas"][1], group_of[id(p)]["eps"]
+                    if not opt.state[p]:  # never stepped: v = 0 masks it
+                        opt.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
+                                            exp_avg_sq=torch.zeros_like(p))
+                    v, s = opt.state[p]["exp_avg_sq"], variance_step.get(i, 0)
+                    frozen.append(((v.sqrt() / (math.sqrt(1 - beta2 ** s) if s else 1.0)).add_(eps), v > 0))
             flats = []
             for r in range(world):
                 xs = []
                 for i, p in enumerate(params):
                     d, mask = frozen[i]
+                    beta1 = group_of[id(p)]["betas"][0]
                     x = opt.state[p]["exp_avg"] * (shares[r] * beta1) + (1 - beta1) * grads[r][i]
-                    xs.append((x / d * mask).reshape(-1))
+                    xs.append((x / d * mask * used[i]).reshape(-1))
                 flats.append(torch.cat(xs))
             u = _reduce(compressors, flats, layout, plans, hosts)
             with torch.no_grad():
                 for i, (p, (_, start, end, _)) in enumerate(zip(params, layout.spans())):
+                    if not used[i]:
+                        continue
+                    group = group_of[id(p)]
+                    beta1, lr, wd = group["betas"][0], group["lr"], group["weight_decay"]
                     d, mask = frozen[i]
                     state = opt.state[p]
                     ui = u[start:end].view_as(p) * mask
@@ -161,6 +226,8 @@ def replay(batches, hosts=1, optimizer="adamw", warmup=STEPS_DENSE, refresh=EVER
                     state["step"] += 1
                     p.mul_(1 - lr * wd)
                     p.add_((ui / (1 - beta1 ** float(state["step"]))).clamp(-bound, bound), alpha=-lr)
+        for scheduler in schedulers:
+            scheduler.step()
         history.append(_flat(model))
     return history
 
@@ -209,6 +276,9 @@ def _run_flat(rank, world, ckpt_dir):
         out["metrics"] = dict(trainer.strategy.features.sync.metrics)
         _, record, _ = _fit(None, world)
         out["ring_ddp"] = record.params
+        # accumulation, two param groups, a per-step scheduler, a frozen and an unused layer
+        _, record, model = _fit(_settings(), world, model=Recipe(), accumulate=2, find_unused_parameters=True)
+        out["recipe"] = (record.params, model.seen)
         # heterogeneous batches: each rank's momentum weighted by its samples
         _, record, model = _fit(_settings(), world, hetero=HeteroBatching(batch_sizes=[12, 4]))
         out["hetero"] = (record.params, model.seen)
@@ -250,10 +320,10 @@ def hosts():
     return run_ranks(_run_hosts, 4, deadline_s=180)
 
 
-def _check(runs, key, hosts_=1, optimizer="adamw"):
+def _check(runs, key, hosts_=1, optimizer="adamw", **recipe):
     world = len(runs)
     got = [runs[r][key][0] for r in range(world)]
-    expected = replay([runs[r][key][1] for r in range(world)], hosts_, optimizer)
+    expected = replay([runs[r][key][1] for r in range(world)], hosts_, optimizer, **recipe)
     assert len(got[0]) == len(expected)
     for step, (a, b) in enumerate(zip(got[0], expected)):
         assert _close(a, b), f"step {step}: {(a - b).abs().max():.3g} from the replay"
@@ -276,6 +346,14 @@ def test_the_warm_up_is_ring_ddp_with_adam_bit_for_bit(flat2):
     got, dense = flat2[0][("replay", "adamw")][0], flat2[0]["ring_ddp"]
     assert all(torch.equal(a, b) for a, b in zip(got[:STEPS_DENSE], dense[:STEPS_DENSE]))
     assert not torch.equal(got[STEPS_DENSE], dense[STEPS_DENSE])  # the first compressed step is not the dense one
+
+
+def test_the_recipe_replays_accumulation_param_groups_a_scheduler_frozen_and_unused_layers(flat2):
+    got = _check(flat2, "recipe", model=Recipe(), accumulate=2)
+    start = Recipe()
+    assert len(got) == 12 and len(flat2[0]["recipe"][1]) == 24  # an optimizer step per two micro-batches
+    frozen_and_unused = torch.cat([_flat(start.frozen), _flat(start.unused)])
+    assert torch.equal(got[-1][-frozen_and_unused.numel():], frozen_and_unused)  # still where they started
 
 
 def test_heterogeneous_batches_weigh_each_rank_by_its_samples(flat2):
