@@ -278,8 +278,14 @@ class RingDDPStrategy(DDPStrategy):
         self._driver = (self._sync or EveryStep()).bind(context)
         self._features.sync = self._driver if self._sync is not None else None
         workers = self._driver.gradient_ranks
-        # a rank's share of the gradient is taken among the ranks its gradient is reduced with: its worker's
+        # what the driver's workers imply: a rank's share of the gradient is taken among its worker's ranks; each
+        # worker keeps its own buffers (DDP would broadcast rank zero's in every forward); and a worker of one rank
+        # reduces nothing (DDP's synchronisation off for the whole fit, as its no_sync() sets it)
         self._worker = None if workers is None else next(list(w) for w in workers if self.global_rank in w)
+        if workers is not None:
+            self.model.broadcast_buffers = False
+        if self._worker is not None and len(self._worker) == 1:
+            self.model.require_backward_grad_sync = False
         return workers
 
     def _record_skipped_sync(self, step: int, reason: str) -> None:
@@ -357,6 +363,8 @@ class RingDDPStrategy(DDPStrategy):
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         def one_pass(loss: torch.Tensor) -> torch.Tensor:
+            if self._worker is not None and len(self._worker) == 1:  # Lightning's manual optimization turns DDP's
+                self.model.require_backward_grad_sync = False    # synchronisation back on after every forward
             # the loss gradient carries this rank's share (and NaN for a non-finite loss with the guard armed)
             stepping.follow_loss_scale(self._features.loss_scaler, self._hook_state)
             with stepping.shared_backward(loss, self._hook_state, self._guard,

@@ -161,7 +161,8 @@ class OneBitAdamDriver(SyncDriver):
         self.bytes_total = 0
         self.metrics: dict[str, float] = {}
         self._trainer: Any = None
-        self._checked: set[int] = set()  # optimizers already checked (id)
+        # optimizers already checked (id), with their param groups (ids): loading a state dict replaces the groups
+        self._checked: dict[int, list[int]] = {}
         module = context.module
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self._names = {id(p): name for name, p in named}
@@ -484,7 +485,7 @@ class OneBitAdamDriver(SyncDriver):
                         "sync/bytes_per_step": self.bytes_total / max(1, self.compressed_steps + self.refreshes)}
 
     def _check_optimizer(self, optimizer: Any) -> None:
-        if id(optimizer) in self._checked:
+        if self._checked.get(id(optimizer)) == [id(group) for group in optimizer.param_groups]:
             return
         if not isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam (torch >= 2.6)
             raise ValueError(f"sync=OneBitAdam compresses Adam's momentum, and configure_optimizers returned a "
@@ -501,7 +502,7 @@ class OneBitAdamDriver(SyncDriver):
                                  "parameters; give configure_optimizers the module's own parameters")
         self._groups.update({id(p): group for group in optimizer.param_groups for p in group["params"]})
         self._plan = self._denoms = None  # the runs follow the groups, the denominators the runs
-        self._checked.add(id(optimizer))
+        self._checked[id(optimizer)] = [id(group) for group in optimizer.param_groups]
 
     # -- checkpoints and reports ----------------------------------------------------------------------------------
     def checkpoint_entry(self, local: bool = False) -> dict[str, Any]:
