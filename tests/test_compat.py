@@ -40,37 +40,42 @@ from lightning_dist.testing import ToyClassifier, launched_externally, quiet_tra
 
 pytestmark = pytest.mark.slow
 
-WORLD, SAMPLES, STEPS = 2, 64, 8  # 2 epochs of 4 optimizer steps (global batches of 16)
+WORLD, SAMPLES, STEPS = 2, 64, 8  # ranks per host; samples per host: 2 epochs of 4 optimizer steps
 CLIP = 0.5
 SAVED_AT = 4  # the resume's checkpoint: after the first epoch's 4 optimizer steps
 DENSE_TOL = 1e-5  # relative to the parameters' largest value
 # accumulation against one batch, by precision, for exact ways and lossy codecs (a rounding can flip a codec's quantum
 # or a top-k choice); a reduced-precision forward of 4 rows rounds otherwise than of 8 (stock DDP: 3e-4 under bf16)
 TOLERANCES = {"fp32": (DENSE_TOL, 2e-3), "bf16": (1e-3, 5e-2), "fp16": (1e-4, 1e-2)}
-EXACT = ("dense", "onebit_warmup", "streaming")  # DiLoCo here sends its pseudo-gradient at int8
+EXACT = ("dense", "hetero", "onebit_warmup", "streaming", "diloco_two_tier")  # "diloco" sends at int8
 
-# the ways of syncing on 2 flat ranks: strategy arguments (a settings object is made anew for each fit but the one
-# that checks a second fit) and the optimizer steps (0-based) after which every rank holds the same parameters
+# the ways of syncing: the strategy's arguments for a fit accumulating ``a`` micro-batches (a settings object is made
+# anew for each fit but the two that check a second fit), the optimizer steps (0-based) after which every rank holds
+# the same parameters, and the hosts the ranks pose as (2 flat ranks, or 2 hosts of 2 ranks under two_tier)
 EVERY_STEP = tuple(range(STEPS))
 WAYS = {
-    "dense": (lambda: {}, EVERY_STEP),
-    "int8": (lambda: {"compressor": "int8"}, EVERY_STEP),
-    "topk": (lambda: {"compressor": {"name": "topk", "ratio": 0.1}}, EVERY_STEP),
-    "diloco": (lambda: {"sync": DiLoCo(every=3, compressor="int8")}, (2, 5, 7)),  # its syncs, then the final one
+    "dense": (lambda a: {}, EVERY_STEP, 1),
+    "int8": (lambda a: {"compressor": "int8"}, EVERY_STEP, 1),
+    "topk": (lambda a: {"compressor": {"name": "topk", "ratio": 0.1}}, EVERY_STEP, 1),
+    "hetero": (lambda a: {"hetero": {"batch_sizes": [12 // a, 4 // a]}}, EVERY_STEP, 1),  # the same global batch
+    "diloco": (lambda a: {"sync": DiLoCo(every=3, compressor="int8")}, (2, 5, 7), 1),  # its syncs, the final one
     # fragments land a step late, mixed with each worker's own progress: alike after the fit's final sync only
-    "streaming": (lambda: {"sync": DiLoCo(every=4, fragments=2, delay=1)}, (7,)),
-    "onebit_warmup": (lambda: {"sync": OneBitAdam(warmup=STEPS - 1)}, EVERY_STEP),
-    "onebit": (lambda: {"sync": OneBitAdam(warmup=2, refresh=3)}, EVERY_STEP),
+    "streaming": (lambda a: {"sync": DiLoCo(every=4, fragments=2, delay=1)}, (7,), 1),
+    "onebit_warmup": (lambda a: {"sync": OneBitAdam(warmup=STEPS - 1)}, EVERY_STEP, 1),
+    "onebit": (lambda a: {"sync": OneBitAdam(warmup=2, refresh=3)}, EVERY_STEP, 1),
+    "two_tier": (lambda a: {"topology": "two_tier", "compressor": "int8"}, EVERY_STEP, 2),
+    "diloco_two_tier": (lambda a: {"topology": "two_tier", "sync": DiLoCo(every=3)}, (2, 5, 7), 2),
+    "onebit_two_tier": (lambda a: {"topology": "two_tier", "sync": OneBitAdam(warmup=2, refresh=3)}, EVERY_STEP, 2),
 }
-CLIPPED = ("dense", "int8", "topk", "diloco", "streaming")  # OneBitAdam refuses clipping (test below)
+ONEBIT = ("onebit_warmup", "onebit", "onebit_two_tier")  # OneBitAdam refuses clipping (test below)
 
 
 class Recipe(ToyClassifier):
     """16 -> frozen 16 -> 32 -> 5, and a layer no forward uses; AdamW in two param groups with a per-step and a
     per-epoch scheduler. ``nan_at``: (rank, global step) whose loss is NaN (an fp16 overflow on one rank)."""
 
-    def __init__(self, batch_size=8, nan_at=None):
-        super().__init__(features=16, hidden=(32,), classes=5, samples=SAMPLES, batch_size=batch_size,
+    def __init__(self, batch_size=8, nan_at=None, hosts=1):
+        super().__init__(features=16, hidden=(32,), classes=5, samples=SAMPLES * hosts, batch_size=batch_size,
                          distributed_sampler=True, seed=0)
         self.frozen = nn.Linear(16, 16).requires_grad_(False)
         self.unused = nn.Linear(16, 5)
@@ -152,16 +157,16 @@ def _flat(module):
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone()
 
 
-def _fit(strategy, accumulate=1, clip=None, callbacks=(), model=None, ckpt_path=None, **trainer):
+def _fit(strategy, accumulate=1, clip=None, callbacks=(), model=None, ckpt_path=None, hosts=1, **trainer):
     pl.seed_everything(0, verbose=False)
     steps = Steps()
-    model = model or Recipe(batch_size=8 // accumulate)
+    model = model or Recipe(batch_size=8 // accumulate, hosts=hosts)
     if strategy == "ddp":
         strategy = pl.strategies.DDPStrategy(find_unused_parameters=True)  # launches nothing here
     else:
         strategy = RingDDPStrategy(timeout=60, start_method="fork", find_unused_parameters=True, **strategy)
     trainer = {"max_epochs": 2, **trainer}
-    fit = quiet_trainer(devices=WORLD, accumulate_grad_batches=accumulate, gradient_clip_val=clip,
+    fit = quiet_trainer(devices=WORLD, num_nodes=hosts, accumulate_grad_batches=accumulate, gradient_clip_val=clip,
                         callbacks=[steps, *callbacks], strategy=strategy, use_distributed_sampler=False, **trainer)
     fit.fit(model, ckpt_path=ckpt_path)
     return {"params": steps.params, "lrs": steps.lrs, "final": _flat(model),
@@ -182,32 +187,36 @@ def _fp16(scaler=None):
 
 
 PRECISIONS = {"fp32": dict, "bf16": lambda: {"precision": "bf16-mixed"}, "fp16": _fp16}
-MANUAL = ("dense", "int8", "topk", "diloco", "streaming")  # OneBitAdam refuses manual optimization (test below)
+MANUAL = ("dense", "int8", "topk", "hetero", "diloco", "streaming")  # OneBitAdam refuses it (test below)
 
 
-def _run(rank, world, ckpt_dir):
+def _run(rank, world, ckpt_dir, hosts):
     out = {}
-    with launched_externally(rank, world), warnings.catch_warnings():
+    with launched_externally(rank, world, hosts), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         start = Recipe()
         out["initial"] = {"frozen": _flat(start.frozen), "unused": _flat(start.unused)}
-        for name, (make, _) in WAYS.items():
-            clip = CLIP if name in CLIPPED else None
-            for precision, trainer in PRECISIONS.items():
-                out[name, "accumulate", precision] = _fit(make(), accumulate=2, clip=clip, **trainer())
-                out[name, "plain", precision] = _fit(make(), clip=clip, **trainer())
-            same = make()  # one settings object (and one compressor object) for two fits in a row
+        for name, (make, _, on) in WAYS.items():
+            if on != hosts:
+                continue
+            clip = None if name in ONEBIT else CLIP
+            for precision, trainer in PRECISIONS.items() if hosts == 1 else [("fp32", dict)]:
+                out[name, "accumulate", precision] = _fit(make(2), accumulate=2, clip=clip, hosts=hosts, **trainer())
+                out[name, "plain", precision] = _fit(make(1), clip=clip, hosts=hosts, **trainer())
+            same = make(1)  # one settings object (and one compressor object) for two fits in a row
             if name == "topk":
                 same = {"compressor": build_compressor("topk", ratio=0.1)}
-            out[name, "first"], out[name, "second"] = _fit(same, clip=clip), _fit(same, clip=clip)
-            out[name, "stopped"] = _fit(make(), clip=clip, callbacks=[StopAt(5)])
+            out[name, "first"], out[name, "second"] = (_fit(same, clip=clip, hosts=hosts) for _ in range(2))
+            out[name, "stopped"] = _fit(make(1), clip=clip, callbacks=[StopAt(5)], hosts=hosts)
             # the first epoch's checkpoint, resumed, against the uninterrupted fit
             path = f"{ckpt_dir}/{name}.ckpt"
-            _fit(make(), clip=clip, callbacks=[SaveAtEpochEnd(path)])
-            out[name, "resumed"] = _fit(make(), clip=clip, ckpt_path=path)
+            _fit(make(1), clip=clip, callbacks=[SaveAtEpochEnd(path)], hosts=hosts)
+            out[name, "resumed"] = _fit(make(1), clip=clip, ckpt_path=path, hosts=hosts)
             if name in MANUAL:
-                out[name, "manual"] = _fit(make(), model=ManualRecipe())
-                out[name, "automatic"] = _fit(make())
+                out[name, "manual"] = _fit(make(1), model=ManualRecipe())
+                out[name, "automatic"] = _fit(make(1))
+        if hosts > 1:
+            return out
         for accumulate in (1, 2):
             out["ddp", accumulate] = _fit("ddp", accumulate=accumulate, clip=CLIP)
             out["ddp_noclip", accumulate] = _fit("ddp", accumulate=accumulate)
@@ -220,7 +229,7 @@ def _run(rank, world, ckpt_dir):
         # fp16 loss scaling, one rank's gradients overflowing after OneBitAdam's warm-up: skipped on every rank
         # (each rank's scaler decided alone, and the other entered the compressed step's collectives: a hang)
         for key, callbacks in (("fp16_nan", ()), ("fp16_nan_recovery", (NaNRecovery(),))):
-            out["onebit", key] = _fit(WAYS["onebit"][0](), model=Recipe(nan_at=(1, 5)), callbacks=callbacks,
+            out["onebit", key] = _fit(WAYS["onebit"][0](1), model=Recipe(nan_at=(1, 5)), callbacks=callbacks,
                                       **_fp16(torch.amp.GradScaler("cpu")))
         out["refused"] = {
             "onebit_clip": _refused({"sync": OneBitAdam(warmup=2)}, clip=CLIP),
@@ -233,7 +242,17 @@ def _run(rank, world, ckpt_dir):
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return run_ranks(_run, WORLD, str(tmp_path_factory.mktemp("compat")), deadline_s=180)
+    return run_ranks(_run, WORLD, str(tmp_path_factory.mktemp("compat")), 1, deadline_s=180)
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    return run_ranks(_run, 2 * WORLD, str(tmp_path_factory.mktemp("compat_hosts")), 2, deadline_s=180)
+
+
+def _group(request, way):
+    """The launched group that fitted ``way``: 2 flat ranks, or 2 hosts of 2."""
+    return request.getfixturevalue("ranks" if WAYS[way][2] == 1 else "hosts")
 
 
 def _close(got, expected, tolerance, what, steps=STEPS):
@@ -245,45 +264,48 @@ def _close(got, expected, tolerance, what, steps=STEPS):
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("way", WAYS)
-def test_accumulation_equals_the_same_samples_in_one_batch(ranks, way, precision):
+def test_accumulation_equals_the_same_samples_in_one_batch(request, way, precision):
+    if WAYS[way][2] > 1 and precision != "fp32":
+        pytest.skip("two_tier's ways are fitted in fp32; mixed precision is a flat way's setting")
     tolerance = TOLERANCES[precision][way not in EXACT]
-    for rank, out in enumerate(ranks):
+    for rank, out in enumerate(_group(request, way)):
         got, expected = out[way, "accumulate", precision], out[way, "plain", precision]
         _close(got["params"], expected["params"], tolerance, f"{way}, {precision}, rank {rank}")
         assert got["lrs"] == expected["lrs"]  # both schedulers, stepped alike
 
 
 @pytest.mark.parametrize("way", WAYS)
-def test_frozen_and_unused_parameters_stay_where_they_started(ranks, way):
-    for out in ranks:
-        for fit in [(way, "accumulate", precision) for precision in PRECISIONS] + [(way, "first"), (way, "resumed")]:
+def test_frozen_and_unused_parameters_stay_where_they_started(request, way):
+    for out in _group(request, way):
+        for fit in [key for key in out if key[0] == way and key[1] in ("accumulate", "plain", "first", "resumed")]:
             assert torch.equal(out[fit]["frozen"], out["initial"]["frozen"]), fit
             assert torch.equal(out[fit]["unused"], out["initial"]["unused"]), fit
 
 
 @pytest.mark.parametrize("way", WAYS)
-def test_a_second_fit_with_the_same_settings_object_is_the_first_again(ranks, way):
-    for out in ranks:
+def test_a_second_fit_with_the_same_settings_object_is_the_first_again(request, way):
+    for out in _group(request, way):
         first, second = out[way, "first"]["params"], out[way, "second"]["params"]
         assert len(first) == STEPS and all(torch.equal(a, b) for a, b in zip(first, second)), way
         assert all(torch.equal(a, b) for a, b in zip(first, out[way, "plain", "fp32"]["params"]))
 
 
 @pytest.mark.parametrize("way", WAYS)
-def test_a_resume_mid_run_is_the_uninterrupted_fit(ranks, way):
-    for out in ranks:
+def test_a_resume_mid_run_is_the_uninterrupted_fit(request, way):
+    for out in _group(request, way):
         resumed, uninterrupted = out[way, "resumed"]["params"], out[way, "first"]["params"][SAVED_AT:]
         assert len(resumed) == STEPS - SAVED_AT and all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted)), way
 
 
 @pytest.mark.parametrize("way", WAYS)
-def test_ranks_agree_where_the_way_promises_and_after_a_callbacks_stop(ranks, way):
-    for fit in [(way, kind, precision) for kind in ("accumulate", "plain") for precision in PRECISIONS]:
-        a, b = ranks[0][fit]["params"], ranks[1][fit]["params"]
-        assert all(torch.equal(a[s], b[s]) for s in WAYS[way][1]), fit
-    stopped = [ranks[r][way, "stopped"] for r in range(WORLD)]
+def test_ranks_agree_where_the_way_promises_and_after_a_callbacks_stop(request, way):
+    group = _group(request, way)
+    for fit in [key for key in group[0] if key[0] == way and key[1] in ("accumulate", "plain")]:
+        for out in group[1:]:
+            assert all(torch.equal(group[0][fit]["params"][s], out[fit]["params"][s]) for s in WAYS[way][1]), fit
+    stopped = [out[way, "stopped"] for out in group]
     assert len(stopped[0]["params"]) == 5  # stopped after step 5, mid-cycle for DiLoCo
-    assert torch.equal(stopped[0]["final"], stopped[1]["final"]), way  # DiLoCo's final sync ran at the stop
+    assert all(torch.equal(stopped[0]["final"], other["final"]) for other in stopped[1:]), way  # the final sync ran
 
 
 @pytest.mark.parametrize("way", MANUAL)
