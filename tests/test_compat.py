@@ -212,6 +212,11 @@ def _run(rank, world, ckpt_dir, hosts):
             path = f"{ckpt_dir}/{name}.ckpt"
             _fit(make(1), clip=clip, callbacks=[SaveAtEpochEnd(path)], hosts=hosts)
             out[name, "resumed"] = _fit(make(1), clip=clip, ckpt_path=path, hosts=hosts)
+            # NaNRecovery: rank 1's loss is NaN at step 5 (index 4)
+            nan = NaNRecovery()
+            out[name, "nan"] = _fit(make(1), clip=clip, model=Recipe(nan_at=(1, 4), hosts=hosts), callbacks=[nan],
+                                    hosts=hosts)
+            out[name, "nan"]["skipped"] = nan.skipped
             if name in MANUAL:
                 out[name, "manual"] = _fit(make(1), model=ManualRecipe())
                 out[name, "automatic"] = _fit(make(1))
@@ -306,6 +311,24 @@ def test_ranks_agree_where_the_way_promises_and_after_a_callbacks_stop(request, 
     stopped = [out[way, "stopped"] for out in group]
     assert len(stopped[0]["params"]) == 5  # stopped after step 5, mid-cycle for DiLoCo
     assert all(torch.equal(stopped[0]["final"], other["final"]) for other in stopped[1:]), way  # the final sync ran
+
+
+# the ranks that skip a step whose loss is NaN on rank 1: every rank, or the ranks of rank 1's worker
+NAN_SKIPPED = {"diloco": (1,), "diloco_two_tier": (0, 1), "streaming": (1,)}
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_nan_recovery_skips_the_step_where_the_way_agrees_on_it(request, way):
+    group = _group(request, way)
+    skipping = NAN_SKIPPED.get(way, range(len(group)))
+    for rank, out in enumerate(group):
+        params = out[way, "nan"]["params"]
+        assert len(params) == STEPS and all(torch.isfinite(p).all() for p in params), (way, rank)
+        assert out[way, "nan"]["skipped"] == (1 if rank in skipping else 0), (way, rank)
+        if rank in skipping and way != "streaming":  # (streaming: a fragment lands after that step)
+            assert torch.equal(params[4], params[3]), (way, rank)
+    for out in group[1:]:
+        assert all(torch.equal(group[0][way, "nan"]["params"][s], out[way, "nan"]["params"][s]) for s in WAYS[way][1])
 
 
 @pytest.mark.parametrize("way", MANUAL)

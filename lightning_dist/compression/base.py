@@ -198,6 +198,10 @@ class Compressor:
     # the payload's format can turn finite gradients into Inf (fp16's range ends at 65504): the step guard then
     # checks every element of the reduced bucket, not only the sentinel (lightning_dist.strategy.skip)
     can_overflow = False
+    # whether a NaN in the bucket's first element (the step guard's sentinel) reaches the first element of every rank's
+    # result: a sparse payload sends k of a layer's largest entries, and among more than k NaN entries (a NaN loss
+    # makes them all NaN) the first need not be one; the step guard then checks every element of the reduced bucket
+    keeps_sentinel = True
 
     def __init__(self, start_step: int = 0) -> None:
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:

@@ -58,6 +58,7 @@ class ErrorFeedback(Compressor):
         self.name = inner.name
         self.lossy = inner.lossy
         self.can_overflow = inner.can_overflow
+        self.keeps_sentinel = inner.keeps_sentinel
         self.clip_norm = None if clip_norm is None else float(clip_norm)
         self.residuals = ParamState()
         self._buffers = Scratch()  # per bucket, the two buffers its residuals alternate between

@@ -104,6 +104,7 @@ class SparseCompressor(Compressor):
     light = False
     lossy = True
     wants_error_feedback = True
+    keeps_sentinel = False
     fixed_count = False  # True when every rank sends the same number of pairs (no count exchange needed)
 
     def __init__(self, value_dtype: str = "bf16", selection: str = "sampled", start_step: int = 0) -> None:

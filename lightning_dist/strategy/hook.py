@@ -250,7 +250,8 @@ def _reduce_bucket(state: RingHookState, bucket: dist.GradBucket, buffer: torch.
     guard = state.guard if state.guard is not None and state.guard.armed else None
     reduced_check = None
     if guard is not None and state.check_reduced:
-        reduced_check = functools.partial(guard.check_reduced, every_element=codec.can_overflow)
+        reduced_check = functools.partial(guard.check_reduced,
+                                          every_element=codec.can_overflow or not codec.keeps_sentinel)
 
     def reduce_job() -> torch.Tensor:  # the general path, to completion: check, weight, reduce, check
         if guard is not None:
