@@ -44,9 +44,12 @@ WORLD, SAMPLES, STEPS = 2, 64, 8  # ranks per host; samples per host: 2 epochs o
 CLIP = 0.5
 SAVED_AT = 4  # the resume's checkpoint: after the first epoch's 4 optimizer steps
 DENSE_TOL = 1e-5  # relative to the parameters' largest value
-# accumulation against one batch, by precision, for exact ways and lossy codecs (a rounding can flip a codec's quantum
-# or a top-k choice); a reduced-precision forward of 4 rows rounds otherwise than of 8 (stock DDP: 3e-4 under bf16)
-TOLERANCES = {"fp32": (DENSE_TOL, 2e-3), "bf16": (1e-3, 5e-2), "fp16": (1e-4, 1e-2)}
+# accumulation against one batch, by precision: for exact ways the largest difference (a reduced-precision forward of
+# 4 rows rounds otherwise than of 8: stock DDP 3e-4 under bf16); for lossy codecs in fp32 the same, and under mixed
+# precision the difference's norm over how far the fit moved the parameters (a rounding that flips a codec's quantum
+# or a top-k choice moves one coordinate by a whole Adam step, lr: up to 4.2% of the way here, measured)
+TOLERANCES = {"fp32": (DENSE_TOL, 2e-3), "bf16": (1e-3, None), "fp16": (1e-4, None)}
+LOSSY_MIXED = 0.1
 EXACT = ("dense", "hetero", "onebit_warmup", "streaming", "diloco_two_tier")  # "diloco" sends at int8
 
 # the ways of syncing: the strategy's arguments for a fit accumulating ``a`` micro-batches (a settings object is made
@@ -114,8 +117,8 @@ class Steps(Callback):
 class ManualRecipe(Recipe):
     """The recipe under manual optimization: the training step steps the optimizer and both schedulers itself."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, hosts=1):
+        super().__init__(hosts=hosts)
         self.automatic_optimization = False
 
     def training_step(self, batch, batch_idx):
@@ -187,20 +190,19 @@ def _fp16(scaler=None):
 
 
 PRECISIONS = {"fp32": dict, "bf16": lambda: {"precision": "bf16-mixed"}, "fp16": _fp16}
-MANUAL = ("dense", "int8", "topk", "hetero", "diloco", "streaming")  # OneBitAdam refuses it (test below)
 
 
 def _run(rank, world, ckpt_dir, hosts):
     out = {}
     with launched_externally(rank, world, hosts), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        start = Recipe()
-        out["initial"] = {"frozen": _flat(start.frozen), "unused": _flat(start.unused)}
+        start = Recipe(hosts=hosts)
+        out["initial"] = {"frozen": _flat(start.frozen), "unused": _flat(start.unused), "params": _flat(start)}
         for name, (make, _, on) in WAYS.items():
             if on != hosts:
                 continue
             clip = None if name in ONEBIT else CLIP
-            for precision, trainer in PRECISIONS.items() if hosts == 1 else [("fp32", dict)]:
+            for precision, trainer in PRECISIONS.items():
                 out[name, "accumulate", precision] = _fit(make(2), accumulate=2, clip=clip, hosts=hosts, **trainer())
                 out[name, "plain", precision] = _fit(make(1), clip=clip, hosts=hosts, **trainer())
             same = make(1)  # one settings object (and one compressor object) for two fits in a row
@@ -217,9 +219,9 @@ def _run(rank, world, ckpt_dir, hosts):
             out[name, "nan"] = _fit(make(1), clip=clip, model=Recipe(nan_at=(1, 4), hosts=hosts), callbacks=[nan],
                                     hosts=hosts)
             out[name, "nan"]["skipped"] = nan.skipped
-            if name in MANUAL:
-                out[name, "manual"] = _fit(make(1), model=ManualRecipe())
-                out[name, "automatic"] = _fit(make(1))
+            if name not in ONEBIT:  # (OneBitAdam refuses manual optimization: test below)
+                out[name, "manual"] = _fit(make(1), model=ManualRecipe(hosts=hosts), hosts=hosts)
+                out[name, "automatic"] = _fit(make(1), hosts=hosts)
         if hosts > 1:
             return out
         for accumulate in (1, 2):
@@ -231,6 +233,9 @@ def _run(rank, world, ckpt_dir, hosts):
         out["ddp_noclip", "fp16"] = _fit("ddp", accumulate=2, **_fp16(torch.amp.GradScaler("cpu")))
         out["dense", "fp16_torch"] = _fit({}, accumulate=2, clip=CLIP, **_fp16(torch.amp.GradScaler("cpu")))
         out["ddp", "manual"] = _fit("ddp", model=ManualRecipe())
+        for strategy in ("ddp", {}):  # clipping by value
+            out["ddp" if strategy == "ddp" else "dense", "clip_value"] = _fit(
+                strategy, accumulate=2, clip=CLIP / 50, gradient_clip_algorithm="value")
         # fp16 loss scaling, one rank's gradients overflowing after OneBitAdam's warm-up: skipped on every rank
         # (each rank's scaler decided alone, and the other entered the compressed step's collectives: a hang)
         for key, callbacks in (("fp16_nan", ()), ("fp16_nan_recovery", (NaNRecovery(),))):
@@ -270,12 +275,17 @@ def _close(got, expected, tolerance, what, steps=STEPS):
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("way", WAYS)
 def test_accumulation_equals_the_same_samples_in_one_batch(request, way, precision):
-    if WAYS[way][2] > 1 and precision != "fp32":
-        pytest.skip("two_tier's ways are fitted in fp32; mixed precision is a flat way's setting")
     tolerance = TOLERANCES[precision][way not in EXACT]
     for rank, out in enumerate(_group(request, way)):
         got, expected = out[way, "accumulate", precision], out[way, "plain", precision]
-        _close(got["params"], expected["params"], tolerance, f"{way}, {precision}, rank {rank}")
+        what = f"{way}, {precision}, rank {rank}"
+        if tolerance is not None:
+            _close(got["params"], expected["params"], tolerance, what)
+        else:
+            start = out["initial"]["params"]
+            assert len(got["params"]) == len(expected["params"]) == STEPS, what
+            for step, (a, b) in enumerate(zip(got["params"], expected["params"]), 1):
+                assert (a - b).norm() <= LOSSY_MIXED * (b - start).norm(), f"{what}, step {step}"
         assert got["lrs"] == expected["lrs"]  # both schedulers, stepped alike
 
 
@@ -331,12 +341,18 @@ def test_nan_recovery_skips_the_step_where_the_way_agrees_on_it(request, way):
         assert all(torch.equal(group[0][way, "nan"]["params"][s], out[way, "nan"]["params"][s]) for s in WAYS[way][1])
 
 
-@pytest.mark.parametrize("way", MANUAL)
-def test_manual_optimization_is_the_automatic_fit(ranks, way):
-    for out in ranks:
+@pytest.mark.parametrize("way", [way for way in WAYS if way not in ONEBIT])
+def test_manual_optimization_is_the_automatic_fit(request, way):
+    for out in _group(request, way):
         _close(out[way, "manual"]["params"], out[way, "automatic"]["params"], DENSE_TOL, way)
-    for out in ranks:
+    for out in request.getfixturevalue("ranks"):
         _close(out["ddp", "manual"]["params"], out["ddp_noclip", 1]["params"], DENSE_TOL, "stock DDP")
+
+
+def test_clipping_by_value_is_stock_ddps(ranks):
+    for out in ranks:
+        _close(out["dense", "clip_value"]["params"], out["ddp", "clip_value"]["params"], DENSE_TOL, "by value")
+        assert not torch.equal(out["dense", "clip_value"]["params"][0], out["dense", "accumulate", "fp32"]["params"][0])
 
 
 @pytest.mark.parametrize("accumulate", (1, 2))
