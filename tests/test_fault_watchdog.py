@@ -105,6 +105,55 @@ def test_a_pause_holds_the_verdict_until_it_lasts_too_long():
     assert found[1] == [] or found[1][0].kind == "stall"  # rank 1 then sees no progress (the pause ended with it)
 
 
+def test_a_collective_pause_holds_the_verdict_only_while_every_rank_is_inside_it():
+    # a slow sync: every rank inside it, longer than the timeout, shorter than pause_timeout
+    dogs, found = _watchdogs(Store(), timeout=0.3, pause_timeout=5.0)
+    for dog in dogs:
+        dog.start()
+    with dogs[0].paused("a sync", every_rank=True), dogs[1].paused("a sync", every_rank=True):
+        time.sleep(0.9)
+    time.sleep(0.1)
+    for dog in dogs:
+        dog.stop()
+    assert found == [[], []]
+    # rank 1 stalled before the sync: rank 0 waiting inside it does not hide that (a pause of rank 0's own would)
+    dogs, found = _watchdogs(Store(), timeout=0.3, pause_timeout=5.0)
+    for dog in dogs:
+        dog.start()
+    for step in range(3):
+        for dog in dogs:
+            dog.tick(step)
+        time.sleep(0.06)
+    dogs[0].tick(3)
+    with dogs[0].paused("a sync", every_rank=True):
+        _wait(found)
+    for dog in dogs:
+        dog.stop()
+    for r in range(2):
+        (fault,) = found[r]
+        assert fault.kind == "stall" and fault.culprits == (1,) and fault.step == 2, fault
+
+
+def test_a_pause_an_earlier_fits_watchdog_ended_in_does_not_hold_the_next_ones_verdict():
+    store = Store()
+    dogs, _ = _watchdogs(store)
+    for dog in dogs:
+        dog.start()
+    with dogs[0].paused("the preemption checkpoint"), dogs[1].paused("the final sync", every_rank=True):
+        time.sleep(0.2)  # published; the fit ends before the pauses' ends are
+        for dog in dogs:
+            dog.stop()
+    dogs, found = _watchdogs(store)  # the next fit in this process: the same keys in the same store
+    for dog in dogs:
+        dog.start()
+    for dog in dogs:
+        dog.tick(1)
+    _wait(found)
+    for dog in dogs:
+        dog.stop()
+    assert [fault.kind for faults in found for fault in faults] == ["stall", "stall"]
+
+
 def test_an_unreachable_store_and_a_vanished_launcher_are_faults(monkeypatch):
     store = Store()
     dogs, found = _watchdogs(store, n=1)

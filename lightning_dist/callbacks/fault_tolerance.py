@@ -16,15 +16,23 @@ With ``FaultTolerance()`` (any strategy; every rank):
    rank has made progress for ``timeout_s`` seconds (or that the store or the launcher is gone), logs which
    rank stopped first and at which step, writes this rank's emergency checkpoint and exits with code
    :data:`EXIT_STALL` (124): every rank, the stalled one included, within ``timeout_s`` plus a few polls.
-   Checkpoint writes pause the watch (up to ``pause_timeout_s``); wrap other known long operations in
-   ``with fault_tolerance.paused("why"):``.
+   Checkpoint writes pause the watch (up to ``pause_timeout_s``), and so do the strategy's long collectives while
+   every rank is inside one (a sync driver's sync: ``sync=DiLoCo``'s, a model's worth of bytes over slow links, through
+   :meth:`~lightning_dist.strategy.features.RingFeatures.long_collective`): a rank that stalled outside it is still
+   named after ``timeout_s``. Wrap other known long operations in ``with fault_tolerance.paused("why"):``.
 3. **SIGTERM or SIGUSR1** (preemption, SLURM's warning signal): the handler only sets a flag
    (:mod:`lightning_dist.fault.signals`; Lightning's handler, which runs a collective inside the signal handler, is
-   replaced for the fit). Every ``agree_every_n_steps`` optimizer steps every rank's flag reaches every rank (on
-   ring_ddp's per-step exchange, beside the last gradient bucket; under other strategies in one small
-   all-gather), so every rank learns of a stop request at the same step: every rank saves a regular checkpoint
-   (``preempted-step=N.ckpt``) and training ends cleanly. If that has not happened ``stop_timeout_s`` after the
-   signal (a peer stuck), the rank writes an emergency checkpoint and exits with code 143.
+   replaced for the fit). On every step where the workers meet (every step when syncing every step; under a sync
+   driver its sync steps: ``sync=DiLoCo(every=H)`` every H steps), or every ``agree_every_n_steps`` optimizer steps
+   when given, every rank's flag reaches every rank (on ring_ddp's per-step exchange, beside the last gradient bucket;
+   under other strategies in one small all-gather, every step by default), so every rank learns of a stop request at
+   the same step: every rank saves a regular checkpoint (``preempted-step=N.ckpt``) and training ends cleanly. If that
+   has not happened ``stop_timeout_s`` after the signal (a peer stuck, or under DiLoCo more than that until the next
+   sync), the rank writes an emergency checkpoint and exits with code 143.
+   **SLURM's requeue**: where Lightning would requeue the job on that signal (its ``SLURMEnvironment`` with
+   ``auto_requeue``, the requeue signal SIGUSR1 by default), rank zero runs ``scontrol requeue <job id>`` once the
+   agreed checkpoint is written (:func:`lightning_dist.fault.signals.requeue_slurm_job`), as Lightning's own handler
+   would have; the requeued job resumes with ``resume=auto``.
    **A notice to some hosts only** (an elastic run under torchrun, with :class:`ElasticTraining`): the signalled
    hosts leave and the others go on at the smaller size (:mod:`lightning_dist.fault.leave`). The same agreed stop
    and checkpoint, then the leaving hosts' ranks exit with 76 after their torchrun agent has SIGTERM (so it leaves
@@ -74,7 +82,7 @@ from lightning_dist.fault.emergency import (
     unguard_fit_loop,
 )
 from lightning_dist.fault.leave import Notice, StopDecision, decide, exit_when_main_ends, signal_agent
-from lightning_dist.fault.signals import StopSignals
+from lightning_dist.fault.signals import StopSignals, requeue_signal, requeue_slurm_job
 from lightning_dist.fault.watchdog import Fault, Watchdog, open_store
 from lightning_dist.launch import LaunchEnv
 from lightning_dist.strategy import features_of
@@ -87,9 +95,10 @@ class FaultTolerance(Callback):
         timeout_s: seconds without progress on any rank before every rank exits (default 60: raise it if one
             optimizer step or one validation batch can take longer).
         poll_s: seconds between the watchdog's looks at the store.
-        pause_timeout_s: the longest a checkpoint write (or another ``paused`` operation) may take.
+        pause_timeout_s: the longest a checkpoint write, a sync (or another ``paused`` operation) may take.
         agree_every_n_steps: optimizer steps between the ranks' exchanges of stop requests (ring_ddp: on its
-            per-step exchange; other strategies: one tiny all-gather each time).
+            per-step exchange; other strategies: one tiny all-gather each time); None: on every step where the workers
+            meet (every step, and under a sync driver such as ``sync=DiLoCo(every=H)`` its sync steps only).
         stop_timeout_s: seconds after a stop signal before a rank gives up on agreement and exits with an
             emergency checkpoint.
         exit_grace_s: seconds after an exception before a process still running is ended.
@@ -105,7 +114,7 @@ class FaultTolerance(Callback):
     """
 
     def __init__(self, timeout_s: float = 60.0, poll_s: float = 2.0, pause_timeout_s: float = 600.0,
-                 agree_every_n_steps: int = 1, stop_timeout_s: float = 60.0, exit_grace_s: float = 15.0,
+                 agree_every_n_steps: Optional[int] = None, stop_timeout_s: float = 60.0, exit_grace_s: float = 15.0,
                  dirpath: Optional[str] = None, watchdog: bool = True, notice: Optional[str] = None,
                  notice_poll_s: float = 5.0, settle_s: float = 3.0) -> None:
         problems = check_settings(timeout_s=timeout_s, poll_s=poll_s, pause_timeout_s=pause_timeout_s,
@@ -129,6 +138,7 @@ class FaultTolerance(Callback):
         self._notice = Notice(notice, notice_poll_s) if notice else None
         self.settle_s = float(settle_s)
         self._node = 0  # this rank's host (node rank), set up per fit
+        self._requeue_on: Optional[int] = None  # the signal on which Lightning would requeue this SLURM job, if any
         self._requested_at: Optional[float] = None  # when this rank first saw a stop request on the exchange
         self.decision: Optional[StopDecision] = None  # who left at the agreed stop, once there was one
 
@@ -146,7 +156,11 @@ class FaultTolerance(Callback):
         self._requested_at = None
         self._emergency.arm()
         self._signals.remember()
-        self._values.setup(trainer, self.agree_every_n_steps)
+        self._values.setup(trainer, self.agree_every_n_steps or 1, when_workers_meet=self.agree_every_n_steps is None)
+        self._requeue_on = requeue_signal(trainer.strategy)  # the signal Lightning would requeue a SLURM job on
+        features = features_of(trainer.strategy)
+        if features is not None:
+            features.collective_guard = self._collective_paused  # a sync driver's long sync is not a stall
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default: make it atomic
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         if isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO):
@@ -185,6 +199,9 @@ class FaultTolerance(Callback):
         if stage == "fit":
             self._release()
             self._values.teardown(trainer)
+            features = features_of(trainer.strategy)
+            if features is not None and features.collective_guard == self._collective_paused:
+                features.collective_guard = None
             unguard_fit_loop(trainer)
             self._trainer = None
 
@@ -194,13 +211,18 @@ class FaultTolerance(Callback):
             self._watchdog.tick(trainer.global_step)
 
     @contextlib.contextmanager
-    def paused(self, what: str) -> Iterator[None]:
-        """Wrap a known long operation (all ranks' or one's) so that the watchdog waits for it."""
+    def paused(self, what: str, every_rank: bool = False) -> Iterator[None]:
+        """Wrap a known long operation (all ranks' or one's) so that the watchdog waits for it; ``every_rank``: a
+        collective every rank takes part in, waited for only while every rank is inside one (a rank that stalled
+        before it is still a stall)."""
         if self._watchdog is None:
             yield
             return
-        with self._watchdog.paused(what):
+        with self._watchdog.paused(what, every_rank=every_rank):
             yield
+
+    def _collective_paused(self, what: str) -> contextlib.AbstractContextManager[None]:
+        return self.paused(what, every_rank=True)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -252,7 +274,8 @@ class FaultTolerance(Callback):
         # some hosts only: wait (by the waits every rank reported, the same rows everywhere) for the others' requests,
         # but not past the fit's last step (the survivors must still exit so that their agents restart them)
         if decision.whole_job or max(waits) >= self.settle_s or _last_step(trainer):
-            self._stop(trainer, _describe(rows, decision), decision)
+            requeue = decision.whole_job and self._requeue_on is not None and self._requeue_on in map(int, signums)
+            self._stop(trainer, _describe(rows, decision), decision, requeue)
 
     # -- stop signals: a flag, then agreement at a step every rank shares ---------------------------------------
     def _request(self) -> list[float]:
@@ -262,7 +285,7 @@ class FaultTolerance(Callback):
         waited = time.monotonic() - self._requested_at if self._requested_at is not None else 0.0
         return [float(self._signals.signum or 0), float(noticed), float(self._node), waited]
 
-    def _stop(self, trainer: pl.Trainer, requested: str, decision: StopDecision) -> None:
+    def _stop(self, trainer: pl.Trainer, requested: str, decision: StopDecision, requeue: bool = False) -> None:
         path = os.path.join(checkpoint_dir(trainer, self.dirpath), f"preempted-step={trainer.global_step}.ckpt")
         after = "" if decision.whole_job else (f"; host(s) {list(decision.leaving_hosts)} leave, the others restart "
                                                "at the smaller size from it")
@@ -271,6 +294,9 @@ class FaultTolerance(Callback):
         with self.paused("the preemption checkpoint"):
             trainer.save_checkpoint(path)  # every rank calls it; rank zero writes (atomically)
         self.stopped_by, self.stop_checkpoint, self.decision = requested, path, decision
+        if requeue and trainer.is_global_zero:  # what Lightning's SLURM handler, which ours replaced, would have done
+            requeued, line = requeue_slurm_job()
+            (rank_zero_info if requeued else rank_zero_warn)(f"FaultTolerance: {line}")
         trainer.should_stop = True
         if isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO):
             # Lightning will call the stopped epoch finished: what it writes from now on must not be resumed from
@@ -419,6 +445,7 @@ def check_settings(**settings: Any) -> list[str]:
     if isinstance(notice_poll, bool) or not isinstance(notice_poll, (int, float)) or not notice_poll > 0:
         problems.append(f"notice_poll_s={notice_poll!r} must be a positive number of seconds")
     every = settings.get("agree_every_n_steps")
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        problems.append(f"agree_every_n_steps={every!r} must be an integer >= 1")
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        problems.append(f"agree_every_n_steps={every!r} must be an integer >= 1, or None for every step where the "
+                        "workers meet")
     return problems

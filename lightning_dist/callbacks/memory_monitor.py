@@ -17,12 +17,14 @@ What it does, with its defaults (``MemoryMonitor()``; any strategy, ``ring_ddp``
    whose backward frees its activations before the next: the table says so, and the advice names the per-rank cap
    that fits (``hetero.memory_caps=[...]``) instead of a smaller per-rank batch.
 
-2. **Watching.** Every ``every_n_steps`` optimizer steps (default: the Trainer's ``log_every_n_steps``) each
-   rank reads its host RSS (current, and peak since the last reading), and on CUDA the caching allocator's
-   allocated and reserved bytes (current and peak), allocation retries and OOMs, and the GPU's utilisation
-   through NVML (``pip install lightning-dist[gpu]``). Under ``ring_ddp`` the values ride the strategy's
-   per-rank exchange slots (no collective of their own); under any other strategy one small all-gather every
-   ``every_n_steps`` steps carries them. Rank zero logs, for each quantity, the max and min over ranks and the
+2. **Watching.** Every ``every_n_steps`` optimizer steps (default: the Trainer's ``log_every_n_steps``) each rank
+   reads its host RSS (current, and peak since the last reading), and on CUDA the caching allocator's allocated and
+   reserved bytes (current and peak), allocation retries and OOMs, and the GPU's utilisation through NVML
+   (``pip install lightning-dist[gpu]``). Under ``ring_ddp`` the values ride the strategy's per-rank exchange slots (no
+   collective of their own); under any other strategy one small all-gather every ``every_n_steps`` steps carries
+   them. At the default interval, under a sync driver that syncs every H steps (``sync=DiLoCo(every=H)``) each
+   reading waits for the interval's first sync step, so that no exchange holds the workers together between syncs;
+   an ``every_n_steps`` given is kept exactly. Rank zero logs, for each quantity, the max and min over ranks and the
    rank that holds the max (``memory/rss_mib_max``, ``memory/rss_mib_min``, ``memory/rss_mib_max_rank``, ...).
 
 3. **Thresholds.** ``usage`` is a rank's peak since the last reading over its capacity (host RSS on CPU, reserved
@@ -103,7 +105,7 @@ class MemoryMonitor(Callback):
 
     Args:
         every_n_steps: optimizer steps between readings (None: the Trainer's ``log_every_n_steps``, 50 when
-            that is 0).
+            that is 0, each reading under a sync driver on the interval's first step where the workers meet).
         warn_at: usage (a fraction of capacity) at which rank zero warns; None: never.
         empty_cache_at: usage at which every rank empties the CUDA cache (CPU: garbage collection and
             ``malloc_trim``); None: never.
@@ -175,7 +177,7 @@ class MemoryMonitor(Callback):
         if stage != "fit":
             return
         self._every = self.every_n_steps or trainer.log_every_n_steps or 50
-        self._values.setup(trainer, self._every)
+        self._values.setup(trainer, self._every, when_workers_meet=self.every_n_steps is None)
         self._memory.start(readers.cuda_device(trainer.strategy.root_device),
                            [*pl_module.parameters(), *pl_module.buffers()], self.reset_peaks)
         self._armed = dict.fromkeys(self.thresholds, True)

@@ -3,6 +3,12 @@ slots (no collective of their own: they ride the step's exchange, which starts b
 bucket), under any other strategy one small all-gather. MemoryMonitor (memory readings) and FaultTolerance
 (stop requests) share it.
 
+At their defaults both ask for the steps where the workers meet (``when_workers_meet``): every step's (or every N
+steps') exchange when syncing every step; under a sync driver that syncs every H steps (DiLoCo) only on its sync
+steps, so no collective of every rank holds the workers together between syncs (an interval's exchange waits for its
+first sync step; see :meth:`~lightning_dist.strategy.features.RingFeatures.workers_meet`). Under any other strategy
+the workers meet on every step.
+
 The callback drives it from three hooks, the same on every rank, so every rank holds the same rows at the same
 step:
 
@@ -36,14 +42,15 @@ class RankValues:
         self._captured: Optional[list[list[float]]] = None
         self._last_global_step = 0
 
-    def setup(self, trainer: pl.Trainer, every: int) -> None:
-        """From the callback's ``setup``, on every rank: the same names, in the same order."""
+    def setup(self, trainer: pl.Trainer, every: int, when_workers_meet: bool = False) -> None:
+        """From the callback's ``setup``, on every rank: the same names, in the same order. ``when_workers_meet``: each
+        interval's rows wait for its first step where the workers meet (ring_ddp under a sync driver)."""
         self.every = every
         self._ring = features_of(trainer.strategy)
         if self._ring is not None:
             for name in self.names:
                 self._ring.exchange.register(self._slot(name), per_rank=True)
-            self._ring.request_exchange(every, self.feature)
+            self._ring.request_exchange(every, self.feature, when_workers_meet)
         self._filled_at, self._captured, self._last_global_step = -1, None, trainer.global_step
 
     def teardown(self, trainer: pl.Trainer) -> None:
@@ -57,7 +64,7 @@ class RankValues:
     def fill(self, trainer: pl.Trainer, read: Callable[[], Sequence[float]]) -> None:
         """ring_ddp: when the coming step exchanges (and once per step), this rank's values into its slots."""
         ring = self._ring
-        if ring is None or not ring.exchange_due(self.every):
+        if ring is None or not ring.exchange_due_for(self.feature):
             return
         step = ring.step
         if self._filled_at == step:

@@ -10,7 +10,9 @@ How: the training thread counts *ticks* (a plain integer increment in callback h
 backward, optimizer step, validation batches, checkpoints). A daemon thread publishes this rank's ticks and
 step every ``poll_s`` seconds with ``store.add`` (which never blocks on a missing key, unlike ``get``) and
 reads every rank's the same way. When *no* rank's ticks changed for ``timeout_s`` seconds, judged on this
-rank's own monotonic clock, and no rank is inside a known long operation (:meth:`Watchdog.paused`), the job
+rank's own monotonic clock, and no rank is inside a known long operation (:meth:`Watchdog.paused`: one rank's,
+a checkpoint write; or one every rank takes part in, a sync of the workers, which holds the verdict only while every
+rank is inside it, so that peers waiting in it for a rank that stalled before it do not hide the stall), the job
 is stuck: every rank sees it within one poll of the others, names the rank(s) with the fewest ticks (the one
 that stopped first: its peers went on to the collective it never reached), and calls ``on_fault``, which
 writes an emergency checkpoint and exits the process. A rank whose own watchdog thread cannot run (a hang
@@ -36,6 +38,9 @@ import torch.distributed as dist
 from lightning_dist.launch import LaunchStoreError, connect_store
 
 STORE_FAILURES = 3  # consecutive failed polls before the store counts as gone
+# a rank's published pause: in an operation of its own (any rank's holds the verdict), in a collective of every rank
+# (holds it while every rank is in one)
+ALONE, TOGETHER = 1, 2
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,8 @@ class Watchdog:
         self.on_fault, self.backstop, self.check = on_fault, backstop, check
         self.ticks = 0  # bumped by the training thread: a plain int, no lock needed (one writer)
         self.step = 0
-        self._paused: list[str] = []  # what this rank is doing that may take long (a stack: nested pauses)
+        # what this rank is doing that may take long, and whether every rank takes part (a stack: nested pauses)
+        self._paused: list[tuple[str, bool]] = []
         self._paused_since = 0.0
         self._published = {"ticks": 0, "step": 0, "paused": 0}
         self._keys_made = False  # every rank's keys exist (made by add(key, 0)): one multi_get reads them all
@@ -92,7 +98,8 @@ class Watchdog:
         self._io: Optional[threading.Thread] = None  # the store call in flight (a dead link can block it)
         self._parent = os.getppid()
         self.fault: Optional[Fault] = None
-        self.last_seen: list[tuple[int, int, int]] = []  # every rank's (ticks, step, paused) at the last poll
+        # every rank's (ticks, step, paused) at the last poll; paused: ALONE | TOGETHER bits (0: neither)
+        self.last_seen: list[tuple[int, int, int]] = []
 
     # -- the training thread's side -------------------------------------------------------------------------
     def tick(self, step: Optional[int] = None) -> None:
@@ -101,12 +108,13 @@ class Watchdog:
             self.step = step
 
     @contextlib.contextmanager
-    def paused(self, what: str) -> Iterator[None]:
+    def paused(self, what: str, every_rank: bool = False) -> Iterator[None]:
         """A known long operation (a checkpoint write, a barrier around it): the watch waits, up to
-        ``pause_timeout_s``."""
+        ``pause_timeout_s``. ``every_rank``: a collective every rank takes part in (a sync of the workers); the watch
+        waits only while every rank is inside one."""
         if not self._paused:
             self._paused_since = time.monotonic()
-        self._paused.append(what)
+        self._paused.append((what, every_rank))
         try:
             yield
         finally:
@@ -131,19 +139,27 @@ class Watchdog:
         return f"{self.prefix}/{rank}/{name}"
 
     def _publish_and_read(self) -> list[tuple[int, int, int]]:
-        mine = {"ticks": self.ticks, "step": self.step, "paused": 1 if self._paused else 0}
+        keys = [self._key(r, name) for r in range(self.world_size) for name in ("ticks", "step", "paused")]
+        if not self._keys_made:  # a key no rank has written yet would block multi_get until it is
+            for key in keys:
+                value = self.store.add(key, 0)
+                rank, name = key.rsplit("/", 2)[-2:]
+                if int(rank) == self.rank:  # what an earlier fit's watchdog in this process left (a pause it ended in)
+                    self._published[name] = int(value)
+            self._keys_made = True
+        mine = {"ticks": self.ticks, "step": self.step, "paused": self._pause_bits()}
         for name, value in mine.items():
             delta = value - self._published[name]
             if delta:
                 self.store.add(self._key(self.rank, name), delta)
                 self._published[name] = value
-        keys = [self._key(r, name) for r in range(self.world_size) for name in ("ticks", "step", "paused")]
-        if not self._keys_made:  # a key no rank has written yet would block multi_get until it is
-            for key in keys:
-                self.store.add(key, 0)
-            self._keys_made = True
         values = [int(value) for value in self.store.multi_get(keys)]  # one round trip, not 3 per rank
         return [tuple(values[3 * r: 3 * r + 3]) for r in range(self.world_size)]
+
+    def _pause_bits(self) -> int:
+        """This rank's pause as published: :data:`ALONE` (a pause of its own), :data:`TOGETHER` (a collective's)."""
+        return ((ALONE if any(not together for _, together in self._paused) else 0)
+                | (TOGETHER if any(together for _, together in self._paused) else 0))
 
     def _poll_store(self) -> list[tuple[int, int, int]]:
         """One publish-and-read on a daemon thread of its own, waited for at most ``2 * poll_s`` (at least 2 s): a
@@ -202,9 +218,9 @@ class Watchdog:
             self.last_seen = seen
             if seen != last:
                 last, last_change = seen, now
-            if any(paused for _, _, paused in seen):
+            if any(paused & ALONE for _, _, paused in seen) or all(paused & TOGETHER for _, _, paused in seen):
                 if self._paused and now - self._paused_since > self.pause_timeout_s:
-                    self._raise(Fault("paused_too_long", f"rank {self.rank}: {self._paused[-1]} has taken more than "
+                    self._raise(Fault("paused_too_long", f"rank {self.rank}: {self._paused[-1][0]} has taken more than "
                                                          f"{self.pause_timeout_s:.0f} s", (self.rank,), self.step))
                     return
                 last_change = now  # a peer (or this rank) is in a known long operation: no verdict meanwhile

@@ -11,9 +11,10 @@ What a feature may use:
   the same on every rank; :attr:`RingFeatures.exchange_step` is the value it had during the step whose
   exchange completed last;
 - **the per-step exchange** (:class:`~lightning_dist.strategy.exchange.StepExchange`): register named slots,
-  fill them, read every rank's values; ask for an interval with :meth:`RingFeatures.request_exchange`, test
-  :meth:`RingFeatures.exchange_due`; :attr:`RingFeatures.exchange_group` is the strategy's gloo group, for a
-  feature's own rare collective (CPU tensors on every backend);
+  fill them, read every rank's values; ask for an interval with :meth:`RingFeatures.request_exchange` (or for the
+  steps where the workers meet: :meth:`RingFeatures.workers_meet`), test :meth:`RingFeatures.exchange_due_for`;
+  :attr:`RingFeatures.exchange_group` is the strategy's gloo group, for a feature's own rare collective (CPU tensors
+  on every backend);
 - **measurements**: :attr:`RingFeatures.last_step` (this rank's own last step), :attr:`RingFeatures.step_metrics`
   (every rank's, from the last exchange, identical on every rank), :attr:`RingFeatures.totals` (this rank's
   over the fit), :meth:`RingFeatures.backward_window` (when backward handed over its last bucket and when the
@@ -21,6 +22,9 @@ What a feature may use:
 - **the buckets** (:meth:`RingFeatures.add_bucket_observer`): a :class:`~lightning_dist.strategy.hook.BucketObserver`
   is told when DDP hands the comm hook each gradient bucket (with its gradient) and when its reduction is done
   (``lightning-dist-advise`` times the buckets and replays them this way); none registered, the hook pays nothing;
+- **long collectives**: the strategy and its sync driver wrap one (DiLoCo's sync) in
+  :meth:`RingFeatures.long_collective`; a feature that watches for stalls sets :attr:`RingFeatures.collective_guard`
+  (FaultTolerance: its watchdog waits while every rank is inside one);
 - **mechanisms a policy drives**: :attr:`RingFeatures.step_guard` (step-or-skip, armed by NaNRecovery),
   :attr:`RingFeatures.loss_scaler` (fp16 loss scaling), :attr:`RingFeatures.compressor` (its state, for
   snapshots) and :meth:`RingFeatures.local_checkpoint_state` (an emergency checkpoint's entry, no collective);
@@ -31,7 +35,8 @@ What a feature may use:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
@@ -64,6 +69,9 @@ class RingFeatures:
         self.identities: Optional[list[str]] = None  # every rank's node identity, in rank order (elastic runs)
         # sync=: the running sync driver, bound at set-up (its metrics and state), None when syncing every step
         self.sync: Optional[SyncDriver] = None
+        # wraps a long collective (:meth:`long_collective`); set by a feature that watches for stalls (FaultTolerance)
+        self.collective_guard: Optional[Callable[[str], ContextManager[Any]]] = None
+        schedule.meets = self.workers_meet
 
     # -- the step counter -------------------------------------------------------------------------------------
     @property
@@ -88,14 +96,29 @@ class RingFeatures:
         """The strategy's own gloo group (CPU tensors on every backend; None with one rank)."""
         return self._schedule.group
 
-    def request_exchange(self, every_n_steps: int, name: str) -> None:
+    def request_exchange(self, every_n_steps: int, name: str, when_workers_meet: bool = False) -> None:
         """Carry every rank's per-rank slots to all ranks on every ``every_n_steps``-th optimizer step, for the
-        feature ``name`` (0 withdraws the request). The same steps on every rank."""
-        self._schedule.request(every_n_steps, name)
+        feature ``name`` (0 withdraws the request). The same steps on every rank. ``when_workers_meet``: each interval's
+        exchange waits for the interval's first step where the workers meet (:meth:`workers_meet`), so that a sync
+        driver's workers are not held together between its syncs."""
+        self._schedule.request(every_n_steps, name, when_workers_meet)
 
     def exchange_due(self, every_n_steps: int) -> bool:
         """Whether the coming (or current) optimizer step is one of ``every_n_steps``'s (the same on every rank)."""
         return self._schedule.due_every(every_n_steps, self.step)
+
+    def exchange_due_for(self, name: str) -> bool:
+        """Whether the coming (or current) optimizer step exchanges for feature ``name``'s request (the same on every
+        rank; False without one)."""
+        return self._schedule.due_for(name, self.step)
+
+    def workers_meet(self) -> bool:
+        """Whether the workers meet in the coming (or current) optimizer step: every step when syncing every step;
+        under a sync driver, the steps it says (:meth:`~lightning_dist.sync.SyncDriver.meets`: DiLoCo's sync steps),
+        where a collective of every rank costs no wait of its own. The same answer on every rank."""
+        if self.sync is None:
+            return True
+        return self.sync.meets(self._strategy.lightning_module.trainer.global_step + 1)  # the step in progress: + 1
 
     # -- measurements -----------------------------------------------------------------------------------------
     @property
@@ -131,6 +154,13 @@ class RingFeatures:
         """Stop telling ``observer`` about buckets (nothing happens when it was not registered)."""
         if observer in self._hook_state.observers:
             self._hook_state.observers.remove(observer)
+
+    # -- long collectives ------------------------------------------------------------------------------------
+    def long_collective(self, what: str) -> ContextManager[Any]:
+        """Wrap a collective every rank takes part in that may take long (a sync of the whole model over slow links),
+        so that a stall watch (:attr:`collective_guard`) waits while every rank is inside it."""
+        guard = self.collective_guard
+        return guard(what) if guard is not None else contextlib.nullcontext()
 
     # -- mechanisms a policy drives ---------------------------------------------------------------------------
     @property

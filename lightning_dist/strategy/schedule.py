@@ -7,18 +7,22 @@ previous step and the values features registered. It travels
   rebalances from measured speed;
 - otherwise only on the steps some feature asked for (:meth:`ExchangeSchedule.request`: DistMetrics's
   logging steps, MemoryMonitor's readings), so a run that logs every 50 steps pays one exchange per 50 steps.
+  A request can ask for the steps where the workers meet (``when_workers_meet``: FaultTolerance's stop requests and
+  MemoryMonitor's readings at their defaults): every step when syncing every step; under a sync driver that syncs
+  every H steps only its sync steps (:attr:`ExchangeSchedule.meets`), where a collective of every rank costs no wait
+  of its own, an interval's exchange then put off to the first such step of it.
 
-Both depend only on what every rank shares (the registered names, the step count, the intervals), so every rank
-exchanges on the same steps. When every value in the vector is final early (only measurements of the previous
-step travel) the exchange starts as DDP hands over the step's last gradient bucket, hidden behind that bucket's
-all-reduce; agreed values may be set until backward ends, so with any agreed slot (or under manual optimization,
-where a backward need not be followed by a step) it starts after backward. Either way it is complete before the
-optimizer steps, and happens at most once per step (LBFGS evaluates its closure several times).
+Both depend only on what every rank shares (the registered names, the step count, the intervals, the driver's sync
+steps), so every rank exchanges on the same steps. When every value in the vector is final early (only measurements
+of the previous step travel) the exchange starts as DDP hands over the step's last gradient bucket, hidden behind
+that bucket's all-reduce; agreed values may be set until backward ends, so with any agreed slot (or under manual
+optimization, where a backward need not be followed by a step) it starts after backward. Either way it is complete
+before the optimizer steps, and happens at most once per step (LBFGS evaluates its closure several times).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -33,7 +37,13 @@ class ExchangeSchedule:
         self._exchange: Optional[StepExchange] = None
         self.group: Optional[dist.ProcessGroup] = None  # gloo, made with the comm group (None with one rank)
         self.every_step = False  # hetero batching that rebalances needs every step's measurements
-        self._every: dict[str, int] = {}  # feature -> every how many optimizer steps it needs the exchange
+        # whether the workers meet in the optimizer step in progress (the feature seam sets it: the sync driver's sync
+        # steps; every step without a driver); the same answer on every rank
+        self.meets: Callable[[], bool] = lambda: True
+        # feature -> (every how many optimizer steps it needs the exchange, only on steps where the workers meet)
+        self._every: dict[str, tuple[int, bool]] = {}
+        self._met: dict[str, int] = {}  # a when_workers_meet feature -> the last step it exchanged on (-1: none)
+        self._meeting: tuple[int, frozenset[str]] = (-1, frozenset())  # the step asked about last, its due features
         self._done_this_step = False
 
     @property
@@ -48,12 +58,15 @@ class ExchangeSchedule:
                 self._exchange.register(f"rank_{name}", per_rank=True)
         return self._exchange
 
-    def request(self, every_n_steps: int, name: str) -> None:
-        """Feature ``name`` needs the exchange every ``every_n_steps`` optimizer steps (0 withdraws it)."""
+    def request(self, every_n_steps: int, name: str, when_workers_meet: bool = False) -> None:
+        """Feature ``name`` needs the exchange every ``every_n_steps`` optimizer steps (0 withdraws it); with
+        ``when_workers_meet`` each interval's exchange is put off to its first step where the workers meet."""
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 0:
             raise ValueError(f"every_n_steps={every_n_steps!r} must be an int >= 1, or 0 to withdraw {name!r}")
+        self._commit()  # (between steps: a request comes from a callback's setup or on_train_start)
+        self._met.pop(name, None)
         if every_n_steps:
-            self._every[name] = every_n_steps
+            self._every[name] = (every_n_steps, when_workers_meet)
         else:
             self._every.pop(name, None)
 
@@ -62,11 +75,35 @@ class ExchangeSchedule:
         """Whether optimizer step ``step`` is one of ``every_n_steps``'s."""
         return every_n_steps > 0 and step % every_n_steps == 0
 
+    def due_for(self, name: str, step: int) -> bool:
+        """Whether step ``step`` exchanges for feature ``name``'s request (False without one)."""
+        if name not in self._every:
+            return False
+        every, when_workers_meet = self._every[name]
+        return name in self._meeting_due(step) if when_workers_meet else self.due_every(every, step)
+
+    def _meeting_due(self, step: int) -> frozenset[str]:
+        """The ``when_workers_meet`` features step ``step`` exchanges for: a step where the workers meet, in an interval
+        none of its earlier steps exchanged in. Decided the first time the step is asked about (before its optimizer
+        step, while :attr:`meets` describes it), kept until it ends (:meth:`step_finished`)."""
+        asked, due = self._meeting
+        if step == asked:
+            return due
+        meets = any(at for _, at in self._every.values()) and self.meets()
+        due = frozenset(name for name, (every, at) in self._every.items()
+                        if at and meets and step // every > self._last_met(name, step) // every)
+        self._meeting = (step, due)
+        return due
+
+    def _last_met(self, name: str, step: int) -> int:
+        last = self._met.get(name, -1)
+        return last if last < step else -1  # a step of an earlier fit (a new fit counts from 0 again)
+
     def due(self, step: int) -> bool:
         """Whether step ``step`` exchanges: the same answer on every rank."""
         if self.every_step or self.exchange.has_agreed:
             return True
-        return any(self.due_every(every, step) for every in self._every.values())
+        return any(self.due_for(name, step) for name in self._every)
 
     def start(self, step: int, measurements: dict[str, float]) -> None:
         """Start this step's exchange if it is due and not started yet, carrying this rank's ``measurements``
@@ -96,7 +133,16 @@ class ExchangeSchedule:
         return True
 
     def step_finished(self) -> None:
+        """After every optimizer step (and before a fit's first)."""
+        self._commit()
         self._done_this_step = False
+
+    def _commit(self) -> None:
+        """The step asked about last has ended: it exchanged for the ``when_workers_meet`` features due on it."""
+        asked, due = self._meeting
+        for name in due:
+            self._met[name] = asked
+        self._meeting = (-1, frozenset())
 
     def drain(self) -> None:
         """At the end of a fit: finish an exchange every rank started."""

@@ -14,7 +14,9 @@ outer loop (:class:`~lightning_dist.sync.diloco.DiLoCoSync`) with the hooks the 
   exists to avoid) runs only before the steps where the workers meet anyway (:meth:`DiLoCoSync.meets`);
 - *every batch*: each worker's samples weigh its pseudo-gradient; ``balance="steps"`` runs a faster worker's share as
   more inner steps (:func:`~lightning_dist.sync.diloco.inner_steps`, agreed from every rank's share);
-- *after every optimizer step*: the fragment syncs that land and start there; a skipped outer step is warned of and
+- *after every optimizer step*: the fragment syncs that land and start there (each a long collective of every rank, a
+  model's worth of bytes over the slowest links: FaultTolerance's watchdog waits while every rank is in one, through
+  :meth:`~lightning_dist.strategy.features.RingFeatures.long_collective`); a skipped outer step is warned of and
   reported to NaNRecovery as a skipped step; after the fit's last step (:func:`~lightning_dist.sync.driver.ends_fit`,
   or a stop a callback agreed on, met at the last validation or at the end) the final sync;
 - *validation*: ``theta_global`` swapped in (``validate="global"``) and each rank's own parameters back afterwards;
@@ -24,8 +26,9 @@ outer loop (:class:`~lightning_dist.sync.diloco.DiLoCoSync`) with the hooks the 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Any, ContextManager, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -74,12 +77,9 @@ class DiLoCoDriver(DiLoCoSync, SyncDriver):
         driver = cls.create(settings, context.topology, context.rank, context.world_size, context.algorithm,
                             context.timeout)
         driver.context = context
-        workers, ddp = driver.workers, context.ddp
+        workers = driver.workers
         if settings.balance == "steps" and workers.local_size > 1:
             check_steps_balance(context.hetero, "two_tier")  # topology="auto" resolved to two_tier
-        ddp.broadcast_buffers = False
-        if workers.local_size == 1:
-            ddp.require_backward_grad_sync = False  # what DDP's no_sync() sets, for the whole fit
         driver.attach(context.module)
         driver._restore(context.checkpoint)
         rank_zero_info(f"RingDDPStrategy: {settings.describe()} over {workers.count} workers "
@@ -107,16 +107,14 @@ class DiLoCoDriver(DiLoCoSync, SyncDriver):
 
     @property
     def gradient_ranks(self) -> Sequence[Sequence[int]]:
-        return self.workers.ranks  # a worker of one rank reduces nothing (DDP's synchronisation is off)
+        # a worker of one rank reduces nothing (the strategy turns DDP's synchronisation off, and the buffers'
+        # broadcast: a host's ranks share theirs in before_forward)
+        return self.workers.ranks
 
     def setup(self, trainer: Any) -> None:
         _sigterm_broadcast_before_syncs(trainer, self)
 
     # -- every step ---------------------------------------------------------------------------------------------
-    @property
-    def averaged_among(self) -> Sequence[int]:
-        return self.workers.mine  # the gradient is averaged inside the worker only
-
     def before_batch(self, sizes: Sequence[int], micro: Optional[list[int]]) -> tuple[Optional[list[int]], bool]:
         self.count_samples(sizes)  # each worker's samples weigh its pseudo-gradient
         if self.settings.balance != "steps":
@@ -140,7 +138,13 @@ class DiLoCoDriver(DiLoCoSync, SyncDriver):
             self._final_sync(global_step, "the fit's last step")  # in place of the sync due after it, if any
         elif self.due(global_step):
             context = self.context
-            self._report(self.sync_after(global_step, context.stats, self._tier(), flags_group=context.exchange_group))
+            with self._long(f"DiLoCo's sync after global step {global_step}"):
+                results = self.sync_after(global_step, context.stats, self._tier(), flags_group=context.exchange_group)
+            self._report(results)
+
+    def _long(self, what: str) -> ContextManager[Any]:
+        """A collective of every worker that may take long (a sync: the model's bytes over the slowest links)."""
+        return self.context.strategy.features.long_collective(what)
 
     def _final_sync(self, step: int, why: str) -> None:
         """Every worker meets once more (the settings' ``final_sync``): every rank then holds ``theta_global``."""
@@ -148,7 +152,9 @@ class DiLoCoDriver(DiLoCoSync, SyncDriver):
             return
         self.final_step = step
         syncs = self.syncs
-        self._report(self.final_sync(step, self.context.stats, self._tier(), self.context.exchange_group))
+        with self._long(f"DiLoCo's final sync after global step {step}"):
+            results = self.final_sync(step, self.context.stats, self._tier(), self.context.exchange_group)
+        self._report(results)
         rank_zero_info(f"RingDDPStrategy: DiLoCo's final sync after global step {step} ({why}): "
                        f"{self.syncs - syncs} fragment(s) averaged; every rank holds theta_global")
 
@@ -188,7 +194,9 @@ class DiLoCoDriver(DiLoCoSync, SyncDriver):
         if self.settings.final_sync:
             self._final_sync(self._trainer.global_step, "the fit ended")
         else:  # exchanges still in flight land: the fit's model holds every sync it started
-            self._report(self.finish(self.context.stats, self._tier(), self.context.exchange_group))
+            with self._long("DiLoCo's exchanges in flight at the end of the fit"):
+                results = self.finish(self.context.stats, self._tier(), self.context.exchange_group)
+            self._report(results)
 
     def _tier(self) -> str:
         topology = self.context.topology
@@ -214,9 +222,11 @@ class DiLoCoDriver(DiLoCoSync, SyncDriver):
                           "skipped; it holds theta_global beside this worker's own parameters", stacklevel=2)
         leader = local or context.rank == self.workers.mine[0]  # a worker's ranks hold the same state
         own = worker_state(context.strategy, self.own_state()) if leader else None
-        return sync_entry(self, own, context.rank, context.world_size,
-                          None if local else context.exchange_group, local=local,
-                          identities=context.strategy.features.identities)
+        # every worker's state to rank zero (exchanges in flight settled first), unless an emergency checkpoint's
+        with contextlib.nullcontext() if local else self._long("DiLoCo's state gathered for a checkpoint"):
+            return sync_entry(self, own, context.rank, context.world_size,
+                              None if local else context.exchange_group, local=local,
+                              identities=context.strategy.features.identities)
 
     def restore_optimizers(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         if self.worker_optimizers is None:
@@ -263,7 +273,8 @@ def _sigterm_broadcast_before_syncs(trainer: Any, diloco: DiLoCoSync) -> None:
     where the workers meet anyway (:meth:`DiLoCoSync.meets`: a sync in the step), so a SIGTERM on rank zero stops
     every rank together within H steps. With a delay the workers never meet on the training loop's thread (the
     exchanges run beside it), and it runs once per H steps: before the first fragment's sync starts.
-    (``FaultTolerance`` agrees on a stop through the strategy's exchange instead, on the steps it asks for.)"""
+    (``FaultTolerance`` agrees on a stop through the strategy's exchange instead, at its defaults on the same steps:
+    the steps where the workers meet, :meth:`DiLoCoSync.meets` through the feature seam.)"""
     loop = trainer.fit_loop.epoch_loop
     broadcast = type(loop)._broadcast_sigterm_tensor  # private, hence lightning<2.7 and a test that fails if it goes
 

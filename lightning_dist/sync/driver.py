@@ -14,9 +14,10 @@ first driver with hooks of its own. A driver's life, in the order the strategy c
    None, over every rank (the strategy's own groups, flat or two_tier); else the ranks of this rank's worker (the
    driver has turned DDP's synchronisation off where a worker is one rank); a rank's share of the step's gradient
    is then taken among its worker's ranks. Then :meth:`SyncDriver.setup` with the trainer.
-3. **Every training step**: :meth:`SyncDriver.before_batch` (heterogeneous batching's plan of the batch: its sizes
-   and micro-batches), :meth:`SyncDriver.before_forward`, :meth:`SyncDriver.verdict_group` (where NaNRecovery's
-   step-or-skip is agreed), :meth:`SyncDriver.optimizer_step` (around the optimizer's own step) and
+3. **Every training step**: :meth:`SyncDriver.meets` (whether the workers meet in the step: features that need
+   every rank's values exchange on those steps), :meth:`SyncDriver.before_batch` (heterogeneous batching's plan of the
+   batch: its sizes and micro-batches), :meth:`SyncDriver.before_forward`, :meth:`SyncDriver.verdict_group` (where
+   NaNRecovery's step-or-skip is agreed), :meth:`SyncDriver.optimizer_step` (around the optimizer's own step) and
    :meth:`SyncDriver.after_step` after every optimizer step, taken or skipped (Lightning counts both);
    :func:`ends_fit` says whether that step is the fit's last by its limits (``max_steps``, ``max_epochs``), the same
    on every rank.
@@ -119,6 +120,13 @@ class SyncDriver:
         """After Lightning's set-up of the fit (the trainer's loops exist)."""
 
     # -- every step ---------------------------------------------------------------------------------------------
+    def meets(self, global_step: int) -> bool:
+        """Whether the workers meet on the training loop's thread in the optimizer step that makes ``global_step`` (a
+        sync runs in it), the same answer on every rank: where a collective of every rank costs no wait of its own.
+        Features that need every rank's values exchange on these steps at their defaults (FaultTolerance's stop
+        requests, MemoryMonitor's readings, DistMetrics's logs: ``RingFeatures.workers_meet``). Default: every step."""
+        return True
+
     def before_batch(self, sizes: Sequence[int], micro: Optional[list[int]]) -> tuple[Optional[list[int]], bool]:
         """Heterogeneous batching's plan of a batch: every rank's ``sizes`` and this rank's ``micro``-batches (None:
         one pass). Returns the passes this rank runs and whether they accumulate into one optimizer step (``False``:
