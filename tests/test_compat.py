@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 
-from lightning_dist import LossScaler, RingDDPStrategy
+from lightning_dist import FaultTolerance, LossScaler, MemoryMonitor, RingDDPStrategy
 from lightning_dist.callbacks import NaNRecovery
 from lightning_dist.compression import build_compressor
 from lightning_dist.sync import DiLoCo, OneBitAdam
@@ -214,6 +214,9 @@ def _run(rank, world, ckpt_dir, hosts):
             path = f"{ckpt_dir}/{name}.ckpt"
             _fit(make(1), clip=clip, callbacks=[SaveAtEpochEnd(path)], hosts=hosts)
             out[name, "resumed"] = _fit(make(1), clip=clip, ckpt_path=path, hosts=hosts)
+            # FaultTolerance and MemoryMonitor at their defaults change nothing of the fit
+            out[name, "callbacks"] = _fit(make(1), clip=clip, hosts=hosts, callbacks=[
+                FaultTolerance(dirpath=f"{ckpt_dir}/{name}-ft"), MemoryMonitor()])
             # NaNRecovery: rank 1's loss is NaN at step 5 (index 4)
             nan = NaNRecovery()
             out[name, "nan"] = _fit(make(1), clip=clip, model=Recipe(nan_at=(1, 4), hosts=hosts), callbacks=[nan],
@@ -246,6 +249,7 @@ def _run(rank, world, ckpt_dir, hosts):
             "onebit_clip_value": _refused({"sync": OneBitAdam(warmup=2)}, clip=CLIP,
                                           gradient_clip_algorithm="value"),
             "onebit_manual": _refused({"sync": OneBitAdam(warmup=2)}, model=ManualRecipe()),
+            "diloco_drift": _refused({"sync": DiLoCo(every=3)}, callbacks=[NaNRecovery(drift_check_every=2)]),
         }
     return out
 
@@ -323,6 +327,13 @@ def test_ranks_agree_where_the_way_promises_and_after_a_callbacks_stop(request, 
     assert all(torch.equal(stopped[0]["final"], other["final"]) for other in stopped[1:]), way  # the final sync ran
 
 
+@pytest.mark.parametrize("way", WAYS)
+def test_fault_tolerance_and_memory_monitor_leave_the_fit_as_it_was(request, way):
+    for out in _group(request, way):
+        got, expected = out[way, "callbacks"]["params"], out[way, "first"]["params"]
+        assert len(got) == STEPS and all(torch.equal(a, b) for a, b in zip(got, expected)), way
+
+
 # the ranks that skip a step whose loss is NaN on rank 1: every rank, or the ranks of rank 1's worker
 NAN_SKIPPED = {"diloco": (1,), "diloco_two_tier": (0, 1), "streaming": (1,)}
 
@@ -395,3 +406,4 @@ def test_refusals_name_the_fix_on_every_rank(ranks):
         for name in ("onebit_clip", "onebit_clip_value"):
             assert refused[name] is not None and "drop gradient_clip_val" in refused[name], name
         assert refused["onebit_manual"] is not None and "manual optimization" in refused["onebit_manual"]
+        assert refused["diloco_drift"] is not None and "drop drift_check_every" in refused["diloco_drift"]

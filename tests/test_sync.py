@@ -257,7 +257,7 @@ def _run_flat(rank, world, ckpt_dir):
             compressor = {"name": name, **SETTINGS.get(name, {})}
             trainer, record = _fit(_strategy(DiLoCo(every=EVERY, compressor=compressor)), world)
             sync = trainer.strategy.features.sync
-            residuals = sum(float(v.abs().sum()) for v in _tensors(sync.compressor.state_dict()))
+            residuals = sum(float(v.abs().sum()) for v in _tensors(sync.fragments[0].compressor.state_dict()))
             out[("compressor", name)] = (record.params, residuals, sync.outer_steps, dict(sync.metrics))
         # sync=every_step and sync=None: today's default, bit for bit
         for sync in (None, "every_step"):

@@ -143,6 +143,14 @@ class NaNRecovery(Callback):
             features.step_guard.disarm()
 
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        sync = features_of(trainer.strategy).sync  # bound by now (after the strategy's set-up)
+        if self.drift_check_every and sync is not None and sync.gradient_ranks is not None:
+            raise ValueError(f"NaNRecovery(drift_check_every={self.drift_check_every}) compares every rank's "
+                             "parameters, which the workers of sync= (DiLoCo) hold apart between their syncs: drop "
+                             "drift_check_every (nan_recovery.drift_check_every=0) under this way of syncing")
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _ring(trainer).step_guard.pop_verdicts()  # nothing from an earlier fit counts
         self._take_snapshot(trainer, pl_module)
