@@ -16,6 +16,7 @@ import os
 import signal
 import time
 import warnings
+from unittest import mock
 
 import lightning.pytorch as pl
 import pytest
@@ -135,19 +136,11 @@ def _run(rank, world, tmp):
         trainer = _fit(DiLoCo(every=EVERY), [ft, InjectFault("stall", rank=1, step=2, stall_s=SLOW_S)], max_steps=6)
         out["stall"] = dict(faults=ft.faults, step=trainer.global_step)
         # SLURM: SIGUSR1 on every rank (as `sbatch --signal=USR1@90` sends it) under Lightning's auto-requeue
-        saved = {name: os.environ.get(name) for name in ("PATH", "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID")}
-        os.environ.update(PATH=f"{tmp}/bin{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID=JOB)
-        os.environ.pop("SLURM_ARRAY_JOB_ID", None)
-        try:
+        with mock.patch.dict(os.environ, PATH=f"{tmp}/bin{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID=JOB):
+            os.environ.pop("SLURM_ARRAY_JOB_ID", None)  # (the environment as it was comes back after the block)
             ft = FaultTolerance(dirpath=f"{tmp}/slurm", watchdog=False)
             usr1 = [InjectFault("signal", rank=r, step=2, signum=int(signal.SIGUSR1)) for r in range(world)]
             trainer = _fit(None, [ft, *usr1], max_steps=8, plugins=[SlurmHere()])
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
         out["slurm"] = dict(step=trainer.global_step, stopped_by=ft.stopped_by, checkpoint=ft.stop_checkpoint)
     return out
 
