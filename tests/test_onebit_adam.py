@@ -164,7 +164,7 @@ def replay(batches, hosts=1, optimizer="adamw", warmup=STEPS_DENSE, refresh=EVER
     compressors = [build_compressor("sign") for _ in range(world)]
     refreshers = [build_compressor("int4", error_feedback=False) for _ in range(world)]
     plans = [PartPlan.of(layout, per, i) for i in range(per)]
-    history, frozen, variance_step = [], None, {}
+    history, frozen, variance_updates = [], None, {}  # v's updates: warm-up steps and refreshes
     for step in range(steps):
         data = [batches[r][step * accumulate:(step + 1) * accumulate] for r in range(world)]
         total = sum(len(y) for micro in data for _, y in micro)
@@ -192,7 +192,9 @@ def replay(batches, hosts=1, optimizer="adamw", warmup=STEPS_DENSE, refresh=EVER
         if now != COMPRESSED:
             opt.step()
             frozen = None
-            variance_step = {i: int(opt.state[p]["step"]) for i, p in enumerate(params) if opt.state[p]}
+            for i, p in enumerate(params):
+                if p.grad is not None:  # Adam stepped it: one more update of its v
+                    variance_updates[i] = variance_updates.get(i, 0) + 1
         else:
             if frozen is None:
                 frozen = []
@@ -201,8 +203,8 @@ def replay(batches, hosts=1, optimizer="adamw", warmup=STEPS_DENSE, refresh=EVER
                     if not opt.state[p]:  # never stepped: v = 0 masks it
                         opt.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
                                             exp_avg_sq=torch.zeros_like(p))
-                    v, s = opt.state[p]["exp_avg_sq"], variance_step.get(i, 0)
-                    frozen.append(((v.sqrt() / (math.sqrt(1 - beta2 ** s) if s else 1.0)).add_(eps), v > 0))
+                    v, k = opt.state[p]["exp_avg_sq"], variance_updates.get(i, 0)
+                    frozen.append(((v.sqrt() / (math.sqrt(1 - beta2 ** k) if k else 1.0)).add_(eps), v > 0))
             flats = []
             for r in range(world):
                 xs = []

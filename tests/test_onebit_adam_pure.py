@@ -69,7 +69,7 @@ def test_a_resume_at_another_world_size_restarts_the_residuals_and_keeps_the_res
     saved = _driver(model, compressor="sign")
     saved.compressor.residuals.stage("weight", torch.ones(16))
     saved.compressor.commit()
-    saved.compressed_steps, saved.refreshes, saved._variance_step = 7, 2, {"weight": 5, "bias": 5}
+    saved.compressed_steps, saved.refreshes, saved._variance_updates = 7, 2, {"weight": 3, "bias": 3}
     entry = saved.checkpoint_entry()
     assert torch.equal(entry["ranks"][0]["residuals"]["weight"], torch.ones(16))
     same = _driver(model, compressor="sign", checkpoint={"sync": entry})
@@ -77,7 +77,7 @@ def test_a_resume_at_another_world_size_restarts_the_residuals_and_keeps_the_res
     elastic = _driver(model, compressor="sign", checkpoint={"sync": {**entry, "world_size": 4, "ranks": [
         None, entry["ranks"][0], None, None]}})
     assert elastic.compressor.residuals.get("weight") is None  # each rank's debt on its own cut: restarts at zero
-    assert (elastic.compressed_steps, elastic.refreshes, elastic._variance_step) == (7, 2, {"weight": 5, "bias": 5})
+    assert (elastic.compressed_steps, elastic.refreshes, elastic._variance_updates) == (7, 2, {"weight": 3, "bias": 3})
     with pytest.raises(ValueError, match="resume with the same OneBitAdam settings"):
         _driver(model, compressor="int8", checkpoint={"sync": entry})
 
@@ -112,6 +112,41 @@ def test_a_compressed_update_is_adam_with_v_frozen_masked_and_bounded():
     weight = dict(model.named_parameters())["weight"]
     assert not (opt.state[weight]["exp_avg_sq"][:, 0] > 0).any() and (opt.state[weight]["exp_avg"][:, 0] == 0).all()
     assert driver.compressed_steps == 1 and driver.metrics["sync/compressed"] == 1.0
+
+
+def test_the_frozen_denominator_is_bias_corrected_by_vs_updates_not_adams_step_count():
+    """Compressed steps advance Adam's step but not v: d = sqrt(v / (1 - beta2^k)) + eps with k = warm-up steps plus
+    refreshes (Adam's count t would make every compressed step sqrt((1 - beta2^t) / (1 - beta2^k)) times Adam's)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.9, 0.999))
+    driver = _driver(model)
+
+    def adam_step() -> None:  # a warm-up step or a refresh: Adam's own, counted
+        model.zero_grad()
+        model(torch.randn(8, 4)).square().sum().backward()
+        before = driver._steps(opt)
+        opt.step()
+        driver._after_adam(opt, before)
+
+    adam_step(), adam_step()
+    for _ in range(5):
+        model.zero_grad()
+        model(torch.randn(8, 4)).square().sum().backward()
+        driver._compressed_update(opt)
+    adam_step()  # a refresh at Adam's step 8: v's third update
+    assert driver._variance_updates == {"weight": 3, "bias": 3}
+    assert all(int(opt.state[p]["step"]) == 8 for p in model.parameters())
+    (ds, _), = driver._frozen(opt)[0]
+    beta2, eps = 0.999, opt.param_groups[0]["eps"]
+    for d, p in zip(ds, model.parameters()):
+        torch.testing.assert_close(d, opt.state[p]["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** 3) + eps)
+    resumed = _driver(model, checkpoint={"sync": driver.checkpoint_entry()})
+    assert resumed._variance_updates == {"weight": 3, "bias": 3}
+    old = {k: v for k, v in driver.checkpoint_entry().items() if k != "variance_updates"}
+    old["variance_step"] = {"weight": 8, "bias": 8}  # an older checkpoint: Adam's step of v's last update, capped
+    # by the warm-up (warmup=1) plus the refreshes
+    assert _driver(model, checkpoint={"sync": {**old, "refreshes": 1}})._variance_updates == {"weight": 2, "bias": 2}
 
 
 def test_an_optimizer_other_than_adam_is_refused():

@@ -10,7 +10,11 @@ workers and on the reduction. Here, per optimizer step ``t`` (counted by Lightni
 - **refreshes**, every ``refresh``-th step after it: DDP's synchronisation is off, every rank's weighted gradient is
   summed through ``refresh_compressor`` (int4 without error feedback by default) into ``.grad``, and the user's Adam
   steps on it, updating ``v``. After a warm-up step or a refresh, ``v`` is frozen as it is: the denominator ``d =
-  sqrt(v / (1 - beta2^s)) + eps`` (``s`` the step of that last update) and the mask ``v > 0``.
+  sqrt(v / (1 - beta2^k)) + eps`` (``k`` the number of updates ``v`` has had: warm-up steps plus refreshes, not Adam's
+  step count, which the compressed steps advance too; with Adam's count the step would be larger than Adam's on the
+  same ``v`` by ``sqrt((1 - beta2^t) / (1 - beta2^k))``, 1.44x by step 400 of the sync benchmark at beta2 = 0.999)
+  and the mask ``v > 0``. A refresh's own step is torch's, whose bias correction uses Adam's count ``t``: on that one
+  step in ``refresh`` the learning rate is larger by the same factor (1.0 at beta2 = 0.95 after ~100 updates).
 - **compressed steps**, the others: each rank ``r`` (share ``a_r`` of the step's samples, ``1 / N`` with even
   batches; its gradient ``g_r`` already carries it) sends ``x_r = mask (a_r beta1 m + (1 - beta1) g_r) / d``, the
   *preconditioned* momentum, through the compressor (``sign`` by default: 1 bit and a scale per 512 elements, error
@@ -168,7 +172,7 @@ class OneBitAdamDriver(SyncDriver):
         self._names = {id(p): name for name, p in named}
         self._buckets = _buckets(named)
         self._denoms: Optional[list[list[_Frozen]]] = None  # per bucket and run of _runs(): (ds, masks)
-        self._variance_step: dict[str, int] = {}  # name -> the Adam step of v's last update
+        self._variance_updates: dict[str, int] = {}  # name -> how many updates v has had (warm-up steps, refreshes)
         self._reduction = context.reduction()  # groups of its own, flat or two-tier as the gradients' (collective)
         self._tiers = self._reduction.tiers
         self._tier = "inter_host" if self._reduction.spans_hosts else "intra_host"
@@ -259,8 +263,9 @@ class OneBitAdamDriver(SyncDriver):
         self._check_optimizer(optimizer)
         now = self._phase()
         if now == WARMUP:
+            before = self._steps(optimizer)
             output = step(closure)
-            self._after_adam(optimizer)
+            self._after_adam(optimizer, before)
             return output
 
         def agreed() -> Any:  # backward, then (fp16) every rank's scaler holds the same verdict
@@ -277,8 +282,9 @@ class OneBitAdamDriver(SyncDriver):
             if now == COMPRESSED:
                 self._compressed_update(optimizer)
             elif self._reduce_gradients():  # a refresh: Adam's own step on the reduced gradient
+                before = self._steps(optimizer)
                 type(optimizer).step(optimizer)
-                self._after_adam(optimizer)
+                self._after_adam(optimizer, before)
             return loss
 
         own = optimizer.__dict__.get("step")
@@ -299,19 +305,30 @@ class OneBitAdamDriver(SyncDriver):
             self._agreed_at = step
             self._scaler.agree(optimizer, self.context.exchange_group)
 
-    def _after_adam(self, optimizer: Any) -> None:
-        """Adam stepped (warm-up, refresh): v changed, and the denominators and the mask are taken afresh."""
+    def _steps(self, optimizer: Any) -> dict[int, int]:
+        """Adam's step count of every parameter that has one, before Adam's own step (which ones it then moved)."""
+        return {id(p): int(state["step"]) for group in optimizer.param_groups for p in group["params"]
+                if id(p) in self._names and (state := optimizer.state.get(p)) and "step" in state}
+
+    def _after_adam(self, optimizer: Any, before: Optional[dict[int, int]] = None) -> None:
+        """Adam stepped (warm-up, refresh): v changed where Adam stepped a parameter (one more update of it; without
+        ``before``, :meth:`_steps` before the step, every parameter with a state), and the denominators and the mask
+        are taken afresh."""
         self._denoms = None
         for group in optimizer.param_groups:
             for p in group["params"]:
                 state = optimizer.state.get(p)
-                if state and "step" in state and id(p) in self._names:
-                    self._variance_step[self._names[id(p)]] = int(state["step"])
+                if not (state and "step" in state and id(p) in self._names):
+                    continue
+                name = self._names[id(p)]
+                then = before.get(id(p), 0) if before is not None else int(state["step"]) - 1
+                if int(state["step"]) != then:  # a state with no count of ours is plain Adam's: its step is v's count
+                    self._variance_updates[name] = self._variance_updates.get(name, then) + 1
         self._report(dense=True)
 
     def _frozen(self, optimizer: Any) -> list[list[_Frozen]]:
-        """Per bucket and run of :meth:`_runs`, its parameters' ``d = sqrt(v / (1 - beta2^s)) + eps`` and masks ``v >
-        0``, from the optimizer's state (taken once after each step of Adam's own)."""
+        """Per bucket and run of :meth:`_runs`, its parameters' ``d = sqrt(v / (1 - beta2^k)) + eps`` (``k``: v's
+        updates) and masks ``v > 0``, from the optimizer's state (taken once after each step of Adam's own)."""
         if self._denoms is None:
             self._denoms = [[self._denominators(optimizer, group, params) for group, params, _ in runs]
                             for runs in self._runs()]
@@ -322,11 +339,14 @@ class OneBitAdamDriver(SyncDriver):
         ds, masks = [], []
         for p in params:
             state = optimizer.state[p]
+            name = self._names.get(id(p), "")
             if "exp_avg_sq" not in state:  # never stepped: no v, no update until a refresh sees it
                 _init_state(state, p)
-            s = self._variance_step.get(self._names.get(id(p), ""), int(state["step"]))
+                self._variance_updates[name] = 0
+            # v's updates; a state of plain Adam's (a resume from stock DDP): its step count is v's
+            k = self._variance_updates.get(name, int(state["step"]))
             v = state["exp_avg_sq"]
-            correction = math.sqrt(1 - beta2 ** s) if s > 0 else 1.0
+            correction = math.sqrt(1 - beta2 ** k) if k > 0 else 1.0
             ds.append((v.sqrt() / correction).add_(eps))
             masks.append(v > 0)
         return ds, masks
@@ -515,7 +535,7 @@ class OneBitAdamDriver(SyncDriver):
             dist.gather_object(mine, ranks if context.rank == 0 else None, dst=0, group=context.exchange_group)
         return {"settings": self.settings.describe(), "warmup": self.warmup, "world_size": context.world_size,
                 "topology": "two_tier" if self._tiers is not None else "flat", "ranks": ranks,
-                "variance_step": dict(self._variance_step), "compressed_steps": self.compressed_steps,
+                "variance_updates": dict(self._variance_updates), "compressed_steps": self.compressed_steps,
                 "refreshes": self.refreshes, "skipped": self.skipped, "bytes_total": self.bytes_total}
 
     def _restore(self, checkpoint: Optional[dict[str, Any]]) -> None:
@@ -526,8 +546,13 @@ class OneBitAdamDriver(SyncDriver):
             raise ValueError(f"the checkpoint was written with sync={entry.get('settings')}, this run has "
                              f"sync={self.settings.describe()}: resume with the same OneBitAdam settings")
         self.warmup = entry["warmup"] if self.warmup is None else self.warmup
-        self._variance_step = {k: int(v) for k, v in entry["variance_step"].items()}
         self.compressed_steps, self.refreshes = int(entry["compressed_steps"]), int(entry["refreshes"])
+        if "variance_updates" in entry:
+            self._variance_updates = {k: int(v) for k, v in entry["variance_updates"].items()}
+        else:  # written before v's updates were counted: Adam's step at v's last update, capped by the warm-up and
+            # the refreshes (the updates of a parameter every step reached)
+            most = (self.warmup or 0) + self.refreshes
+            self._variance_updates = {k: min(int(v), most) for k, v in entry["variance_step"].items()}
         self.skipped, self.bytes_total = int(entry["skipped"]), int(entry["bytes_total"])
         ranks, rank = entry["ranks"], self.context.rank
         layout = "two_tier" if self._tiers is not None else "flat"
