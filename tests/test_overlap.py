@@ -113,8 +113,10 @@ class FlagRecorder(Compressor):
     def __init__(self):
         self.seen = []
 
+    state = None  # the strategy's hook state (a class attribute: each fit reduces through its own copy of the recorder)
+
     def compress(self, tensor, layout):
-        self.seen.append(self._state.weighted_in_autograd)
+        self.seen.append(type(self).state.weighted_in_autograd)
         return tensor, None
 
 
@@ -197,11 +199,10 @@ def _in_process_fits(rank, world_size, trace_dir):
 
         # 4. where the 1/N weighting happens: in autograd under automatic optimization, in the hook under manual
         for name, module in (("automatic", TinyModule), ("manual", ManualModule)):
-            recorder = FlagRecorder()
-            strategy = RingDDPStrategy(timeout=30, compressor=recorder)
-            recorder._state = strategy._hook_state
+            strategy = RingDDPStrategy(timeout=30, compressor=FlagRecorder())
+            FlagRecorder.state = strategy._hook_state
             _trainer(strategy, max_steps=2).fit(module())
-            out[f"weighted_in_autograd_{name}"] = sorted(set(recorder.seen))
+            out[f"weighted_in_autograd_{name}"] = sorted(set(strategy.features.compressor.seen))
 
         # 5. DDPStrategy's positional arguments (process_group_backend, timeout=None, start_method)
         strategy = RingDDPStrategy(None, None, None, None, None, None, None, None, None, "gloo", None, "popen",

@@ -3,9 +3,7 @@
 Every rank measures every step (:attr:`~lightning_dist.strategy.RingFeatures.last_step` holds its own values).
 On the steps this callback logs, the strategy carries every rank's values to all ranks on its per-step exchange,
 which travels alongside the last gradient bucket (no collective of this callback's own); the callback hands
-them to Lightning's loggers from rank zero. The values describe the optimizer step before the logged one. Under a
-sync driver that syncs every H steps (DiLoCo) the exchange waits for the interval's first sync step, so that logging
-never holds the workers together between syncs.
+them to Lightning's loggers from rank zero. The values describe the optimizer step before the logged one.
 The strategy adds this callback to the Trainer by itself (not under ``Trainer(barebones=True)``); add it
 yourself to change ``log_every_n_steps``. With ``log_every_n_steps=0`` (the Trainer's or this callback's)
 nothing is gathered or logged. It is the strategy's own reporting, so it lives beside the strategy (which adds it, and
@@ -65,23 +63,15 @@ class DistMetrics(Callback):
         self._every = log_every_n_steps
         self._interval = 0  # the interval in force this fit (the Trainer's when ours is None)
         self._logged = -1
-        self._ours = -1  # the last step whose exchange ran for this callback's request
         self._syncs_logged = 0  # DiLoCo: syncs whose sync/* metrics were logged
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._interval = trainer.log_every_n_steps if self._every is None else self._every
-        self._logged = self._ours = -1  # (a fit counts its steps from 0 again)
         features = features_of(trainer.strategy)
-        if features is not None:  # ask the strategy to exchange on the steps we log (under DiLoCo: at its syncs)
-            features.request_exchange(self._interval, "metrics", when_workers_meet=True)
+        if features is not None:  # ask the strategy to exchange on the steps we log
+            features.request_exchange(self._interval, "metrics")
             self._syncs_logged = 0 if features.sync is None else features.sync.syncs
-
-    @override
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        features = features_of(trainer.strategy)  # (the step's exchange is complete by now)
-        if features is not None and features.exchange_due_for("metrics"):
-            self._ours = features.step
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -93,7 +83,7 @@ class DistMetrics(Callback):
         fresh = features.exchange_step
         if fresh == self._logged or not features.step_metrics:
             return  # nothing new since the last log
-        if self._interval <= 0 or fresh != self._ours:
+        if self._interval <= 0 or fresh % self._interval:
             return  # an exchange another feature asked for (MemoryMonitor's interval), not one of our steps
         self._logged = fresh
         if trainer.is_global_zero:

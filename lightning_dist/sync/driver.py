@@ -124,7 +124,7 @@ class SyncDriver:
         """Whether the workers meet on the training loop's thread in the optimizer step that makes ``global_step`` (a
         sync runs in it), the same answer on every rank: where a collective of every rank costs no wait of its own.
         Features that need every rank's values exchange on these steps at their defaults (FaultTolerance's stop
-        requests, MemoryMonitor's readings, DistMetrics's logs: ``RingFeatures.workers_meet``). Default: every step."""
+        requests, MemoryMonitor's readings: ``RingFeatures.workers_meet``). Default: every step."""
         return True
 
     def before_batch(self, sizes: Sequence[int], micro: Optional[list[int]]) -> tuple[Optional[list[int]], bool]:
