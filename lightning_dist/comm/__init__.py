@@ -9,7 +9,13 @@
 - :class:`CommStats`: bytes sent/received and time per call.
 """
 
-from lightning_dist.comm._common import completed_future, destroy_groups, future_devices, release_scratch
+from lightning_dist.comm._common import (
+    completed_future,
+    destroy_at_exit,
+    destroy_groups,
+    future_devices,
+    release_scratch,
+)
 from lightning_dist.comm.dispatch import (
     ALGORITHMS,
     AUTO_TREE_MAX_BYTES,
@@ -35,6 +41,7 @@ __all__ = [
     "check_algorithm",
     "completed_future",
     "future_devices",
+    "destroy_at_exit",
     "destroy_groups",
     "choose_algorithm",
     "native_allreduce_",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 import warnings
@@ -140,6 +141,35 @@ def destroy_groups(groups: Iterable[Optional[dist.ProcessGroup]]) -> list[str]:
             except (RuntimeError, ValueError) as err:
                 failures.append(f"{type(err).__name__}: {err}")
     return failures
+
+
+_destroy_at_exit = False  # destroy_at_exit's hook is registered (once per process)
+
+
+def destroy_at_exit() -> None:
+    """Have every process group still alive destroyed when the interpreter exits, before it finalizes.
+
+    A gloo group's threads release a finished collective's tensors a moment after it completes, and torch takes the GIL
+    for that (a tensor that Python has seen is reference-counted for Python too). Once the interpreter has begun to
+    finalize, a thread that asks for the GIL is ``pthread_exit``-ed by CPython inside a C++ ``noexcept`` destructor: the
+    process dies with SIGABRT, "terminate called without an active exception". A group destroyed before that point (an
+    ``atexit`` hook: the interpreter is still whole) joins its threads, so every release is done first. Lightning does
+    the same for NCCL only; under gloo the default group otherwise lives until the process ends. Groups already
+    destroyed (the strategy's own, at teardown) are not touched again; a group some object still holds (a DDP model
+    kept past teardown) stays alive, as before.
+    """
+    global _destroy_at_exit
+    if not _destroy_at_exit:
+        _destroy_at_exit = True
+        atexit.register(_destroy_all_groups)
+
+
+def _destroy_all_groups() -> None:
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()  # every group, the default one included
+        except (RuntimeError, ValueError):  # already gone with a failed default group
+            pass
 
 
 def segment_bounds(start: int, end: int, segment: int) -> list[tuple[int, int]]:

@@ -34,13 +34,28 @@ carries the original exception's type, message and traceback, so ``loss.backward
 raises it. The worker is then *failed*: every later job is refused at once with the same cause rather than
 run, because a rank whose bucket ``k`` failed would otherwise send bucket ``k + 1`` while its peers still
 wait in bucket ``k``. It stays failed until it is stopped; the strategy starts a fresh one at the next fit.
+
+Exit: the thread is a daemon, so an idle worker never holds the interpreter open, but a daemon thread must not be
+inside a collective when the interpreter shuts down. :meth:`CommWorker.stop` gives up after its timeout when a job is
+blocked in a collective whose peer has not come (the thread is then left running, GIL released, in gloo's C++); if
+that collective returns while the interpreter finalizes (a rank's shutdown takes seconds: module teardown and a full
+collection of the heap), the thread's attempt to retake the GIL makes Python ``pthread_exit`` it inside a C++
+``noexcept`` frame, and the process dies with SIGABRT, "terminate called without an active exception" (issue 40's
+abort, from a store thread). So every worker whose thread was started is ended at interpreter exit, before
+finalization (:func:`_end_workers_at_exit`, an ``atexit`` hook): asked to stop and waited for while its collective
+ends (a peer exiting ends it at once; the group's timeout at the latest), for up to :data:`EXIT_WAIT_S`, with a line
+on stderr from every rank that waits; one still blocked after that is named on stderr and left to the interpreter.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
 import queue
+import sys
 import threading
 import traceback
+import weakref
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -49,6 +64,11 @@ from lightning_dist.comm import completed_future, future_devices, release_scratc
 
 THREAD_NAME = "lightning_dist-comm"  # every worker thread's name starts with this (tests look for it)
 _STOP = None  # the sentinel that ends the loop
+# At interpreter exit, how long a worker still inside a collective is waited for (its peer exiting or the group's
+# timeout ends the collective) before it is left to the interpreter's shutdown.
+EXIT_WAIT_S = 60.0
+_STARTED: weakref.WeakSet = weakref.WeakSet()  # workers whose thread was started (ended at exit if still running)
+_exit_hook = False
 
 
 class CommWorkerError(RuntimeError):
@@ -79,6 +99,7 @@ class CommWorker:
         self._pending = 0  # jobs queued or running on the thread (their asynchronous parts not counted)
         self._pending_lock = threading.Lock()
         self._accepting = self._stopped = False
+        self._stop_sent = False  # the sentinel is queued (once)
 
     # -- life cycle -----------------------------------------------------------------------------------
     def start(self) -> CommWorker:
@@ -108,9 +129,26 @@ class CommWorker:
         self._accepting, self._stopped = False, True
         if self._thread is None:
             return True
-        self._jobs.put(_STOP)
+        if not self._stop_sent:
+            self._stop_sent = True
+            self._jobs.put(_STOP)
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
+
+    def _end_at_exit(self, wait_s: float) -> None:
+        """At interpreter exit, before it finalizes: stop the thread, waiting up to ``wait_s`` for a job still inside
+        a collective (the module docstring says why the thread must not be running when the interpreter finalizes)."""
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return
+        if not self.stop(min(wait_s, 2.0)):
+            _say(f"{self.name} is still inside a collective as this process exits (a peer has not joined it); "
+                 f"waiting up to {wait_s:.0f} s for it to end before the interpreter shuts down.")
+            thread.join(max(0.0, wait_s - 2.0))
+        if thread.is_alive():
+            _say(f"{self.name} is still blocked in a collective {wait_s:.0f} s after this process began to exit; if "
+                 "it returns while the interpreter shuts down, the process aborts (SIGABRT, 'terminate called "
+                 "without an active exception').")
 
     # -- jobs -----------------------------------------------------------------------------------------
     def submit(self, job: Callable[[], Union[torch.Tensor, torch.futures.Future]], what: str = "job",
@@ -138,6 +176,7 @@ class CommWorker:
             return self._run_here(job, what, devices)
         if self._thread is None:  # only the submitting thread gets here: no race
             self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            _ended_at_exit(self)
             self._thread.start()
         fut: torch.futures.Future = torch.futures.Future(devices=devices)
         self._jobs.put((job, fut, what))
@@ -206,3 +245,28 @@ class CommWorker:
 def _release_thread_buffers() -> None:
     release_scratch()  # the worker's own scratch buffers (thread-local)
 
+
+def _ended_at_exit(worker: CommWorker) -> None:
+    """Have ``worker`` ended at interpreter exit (:func:`_end_workers_at_exit`, registered once per process)."""
+    global _exit_hook
+    _STARTED.add(worker)
+    if not _exit_hook:
+        _exit_hook = True
+        atexit.register(_end_workers_at_exit)
+
+
+def _end_workers_at_exit() -> None:
+    """``atexit``: runs while the interpreter is still whole (before it finalizes), so a worker whose collective
+    returns now retakes the GIL normally and ends (the module docstring says why it must not be left running)."""
+    for worker in list(_STARTED):
+        worker._end_at_exit(EXIT_WAIT_S)
+
+
+def _say(message: str) -> None:
+    """A line on this process's stderr, from any rank (at exit no logger is left to trust)."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.write(f"lightning_dist (pid {os.getpid()}): {message}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a closed stream at exit
+        pass

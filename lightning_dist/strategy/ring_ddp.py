@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -43,12 +44,12 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
-from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_dist.comm import destroy_groups, release_scratch
+from lightning_dist.comm import destroy_at_exit, destroy_groups, release_scratch
 from lightning_dist.comm.topology import Topology, resolve_topology, state_layout
 from lightning_dist.compression import Compressor, as_compressor
 from lightning_dist.elastic import complete_from_siblings
@@ -207,6 +208,7 @@ class RingDDPStrategy(DDPStrategy):
             device_id = self.root_device if self.root_device.type != "cpu" else None
             _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
                                   device_id=device_id, store=store)
+        destroy_at_exit()  # gloo's threads must be joined before the interpreter finalizes (comm.destroy_at_exit)
         # The exchange's group (a CPU tensor on every backend, so gloo) and the topology, before anything is
         # restored from a checkpoint (whose compressor state applies only under the same topology)
         if self.world_size > 1:
@@ -303,8 +305,8 @@ class RingDDPStrategy(DDPStrategy):
 
     def _stop_worker(self) -> None:
         warning = self._hook_state.stop_worker(WORKER_JOIN_TIMEOUT_S)
-        if warning is not None:
-            rank_zero_warn(warning)
+        if warning is not None:  # on every rank: the rank whose worker is stuck is the one to name
+            warnings.warn(f"rank {self.global_rank}: {warning}", stacklevel=2)
 
     @override
     def on_train_start(self) -> None:
