@@ -1,16 +1,20 @@
-"""OneBitAdam's settings, its schedule and one compressed update, without a process group (issue 42)."""
+"""OneBitAdam's settings, its schedule and one compressed update, without a process group (issue 42); the references
+``tests/test_onebit_adam.py``'s replay runs on for the refresh's ``int4`` (:class:`Int4Reference`) and the two-tier
+split (:func:`host_parts`), each checked bit for bit against the product here."""
 
 from __future__ import annotations
 
 import math
 from types import SimpleNamespace
+from typing import Sequence
 
 import pytest
 import torch
 
 from lightning_dist import RingDDPStrategy
 from lightning_dist.comm import CommStats
-from lightning_dist.compression import NoCompressor
+from lightning_dist.compression import BucketLayout, NoCompressor, build_compressor
+from lightning_dist.compression.emulate import emulate_reduce
 from lightning_dist.strategy.tiers import GradientGroups
 from lightning_dist.sync import OneBitAdam, as_sync
 from lightning_dist.sync.onebit_adam import COMPRESSED, REFRESH, WARMUP, OneBitAdamDriver, phase
@@ -139,7 +143,7 @@ def test_the_frozen_denominator_is_bias_corrected_by_vs_updates_not_adams_step_c
     assert all(int(opt.state[p]["step"]) == 8 for p in model.parameters())
     (ds, _), = driver._frozen(opt)[0]
     beta2, eps = 0.999, opt.param_groups[0]["eps"]
-    for d, p in zip(ds, model.parameters()):
+    for d, p in zip(ds, model.parameters(), strict=True):
         torch.testing.assert_close(d, opt.state[p]["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** 3) + eps)
     resumed = _driver(model, checkpoint={"sync": driver.checkpoint_entry()})
     assert resumed._variance_updates == {"weight": 3, "bias": 3}
@@ -163,3 +167,126 @@ def test_memory_counts_denominators_masks_buckets_and_residuals():
     assert _driver(model, compressor="sign").memory_bytes() == 110 * 9 + 110 * 4 * 2 + 110 * 4 * 2
     assert _driver(model).refresh_compressor.describe() == "int4(chunk=64)"
     assert not isinstance(_driver(model).compressor, type(None)) and isinstance(_driver(model).compressor, NoCompressor)
+
+
+# -- the references of the replay (tests/test_onebit_adam.py) --------------------------------------------------------
+INT4_CHUNK, INT4_LEVELS, NOISE_POINTS = 64, 6.999, 32768
+# the module's toy model (16 -> 32 -> 5) in its bucket's order: the shapes the replay reduces
+TOY = [("net.0.weight", (32, 16)), ("net.0.bias", (32,)), ("net.2.weight", (5, 32)), ("net.2.bias", (5,))]
+
+
+class Int4Reference:
+    """One rank's ``int4`` codec without error feedback (the refresh's), written out from
+    :mod:`lightning_dist.compression.int8`'s docstring: per chunk of 64 elements a step ``s = max|x| / 6.999`` (at
+    least the smallest normal float) and codes ``floor(x / s + u)``, with ``u`` read from this rank's table of the
+    ``P`` points ``(j + 1/2) / P`` shuffled from ``(seed, rank)``, from an offset drawn from the rank's generator at
+    each rounding. The seeds are the codec's (``seed * 1_000_003 + rank``; the table's ``+ 7_919``): they fix which
+    noise a rounding reads, so an exact replay needs them. ``x / s`` is ``x`` times the reciprocal of ``s``, added to
+    ``u`` in one fused multiply-add (``torch.addcmul``), as the codec computes it: a floor right at an integer
+    would otherwise differ."""
+
+    def __init__(self, rank: int, seed: int = 0) -> None:
+        shuffle = torch.Generator().manual_seed(seed * 1_000_003 + rank + 7_919)
+        points = (torch.randperm(NOISE_POINTS, generator=shuffle).to(torch.float64) + 0.5) / NOISE_POINTS
+        self.table = points.to(torch.float32).repeat(2)
+        self.gen = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+
+    def round(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (whole chunks) as its codes decode: ``q s``."""
+        assert x.numel() <= NOISE_POINTS  # one read of the table (longer buckets wrap around it)
+        start = int(torch.randint(NOISE_POINTS, (1,), generator=self.gen))
+        blocks = x.view(-1, INT4_CHUNK)
+        step = (blocks.abs().amax(1, keepdim=True) / INT4_LEVELS).clamp_min(torch.finfo(torch.float32).tiny)
+        noise = self.table[start:start + x.numel()].view(-1, INT4_CHUNK)
+        codes = torch.floor(torch.addcmul(noise, blocks, torch.reciprocal(step)))
+        assert codes.abs().max() <= 7  # 4 bits
+        return codes, step
+
+
+def int4_reduce(codecs: Sequence[Int4Reference], flats: Sequence[torch.Tensor],
+                named: Sequence[tuple[str, int]]) -> torch.Tensor:
+    """N ranks' buckets summed through ``int4``'s two phases (the docstring): elements in parameter-name order, cut
+    into N regions of whole chunks, zero-padded; rank ``r`` rounds its whole bucket; owner ``j`` decodes region ``j``
+    of the N, sums them in rank order (``q_0 s_0``, then ``+ q_r s_r`` fused), and rounds the sum afresh with its own
+    next draw; every rank decodes the owners' sums. Returns the result in the bucket's order."""
+    n, numel = len(flats), flats[0].numel()
+    ranges, offset = [], 0
+    for name, size in named:
+        ranges.append((name, offset, offset + size))
+        offset += size
+    order = [(a, b) for _, a, b in sorted(ranges)]
+    unit = math.lcm(INT4_CHUNK, 8)  # whole chunks whose codes fill whole 4-byte words
+    region = math.ceil(numel / (n * unit)) * unit
+    rounded = [codec.round(torch.cat([f[a:b] for a, b in order] + [torch.zeros(n * region - numel)]))
+               for codec, f in zip(codecs, flats, strict=True)]
+    per_chunk = region // INT4_CHUNK
+    sums = []
+    for j in range(n):
+        rows = slice(j * per_chunk, (j + 1) * per_chunk)
+        total = rounded[0][0][rows] * rounded[0][1][rows]
+        for codes, step in rounded[1:]:
+            total = torch.addcmul(total, codes[rows], step[rows])
+        codes, step = codecs[j].round(total.view(-1))
+        sums.append((codes * step).view(-1))
+    decoded, out, at = torch.cat(sums), torch.empty(numel), 0
+    for a, b in order:
+        out[a:b] = decoded[at:at + b - a]
+        at += b - a
+    return out
+
+
+def host_parts(named: Sequence[tuple[str, Sequence[int]]], parts: int) -> list[list[tuple[str, int, int]]]:
+    """A bucket (``named``: each parameter's name and shape, in the bucket's order) cut into a host's ``parts``: slice
+    ``i`` of every parameter, in the bucket's order, makes part ``i``, named ``name#i/parts``. A parameter of at least
+    ``parts`` rows is cut between rows, a smaller one between elements, the first slices one row (element) larger
+    where they do not divide evenly; empty slices are left out. Per part, ``(piece name, start, end)`` in the
+    bucket."""
+    out: list[list[tuple[str, int, int]]] = [[] for _ in range(parts)]
+    offset = 0
+    for name, shape in named:
+        numel = math.prod(shape)
+        rows, row = (shape[0], numel // shape[0]) if len(shape) and shape[0] >= parts else (numel, 1)
+        base, extra = divmod(rows, parts)
+        at = 0
+        for i in range(parts):
+            take = base + (i < extra)
+            if take:
+                out[i].append((f"{name}#{i}/{parts}", offset + at * row, offset + (at + take) * row))
+            at += take
+        offset += numel
+    return out
+
+
+def test_the_int4_reference_is_the_refresh_codec_bit_for_bit():
+    """Three reductions of 2 ranks (709 elements: regions of 384, owner 1's 325 of them, a chunk of 5 and 59
+    padding) and of 3 ranks, through the refresh's ``int4`` (no error feedback) and :func:`int4_reduce`: the same
+    bits, every rank."""
+    torch.manual_seed(7)
+    named = [(name, math.prod(shape)) for name, shape in TOY]
+    layout = BucketLayout.of([(name, torch.Size(shape)) for name, shape in TOY])
+    for n in (2, 3):
+        codecs = [build_compressor("int4", error_feedback=False) for _ in range(n)]
+        references = [Int4Reference(r) for r in range(n)]
+        for _ in range(3):
+            flats = [torch.randn(709) * 0.01 * (r + 1) for r in range(n)]
+            results = emulate_reduce(codecs, flats, layout)
+            for c in codecs:
+                c.commit()
+            expected = int4_reduce(references, flats, named)
+            assert all(torch.equal(r, expected) for r in results), n
+            assert not torch.equal(expected, sum(flats))  # rounded, not the dense sum
+
+
+@pytest.mark.parametrize("parts", (2, 3))
+def test_the_two_tier_split_reference_is_the_buckets_split(parts):
+    named = [*TOY, ("tiny", (1,)), ("flat", (7,))]
+    layout = BucketLayout.of([(name, torch.Size(shape)) for name, shape in named])
+    expected = host_parts(named, parts)
+    split = layout.split(parts)
+    assert len(split) == parts
+    for i, (part, spans) in enumerate(split):
+        assert [(name, a, b) for name, (a, b) in zip(part.names, spans, strict=True)] == expected[i], i
+        assert len(part.names) == len(spans)
+    if parts == 2:  # net.2.weight's 5 rows: 3 and 2 of them (not 80 and 80 elements)
+        assert ("net.2.weight#0/2", 544, 640) in expected[0] and ("tiny#0/2", 709, 710) in expected[0]
+        assert all(not name.startswith("tiny") for name, _, _ in expected[1])
