@@ -51,10 +51,14 @@ links every step and its all-gather after a sync.
 When the model's optimizer is Adam (or AdamW), one more row (:func:`onebit_prediction`): OneBitAdam after its warm-up
 (:class:`~lightning_dist.sync.OneBitAdam`, its defaults), whose momentum goes through ``sign`` after backward (nothing
 to overlap with) and a refresh's gradient through ``int4`` every ``refresh`` steps; and where a compressor pays (a
-speed-up above 1), a line recommending it, with its measured quality (:data:`ONEBIT_QUALITY`).
+speed-up of :data:`PAYS` or more) and OneBitAdam does too, a line recommending it, with its measured quality
+(:data:`ONEBIT_QUALITY`).
 
-:class:`Advisor` is the callback that measures (``AdviseCallback``, its name before one naming rule for callbacks,
-still imports for one release, with a ``DeprecationWarning``).
+:class:`Advisor` is the callback that measures, and it measures a fit of one's own as well: ``Advisor()`` among a
+Trainer's callbacks under ``RingDDPStrategy`` times the fit's first steps and prints the table when the fit ends
+(``AdviseCallback``, its name before one naming rule for callbacks, still imports for one release, with a
+``DeprecationWarning``). On the command line a class of one's own is ``model._target_=my_pkg.MyModule`` (then built
+from the ``model.*`` keys given with it alone), importable from the working directory as under ``python -m``.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -96,7 +100,10 @@ def accuracy_cost(kwargs: dict[str, Any]) -> tuple[Optional[float], str]:
     ``build_compressor`` arguments: the row measured at the same settings, else the compressor's first row marked as
     measured at other settings, else none."""
     name = kwargs.get("name")
-    given = {**kwargs, "error_feedback": kwargs.get("error_feedback")}
+    # every setting the compressor runs at, the given ones over its conf defaults (a row measured at start_step=2
+    # is no row for the default start_step=0)
+    given = {**(default_candidate(name) if name in COMPRESSORS else {}), **kwargs}
+    given["error_feedback"] = given.get("error_feedback")
     if given["error_feedback"] is None:
         given["error_feedback"] = name in COMPRESSORS and error_feedback_default(name)
     rows = [row for row in ACCURACY_COST if row[0] == name]
@@ -227,7 +234,7 @@ def sync_predictions(measured: dict[str, Any], codecs: dict[str, dict[str, list[
 
 PAYS = 1.05  # a compressor's predicted speed-up from which OneBitAdam is recommended under Adam
 # OneBitAdam's measured quality at equal samples (docs/onebit-adam.md has the tables)
-ONEBIT_QUALITY = "digits +0.37 pt (98.52% vs 98.15%); LM +0.6% val loss at 400 steps: docs/onebit-adam.md"
+ONEBIT_QUALITY = "digits +0.37 pt (98.52% vs 98.15%); LM +0.64% val loss at 400 steps: docs/onebit-adam.md"
 
 
 def onebit_prediction(measured: dict[str, Any], codecs: dict[str, dict[str, list[float]]],
@@ -269,7 +276,7 @@ def table(report: dict[str, Any]) -> str:
     if onebit is not None:
         lines.append(row("onebit_adam", onebit, onebit["quality"], f"{onebit['bytes_per_step'] / 1e6:.3f}"))
         pays = [n for n, r in report["compressors"].items() if n != DENSE and (r["speedup_vs_dense"] or 0) >= PAYS]
-        if pays:
+        if pays and (onebit["speedup_vs_dense"] or 0) >= PAYS:  # never a method predicted slower than dense
             lines.append(f"The optimizer is Adam and compression pays here ({', '.join(pays)}): sync=onebit_adam "
                          f"(predicted {1e3 * onebit['predicted_step_s']:.1f} ms, "
                          f"{onebit['speedup_vs_dense'] or float('nan'):.2f}x) sends Adam's momentum at 1 bit and keeps "
@@ -294,6 +301,32 @@ def default_candidate(name: str) -> dict[str, Any]:
     node = OmegaConf.to_container(OmegaConf.create(text))
     node.pop("_target_", None)
     return node
+
+
+def default_candidates(names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``{name: its conf/compression defaults}`` for ``names``, dense first (the base of every speed-up); raises
+    ``ValueError`` naming an unknown one."""
+    if isinstance(names, str):
+        names = [names]
+    unknown = [n for n in names if n not in COMPRESSORS]
+    if unknown:
+        raise ValueError(f"unknown compressor(s) {unknown}; choose from {list(COMPRESSORS)}")
+    return {n: default_candidate(n) for n in [DENSE, *(n for n in names if n != DENSE)]}
+
+
+def settings_problems(settings: Any) -> list[str]:
+    """What is wrong with ``advise.*`` (an :class:`AdviseConf` or its config node), each naming the value and fix."""
+    problems = []
+    unknown = [n for n in settings.compressors if n not in COMPRESSORS]
+    if unknown:
+        problems.append(f"advise.compressors: unknown {unknown}; choose from {list(COMPRESSORS)}, "
+                        "e.g. advise.compressors=[int8,topk]")
+    for key, low in (("warmup_steps", 1), ("steps", 1), ("rounds", 1)):
+        if getattr(settings, key) < low:
+            problems.append(f"advise.{key}={getattr(settings, key)}: use {low} or more")
+    if settings.timeout_s <= 0:
+        problems.append(f"advise.timeout_s={settings.timeout_s}: seconds, > 0")
+    return problems
 
 
 def configured_sync(cfg: DictConfig) -> tuple[SyncAdvice, Optional[dict[str, Any]]]:
@@ -327,10 +360,12 @@ def candidates(cfg: DictConfig) -> dict[str, dict[str, Any]]:
     configured = OmegaConf.to_container(cfg.compression, resolve=True)
     configured.pop("_target_", None)
     _, pseudo = configured_sync(cfg)
-    names = [DENSE] + [n for n in cfg.advise.compressors if n != DENSE]
+    names = list(cfg.advise.compressors)
     if pseudo is not None and pseudo["name"] not in names:
         names.append(pseudo["name"])
-    chosen = {n: (dict(configured) if configured.get("name") == n else default_candidate(n)) for n in names}
+    chosen = default_candidates(names)
+    if configured.get("name") in chosen:
+        chosen[configured["name"]] = dict(configured)
     if pseudo is not None:
         chosen[pseudo["name"]] = pseudo
     return chosen
@@ -338,16 +373,7 @@ def candidates(cfg: DictConfig) -> dict[str, dict[str, Any]]:
 
 def check(cfg: DictConfig) -> None:
     """``advise.*`` and what the measurement needs; raises ``ValueError`` naming the value and the fix."""
-    a, problems = cfg.advise, []
-    unknown = [n for n in a.compressors if n not in COMPRESSORS]
-    if unknown:
-        problems.append(f"advise.compressors: unknown {unknown}; choose from {list(COMPRESSORS)}, "
-                        "e.g. advise.compressors=[int8,topk]")
-    for key, low in (("warmup_steps", 1), ("steps", 1), ("rounds", 1)):
-        if a[key] < low:
-            problems.append(f"advise.{key}={a[key]}: use {low} or more")
-    if a.timeout_s <= 0:
-        problems.append(f"advise.timeout_s={a.timeout_s}: seconds, > 0")
+    problems = settings_problems(cfg.advise)
     if cfg.strategy.get("_target_") != StrategyConf._target_:
         problems.append("advise measures under strategy=ring_ddp (its comm hook shows the buckets); drop strategy=")
     devices = resolve_devices(cfg.trainer.devices)
@@ -371,7 +397,8 @@ class BucketRecorder(BucketObserver):
         self.handed: list[float] = []  # perf_counter per bucket, in hand-over order
         self.done: list[float] = []
         self.buckets: list[tuple[BucketLayout, torch.Tensor]] = []
-        self.keep = False  # copy the buckets' gradients (the last measured step)
+        self.keep = False  # copy the buckets' gradients (a timed step)
+        self.active = True  # False: the measured steps are over, record nothing
 
     def clear(self) -> None:
         self.handed.clear()
@@ -380,38 +407,75 @@ class BucketRecorder(BucketObserver):
 
     @override
     def bucket_handed(self, index: int, layout: BucketLayout, buffer: torch.Tensor) -> None:
+        if not self.active:
+            return
         self.handed.append(time.perf_counter())
         if self.keep:
             self.buckets.append((layout, buffer.detach().clone()))
 
     @override
     def bucket_done(self, index: int) -> None:
-        self.done.append(time.perf_counter())
+        if self.active:
+            self.done.append(time.perf_counter())
 
 
 class Advisor(Callback):
-    """Times the dense steps, then reduces the real buckets with every candidate; rank zero writes the report.
+    """Times a fit's first dense steps, then, when the fit ends, reduces the real buckets with every candidate; rank
+    zero prints the table (and writes the report where ``path`` says). Every rank holds the report in :attr:`report`.
+
+    In a Trainer of one's own, with one's own LightningModule and data::
+
+        advisor = Advisor()  # every compressor at its defaults, 2 untimed + 6 timed steps
+        trainer = pl.Trainer(strategy=RingDDPStrategy(), devices=2, max_steps=8, callbacks=[advisor])
+        trainer.fit(model, datamodule=data)
+        advisor.report["compressors"]["int8"]["speedup_vs_dense"]
+
+    Only the fit's first ``warmup_steps + steps`` training batches are timed; a longer fit goes on as it would
+    without the callback, and the measurement runs when it ends. The launching process holds the report when it is
+    rank zero (``start_method="popen"``, the strategy's default, torchrun, srun); under ``fork`` or ``spawn`` it
+    runs no rank: read the file at ``path``.
 
     Needs :class:`~lightning_dist.strategy.RingDDPStrategy`: it watches the buckets through the strategy's feature seam
     (:meth:`~lightning_dist.strategy.RingFeatures.add_bucket_observer`).
 
     Args:
-        candidates: ``{label: build_compressor arguments}``; the label ``none`` (dense) is the speed-ups' base.
-        settings: warm-up and timed steps, rounds, timeout (:class:`AdviseConf`).
+        candidates: the compressors measured: None for every compressor, names (``["int8", "topk"]``) at the
+            defaults of ``conf/compression/<name>.yaml``, or ``{label: build_compressor arguments}``. Dense
+            (``none``) is always measured, first: it is the speed-ups' base.
+        settings: warm-up and timed steps, rounds, timeout (:class:`AdviseConf`; None: its defaults).
         path: where rank zero writes the report (JSON); None: nowhere.
         sync: H and the pseudo-gradient codecs of DiLoCo's rows (None: DiLoCo's default H, dense, int8 and top-k
             where they are candidates).
     """
 
-    def __init__(self, candidates: dict[str, dict[str, Any]], settings: AdviseConf, path: Optional[str],
+    def __init__(self, candidates: Union[None, Sequence[str], dict[str, dict[str, Any]]] = None,
+                 settings: Optional[AdviseConf] = None, path: Optional[str] = None,
                  sync: Optional[SyncAdvice] = None) -> None:
-        self.candidates, self.settings, self.path = candidates, settings, path
+        self.settings = settings if settings is not None else AdviseConf()
+        problems = settings_problems(self.settings)
+        if problems:
+            raise ValueError("Advisor: " + "; ".join(problems))
+        if candidates is None or not isinstance(candidates, dict):
+            candidates = default_candidates(self.settings.compressors if candidates is None else candidates)
+        elif DENSE not in candidates:
+            candidates = {DENSE: default_candidate(DENSE), **candidates}
+        self.candidates, self.path = dict(candidates), path
+        for label, kwargs in self.candidates.items():  # each compressor checks its own arguments, before any fit
+            try:
+                build_compressor(**kwargs)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"Advisor: compressor {label} ({kwargs}): {err}") from err
         self.sync = sync or SyncAdvice()
         self._ends: list[float] = []
         self._steps: list[dict[str, Any]] = []  # per timed step: step_s, ready_s, exposed_s
+        self._buckets: list[tuple[BucketLayout, torch.Tensor]] = []  # the last timed step's gradient buckets
         self._backward_at = 0.0
         self._recorder = BucketRecorder()
         self.report: dict[str, Any] = {}
+
+    def _window(self) -> int:
+        """Training batches recorded: the untimed ones, then the timed ones."""
+        return self.settings.warmup_steps + self.settings.steps
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -431,7 +495,10 @@ class Advisor(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         rec = self._recorder
         rec.clear()
-        rec.keep = len(self._ends) == self.settings.warmup_steps + self.settings.steps - 1
+        rec.active = len(self._ends) < self._window()
+        rec.keep = rec.active and len(self._ends) >= self.settings.warmup_steps
+        if rec.keep:
+            self._buckets = []  # one copy of the gradient at a time
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -439,23 +506,26 @@ class Advisor(Callback):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if not self._recorder.active:
+            return  # the measured steps are over (on_train_batch_start): the fit goes on
         self._ends.append(time.perf_counter())
         rec = self._recorder
         if len(self._ends) > self.settings.warmup_steps and rec.handed:
             self._steps.append({"step_s": self._ends[-1] - self._ends[-2],
                                 "ready_s": [t - self._backward_at for t in rec.handed],
                                 "exposed_s": max(0.0, max(rec.done) - rec.handed[-1])})
+            self._buckets = list(rec.buckets)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        buckets = list(self._recorder.buckets)
+        measured = self._dense_step()  # before any collective: every rank trained the same steps, so all raise alike
+        buckets = self._buckets
         features = features_of(trainer.strategy)
         topology = features.topology if features is not None else None
         two_tier = topology is not None and topology.kind == "two_tier"
         group = dist.new_group(timeout=timedelta(seconds=self.settings.timeout_s))
         try:
             codecs = measure_codecs(self.candidates, buckets, trainer.strategy.algorithm, group, self.settings.rounds)
-            measured = self._dense_step()
             measured, codecs = agree(measured, codecs, group)
             # DiLoCo's workers are hosts: its sync runs across hosts, each rank carrying its part
             across = self._across_hosts(trainer, topology, buckets) if two_tier else None
@@ -509,7 +579,10 @@ class Advisor(Callback):
     def _dense_step(self) -> dict[str, Any]:
         """Medians over the timed steps (per bucket for the ready times)."""
         if not self._steps:
-            raise RuntimeError("advise: no timed step had a gradient bucket; raise advise.steps or the data's length")
+            raise RuntimeError(
+                f"advise: no timed step had a gradient bucket: the fit trained {len(self._ends)} batch(es), of which "
+                f"the first warmup_steps={self.settings.warmup_steps} are not timed; train at least "
+                f"{self._window()} (Trainer max_steps, the data's length), without gradient accumulation")
         steps = self._steps
         n = min(len(s["ready_s"]) for s in steps)
         step_s = statistics.median(s["step_s"] for s in steps)
@@ -588,12 +661,17 @@ def _sync(tensor: torch.Tensor) -> None:
 # -- the command -------------------------------------------------------------------------------------------------
 def run(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
     """Measure as configured; returns rank zero's report (read back from ``advise.json`` in the launching process)."""
+    cfg = copy.deepcopy(cfg)
+    with open_dict(cfg):
+        if cfg.get("advise") is None:  # a primary config of one's own (--config-dir) without the advise group
+            cfg.advise = OmegaConf.structured(AdviseConf)
+        if OmegaConf.is_missing(cfg, "data"):  # '~data': a LightningModule with its own dataloaders
+            cfg.data = None
     check(cfg)
     settings = AdviseConf(**OmegaConf.to_container(cfg.advise, resolve=True))
     a = settings
     chosen = candidates(cfg)
     sync, _ = configured_sync(cfg)
-    cfg = copy.deepcopy(cfg)
     with open_dict(cfg):
         cfg.compression = {"_target_": "lightning_dist.compression.build_compressor", "name": "none"}
         if cfg.get("sync") is not None:  # the dense step is measured syncing every step; DiLoCo's rows are predicted
@@ -626,7 +704,8 @@ def _add_advise_group(overrides: list[str]) -> list[str]:
 
 
 def main() -> Any:
-    """``lightning-dist-advise``: the Hydra command (``lightning_dist.train.hydra_command``) with the advise group."""
+    """``lightning-dist-advise``: the Hydra command (``lightning_dist.train.hydra_command``: a class of the user's own
+    too) with the advise group."""
     return hydra_command(_advise, "lightning-dist-advise", added=_add_advise_group)
 
 

@@ -289,6 +289,33 @@ def complete_overrides(overrides: Sequence[str]) -> list[str]:
     return completed
 
 
+OWN_CLASS_GROUPS = ("model", "data")  # groups whose class may be the user's own: model._target_=my_pkg.MyModule
+
+
+def own_class_overrides(overrides: Sequence[str]) -> list[str]:
+    """``model._target_=my_pkg.MyModule`` (or ``data._target_=``) without a ``model=`` option: a class of the user's
+    own, built from the ``model.*`` keys given with it alone, not the default option's (the digits CNN's ``lr``,
+    ``channels``... mean nothing to it). Rewritten into what Hydra needs for that: ``~model``, then
+    ``+model._target_=...`` and ``+model.<key>=...`` for each key given. With ``model=<option>`` given (or ``~model``,
+    or an override Hydra cannot parse) the overrides are returned as they are."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException:
+        return list(overrides)
+    own = [group for group in OWN_CLASS_GROUPS
+           if any(o.key_or_group == f"{group}._target_" and o.type == OverrideType.CHANGE and o.package is None
+                  for o in parsed)
+           and not any(o.key_or_group == group for o in parsed)]
+    if not own:
+        return list(overrides)
+    out = [f"~{group}" for group in own]
+    for o in parsed:
+        group = o.key_or_group.split(".")[0]
+        mine = group in own and "." in o.key_or_group and o.type == OverrideType.CHANGE and o.package is None
+        out.append(f"+{o.input_line}" if mine else o.input_line)
+    return out
+
+
 def _choices(override: Any) -> Optional[list[str]]:
     """The options a group override selects; None for a sweep Hydra expands itself (``glob(*)``)."""
     if not override.is_sweep_override():

@@ -39,6 +39,7 @@ import lightning_dist  # noqa: F401 - registers the strategies
 from lightning_dist.config import (
     complete_overrides,
     local_world_size,
+    own_class_overrides,
     register_configs,
     resolve_devices,
     resolve_num_nodes,
@@ -250,22 +251,35 @@ def _train(cfg: DictConfig) -> float:
 _CONFIG_FLAGS = ("-cn", "--config-name", "-cp", "--config-path", "-cd", "--config-dir")
 
 
+def _importable_from_here() -> None:
+    """The working directory on ``sys.path``, as ``python -m`` puts it there and a console script does not: a
+    ``model._target_`` of the user's own resolves the same either way (a rank Lightning starts by re-running the
+    command does this too)."""
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
+
+
 def hydra_command(entry: Callable[[], Any], prog: str,
                   added: Optional[Callable[[list[str]], list[str]]] = None) -> Any:
     """Run a :func:`hydra_main` ``entry`` with this package's override completion (``lightning-dist-train``,
     ``lightning-dist-advise``).
 
-    First :func:`~lightning_dist.config.complete_overrides` (a setting given without its group:
+    The working directory goes on ``sys.path`` (a ``model._target_`` of the user's own resolves as under ``python -m``);
+    a ``model._target_``/``data._target_`` given without its group option builds the user's class from the keys given
+    with it alone (:func:`~lightning_dist.config.own_class_overrides`); then
+    :func:`~lightning_dist.config.complete_overrides` (a setting given without its group:
     ``hetero.speeds=[3,1]`` selects ``hetero=balanced``, ``compression.ratio=0.01`` alone fails here, naming
     ``compression=topk``); ``added(overrides)`` returns overrides the command itself appends (advise's
     ``+advise=default``). The completed overrides replace ``sys.argv``'s, so that ranks Lightning starts by
     re-running the command see them too; ``prog`` names the command in an error."""
+    _importable_from_here()
     args = sys.argv[1:]
     if any(arg.split("=")[0] in _CONFIG_FLAGS for arg in args):
         return entry()  # a config of the user's own: its groups and defaults are not ours to complete
     overrides = [arg for arg in args if "=" in arg and not arg.startswith("-")]  # key=value, not Hydra's flags
     try:
-        completed = complete_overrides(overrides)
+        completed = complete_overrides(own_class_overrides(overrides))
     except ValueError as err:
         sys.exit(f"{prog}: {err}")
     sys.argv[1:] = [arg for arg in args if arg not in overrides] + completed + (added(completed) if added else [])

@@ -1,24 +1,36 @@
 """``lightning-dist-advise``: the FIFO replay and the prediction (pure), the settings checked before any rank starts,
-and one launched run on 2 local ranks (fork, gloo, the digits CNN, few rounds) whose table and JSON are sane."""
+and advise on models of the user's own, outside the package: the command on 2 local ranks (fork, gloo) with a
+``model._target_`` from a file in the working directory, run as a console script runs it; and ``Advisor()`` as a
+callback in a Trainer of the test's own, on 2 in-process ranks. Bytes are checked against the parameter count: at 2
+ranks a ring all-reduce sends each rank ``2 (N - 1) / N = 1`` times the gradient."""
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
+import textwrap
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_dist import advise
+from lightning_dist import RingDDPStrategy, advise
 from lightning_dist.advise import (
     SYNC_QUALITY,
+    AdviseConf,
+    Advisor,
     SyncAdvice,
     accuracy_cost,
     candidates,
     check,
     configured_sync,
+    default_candidate,
     host_parts,
     onebit_prediction,
     predict_step,
@@ -27,8 +39,11 @@ from lightning_dist.advise import (
     sync_predictions,
     table,
 )
+from lightning_dist.benchmarks.compression import CONFIGS, TABLE_ROWS
 from lightning_dist.compression import COMPRESSORS, BucketLayout
+from lightning_dist.config import own_class_overrides
 from lightning_dist.sync import DiLoCo
+from lightning_dist.testing import launched_externally, quiet_trainer, run_ranks
 
 CLI = [sys.executable, "-m", "lightning_dist.advise"]
 
@@ -86,6 +101,8 @@ def test_onebit_adam_row_sends_sign_every_step_and_int4_every_refresh_and_is_rec
               "onebit": row}
     text = table(report)
     assert "onebit_adam" in text and "sync=onebit_adam (predicted 1340.0 ms" in text  # sign pays here (1.2x)
+    slow = {**report, "onebit": {**row, "speedup_vs_dense": 0.62}}  # a compressor pays, OneBitAdam itself does not
+    assert "onebit_adam" in table(slow) and "sync=onebit_adam (predicted" not in table(slow)
     compressors["sign"]["speedup_vs_dense"] = compressors["int4"]["speedup_vs_dense"] = 1.0
     assert "sync=onebit_adam (predicted" not in table(report)  # nothing pays: no recommendation
 
@@ -93,10 +110,42 @@ def test_onebit_adam_row_sends_sign_every_step_and_int4_every_refresh_and_is_rec
 def test_accuracy_costs_match_the_settings_they_were_measured_at():
     assert accuracy_cost({"name": "int8"}) == (0.09, "EF: 98.33%")
     assert accuracy_cost({"name": "topk", "ratio": 0.01, "error_feedback": False})[0] == -1.85
-    assert accuracy_cost({"name": "powersgd", "rank": 2})[0] == -0.55
+    assert accuracy_cost({"name": "topk"}) == (-5.0, "1%, EF: 93.24%")  # the conf's defaults fill in the rest
     cost, what = accuracy_cost({"name": "threshold", "threshold": 0.001})
     assert cost == -1.48 and "not these settings" in what
     assert {row[0] for row in advise.ACCURACY_COST} == set(COMPRESSORS)
+
+
+def _effective(name, kwargs):
+    """A compressor's settings as a benchmark configuration ran it: its conf defaults under the given ones, error
+    feedback resolved as build_compressor resolves None (on for every compressor but the casts and none)."""
+    settings = {**default_candidate(name), **kwargs}
+    if settings.get("error_feedback") is None:
+        settings["error_feedback"] = name not in ("none", "fp16", "bf16")
+    return settings
+
+
+def test_every_quoted_cost_names_every_setting_it_was_measured_at_that_is_not_a_default():
+    # the benchmark configuration each row of the table advise quotes was measured with: a setting it ran at that
+    # differs from the default (PowerSGD's 2 dense warm-up steps, start_step=2) must be in the row, or advise quotes
+    # the row for the default configuration it was not measured at
+    for label, (name, settings, _) in TABLE_ROWS.items():
+        row = next(r for r in advise.ACCURACY_COST if r[0] == name and r[1] == settings)
+        ran = _effective(name, {k: v for k, v in (CONFIGS[label].compressor or {"name": "none"}).items()
+                                if k != "seed"})  # the seed follows each run's
+        default = _effective(name, {})
+        differs = {k: v for k, v in ran.items() if default.get(k) != v}
+        assert {k: row[1].get(k) for k in differs} == differs, (label, row)
+        assert all(ran.get(k) == v for k, v in row[1].items()), (label, row)
+
+
+def test_powersgd_at_advises_defaults_is_quoted_as_measured_at_other_settings():
+    # advise measures conf/compression/powersgd.yaml (start_step: 0); the digits figure was measured at start_step=2
+    assert default_candidate("powersgd")["start_step"] == 0
+    cost, what = accuracy_cost(default_candidate("powersgd"))
+    assert what.startswith("measured at ") and what.endswith(", not these settings")
+    assert accuracy_cost({**default_candidate("powersgd"), "start_step": 2})[1] == what.removeprefix(
+        "measured at ").removesuffix(", not these settings")  # at the settings it was measured at: quoted as is
 
 
 def test_diloco_rows_spread_one_sync_of_the_whole_model_over_h_steps():
@@ -200,28 +249,103 @@ def test_the_command_refuses_bad_input_before_any_rank(tmp_path):
     assert "Initializing distributed" not in proc.stdout + proc.stderr
 
 
+def test_advisor_measures_every_compressor_at_its_defaults_unless_told():
+    every = Advisor()
+    assert list(every.candidates) == ["none", *(n for n in COMPRESSORS if n != "none")]  # dense first: the base
+    assert every.candidates["topk"] == default_candidate("topk") and every.settings == AdviseConf()
+    assert every.path is None and every.sync == SyncAdvice() and every.report == {}
+    assert list(Advisor(["topk", "int8"]).candidates) == ["none", "topk", "int8"]
+    assert Advisor({"topk": {"name": "topk", "ratio": 0.05}}).candidates == {
+        "none": default_candidate("none"), "topk": {"name": "topk", "ratio": 0.05}}
+    with pytest.raises(ValueError, match=r"unknown compressor\(s\) \['topkk'\]"):
+        Advisor(["topkk"])
+    with pytest.raises(ValueError, match="advise.rounds=0: use 1 or more"):
+        Advisor(settings=AdviseConf(rounds=0))
+    with pytest.raises(ValueError, match="compressor topk"):
+        Advisor({"topk": {"name": "topk", "ratio": 2.0}})
+
+
+def test_a_target_of_ones_own_is_built_from_the_keys_given_with_it_alone():
+    given = ["model._target_=my_pkg.MyModule", "model.width=64", "data._target_=my_pkg.MyData", "trainer.devices=2"]
+    assert own_class_overrides(given) == ["~model", "~data", "+model._target_=my_pkg.MyModule", "+model.width=64",
+                                          "+data._target_=my_pkg.MyData", "trainer.devices=2"]
+    cfg = _compose(*own_class_overrides(given))
+    assert dict(cfg.model) == {"_target_": "my_pkg.MyModule", "width": 64}  # none of the CNN's lr, channels...
+    assert dict(cfg.data) == {"_target_": "my_pkg.MyData"}
+    # '~data': no data module (advise.run fits the module's own loaders, datamodule=None)
+    assert OmegaConf.is_missing(_compose(*own_class_overrides(["model._target_=my_pkg.MyModule", "~data"])), "data")
+    for unchanged in (["model=lm", "model._target_=my_pkg.MyModule"],  # an option chosen: its keys, a class of yours
+                      ["~model", "+model._target_=my_pkg.MyModule"],  # already in Hydra's words (a re-run rank)
+                      ["model.lr=0.1"], ["trainer.devices=2"]):
+        assert own_class_overrides(unchanged) == unchanged
+
+
 def test_a_typo_in_the_advise_group_is_caught_by_the_schema():
     with pytest.raises(ConfigCompositionException, match="round"):
         _compose("advise.round=3")
 
 
-# -- one launched run -------------------------------------------------------------------------------------------
+# -- advise on models of one's own: the command, and the callback in one's own Trainer --------------------------------
+# A module file in the working directory, as a user's own would be: not in the package, not installed. Its model takes
+# a required width (the test gives it on the command line), and Adam (advise then adds OneBitAdam's row).
+OWN_MODULE = """
+    import lightning.pytorch as pl
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+
+    class MyModule(pl.LightningModule):
+        def __init__(self, width):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(32, width), nn.Tanh(), nn.Linear(width, 10))
+
+        def training_step(self, batch, batch_idx):
+            return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+    class MyData(pl.LightningDataModule):
+        def __init__(self, batch_size):
+            super().__init__()
+            self.batch_size = batch_size
+
+        def train_dataloader(self):
+            x = torch.randn(512, 32, generator=torch.Generator().manual_seed(0))
+            return DataLoader(TensorDataset(x, x[:, :10].argmax(1)), batch_size=self.batch_size)
+"""
+# what a console script (the entry point pip writes) runs: sys.path[0] is the script's directory, not the working
+# directory, unlike python -m
+CONSOLE_SCRIPT = "import sys\nfrom lightning_dist.advise import main\nsys.exit(main())\n"
+
+
 @pytest.mark.slow  # the command on 2 ranks
 @pytest.mark.timeout(120)
-def test_advise_on_two_local_ranks(tmp_path):
+def test_advise_command_on_a_model_of_ones_own(tmp_path):
+    work, scripts = tmp_path / "work", tmp_path / "bin"
+    work.mkdir(), scripts.mkdir()
+    (work / "my_models.py").write_text(textwrap.dedent(OWN_MODULE))
+    (scripts / "lightning-dist-advise").write_text(CONSOLE_SCRIPT)
+    width, every = 200, 20
+    params = 32 * width + width + width * 10 + 10  # the two Linear layers' weights and biases
     # under sync=diloco: the dense step is still measured syncing every step (a DiLoCo step would hand DDP no bucket)
-    proc = subprocess.run(CLI + ["trainer.devices=2", "strategy.start_method=fork", "advise.steps=3",
-                                 "advise.rounds=2", "sync=diloco", "sync.every=20", "sync.compressor=int8",
-                                 f"hydra.run.dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=110)
+    proc = subprocess.run([sys.executable, str(scripts / "lightning-dist-advise"),
+                           "model._target_=my_models.MyModule", f"model.width={width}",
+                           "data._target_=my_models.MyData", "data.batch_size=16",
+                           "trainer.devices=2", "strategy.start_method=fork", "advise.steps=3", "advise.rounds=2",
+                           "sync=diloco", f"sync.every={every}", "sync.compressor=int8", f"hydra.run.dir={tmp_path}"],
+                          cwd=work, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "advise.json").read_text())
     rows = report["compressors"]
     assert set(rows) == set(COMPRESSORS) and report["world_size"] == 2
     for name in COMPRESSORS:
         assert f"\n{name} " in proc.stdout  # the table, from rank zero only
+    assert proc.stdout.count("measured dense step") == 1
     dense = rows["none"]["bytes_per_step"]
-    assert dense > 0
+    assert dense == 4 * params  # every fp32 gradient once: the buckets hold the user's whole model
     assert rows["fp16"]["bytes_per_step"] == pytest.approx(dense / 2, rel=0.01)
     assert rows["int8"]["bytes_per_step"] < dense / 3
     assert rows["topk"]["bytes_per_step"] < dense / 30
@@ -232,10 +356,13 @@ def test_advise_on_two_local_ranks(tmp_path):
     # the replay with the dense all-reduce timed on its own comes within a factor of the dense step it models
     assert 0.33 < rows["none"]["predicted_step_s"] / measured["step_s"] < 3.0
     assert all(r["predicted_step_s"] > 0 and r["accuracy_cost_pt"] is not None for r in rows.values())
+    # the model's optimizer is Adam: OneBitAdam's row, its momentum through sign every step
+    assert report["onebit"]["bytes_per_step"] > rows["sign"]["bytes_per_step"] and "\nonebit_adam " in proc.stdout
     # DiLoCo's rows: the configured H, each from the codec's measured reduction of every bucket
-    sync, every = report["sync"], 20
+    sync = report["sync"]
     assert (sync["every"], sync["configured"], sync["workers"], sync["worker"]) == (every, True, 2, "rank")
     assert list(sync["rows"]) == [f"diloco H={every}", f"diloco H={every} int8", f"diloco H={every} topk"]
+    assert sync["rows"][f"diloco H={every}"]["bytes_per_step"] == 4 * params / every
     for label, r in sync["rows"].items():
         assert f"\n{label} " in proc.stdout
         codec = rows[r["compressor"]]
@@ -243,3 +370,62 @@ def test_advise_on_two_local_ranks(tmp_path):
         sync_s = codec["coding_s"] + codec["wire_s"]
         assert r["predicted_step_s"] == pytest.approx(measured["compute_s"] + sync_s / every)
     assert "see docs/sync.md" in proc.stdout and "(sync.every)" in proc.stdout
+
+
+class OutsideModel(pl.LightningModule):
+    """A LightningModule of the test's own (SGD: advise adds no OneBitAdam row), with its own loader."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 48), nn.Tanh(), nn.Linear(48, 4))
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        x = torch.randn(256, 16, generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(x, x[:, :4].argmax(1)), batch_size=8)
+
+
+FIT_STEPS = 12  # longer than Advisor's default 2 + 6 measured steps: the fit must go on, the table come at its end
+
+
+def _fit_with_advisor(rank, world_size, path):
+    advisor = Advisor(path=path)
+    printed = io.StringIO()
+    with launched_externally(rank, world_size), contextlib.redirect_stdout(printed):
+        trainer = quiet_trainer(strategy=RingDDPStrategy(), devices=world_size, max_steps=FIT_STEPS,
+                                callbacks=[advisor])
+        trainer.fit(OutsideModel())
+    return {"report": advisor.report, "printed": printed.getvalue(), "global_step": trainer.global_step,
+            "params": sum(p.numel() for p in trainer.lightning_module.parameters())}
+
+
+@pytest.fixture(scope="module")
+def advised_fit(tmp_path_factory):
+    path = tmp_path_factory.mktemp("advisor") / "advise.json"
+    return run_ranks(_fit_with_advisor, 2, str(path), deadline_s=90), path
+
+
+@pytest.mark.slow  # 2 launched ranks
+def test_advisor_in_ones_own_trainer_times_the_first_steps_and_reports_at_the_end(advised_fit):
+    ranks, path = advised_fit
+    zero, one = ranks
+    params = 16 * 48 + 48 + 48 * 4 + 4
+    assert zero["params"] == params
+    assert [r["global_step"] for r in ranks] == [FIT_STEPS, FIT_STEPS]  # the fit went on past the measured steps
+    report = zero["report"]
+    assert one["report"] == report  # every figure agreed over the ranks
+    assert json.loads(path.read_text()) == report  # rank zero wrote what every rank holds
+    assert report["measured"]["timed_steps"] == AdviseConf().steps  # only the first steps after the warm-up
+    assert list(report["compressors"]) == ["none", *(n for n in COMPRESSORS if n != "none")]
+    assert report["compressors"]["none"]["bytes_per_step"] == 4 * params
+    assert report["onebit"] is None  # SGD: no OneBitAdam row
+    rows = report["sync"]["rows"]
+    assert list(rows) == [f"diloco H={DiLoCo.every}", f"diloco H={DiLoCo.every} int8", f"diloco H={DiLoCo.every} topk"]
+    assert rows[f"diloco H={DiLoCo.every}"]["bytes_per_step"] == 4 * params / DiLoCo.every
+    assert zero["printed"] == table(report) + f"\nadvise: {path}\n"  # the table, printed by rank zero alone
+    assert one["printed"] == ""

@@ -250,12 +250,12 @@ def test_the_strategy_page_gives_the_lightning_pin_and_why():
 
 
 # 5-14 s on 2 shared cores (the API reference reads the whole package): the slow tier, which CI runs
-def test_the_compression_pages_accuracy_table_is_the_one_advise_reads():
-    """docs/compression.md shows ACCURACY_COST (lightning-dist-advise's one copy: product data the compression benchmark
+def test_the_advise_pages_accuracy_table_is_the_one_advise_reads():
+    """docs/advise.md shows ACCURACY_COST (lightning-dist-advise's one copy: product data the compression benchmark
     writes) row for row: the page cannot drift from what the command prints."""
     from lightning_dist.compression.accuracy import ACCURACY_COST
 
-    text = (DOCS / "compression.md").read_text()
+    text = (DOCS / "advise.md").read_text()
     table = text[text.index("| compressor | settings | points vs dense | val acc |"):].split("\n\n")[0]
     rows = [[cell.strip().strip("`") for cell in line.strip("|").split("|")] for line in table.splitlines()[2:]]
     assert [(name, float(points), acc) for name, _, points, acc in rows] == [

@@ -404,8 +404,11 @@ TABLE_ROWS = {
     "topk1%": ("topk", {"ratio": 0.01, "error_feedback": True}, "1%, EF"),
     "topk1%-noEF": ("topk", {"ratio": 0.01, "error_feedback": False}, "1%, no EF"),
     "threshold": ("threshold", {"threshold": 0.1}, "0.1, EF"),
-    "powersgd-r2": ("powersgd", {"rank": 2}, "r2, EF"),
-    "powersgd-r1": ("powersgd", {"rank": 1}, "r1, EF"),
+    # measured with torch's 2 dense warm-up steps (start_step=2), not the default start_step=0: a row says so
+    "powersgd-r2": ("powersgd", {"rank": 2, "start_step": TORCH_POWERSGD_START_ITER},
+                    f"r2, start_step={TORCH_POWERSGD_START_ITER}, EF"),
+    "powersgd-r1": ("powersgd", {"rank": 1, "start_step": TORCH_POWERSGD_START_ITER},
+                    f"r1, start_step={TORCH_POWERSGD_START_ITER}, EF"),
     "sign": ("sign", {"chunk": 256}, "chunk 256, EF on ranks and owners"),
 }
 
@@ -449,7 +452,7 @@ def render_accuracy_table(rows: Sequence[tuple], text: str) -> str:
 def write_accuracy_table(summary: Sequence[dict[str, Any]], path: Path) -> list[tuple]:
     """Rewrite the accuracy table at ``path`` (the package's module, or a copy of it) from a run's digits rows."""
     path.write_text(render_accuracy_table(rows := accuracy_rows(summary), Path(accuracy.__file__).read_text()))
-    bench.progress(f"[compression] wrote {path} (docs/compression.md shows it row for row):\n" + "\n".join(
+    bench.progress(f"[compression] wrote {path} (docs/advise.md shows it row for row):\n" + "\n".join(
         f"  {name} {_literal(settings)} {points:+.2f} pt ({what})" for name, settings, points, what in rows))
     return rows
 
