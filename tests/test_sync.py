@@ -7,12 +7,18 @@ of ``torch.optim.SGD([theta_global], lr, momentum, nesterov=True)``, and every w
 ``theta_global``. The launched runs must match it within float rounding, ranks of one worker bit-identical after
 every step, every rank bit-identical after every sync.
 
+A compressed pseudo-gradient (``DiLoCo(compressor=...)``) is checked exchange by exchange: :class:`Exchanges` records
+what each rank handed the reduction and what came back, which must be, bit for bit, what the codec written out
+(``tests/test_compression_ranks.py``'s ``ReferenceCodec``, with its error feedback and int8's noise) makes of it; the
+outer steps on those sums must give the runs' ``theta_global``.
+
 Three launched groups (2 and 3 flat ranks, 4 ranks posing as 2 hosts of 2) hold every fit; the assertions share them.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import warnings
 
@@ -20,12 +26,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from test_compression_ranks import ReferenceCodec
 
 from lightning_dist import RingDDPStrategy
 from lightning_dist.callbacks import MemoryMonitor, NaNRecovery
 from lightning_dist.compression import COMPRESSORS
 from lightning_dist.hetero import HeteroBatching
 from lightning_dist.sync import DiLoCo
+from lightning_dist.sync.diloco import DiLoCoSync
 from lightning_dist.testing import RecordingLogger, ToyClassifier, launched_externally, quiet_trainer, run_ranks
 
 N_SAMPLES, BATCH = 96, 8
@@ -37,6 +45,7 @@ TOLERANCE = 2e-5  # relative to the parameters' largest value: float rounding of
 # the cut into about equal runs of whole parameters (streaming's fragments, tests/test_sync_streaming.py)
 CUTS = {1: [[0, 1, 2, 3]], 2: [[0], [1, 2, 3]]}
 SETTINGS = {"topk": {"ratio": 0.05}, "threshold": {"threshold": 1e-3, "max_ratio": 0.2}, "powersgd": {"rank": 2}}
+WRITTEN_OUT = ("int8", "int4", "topk", "threshold")  # compressors tests/test_compression_ranks.py writes out
 
 
 class Net(ToyClassifier):
@@ -104,6 +113,110 @@ class Record(Callback):
 
 def _flat(module):
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone()
+
+
+class Exchanges:
+    """Every bucket DiLoCo reduces on this rank while open (a launched rank's own copy of the class is patched): its
+    parameters' names and shapes, the weighted pseudo-gradient this rank handed to the reduction and the sum that
+    came back; the tests check each against the codec written out (``ReferenceCodec``)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __enter__(self):
+        real, calls = DiLoCoSync._reduce, self.calls
+
+        def recording(sync, bucket, codec, transport):
+            given = bucket.flat.clone()
+            finite = real(sync, bucket, codec, transport)
+            calls.append((bucket.layout.names, bucket.layout.shapes, given, bucket.flat.clone()))
+            return finite
+
+        DiLoCoSync._reduce, self._real = recording, real
+        return self
+
+    def __exit__(self, *exc):
+        DiLoCoSync._reduce = self._real
+
+
+def _part(flat, names, shapes, index, parts):
+    """Part ``index`` of ``parts`` of a bucket, as two_tier cuts it (docs: slice ``index`` of every parameter, between
+    rows where it has at least ``parts`` rows, else between elements; the first slices one row or element longer):
+    its pieces' names and sizes, its values and, per piece, where the piece lies in the bucket."""
+    pieces, sizes, where, start = [], [], [], 0
+    for name, shape in zip(names, shapes, strict=True):
+        numel = math.prod(shape)
+        rows = shape[0] if len(shape) >= 1 and shape[0] >= parts else numel
+        row = numel // rows
+        base, extra = divmod(rows, parts)
+        first = index * base + min(index, extra)
+        count = base + (index < extra)
+        if count:
+            pieces.append(f"{name}#{index}/{parts}")
+            sizes.append(count * row)
+            where.append((start + first * row, start + (first + count) * row))
+        start += numel
+    return pieces, sizes, torch.cat([flat[a:b] for a, b in where]), where
+
+
+def check_exchanges(runs, key, name, settings, hosts=1):
+    """Every exchange recorded under ``key`` (:class:`Exchanges`' calls on every rank) came back as the codec written
+    out sums what the workers handed it: flat, each rank a worker; ``hosts`` > 1, rank ``i`` of every host carries
+    part ``i`` of the bucket across hosts (each part's own residuals and noise; a host's ranks hold the same
+    pseudo-gradient) and the host gathers the parts. Returns every call's sum."""
+    world = len(runs)
+    per = world // hosts
+    calls = [runs[rank][key] for rank in range(world)]
+    assert len({len(c) for c in calls}) == 1 and len(calls[0]) > 0, [len(c) for c in calls]
+    reference, sums = ReferenceCodec(name, **settings), []
+    for c, (names, shapes, _, _) in enumerate(calls[0]):
+        given = [calls[rank][c][2] for rank in range(world)]
+        assert all(calls[rank][c][0] == names for rank in range(world))
+        fragment = tuple(names)  # each fragment its own compressor
+        if hosts == 1:
+            want = reference.reduce(given, list(names), [math.prod(s) for s in shapes], [(fragment, r)
+                                                                                         for r in range(world)])
+        else:
+            want = torch.empty_like(given[0])
+            for i in range(per):
+                for h in range(hosts):  # the host's ranks hold the same pseudo-gradient
+                    assert torch.equal(given[h * per + i], given[h * per]), f"call {c}: host {h} disagrees"
+                parts = [_part(given[h * per + i], names, shapes, i, per) for h in range(hosts)]
+                pieces, sizes, _, where = parts[0]
+                total = reference.reduce([p[2] for p in parts], pieces, sizes, [(fragment, i, h)
+                                                                                 for h in range(hosts)])
+                at = 0
+                for a, b in where:
+                    want[a:b] = total[at:at + b - a]
+                    at += b - a
+        for rank in range(world):
+            got = calls[rank][c][3]
+            assert torch.equal(got, want), f"{name} call {c} rank {rank}: {(got - want).abs().max():.3g} off"
+        sums.append(want)
+    return sums
+
+
+@functools.lru_cache(maxsize=1)
+def _alone():
+    """Each worker's parameters after every step of the first epoch at 2 flat ranks, never synced (the replay)."""
+    return replay(2, every=100 * EVERY, epochs=1, final_sync=False)[0]
+
+
+def _outer_steps(start, sums, averages=()):
+    """theta_global after each sync, by the contract: one SGD (Nesterov) step per sync on its reduced sum, or, for the
+    syncs in ``averages`` (the final sync), theta_global minus it."""
+    theta = start.clone()
+    outer = torch.optim.SGD([theta], lr=DiLoCo.outer_lr, momentum=DiLoCo.outer_momentum, nesterov=True)
+    after = []
+    for i, reduced in enumerate(sums):
+        with torch.no_grad():
+            if i in averages:
+                theta.sub_(reduced)
+            else:
+                theta.grad = reduced.clone()
+                outer.step()
+        after.append(theta.detach().clone())
+    return after
 
 
 def _strategy(sync, **kwargs):
@@ -216,7 +329,7 @@ def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=DiLoCo.outer_l
                     land(fragment, mean_of(fragment), None, averages=True)
                 with torch.no_grad():
                     for model in models:
-                        for p, g in zip(model.parameters(), theta):
+                        for p, g in zip(model.parameters(), theta, strict=True):
                             p.copy_(g)
             elif step <= warmup:
                 for fragment in range(len(cut)):
@@ -255,10 +368,14 @@ def _run_flat(rank, world, ckpt_dir):
         # every compressor on the pseudo-gradient: ranks identical after each sync, residuals carried
         for name in COMPRESSORS:
             compressor = {"name": name, **SETTINGS.get(name, {})}
-            trainer, record = _fit(_strategy(DiLoCo(every=EVERY, compressor=compressor)), world)
+            with Exchanges() as exchanges:
+                trainer, record = _fit(_strategy(DiLoCo(every=EVERY, compressor=compressor)), world)
             sync = trainer.strategy.features.sync
-            residuals = sum(float(v.abs().sum()) for v in _tensors(sync.fragments[0].compressor.state_dict()))
+            # error feedback's residuals alone (int8's generator state is a tensor too, and no residual)
+            state = sync.fragments[0].compressor.state_dict().get("residuals", {})
+            residuals = sum(float(v.abs().sum()) for v in _tensors(state))
             out[("compressor", name)] = (record.params, residuals, sync.outer_steps, dict(sync.metrics))
+            out[("exchanges", name)] = exchanges.calls
         # sync=every_step and sync=None: today's default, bit for bit
         for sync in (None, "every_step"):
             _, record = _fit(_strategy(sync), world)
@@ -331,9 +448,11 @@ def _run_hosts(rank, world, ckpt_dir):
         out[("replay", "adamw", WARMUP)] = record.params
         for name in ("int8", "topk", "powersgd"):
             compressor = {"name": name, **SETTINGS.get(name, {})}
-            trainer, record = _fit(_strategy(DiLoCo(every=EVERY, compressor=compressor), topology="two_tier"), world,
-                                   hosts=2)
+            with Exchanges() as exchanges:
+                trainer, record = _fit(_strategy(DiLoCo(every=EVERY, compressor=compressor), topology="two_tier"),
+                                       world, hosts=2)
             out[("compressor", name)] = (record.params, trainer.strategy.features.sync.outer_steps)
+            out[("exchanges", name)] = exchanges.calls
         strategy = _strategy(DiLoCo(every=EVERY), topology="two_tier", hetero=HeteroBatching(batch_sizes=[14, 6, 4, 8]))
         model = Net()
         _, record = _fit(strategy, world, hosts=2, epochs=EPOCHS, model=model)
@@ -373,7 +492,7 @@ def _check_replay(runs, world, hosts_, optimizer, warmup=0):
     for w, ranks in enumerate(workers):
         for rank in ranks:
             assert len(got[rank]) == len(expected[w])
-            for step, (a, b) in enumerate(zip(got[rank], expected[w]), start=1):
+            for step, (a, b) in enumerate(zip(got[rank], expected[w], strict=True), start=1):
                 assert _close(a, b), f"rank {rank} (worker {w}) step {step}: {(a - b).abs().max():.3g} from the replay"
     # ranks of one worker bit-identical after every step; every rank after every sync
     for step in range(len(expected[0])):
@@ -416,7 +535,7 @@ def test_hetero_batches_weigh_ranks_and_workers_by_samples(hosts):
         for rank in ranks:
             got = hosts[rank]["hetero"][0]
             assert len(got) == len(expected[w])
-            for step, (a, b) in enumerate(zip(got, expected[w]), start=1):
+            for step, (a, b) in enumerate(zip(got, expected[w], strict=True), start=1):
                 assert _close(a, b), f"rank {rank} step {step}: {(a - b).abs().max():.3g} from the replay"
 
 
@@ -432,8 +551,17 @@ def test_every_compressor_carries_the_pseudo_gradient(flat2, name):
     # (sign, 1 bit per element: ~0.67)
     assert torch.nn.functional.cosine_similarity(params[-1] - start, dense - start, dim=0) > (0.6 if name == "sign"
                                                                                                else 0.7)
-    if name in ("int8", "topk", "threshold", "powersgd"):
+    if name in ("int8", "int4", "topk", "threshold", "powersgd"):
         assert residuals > 0, f"{name}: no error-feedback residual carried between syncs"
+    if name in WRITTEN_OUT:  # the exchanges themselves, exactly; what they started from; where they landed
+        sums = check_exchanges(flat2, ("exchanges", name), name, SETTINGS.get(name, {}))
+        assert len(sums) == 3
+        # the first sync's input: each worker's weighted pseudo-gradient after 4 steps alone (the replay, no sync)
+        for rank in range(2):
+            assert _close(flat2[rank][("exchanges", name)][0][2], (start - _alone()[rank][EVERY - 1]) / 2), rank
+        # theta_global after each: the outer step on the codec's sum (the final sync: theta_global minus it)
+        for step, theta in zip((EVERY, 2 * EVERY, 3 * EVERY), _outer_steps(start, sums, averages={2}), strict=True):
+            assert _close(params[step - 1], theta), f"{name}: theta_global after step {step}"
     assert metrics["sync/outer_steps"] == 3 and metrics["sync/bytes_per_sync"] > 0
     dense_bytes = flat2[0][("compressor", "none")][3]["sync/bytes_per_sync"]
     smaller = {"int8": 2.5, "topk": 3, "powersgd": 3}  # int8: 1 byte + a float scale per 512 of 709 elements
@@ -448,6 +576,11 @@ def test_two_tier_compressed_pseudo_gradient_identical_on_every_rank_after_a_syn
     for rank in range(1, 4):
         for step in (EVERY - 1, len(params) - 1):
             assert torch.equal(hosts[rank][("compressor", name)][0][step], params[step])
+    if name in WRITTEN_OUT:  # each host part compressed across hosts, exactly as written out; theta_global from it
+        sums = check_exchanges(hosts, ("exchanges", name), name, SETTINGS.get(name, {}), hosts=2)
+        assert len(sums) == 2
+        for step, theta in zip((EVERY, 6), _outer_steps(_flat(Net()), sums, averages={1}), strict=True):
+            assert _close(params[step - 1], theta), f"{name}: theta_global after step {step}"
 
 
 @pytest.mark.parametrize("sync", (None, "every_step"))
@@ -455,7 +588,7 @@ def test_every_step_is_todays_default_bit_for_bit(flat2, sync):
     for rank in range(2):
         default = flat2[rank]["default"]
         assert len(default) == len(flat2[rank][("every_step", sync)])
-        assert all(torch.equal(a, b) for a, b in zip(default, flat2[rank][("every_step", sync)]))
+        assert all(torch.equal(a, b) for a, b in zip(default, flat2[rank][("every_step", sync)], strict=True))
 
 
 @pytest.mark.parametrize("run", ("skip", "skip_unarmed"))
@@ -483,8 +616,8 @@ def test_a_non_finite_loss_skips_the_inner_step_of_its_worker_alone(flat2):
 def test_resume_mid_cycle_ends_bit_identical(flat2):
     for rank in range(2):
         resumed, whole = flat2[rank]["resumed"], flat2[rank]["uninterrupted"]
-        assert len(resumed) == len(whole) // 2
-        assert all(torch.equal(a, b) for a, b in zip(resumed, whole[len(whole) // 2:])), f"rank {rank}"
+        assert len(resumed) == len(whole) // 2 == 6
+        assert all(torch.equal(a, b) for a, b in zip(resumed, whole[len(whole) // 2:], strict=True)), f"rank {rank}"
     assert flat2[0]["checkpoint"].startswith("DiLoCo(every=4")
 
 
@@ -514,7 +647,8 @@ def test_a_fit_ending_mid_cycle_ends_with_one_model_the_replays_theta_global(fla
     for rank in range(2):
         params, end, theta = flat2[rank]["final"]
         assert len(params) == len(expected[rank]) == 6
-        assert all(_close(a, b) for a, b in zip(params, expected[rank])), f"rank {rank} differs from the replay"
+        same = all(_close(a, b) for a, b in zip(params, expected[rank], strict=True))
+        assert same, f"rank {rank} differs from the replay"
         assert not torch.equal(params[4], flat2[1 - rank]["final"][0][4])  # mid-cycle the workers differ
         assert torch.equal(end, params[-1]) and torch.equal(end, theta) and torch.equal(end, ends[0])
         assert (end - final[rank]).abs().max() <= 1e-5 * max(1.0, final[rank].abs().max().item())
@@ -533,7 +667,8 @@ def test_validation_runs_on_theta_global_and_leaves_the_workers_bit_for_bit(flat
         params, seen, flag = flat2[rank][("validate", "global")]
         assert flag == 1.0  # sync/validated_global: the metrics name the model validated
         # the workers' parameters are those of the same fit without validation, bit for bit
-        assert all(torch.equal(a, b) for a, b in zip(params, flat2[rank][("replay", "adamw")]))
+        assert len(params) == len(flat2[rank][("replay", "adamw")]) == 12
+        assert all(torch.equal(a, b) for a, b in zip(params, flat2[rank][("replay", "adamw")], strict=True))
         assert [step for step, *_ in seen] == [6, 12]
         step, loss, theta, validated = seen[0]  # after step 6: mid-cycle, the last sync after step 4
         assert not torch.equal(params[5], flat2[1 - rank][("validate", "global")][0][5])

@@ -9,6 +9,9 @@ worker's parameters at that step are kept. ``tau`` steps later it lands: the gra
 the fragment's part of ``theta_global``, and each worker's fragment becomes ``p_now + mix (theta_global - p_at_s)``
 (without a delay: ``theta_global``). At the end of the fit what is still in flight lands.
 
+Streamed int8 exchanges on 2 hosts of 2 are checked exchange by exchange against the codec written out
+(``tests/test_sync.py``'s :func:`check_exchanges`: each fragment's own residuals and noise, each host part's own).
+
 One launched group of 2 flat ranks and one of 4 ranks posing as 2 hosts of 2 hold every fit; the assertions share them.
 """
 
@@ -19,7 +22,7 @@ import warnings
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from test_sync import CUTS, EVERY, Net, Poison, _close, _fit, _flat, _strategy, replay
+from test_sync import CUTS, EVERY, Exchanges, Net, Poison, _close, _fit, _flat, _strategy, check_exchanges, replay
 
 from lightning_dist.callbacks import NaNRecovery
 from lightning_dist.hetero import HeteroBatching
@@ -112,9 +115,11 @@ def _run_hosts(rank, world, ckpt_dir):
     with launched_externally(rank, world, hosts=2), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for compressor in (None, "int8"):
-            _, record = _fit(_strategy(DiLoCo(every=EVERY, fragments=2, delay=1, compressor=compressor),
-                                       topology="two_tier"), world, hosts=2)
+            with Exchanges() as exchanges:
+                _, record = _fit(_strategy(DiLoCo(every=EVERY, fragments=2, delay=1, compressor=compressor),
+                                           topology="two_tier"), world, hosts=2)
             out[("hosts", compressor)] = (record.params, record.end)
+            out[("exchanges", compressor)] = exchanges.calls
     return out
 
 
@@ -134,12 +139,13 @@ def _check(runs, expected, workers, key):
         for r in ranks:
             params, final = runs[r][key]
             assert len(params) == len(history[w])
-            for step, (got, want) in enumerate(zip(params, history[w])):
+            for step, (got, want) in enumerate(zip(params, history[w], strict=True)):
                 assert _close(got, want), f"{key}: rank {r} differs from the replay after step {step + 1}"
             assert _close(final, end[w]), f"{key}: rank {r} differs from the replay at the end of the fit"
         first = runs[ranks[0]][key][0]
         for r in ranks[1:]:  # ranks of one worker: bit-identical after every step
-            assert all(torch.equal(a, b) for a, b in zip(first, runs[r][key][0]))
+            assert len(runs[r][key][0]) == len(first)
+            assert all(torch.equal(a, b) for a, b in zip(first, runs[r][key][0], strict=True))
 
 
 @pytest.mark.parametrize("optimizer", ("sgd", "adamw"))
@@ -173,7 +179,8 @@ def test_workers_differ_between_syncs_and_the_final_sync_lands_what_is_in_flight
 def test_no_delay_with_one_fragment_is_part_one_bit_for_bit(flat2):
     for rank in (0, 1):
         runs = flat2[rank]
-        assert all(torch.equal(a, b) for a, b in zip(runs[("part1", 1)], runs[("part1", 4)]))
+        assert len(runs[("part1", 1)]) == len(runs[("part1", 4)]) == 12  # 2 epochs of 6 steps
+        assert all(torch.equal(a, b) for a, b in zip(runs[("part1", 1)], runs[("part1", 4)], strict=True))
 
 
 def test_hetero_batches_weigh_each_fragments_workers_by_samples(flat2):
@@ -183,7 +190,8 @@ def test_hetero_batches_weigh_each_fragments_workers_by_samples(flat2):
     history, final, workers = replay(2, batches=batches, fragments=2, delay=1)
     for r in (0, 1):
         got, got_end, _ = flat2[r]["hetero"]
-        assert all(_close(a, b) for a, b in zip(got, history[r]))
+        assert len(got) == len(history[r]) > 0
+        assert all(_close(a, b) for a, b in zip(got, history[r], strict=True))
         assert _close(got_end, final[r])
 
 
@@ -197,7 +205,7 @@ def test_balance_steps_runs_more_inner_steps_on_the_faster_worker(flat2, fragmen
     for r in (0, 1):
         got, got_end, _ = flat2[r][key]
         assert len(got) == len(history[r]) == 8
-        assert all(_close(a, b) for a, b in zip(got, history[r])), f"rank {r} differs from the replay"
+        assert all(_close(a, b) for a, b in zip(got, history[r], strict=True)), f"rank {r} differs from the replay"
         assert _close(got_end, final[r])
 
 
@@ -217,8 +225,8 @@ def test_resume_with_an_exchange_in_flight_ends_bit_identical(flat2):
     for rank in (0, 1):
         params, end = flat2[rank]["uninterrupted"]
         resumed, resumed_end = flat2[rank]["resumed"]
-        assert len(resumed) == len(params) // 2
-        assert all(torch.equal(a, b) for a, b in zip(resumed, params[len(params) // 2:]))
+        assert len(resumed) == len(params) // 2 == 6
+        assert all(torch.equal(a, b) for a, b in zip(resumed, params[len(params) // 2:], strict=True))
         assert torch.equal(resumed_end, end)
 
 
@@ -236,10 +244,15 @@ def test_sync_metrics_after_every_landing(flat2):
 def test_two_hosts_of_two_stream_fragments_identically(hosts, compressor):
     key = ("hosts", compressor)
     for ranks in ((0, 1), (2, 3)):  # ranks of one host bit-identical after every step
-        assert all(torch.equal(a, b) for a, b in zip(hosts[ranks[0]][key][0], hosts[ranks[1]][key][0]))
+        assert len(hosts[ranks[0]][key][0]) == len(hosts[ranks[1]][key][0]) == 6
+        assert all(torch.equal(a, b) for a, b in zip(hosts[ranks[0]][key][0], hosts[ranks[1]][key][0], strict=True))
     if compressor is None:
         history, end, workers = replay(4, hosts=2, fragments=2, delay=1)
         _check(hosts, (history, end), workers, key)
+    else:  # each fragment's int8 exchange, part by part across hosts, exactly as the codec written out sums it:
+        # fragment 1 after step 2 and fragment 0 after step 4 (each landing a step later), then the final sync's two
+        sums = check_exchanges(hosts, ("exchanges", compressor), compressor, {}, hosts=2)
+        assert len(sums) == 4
 
 
 # -- elastic workers: a restart at another size maps each worker by its node identity -------------------------------
