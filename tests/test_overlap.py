@@ -1,8 +1,12 @@
-"""The overlapped hook on launched ranks: failures, thread lifetime, exposed time, drop-in.
+"""The overlapped hook on launched ranks: failures, thread lifetime, exposed time, drop-in, unused parameters.
 
 Two tiers: DDP with the hook on 2 gloo ranks (no Lightning); and Lightning fits run in-process on 2 ranks
 (``launched_externally``: Lightning sees a launcher's variables and reuses the group, as under torchrun), many
 fits sharing one launched group. :class:`CommWorker` alone is tests/test_comm_worker_pure.py.
+
+The exposed time is checked against a timeline the test keeps itself (a :class:`BucketObserver`'s stamps and the
+Lightning hooks', on the same clock): the hook's definition bounds it by exact inequalities, and a sleep injected into
+one bucket's reduction makes it measurable, in full where nothing hides it, hidden where backward goes on beside it.
 """
 
 import glob
@@ -15,13 +19,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_dist import DistMetrics, RingDDPStrategy
 from lightning_dist.compression import Compressor
 from lightning_dist.profiling import AllThreadsProfiler
-from lightning_dist.strategy import RingHookState, ring_comm_hook
+from lightning_dist.strategy import BucketObserver, RingHookState, ring_comm_hook
 from lightning_dist.strategy.comm_worker import THREAD_NAME, CommWorker
 from lightning_dist.strategy.exchange import StepExchange
 from lightning_dist.testing import ToyClassifier, launched_externally, quiet_trainer, run_ranks
@@ -103,6 +108,108 @@ class TinyModule(ToyClassifier):
 
     def __init__(self):
         super().__init__(features=12, hidden=(64, 64), classes=2, samples=64, batch_size=8)
+        self.entered = None  # perf_counter as the step's training_step began (StepRecorder reads it)
+
+    def training_step(self, batch, batch_idx):
+        self.entered = time.perf_counter()
+        return super().training_step(batch, batch_idx)
+
+
+# -- the step's measurements against a timeline of the test's own -------------------------------------------
+
+SLEEP_S = 0.05  # a bucket's reduction made this much longer (SleepyCompressor)
+BACKWARD_SLEEP_S = 0.25  # backward's own time between the first bucket's hand-over and the last's (SlowBackward)
+
+
+class Timeline(BucketObserver):
+    """When the hook was handed each bucket of the step and when its reduction was done (the observer's seam: the
+    hook tells it before it stamps the hand-over and after it stamps the completion)."""
+
+    def __init__(self):
+        self.handed, self.done = [], {}
+
+    def bucket_handed(self, index, layout, buffer):
+        self.handed.append((time.perf_counter(), index, layout.key))
+
+    def bucket_done(self, index):
+        self.done[index] = time.perf_counter()
+
+
+class StepRecorder(Callback):
+    """Per optimizer step of a fit: the rank's own measurements (``features.last_step``), the buckets' timeline,
+    and the moments the step entered training_step, finished backward and reached the optimizer."""
+
+    def __init__(self):
+        self.rows, self.timeline, self.marks = [], Timeline(), {}
+
+    def setup(self, trainer, pl_module, stage):
+        trainer.strategy.features.add_bucket_observer(self.timeline)
+
+    def on_fit_start(self, trainer, pl_module):
+        self.rows = []  # a second fit of the same strategy counts afresh
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.timeline.handed, self.timeline.done = [], {}
+        self.marks = {"start": time.perf_counter()}
+
+    def on_after_backward(self, trainer, pl_module):
+        self.marks.update(entered=pl_module.entered, backward=time.perf_counter())
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.marks["optimizer"] = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        self.rows.append({**trainer.strategy.features.last_step, **self.marks, "step": trainer.strategy.features.step
+                          - 1, "handed": list(self.timeline.handed), "done": dict(self.timeline.done)})
+
+
+class SleepyCompressor(Compressor):
+    """The identity, but the reduction of every bucket holding ``param`` sleeps ``SLEEP_S`` first (on its own
+    path, ``summable=False``: the hook times it as the bucket's coding, beside the transport's time)."""
+
+    name = "sleepy"
+    summable = False
+    light = False
+
+    def __init__(self, param):
+        self.param = param
+
+    def reduce(self, flat, layout, transport, feedback=None):
+        if self.param in layout.key.split(","):
+            time.sleep(SLEEP_S)
+        return super().reduce(flat, layout, transport, feedback)
+
+
+class _SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(BACKWARD_SLEEP_S)
+        return grad
+
+
+class SlowBackward(TinyModule):
+    """Backward spends ``BACKWARD_SLEEP_S`` between the upper layers (their bucket, handed first) and the first
+    layer (the last bucket): a reduction started with the first bucket can hide behind it."""
+
+    def training_step(self, batch, batch_idx):
+        self.entered = time.perf_counter()
+        x, y = batch
+        hidden = _SleepInBackward.apply(self.net[1](self.net[0](x)))
+        return nn.functional.cross_entropy(self.net[2:](hidden), y)
+
+
+class UnusedBranch(ToyClassifier):
+    """Linear-Tanh-Linear-Tanh-Linear and a Linear no forward uses; AdamW (decoupled weight decay moves a parameter
+    whose gradient is zero, not one without a gradient); the same initial weights in every fit."""
+
+    def __init__(self):
+        super().__init__(features=12, hidden=(64, 64), classes=2, samples=64, batch_size=8, optimizer="adamw",
+                         lr=0.01, seed=7)
+        self.unused = nn.Linear(12, 2)
 
 
 class FlagRecorder(Compressor):
@@ -170,9 +277,9 @@ def _in_process_fits(rank, world_size, trace_dir):
     with launched_externally(rank, world_size):
         # 1. one strategy and Trainer fit twice; the worker lives during training only (the tree's buckets
         # but the last are queued on it; auto at 2 ranks issues the backend's all-reduce without it)
-        observer = Observer()
+        observer, recorder = Observer(), StepRecorder()
         strategy = RingDDPStrategy(timeout=30, bucket_cap_mb=0.01, algorithm="tree")
-        trainer = _trainer(strategy, [observer])
+        trainer = _trainer(strategy, [observer, recorder])
         for fit in range(2):
             trainer.fit_loop.max_epochs = fit + 1
             trainer.fit(TinyModule())
@@ -180,7 +287,9 @@ def _in_process_fits(rank, world_size, trace_dir):
         out["worker_seen"] = observer.worker_seen
         out["starts_metrics_only"] = observer.starts
         out["step_metrics"] = dict(strategy.features.step_metrics)
+        out["exchange_step"] = strategy.features.exchange_step
         out["totals"] = dict(strategy.features.totals)
+        out["rows_tree"] = recorder.rows
 
         # 2. an agreed slot: the exchange waits until backward is over
         observer = Observer(register_agreed=True)
@@ -214,7 +323,29 @@ def _in_process_fits(rank, world_size, trace_dir):
         profiler = AllThreadsProfiler(dirpath=trace_dir, filename=f"rank{rank}", export_to_chrome=True)
         _trainer(RingDDPStrategy(timeout=30), max_steps=2, profiler=profiler).fit(TinyModule())
 
-        # 7. last: a compressor that raises on one bucket fails the fit on every rank with its message
+        # 7. exposed time, made measurable: a sleep in the last bucket's reduction (exposed), in the first bucket's
+        # while backward goes on for longer (hidden), and in the first bucket's with the blocking hook
+        for name, module, sleeper, overlap in (("exposed", TinyModule, "net.0.weight", True),
+                                               ("hidden", SlowBackward, "net.4.weight", True),
+                                               ("blocking", TinyModule, "net.4.weight", False)):
+            recorder = StepRecorder()
+            strategy = RingDDPStrategy(timeout=30, bucket_cap_mb=0.01, compressor=SleepyCompressor(sleeper),
+                                       overlap=overlap)
+            _trainer(strategy, [recorder], max_steps=4).fit(module())
+            out[f"rows_{name}"] = recorder.rows
+
+        # 8. a branch no forward uses: find_unused_parameters and static_graph against stock DDP, whole models
+        for name, strategy in (("stock", DDPStrategy(find_unused_parameters=True)),
+                               ("find_unused", RingDDPStrategy(timeout=30, algorithm="ring",
+                                                               find_unused_parameters=True)),
+                               ("static_graph", RingDDPStrategy(timeout=30, algorithm="tree", static_graph=True))):
+            model = UnusedBranch()
+            if name == "stock":
+                out["unused_init"] = {k: v.clone() for k, v in model.state_dict().items()}
+            _trainer(strategy, max_steps=4).fit(model)
+            out[f"unused_{name}"] = {k: v.clone() for k, v in model.state_dict().items()}
+
+        # 9. last: a compressor that raises on one bucket fails the fit on every rank with its message
         strategy = RingDDPStrategy(timeout=30, compressor=ExplodingCompressor("net.2.weight", (0, 1)),
                                    bucket_cap_mb=0.01)
         started = time.monotonic()
@@ -252,14 +383,109 @@ def test_the_exchange_starts_alongside_the_last_bucket(fits):
         assert r["starts_agreed"] == ["after backward"] * 4
 
 
+def _check_timeline(row, overlapped):
+    """What every step's measurements must satisfy against the step's own timeline (the same perf_counter clock):
+    exact inequalities, each between stamps taken in a known order."""
+    handed = [t for t, _, _ in row["handed"]]
+    assert handed and len(row["done"]) == len(set(i for _, i, _ in row["handed"])), row  # every bucket reduced
+    done = max(row["done"].values())
+    # DDP waits for every bucket before backward returns
+    assert done <= row["backward"], row
+    exposed, compute = row["exposed_s"], row["compute_s"]
+    if overlapped:
+        # from the last bucket's hand-over to the last reduction's end: inside the window the test saw
+        assert exposed <= done - max(handed), row
+    else:
+        # blocking: the whole hook time, of which the transport and the coding are parts; inside the buckets' own
+        # windows, from each hand-over to its reduction's end
+        assert row["comm_s"] + row["codec_s"] <= exposed, row
+        assert exposed <= sum(row["done"][i] - t for t, i, _ in row["handed"]), row
+    # compute is forward and backward less the exposed time: the two together span the step's first training_step
+    # to the end of backward, which lies between the module's entering its training_step and the optimizer
+    assert row["backward"] - row["entered"] <= compute + exposed <= row["optimizer"] - row["start"], row
+
+
 def test_exposed_comm_is_measured_and_gathered(fits):
     results, _ = fits
-    metrics, totals = results[0]["step_metrics"], results[0]["totals"]
-    for key in ("dist/exposed_comm_ms", "dist/rank0/exposed_comm_ms", "dist/rank1/exposed_comm_ms", "dist/comm_ms"):
-        assert key in metrics and metrics[key] >= 0, key
+    metrics, totals, step = results[0]["step_metrics"], results[0]["totals"], results[0]["exchange_step"]
+    rows = [r["rows_tree"] for r in results]
+    assert [len(r) for r in rows] == [4, 4]  # the second fit's one epoch (its first ran in the first fit)
+    for rank_rows in rows:
+        assert [row["step"] for row in rank_rows] == list(range(4))
+        for row in rank_rows:
+            _check_timeline(row, overlapped=True)
+    # the gathered metrics are every rank's own values of the step before the last exchange, bit for bit
+    described = step - 1
+    for r in (0, 1):
+        mine = rows[r][described]
+        assert metrics[f"dist/rank{r}/exposed_comm_ms"] == 1e3 * mine["exposed_s"]
+        assert metrics[f"dist/rank{r}/comm_ms"] == 1e3 * mine["comm_s"]
+        assert metrics[f"dist/rank{r}/compute_ms"] == 1e3 * mine["compute_s"]
     assert metrics["dist/exposed_comm_ms"] == max(metrics["dist/rank0/exposed_comm_ms"],
                                                   metrics["dist/rank1/exposed_comm_ms"])
-    assert totals["exposed_s"] > 0 and totals["comm_s"] > 0
+    assert metrics["dist/comm_ms"] == 1e3 * max(rows[0][described]["comm_s"], rows[1][described]["comm_s"])
+    # the totals: the sums of the fit's steps (tree buckets: every step spends time in the transport)
+    for key in ("exposed_s", "comm_s"):
+        assert totals[key] == pytest.approx(sum(row[key] for row in rows[0]), rel=1e-12, abs=0)
+    assert all(row["comm_s"] > 0 for row in rows[0])
+
+
+def test_a_sleep_in_the_last_buckets_reduction_is_exposed_in_full(fits):
+    results, _ = fits
+    for r in results:
+        rows = r["rows_exposed"]
+        assert len(rows) == 4
+        for row in rows:
+            _check_timeline(row, overlapped=True)
+            # the last bucket's reduction starts after its hand-over and sleeps: nothing is left to hide it behind
+            assert row["exposed_s"] >= SLEEP_S and row["codec_s"] >= SLEEP_S, row
+
+
+def test_a_sleep_in_the_first_buckets_reduction_hides_behind_backward(fits):
+    results, _ = fits
+    for r in results:
+        rows = r["rows_hidden"]
+        assert len(rows) == 4
+        for row in rows:
+            _check_timeline(row, overlapped=True)
+            assert row["codec_s"] >= SLEEP_S, row  # the sleep happened, on the worker
+        # DDP rebuilds its buckets after the first step; from then on the upper layers' bucket is handed before
+        # backward's BACKWARD_SLEEP_S: its reduction is over before the last bucket comes, and not exposed. On a
+        # loaded machine a rank can lag the other by more than SLEEP_S: most steps, not every one
+        later = rows[1:]
+        hidden = [row for row in later if row["exposed_s"] < SLEEP_S]
+        assert len(hidden) >= 2, [(row["exposed_s"], row["codec_s"]) for row in later]
+
+
+def test_the_blocking_hook_exposes_the_whole_reduction(fits):
+    results, _ = fits
+    for r in results:
+        rows = r["rows_blocking"]
+        assert len(rows) == 4
+        for row in rows:
+            _check_timeline(row, overlapped=False)
+            assert row["exposed_s"] >= SLEEP_S, row
+
+
+def test_find_unused_parameters_and_static_graph_train_as_stock_ddp_and_leave_the_unused_branch(fits):
+    results, _ = fits
+    for r in results:
+        init, stock = r["unused_init"], r["unused_stock"]
+        unused = [k for k in init if k.startswith("unused.")]
+        assert unused == ["unused.weight", "unused.bias"]
+        for name in ("stock", "find_unused", "static_graph"):
+            model = r[f"unused_{name}"]
+            assert list(model) == list(init)
+            for key in unused:  # no gradient ever: AdamW's decay does not touch it either
+                assert torch.equal(model[key], init[key]), (name, key)
+            for key in init:
+                if key not in unused:
+                    assert not torch.equal(model[key], init[key]), (name, key)  # trained
+                    # a Linear-Tanh model under a power-of-two share: stock DDP's weights bit for bit
+                    assert torch.equal(model[key], stock[key]), (name, key, (model[key] - stock[key]).abs().max())
+    for name in ("find_unused", "static_graph"):  # identical on both ranks
+        assert all(torch.equal(results[0][f"unused_{name}"][k], results[1][f"unused_{name}"][k])
+                   for k in results[0]["unused_init"])
 
 
 def test_barebones_and_log_every_n_steps_zero_train_like_stock_ddp(fits):

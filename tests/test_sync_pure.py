@@ -99,25 +99,51 @@ def test_one_worker_outer_step_is_nesterov_sgd_on_the_pseudo_gradient():
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.1 * (cycle + 1))  # the worker's inner progress
-            for r, p in zip(reference, model.parameters()):
+            for r, p in zip(reference, model.parameters(), strict=True):
                 r.grad = r - p
         outer.step()
         result, = sync.sync_after(step=cycle + 1)
         assert not result.skipped and result.bytes_sent == 0
-        for r, p in zip(reference, model.parameters()):
+        for r, p in zip(reference, model.parameters(), strict=True):
             assert torch.equal(r, p)
     assert sync.metrics["sync/outer_steps"] == 3
 
 
-def test_outer_lr_one_without_momentum_takes_the_workers_parameters():
-    model = torch.nn.Linear(3, 2)
-    sync = _bound(DiLoCo(every=1, outer_lr=1.0, outer_momentum=0.0), model)
+# after two syncs theta_global = start + c1 p1 + c2 p2 (p: the workers' progress in each cycle); by hand with
+# m = momentum: c1 = lr (1 + m) + lr m^2, c2 = lr (1 + m); 0.7 and 0.9: 1.33 + 0.567 = 1.897 and 1.33
+@pytest.mark.parametrize("lr, momentum, c1, c2", [(0.7, 0.9, 1.897, 1.33), (0.5, 0.0, 0.5, 0.5)])
+def test_two_outer_steps_match_nesterov_sgd_written_out_by_hand(lr, momentum, c1, c2):
+    # The outer step written out here, not through torch.optim (which the sync uses): g = theta_global - theta_w,
+    # buf = momentum * buf + g (buf = g at the first step), theta_global -= lr * (g + momentum * buf); without
+    # momentum plain SGD, lr * g. The workers' progress differs per element and turns back between the syncs, so
+    # a sync that does nothing, that takes the workers' parameters or that keeps no momentum lands elsewhere.
+    model = torch.nn.Linear(2, 1)
     with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(2.0)
-    moved = [p.detach().clone() for p in model.parameters()]
-    sync.sync_after(step=1)
-    assert all(torch.equal(a, b) for a, b in zip(moved, model.parameters()))
+        model.weight.copy_(torch.tensor([[1.0, -2.0]]))
+        model.bias.fill_(0.5)
+    sync = _bound(DiLoCo(every=1, outer_lr=lr, outer_momentum=momentum), model)
+    start = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)  # weight then bias, as named_parameters gives them
+    progress = [torch.tensor([0.5, -0.25, 1.0], dtype=torch.float64), torch.tensor([-0.25, 0.75, -0.5],
+                                                                                    dtype=torch.float64)]
+    theta, buf = start.clone(), None
+    for step, moved in enumerate(progress, start=1):
+        with torch.no_grad():  # the worker's inner steps since the last sync
+            model.weight.add_(moved[:2].view(1, 2).float())
+            model.bias.add_(moved[2:].float())
+        worker = theta + moved
+        g = theta - worker
+        buf = g if buf is None else momentum * buf + g
+        theta = theta - lr * (g + momentum * buf)
+        result, = sync.sync_after(step=step)
+        assert not result.skipped and sync.outer_steps == step
+        got = torch.cat([model.weight.detach().view(-1), model.bias.detach()]).double()
+        held = torch.cat([t.view(-1) for t in sync._global]).double()
+        # float32 parameters against float64 arithmetic: a few ulps of values near 1
+        assert torch.allclose(got, theta, rtol=0, atol=1e-6), (step, got, theta)
+        assert torch.equal(got, held)  # the worker restarts from theta_global
+    p1, p2 = progress
+    assert torch.allclose(theta, start + c1 * p1 + c2 * p2, rtol=0, atol=1e-12)
+    assert not torch.allclose(theta, start + p1 + p2, atol=1e-3)  # not the workers' own parameters
 
 
 def test_a_non_finite_worker_skips_and_restarts_from_theta_global():
@@ -128,7 +154,7 @@ def test_a_non_finite_worker_skips_and_restarts_from_theta_global():
         model.weight[1, 2] = float("nan")
     result, = sync.sync_after(step=1)
     assert result.skipped and result.bad_workers == [0] and sync.skipped == 1 and sync.outer_steps == 0
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 def test_state_dict_round_trip_restores_theta_global_and_momentum():
@@ -254,7 +280,7 @@ def test_one_worker_delayed_landing_mixes_theta_global_with_the_progress_since_t
     assert not result.skipped and not sync.inflight
     # one worker, outer lr 0.5, no momentum: theta_global moves half way to the worker's value at the start
     # (start + 0.5); the landing: p_now + 0.5 (theta_global - p_at_s) = (start + 1.5) + 0.5 (-0.5) = start + 1.25
-    for i, (p, s) in enumerate(zip(module.parameters(), start)):
+    for i, (p, s) in enumerate(zip(module.parameters(), start, strict=True)):
         assert torch.allclose(sync._global[i], s + 0.5)
         assert torch.allclose(p, s + 1.25)
     sync.close()
@@ -332,17 +358,17 @@ def test_the_warm_up_averages_every_fragment_after_each_step_then_the_outer_step
         results = sync.sync_after(step=step)
         if step <= 3:  # one worker: its parameters are the mean, taken whole, and no momentum is built
             assert [r.fragment for r in results] == [0, 1] and not sync._outer.state
-            assert all(torch.equal(m, p) for m, p in zip(moved, model.parameters()))
+            assert all(torch.equal(m, p) for m, p in zip(moved, model.parameters(), strict=True))
             reference = [m.clone() for m in moved]
             outer = torch.optim.SGD(reference, lr=0.7, momentum=0.9, nesterov=True)
         elif step in (4, 6):  # fragment 0 (offset 0), then fragment 1 (offset 2), each on its partial cycle
             (result,) = results
             index = sync.fragments[result.fragment].params
             with torch.no_grad():
-                for i, (r, m) in enumerate(zip(reference, moved)):
+                for i, (r, m) in enumerate(zip(reference, moved, strict=True)):
                     r.grad = (r - m) if i in index else None
             outer.step()
-            for i, (r, p) in enumerate(zip(reference, model.parameters())):
+            for i, (r, p) in enumerate(zip(reference, model.parameters(), strict=True)):
                 assert torch.equal(r, p) if i in index else not torch.equal(r, p)
         else:
             assert results == []
@@ -382,8 +408,8 @@ def test_the_final_sync_averages_the_workers_over_the_partial_cycle_and_leaves_t
     result, = sync.final_sync(step=3)
     assert not result.skipped and sync.outer_steps == 1 and not sync._outer.state  # no outer step: no momentum
     # one worker: the mean is its own model (an outer step at 0.7 / 0.9 would have gone 1.33x the pseudo-gradient)
-    assert all(torch.equal(m, t) for m, t in zip(moved, (*model.parameters(), *model.buffers())))
-    assert all(torch.equal(p, g) for p, g in zip(model.parameters(), sync._global))
+    assert all(torch.equal(m, t) for m, t in zip(moved, (*model.parameters(), *model.buffers()), strict=True))
+    assert all(torch.equal(p, g) for p, g in zip(model.parameters(), sync._global, strict=True))
     # a last step whose sync ran before the fit's end was known (a stop a callback sets): nothing more to sync
     with torch.no_grad():
         for p in model.parameters():
@@ -401,10 +427,10 @@ def test_validating_the_global_model_restores_the_workers_own_bit_for_bit():
             p.add_(torch.randn_like(p) / 3)
     own = [t.clone() for t in (*model.parameters(), *model.buffers())]
     sync.swap_in_global()
-    assert all(torch.equal(p, g) for p, g in zip(model.parameters(), sync._global))
+    assert all(torch.equal(p, g) for p, g in zip(model.parameters(), sync._global, strict=True))
     assert torch.equal(model[1].running_mean, torch.zeros(3))  # the averaged buffers: the start's
     assert set(sync.own_state()) == {"0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var",
                                      "1.num_batches_tracked"}
     sync.swap_back()
-    assert all(torch.equal(a, b) for a, b in zip(own, (*model.parameters(), *model.buffers())))
+    assert all(torch.equal(a, b) for a, b in zip(own, (*model.parameters(), *model.buffers()), strict=True))
     assert sync.own_state() == {}

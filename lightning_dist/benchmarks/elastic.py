@@ -257,10 +257,13 @@ def bound_s(kind: str) -> float:
     return KILL_BOUND_S + (TIMEOUT_S if kind == "cut" else 0.0)
 
 
-def judge(record: dict[str, Any], reference: Optional[dict[str, Any]], timed: bool = True) -> list[str]:
+def judge(record: dict[str, Any], reference: Optional[dict[str, Any]], timed: bool = True,
+          check_accuracy: bool = True) -> list[str]:
     """What is wrong with a trial (empty: it passed); without a reference, only what the trial can say alone.
     ``timed=False``: the recovery and a leaving host's exit must have happened, but are not held to their bounds
-    (the benchmark's targets, measured one job at a time: tests run jobs side by side, on a machine of any speed)."""
+    (the benchmark's targets, measured one job at a time: tests run jobs side by side, on a machine of any speed).
+    ``check_accuracy=False``: the final accuracy is not held to the reference's (a test's one-epoch DiLoCo run: its
+    accuracy moved by 10 points between a run at 3 workers and one that lost a worker, its epoch's loss by 0.4%)."""
     problems = list(record["problems"])
     trial = Trial(**record["trial"])
     if any(code != 0 for code in record["codes"]):
@@ -305,7 +308,7 @@ def judge(record: dict[str, Any], reference: Optional[dict[str, Any]], timed: bo
     if differ:
         problems.append(f"global batches with other samples than the reference's: {differ[:10]}")
     ref_accuracy = reference["summary"]["metrics"]["val/acc"]
-    if accuracy is not None and abs(accuracy - ref_accuracy) * 100 > ACCURACY_POINTS:
+    if check_accuracy and accuracy is not None and abs(accuracy - ref_accuracy) * 100 > ACCURACY_POINTS:
         problems.append(f"val/acc {accuracy:.4f} against the reference's {ref_accuracy:.4f}")
     if trial.diloco_every:  # the survivors go on from their own inner state: the run differs, the loss must not
         mine, theirs = last_epoch_loss(ledger, trial.epochs), last_epoch_loss(ref_ledger, trial.epochs)
