@@ -1,17 +1,28 @@
 """FaultTolerance with real faults in real launched jobs (the training command, 2 and 3 CPU ranks), each under a
 hard deadline, each checked for leftover processes; and a bit-identical resume from a regular checkpoint.
 
-What each launcher does with each fault on rank 1 at step 5 (docs/fault-tolerance.md's table; each row asserted here):
+docs/fault-tolerance.md's table, a fault on rank 1, each row asserted here under every launcher it names: fork (and
+spawn for a raise), popen (Lightning's default) and torchrun. For each: every rank's exit code, as its launcher saw
+it; the command's own; which emergency checkpoints were written, each complete (its SHA-256 and size, computed here,
+are its sidecar's), by its rank, for the fault's reason, holding the fault's step, and every rank's the same weights.
 
-- raises: under fork, spawn, popen (Lightning's default) and torchrun alike, rank 1 and rank 0 (whose next
-  collective fails within seconds) each write an emergency checkpoint and exit 1; torchrun's
-  ``--max-restarts`` then restarts the job and ``resume=auto`` resumes it;
-- SIGKILL: rank 0 writes an emergency checkpoint and exits 1 (rank 1 had no chance);
-- stalls: the watchdog ends both ranks after ``timeout_s``, each with an emergency checkpoint, exit 124 (under
-  popen rank 1 may first see its launcher, rank 0, gone);
+- raises: every rank writes an emergency checkpoint and exits 1; torchrun's ``--max-restarts`` then restarts the
+  job and ``resume=auto`` resumes it;
+- SIGKILL: rank 1 dies (-9), rank 0 writes an emergency checkpoint and exits 1 (under torchrun, a rank that has saved
+  may instead be ended by the SIGTERM torchrun sends the other workers: -15, ``TORCHRUN_SURVIVOR``);
+- stalls: after ``timeout_s`` every rank writes an emergency checkpoint; the stalled rank's watchdog ends it (124),
+  another rank exits 124 when its own watchdog called the stall first, or 1 when its collective with the stalled rank
+  broke first (which of the two is a race; its checkpoint's reason says which, and the exit code must match);
 - SIGTERM on every rank: every rank agrees at the next step, saves ``preempted-step=N.ckpt``, exits 0.
 
-The fork launcher's row runs on 3 ranks (every rank saves, not just two); the faults benchmark's quick run
+Jobs are shared: a row is often the resume of another row's job (``resume=auto`` from its emergency checkpoints:
+fork's SIGTERM after its SIGKILL, popen's stall after its SIGKILL, popen's SIGTERM after its raise), and torchrun's
+column is one job that meets every fault in turn, restarted after each (raise, SIGKILL, stall, then SIGTERM).
+Each rank's exit code comes from the launcher that reaped it: every process of a job loads a recorder
+(``_RECORDER``, a ``sitecustomize`` on the job's ``PYTHONPATH``) that logs each rank it starts and each exit status
+it reaps, and the job runs under a reaper (``_REAPER``, a child subreaper) that reaps what outlived its launcher.
+
+The fork launcher's raise runs on 3 ranks (every rank saves, not just two); the faults benchmark's quick run
 (``lightning_dist.benchmarks.faults``: a raise, a SIGKILL of rank 0 and a stall on 2 fork ranks, each resumed) is
 tested here too, because its jobs and this module's run two at a time (:func:`side_by_side`): most of a job's time
 is one process's start-up or a wait, which leaves the second core idle.
@@ -19,6 +30,7 @@ is one process's start-up or a wait, which leaves the second core idle.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -27,7 +39,7 @@ import sys
 import time
 import uuid
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -57,6 +69,87 @@ CLI = [sys.executable, "-m", "lightning_dist.train"]
 FT = ["callbacks=[checkpoint,fault_tolerance]", "callbacks.fault_tolerance.timeout_s=8",
       "callbacks.fault_tolerance.poll_s=1", "trainer.enable_progress_bar=false"]
 TIMEOUT_S = 8
+EXITS_VAR = "LIGHTNING_DIST_TEST_EXITS"  # where a job's processes log the ranks they start and the exits they reap
+KILLED = -9  # a rank's exit code when SIGKILL ended it (Python's convention: minus the signal)
+# torchrun sends SIGTERM to the other workers as soon as one fails: a rank that has saved and is tearing down exits 1,
+# or, once Lightning's teardown has put back the default SIGTERM handler, is ended by it (-15); it saved either way
+TORCHRUN_SURVIVOR = (1, -15)
+
+# Loaded by every Python process of a job (a sitecustomize on its PYTHONPATH): a launcher that starts a rank logs
+# "start <launcher pid> <pid> <attempt> <rank> <time>" and, when it reaps it, "exit <launcher pid> <pid> <code> <time>",
+# for subprocess.Popen (popen's ranks, torchrun's workers: the rank from their environment) and for
+# multiprocessing (fork and spawn: torch's process index).
+_RECORDER = """
+import multiprocessing.popen_fork as _popen_fork
+import os
+import subprocess
+import time
+
+_LOG = os.environ.get("LIGHTNING_DIST_TEST_EXITS")
+
+
+def _write(*fields):
+    fd = os.open(_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (" ".join(map(str, [*fields, round(time.time(), 3)])) + "\\n").encode())
+    finally:
+        os.close(fd)
+
+
+if _LOG:
+    _init, _handle = subprocess.Popen.__init__, subprocess.Popen._handle_exitstatus
+
+    def _popen_init(self, *args, **kwargs):
+        env = kwargs.get("env") or {}
+        self._exit_rank = env.get("RANK", env.get("LOCAL_RANK"))
+        _init(self, *args, **kwargs)
+        if self._exit_rank is not None:
+            _write("start", os.getpid(), self.pid, env.get("TORCHELASTIC_RESTART_COUNT", 0), self._exit_rank)
+
+    def _popen_handle(self, *args, **kwargs):
+        _handle(self, *args, **kwargs)
+        if getattr(self, "_exit_rank", None) is not None:
+            _write("exit", os.getpid(), self.pid, self.returncode)
+
+    subprocess.Popen.__init__, subprocess.Popen._handle_exitstatus = _popen_init, _popen_handle
+    _process_init_0, _process_poll_0 = _popen_fork.Popen.__init__, _popen_fork.Popen.poll
+
+    def _process_init(self, process_obj):
+        target = getattr(process_obj, "_target", None)
+        self._exit_rank = process_obj._args[1] if getattr(target, "__name__", "") == "_wrap" else None
+        _process_init_0(self, process_obj)
+        if self._exit_rank is not None:
+            _write("start", os.getpid(), self.pid, 0, self._exit_rank)
+
+    def _process_poll(self, *args, **kwargs):
+        known = self.returncode is not None
+        code = _process_poll_0(self, *args, **kwargs)
+        if code is not None and not known and getattr(self, "_exit_rank", None) is not None:
+            _write("exit", os.getpid(), self.pid, code)
+        return code
+
+    _popen_fork.Popen.__init__, _popen_fork.Popen.poll = _process_init, _process_poll
+"""
+
+# Runs the job's command as its child, as a child subreaper: a rank whose launcher ended first (popen's rank 1 after
+# rank 0) is reaped here ("exit <reaper pid> <pid> <code>"); logs the command's own "top <reaper pid> <pid> <code>"
+# and returns once every process it reaped is gone.
+_REAPER = """
+import ctypes, os, subprocess, sys, time
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+top = subprocess.Popen(sys.argv[1:])
+code = 1
+while True:
+    try:
+        pid, status = os.wait()
+    except ChildProcessError:
+        break
+    got = os.waitstatus_to_exitcode(status)
+    with open(os.environ["LIGHTNING_DIST_TEST_EXITS"], "a") as log:
+        log.write(f"{'top' if pid == top.pid else 'exit'} {os.getpid()} {pid} {got} {time.time():.3f}\\n")
+    code = got if pid == top.pid else code
+sys.exit(code if code >= 0 else 128 - code)
+"""
 
 
 def _inject(kind, rank=1, step=5, name="inject", **extra):
@@ -67,14 +160,19 @@ def _inject(kind, rank=1, step=5, name="inject", **extra):
 
 @dataclass
 class Run:
-    rc: int
+    rc: int  # the command's exit code (negative: the signal that ended it)
     log: str
     seconds: float
     out: Path
     leftover: list[str]
+    exits: dict[tuple[int, int], int] = field(default_factory=dict)  # (attempt, rank) -> that rank's exit code
 
     def checkpoints(self, kind=""):
         return sorted(p.name for p in self.out.rglob(f"{kind}*.ckpt"))
+
+    def ranks(self, attempt=0):
+        """Every rank's exit code in ``attempt`` (torchrun's restarts count from 0), in rank order."""
+        return [code for (a, _), code in sorted(self.exits.items()) if a == attempt]
 
 
 def _leftover(job: str) -> list[str]:
@@ -87,13 +185,38 @@ def _leftover(job: str) -> list[str]:
         time.sleep(0.2)
 
 
+def _exits(path: Path, top_is_rank0: bool) -> tuple[int, dict[tuple[int, int], int]]:
+    """The command's exit code and every rank's, from the recorder's and the reaper's log (``_RECORDER``)."""
+    top = code = None
+    started, reaped = {}, {}
+    for line in path.read_text().splitlines():
+        kind, by, pid, *rest = line.split()
+        if kind == "top":
+            top, code = int(pid), int(rest[0])
+        elif kind == "start":
+            started[int(pid)] = (int(by), int(rest[0]), int(rest[1]))
+        else:
+            reaped[int(pid)] = int(rest[0])
+    assert top is not None, f"no exit status of the command in {path}"
+    # a rank is what the command's own process started (what a rank starts in turn is not one)
+    exits = {(attempt, rank): reaped.get(pid) for pid, (by, attempt, rank) in started.items() if by == top}
+    if top_is_rank0:
+        exits[(0, 0)] = code
+    return code, exits
+
+
 def _launch(out: Path, *overrides: str, start_method="fork", deadline=150, cmd=None) -> Run:
     args = cmd or CLI + [f"strategy.start_method={start_method}", "trainer.max_epochs=1", *FT, *overrides,
                          f"hydra.run.dir={out}"]
+    tools = out.parent / "tools"  # the fixture writes the recorder and the reaper there
     job = uuid.uuid4().hex
+    exits = out.parent / f"{out.name}.exits"
+    exits.unlink(missing_ok=True)
+    env = {**os.environ, JOB_VAR: job, "MASTER_PORT": str(free_port()), EXITS_VAR: str(exits),
+           "PYTHONPATH": os.pathsep.join([str(tools), *filter(None, [os.environ.get("PYTHONPATH")])])}
     started = time.monotonic()
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, JOB_VAR: job, "MASTER_PORT": str(free_port())})
+    proc = subprocess.Popen([sys.executable, str(tools / "reaper.py"), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
     try:
         log, _ = proc.communicate(timeout=deadline)
     except subprocess.TimeoutExpired:
@@ -107,57 +230,130 @@ def _launch(out: Path, *overrides: str, start_method="fork", deadline=150, cmd=N
     leftover = _leftover(job)
     if leftover:
         kill_job(job)
-    return Run(proc.returncode, log, seconds, out, leftover)
+    rc, ranks = _exits(exits, top_is_rank0=cmd is None and start_method == "popen")
+    return Run(rc, log, seconds, out, leftover, ranks)
 
 
 def _summary(run: Run) -> dict:
     return json.loads((run.out / "summary.json").read_text())
 
 
-def _corrupt_copy_resumed(tmp: Path, source: str) -> Run:
-    """resume=auto after ``source``'s fault, with the newest emergency checkpoint corrupted on disk."""
-    shutil.copytree(tmp / source, tmp / "resumed")
-    victim = tmp / "resumed" / "checkpoints" / "emergency" / "emergency-rank0-step=5.ckpt"
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    victim.write_bytes(bytes(data))
-    return _launch(tmp / "resumed", "resume=auto")
+def _resumed(tmp: Path, source: str, name: str, *overrides: str, corrupt: str = "", **kwargs) -> Run:
+    """resume=auto after ``source``'s fault (a copy of its run directory), with ``corrupt``, one of its emergency
+    checkpoints, damaged on disk."""
+    shutil.copytree(tmp / source, tmp / name)
+    if corrupt:
+        victim = tmp / name / "checkpoints" / "emergency" / corrupt
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    return _launch(tmp / name, "resume=auto", *overrides, **kwargs)
+
+
+def _sigterm(step):
+    """SIGTERM on both ranks at the start of ``step``."""
+    return [*_inject("signal", rank=0, step=step, name="sig0"), *_inject("signal", rank=1, step=step, name="sig1")]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every faulty job once, two at a time (90 s to 3 min on 2 shared cores); the tests below read them."""
+    """Every faulty job once, two at a time (2 to 4 min on 2 shared cores); the tests below read them."""
     tmp = tmp_path_factory.mktemp("faults")
-    # torchrun: one failure at the first step of epoch 2 (just after the epoch-end checkpoint), one restart,
-    # resume=auto; against the same job uninterrupted
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                "--max-restarts", "1", "-m", "lightning_dist.train", "strategy.start_method=popen", "resume=auto",
-                "trainer.max_epochs=2", *FT]
-    once = tmp / "once"
+    (tmp / "tools").mkdir()
+    (tmp / "tools" / "sitecustomize.py").write_text(_RECORDER)
+    (tmp / "tools" / "reaper.py").write_text(_REAPER)
+    # torchrun: every fault in turn, each in an attempt of its own (a file per fault: a restarted attempt does not
+    # meet it again); the raise at the first step of epoch 2, just after the epoch-end checkpoint; against the same
+    # job without the raise, up to the SIGKILL (rank 0's emergency checkpoint then holds the state of step 26)
+    def torchrun(name, restarts, *overrides):
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "--max-restarts", str(restarts), "-m", "lightning_dist.train", "strategy.start_method=popen",
+                "resume=auto", "trainer.max_epochs=2", *FT, *overrides, f"hydra.run.dir={tmp / name}"]
 
-    def popen_then_resumed():
+    chain = [*_inject("raise", step=23, once_file=str(tmp / "raised")),
+             *_inject("kill", step=26, name="kill", once_file=str(tmp / "killed")),
+             *_inject("stall", step=29, name="stall", once_file=str(tmp / "stalled")), *_sigterm(32)]
+    ref = [*_inject("kill", step=26, name="kill")]
+
+    def popen_then_resumed():  # the resume skips a corrupt checkpoint, then stops on SIGTERM
         raised = _launch(tmp / "raise_popen", *_inject("raise"), start_method="popen")
-        return {"raise_popen": raised, "resumed": _corrupt_copy_resumed(tmp, "raise_popen")}
+        return {"raise_popen": raised, "sigterm_popen": _resumed(tmp, "raise_popen", "sigterm_popen", *_sigterm(8),
+                                                                 corrupt="emergency-rank0-step=5.ckpt",
+                                                                 start_method="popen")}
+
+    def killed_then_stalled_popen():
+        killed = _launch(tmp / "kill_popen", *_inject("kill"), start_method="popen")
+        return {"kill_popen": killed,
+                "stall_popen": _resumed(tmp, "kill_popen", "stall_popen", *_inject("stall", step=8, name="stall"),
+                                        start_method="popen")}
+
+    def killed_then_sigterm_fork():
+        killed = _launch(tmp / "kill", *_inject("kill"))
+        return {"kill": killed, "sigterm_fork": _resumed(tmp, "kill", "sigterm_fork", *_sigterm(8))}
 
     jobs = {  # the longest first, so that the two lanes end together
         # the benchmark's own deadline per job (120 s) is well inside pytest-timeout's
         "bench": lambda: faults.main(["--quick", "--timeout", "6", "--out", str(tmp / "bench")]),
-        "torchrun": lambda: _launch(tmp / "torchrun", cmd=torchrun + _inject("raise", step=23, once_file=str(once))
-                                    + [f"hydra.run.dir={tmp / 'torchrun'}"], deadline=240),
-        "torchrun_ref": lambda: _launch(tmp / "torchrun_ref", cmd=torchrun + [f"hydra.run.dir={tmp / 'torchrun_ref'}"],
-                                        deadline=240),
-        "sigterm": lambda: _launch(tmp / "sigterm", *_inject("signal", rank=0, name="sig0"),
-                                   *_inject("signal", rank=1, name="sig1"), start_method="popen"),
+        "torchrun": lambda: _launch(tmp / "torchrun", cmd=torchrun("torchrun", 3, *chain), deadline=300),
+        "popen_kill": killed_then_stalled_popen,
+        "torchrun_ref": lambda: _launch(tmp / "torchrun_ref", cmd=torchrun("torchrun_ref", 0, *ref), deadline=240),
         "popen": popen_then_resumed,
+        "fork_kill": killed_then_sigterm_fork,
         "raise_spawn": lambda: _launch(tmp / "raise_spawn", *_inject("raise"), start_method="spawn"),
         "stall": lambda: _launch(tmp / "stall", *_inject("stall")),
-        "kill": lambda: _launch(tmp / "kill", *_inject("kill")),
         "raise3": lambda: _launch(tmp / "raise3", "trainer.devices=3", *_inject("raise")),
     }
-    got = dict(zip(jobs, side_by_side(*jobs.values())))
-    got.update(got.pop("popen"))
+    results = side_by_side(*jobs.values())
+    assert len(results) == len(jobs)
+    got = dict(zip(jobs, results, strict=True))
+    for name in ("popen", "popen_kill", "fork_kill"):
+        got.update(got.pop(name))
     got["bench"] = (got["bench"], tmp / "bench")
     return got
+
+
+WATCHDOG = "watchdog: no rank has made progress for"  # how a stall's emergency checkpoint says why it was written
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")  # gloo's words for a collective whose peer died
+
+
+def _emergency(run: Run, step: int, ranks, reason: str, victim=1, world_size=2) -> dict[int, str]:
+    """Every rank in ``ranks`` wrote its emergency checkpoint of ``step``: complete (the file's SHA-256 and size,
+    computed here, are its sidecar's; the project's ``verify`` agrees), by that rank, holding ``step`` in its loops'
+    counters (the interrupted batch rewound) and the same weights on every rank. ``reason``: why the victim's sidecar
+    says it was written (a stall: the watchdog's verdict); a peer's says its collective with the victim broke, or, in a
+    stall, its own watchdog's verdict. Returns every rank's reason."""
+    weights, reasons = {}, {}
+    for r in ranks:
+        path = run.out / "checkpoints" / "emergency" / f"emergency-rank{r}-step={step}.ckpt"
+        meta = json.loads(Path(f"{path}.meta.json").read_text())
+        data = path.read_bytes()
+        assert (meta["sha256"], meta["bytes"]) == (hashlib.sha256(data).hexdigest(), len(data)), path
+        assert verify(path)["verified"]
+        assert (meta["kind"], meta["rank"], meta["global_step"], meta["world_size"]) == ("emergency", r, step,
+                                                                                          world_size)
+        reasons[r] = meta["reason"]
+        if r == victim:
+            assert meta["reason"].startswith(reason), meta["reason"]
+        elif not (reason == WATCHDOG and meta["reason"].startswith(WATCHDOG)):
+            assert any(words in meta["reason"] for words in PEER_GONE), meta["reason"]
+        checkpoint = torch.load(path, weights_only=True)
+        assert checkpoint["global_step"] == step
+        progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
+        assert progress["started"] == progress["processed"] == step, progress
+        weights[r] = checkpoint["state_dict"]
+    first = weights[min(weights)]
+    for r, state in weights.items():
+        assert state.keys() == first.keys() and all(torch.equal(state[k], first[k]) for k in first), r
+    return reasons
+
+
+def _stall_exits(codes: list[int], reasons: dict[int, str], victim=1, survivor=(1,)) -> None:
+    """A stall's exit codes: the stalled rank's own watchdog ends it (124); a peer, blocked in a collective with it,
+    exits 124 when its own watchdog called the stall first, or 1 when that collective broke first (the stalled rank's
+    watchdog ended it): each as its checkpoint says. ``survivor``: the codes of that second path (torchrun's)."""
+    assert codes[victim] == 124, codes
+    for rank, code in enumerate(codes):
+        assert code == 124 if reasons[rank].startswith(WATCHDOG) else code in survivor, (codes, reasons)
 
 
 def test_no_process_is_left_behind(runs):
@@ -166,61 +362,116 @@ def test_no_process_is_left_behind(runs):
             assert run.leftover == [], (name, run.leftover)
 
 
+RAISED = "RuntimeError: injected fault on rank 1 at global step 5"
+
+
 @pytest.mark.parametrize("name, ranks", [("raise3", 3), ("raise_popen", 2), ("raise_spawn", 2)])
-def test_an_exception_saves_every_ranks_own_state_and_exits_non_zero(runs, name, ranks):
+def test_an_exception_saves_every_ranks_own_state_and_every_rank_exits_1(runs, name, ranks):
     run = runs[name]  # raise3: the fork launcher's row, on 3 ranks (every rank saves, not just two)
-    assert run.rc != 0 and "injected fault on rank 1 at global step 5" in run.log
+    assert "injected fault on rank 1 at global step 5" in run.log
+    assert run.ranks() == [1] * ranks, run.exits
+    assert run.rc == 1  # popen: rank 0's own; fork and spawn: Lightning's parent, which raises the rank's error
     assert run.checkpoints("emergency") == [f"emergency-rank{r}-step=5.ckpt" for r in range(ranks)]
-    for path in run.out.rglob("emergency-*.ckpt"):
-        meta = verify(path)
-        assert meta["verified"] and meta["kind"] == "emergency" and meta["global_step"] == 5
+    _emergency(run, 5, range(ranks), RAISED, world_size=ranks)
     assert run.seconds < 60
 
 
-def test_a_killed_rank(runs):
-    run = runs["kill"]
-    assert run.rc != 0 and run.seconds < 60
+@pytest.mark.parametrize("name", ["kill", "kill_popen"])
+def test_a_killed_rank(runs, name):
+    run = runs[name]
+    assert run.ranks() == [1, KILLED], run.exits  # rank 0 after its collective failed
+    assert run.rc == 1 and run.seconds < 60
     assert run.checkpoints("emergency") == ["emergency-rank0-step=5.ckpt"]  # rank 1 had no chance
+    _emergency(run, 5, [0], "", victim=1)
 
 
-def test_a_stalled_rank_is_named_and_every_rank_is_gone_within_the_bound(runs):
-    run = runs["stall"]
-    assert run.rc != 0
-    assert "rank 1 (step 5) stopped making progress first" in run.log
-    assert "no rank has made progress for" in run.log  # the watchdog (exit code 124), not a collective timeout
-    assert run.seconds < TIMEOUT_S + 40  # start-up, 5 steps, the timeout, a few polls
-    assert run.checkpoints("emergency") == ["emergency-rank0-step=5.ckpt", "emergency-rank1-step=5.ckpt"]
+@pytest.mark.parametrize("name, step", [("stall", 5), ("stall_popen", 8)])
+def test_a_stalled_rank_is_named_and_every_rank_is_gone_within_the_bound(runs, name, step):
+    run = runs[name]
+    assert f"rank 1 (step {step}) stopped making progress first" in run.log
+    assert "no rank has made progress for" in run.log  # the watchdog, not a collective timeout
+    assert run.seconds < TIMEOUT_S + 40  # start-up, the steps, the timeout, a few polls
+    assert [c for c in run.checkpoints("emergency") if f"step={step}." in c] == [
+        f"emergency-rank0-step={step}.ckpt", f"emergency-rank1-step={step}.ckpt"]
+    _stall_exits(run.ranks(), _emergency(run, step, [0, 1], WATCHDOG))
+    # popen: rank 0's own; fork: Lightning's parent, which raises the first failed rank's code
+    assert run.rc == (run.ranks()[0] if name == "stall_popen" else 1)
 
 
-def test_sigterm_on_every_rank_stops_cleanly_after_an_agreed_checkpoint(runs):
-    run = runs["sigterm"]
-    assert run.rc == 0, run.log[-3000:]
-    # the signal arrives at the start of step 5, after the step's flags were filled: step 6's exchange carries
-    # it, and every rank stops once step 6 is done (global step 7)
+def _agreed_stop(run: Run, step: int, attempt: int = 0, since: int = 0):
+    """SIGTERM on both ranks at the start of ``step - 2``: the signal arrives after that step's flags were filled, the
+    next step's exchange carries it, and every rank stops once that step is done (global step ``step``), saving one
+    regular checkpoint and exiting 0."""
     # both ranks on one host: the whole job ends, as before a host could leave (no "leave" in the message)
-    assert "SIGTERM on ranks 0, 1 (host 0): every rank stops at global step 7 after saving" in run.log
+    assert f"SIGTERM on ranks 0, 1 (host 0): every rank stops at global step {step} after saving" in run.log
     assert "leave, the others restart" not in run.log
-    assert "preempted-step=7.ckpt" in run.checkpoints()
-    assert verify(run.out / "checkpoints" / "preempted-step=7.ckpt")["verified"]
-    assert _summary(run)["global_step"] == 7
-
-
-def test_resume_skips_a_corrupt_checkpoint_and_finishes(runs):
-    run = runs["resumed"]
+    assert run.ranks(attempt) == [0, 0], run.exits
     assert run.rc == 0, run.log[-3000:]
+    path = run.out / "checkpoints" / f"preempted-step={step}.ckpt"
+    meta, data = json.loads(Path(f"{path}.meta.json").read_text()), path.read_bytes()
+    assert (meta["sha256"], meta["bytes"]) == (hashlib.sha256(data).hexdigest(), len(data))
+    assert verify(path)["verified"] and meta["kind"] == "regular" and meta["global_step"] == step
+    assert torch.load(path, weights_only=True)["global_step"] == step
+    # no fault: no emergency checkpoint after the one the run resumed from
+    assert [c for c in run.checkpoints("emergency") if int(c.split("=")[1][:-5]) > since] == []
+
+
+@pytest.mark.parametrize("name", ["sigterm_fork", "sigterm_popen"])
+def test_sigterm_on_every_rank_stops_cleanly_after_an_agreed_checkpoint(runs, name):
+    run = runs[name]
+    _agreed_stop(run, 10, since=5)
+    assert _summary(run)["global_step"] == 10
+
+
+def test_resume_from_emergency_checkpoints(runs):
+    # the SIGKILL's: rank 0's, the only one (popen's stall and fork's SIGTERM are its resumes)
+    for name in ("stall_popen", "sigterm_fork"):
+        assert "resuming from" in runs[name].log
+        assert "emergency-rank0-step=5.ckpt: emergency (rank 0), global step 5" in runs[name].log
+    # the raise's, with rank 0's corrupt: skipped, and rank 1's taken
+    run = runs["sigterm_popen"]
     assert "skipping checkpoint" in run.log and "emergency-rank0-step=5.ckpt" in run.log
     assert "resuming from" in run.log and "emergency-rank1-step=5.ckpt: emergency (rank 1), global step 5" in run.log
-    assert _summary(run)["global_step"] == 23  # the rest of the epoch
 
 
-def test_torchrun_restarts_resumes_and_matches_the_uninterrupted_run(runs):
+def test_torchrun_meets_every_fault_restarts_and_resumes(runs):
+    run = runs["torchrun"]
+    assert run.rc == 0, run.log[-3000:]
+    # attempt 0: rank 1 raises at step 23 (the first of epoch 2), and rank 0's collective fails: both save, exit 1
+    # (rank 0 perhaps ended by torchrun's SIGTERM once it has saved)
+    assert run.ranks(0)[1] == 1 and run.ranks(0)[0] in TORCHRUN_SURVIVOR, run.exits
+    _emergency(run, 23, [0, 1], "RuntimeError: injected fault on rank 1 at global step 23")
+    assert "resuming from" in run.log and "regular, global step 23" in run.log  # at the same step a regular one wins
+    # attempt 1: rank 1 is killed at step 26; rank 0 saves and exits 1 (or torchrun's SIGTERM ends it once saved)
+    assert run.ranks(1)[1] == KILLED and run.ranks(1)[0] in TORCHRUN_SURVIVOR, run.exits
+    assert "emergency-rank1-step=26.ckpt" not in run.checkpoints("emergency")
+    _emergency(run, 26, [0], "")
+    assert "emergency-rank0-step=26.ckpt: emergency (rank 0), global step 26" in run.log
+    # attempt 2: rank 1 stalls at step 29; the watchdog ends it with 124, and rank 0 with 124 or, its collective
+    # broken first, 1
+    assert "rank 1 (step 29) stopped making progress first" in run.log
+    _stall_exits(run.ranks(2), _emergency(run, 29, [0, 1], WATCHDOG), survivor=TORCHRUN_SURVIVOR)
+    # attempt 3: SIGTERM on both at step 32, an agreed stop at 34
+    _agreed_stop(run, 34, attempt=3, since=29)
+    assert sorted(a for a, _ in run.exits) == [0, 0, 1, 1, 2, 2, 3, 3]  # no other attempt
+
+
+def test_torchrun_resumes_a_regular_checkpoint_bit_identically(runs):
+    """After the restart from step 23's regular checkpoint, rank 0's state at step 26 (its emergency checkpoint at
+    the SIGKILL) is bit for bit that of the same job run without the raise: every weight and optimizer moment."""
     run, ref = runs["torchrun"], runs["torchrun_ref"]
-    assert run.rc == 0 and ref.rc == 0, run.log[-3000:]
+    assert ref.ranks()[1] == KILLED and ref.ranks()[0] in TORCHRUN_SURVIVOR and ref.rc == 1, ref.exits  # no restart
     assert "injected fault on rank 1 at global step 23" in run.log
-    assert "resuming from" in run.log and "regular, global step 23" in run.log
-    got, want = _summary(run), _summary(ref)
-    assert got["global_step"] == want["global_step"] == 46
-    assert got["metrics"] == want["metrics"]  # bit-identical: the same loss and accuracy to the last digit
+    ours, theirs = (torch.load(r.out / "checkpoints" / "emergency" / "emergency-rank0-step=26.ckpt",
+                               weights_only=True) for r in (run, ref))
+    assert ours["state_dict"].keys() == theirs["state_dict"].keys()
+    for key, value in theirs["state_dict"].items():
+        assert torch.equal(ours["state_dict"][key], value), key
+    (mine,), (reference,) = ours["optimizer_states"], theirs["optimizer_states"]
+    assert mine["state"].keys() == reference["state"].keys() and len(reference["state"]) > 0
+    for index, state in reference["state"].items():
+        assert state.keys() == mine["state"][index].keys()
+        assert all(torch.equal(mine["state"][index][k], v) for k, v in state.items()), index
 
 
 # -- python -m lightning_dist.benchmarks.faults --quick (its pure judging and summaries: test_benchmark_faults.py) --

@@ -54,7 +54,7 @@ def _drive(scaler, model, opt, pattern):
         before = _weights(model)
         scaler.step(opt)
         scaler.update()
-        moved = any(not torch.equal(b, a) for b, a in zip(before, _weights(model)))
+        moved = any(not torch.equal(b, a) for b, a in zip(before, _weights(model), strict=True))
         assert moved == (kind == "g"), f"step {len(scales)} ({kind}): optimizer stepped={moved}"
         assert scaler.last_step_bad == (kind == "b")
         assert scaler.scale_value == scaler.get_scale()
@@ -178,7 +178,7 @@ def test_found_inf_says_whether_the_unscaled_gradients_are_finite():
     before = _weights(model)
     scaler.step(opt)
     scaler.update()
-    assert all(torch.equal(b, a) for b, a in zip(before, _weights(model)))
+    assert all(torch.equal(b, a) for b, a in zip(before, _weights(model), strict=True))
 
 
 @pytest.mark.parametrize("checked_first", [False, True])
@@ -191,7 +191,7 @@ def test_skip_then_update_backs_off_like_a_bad_step_without_stepping(checked_fir
     before = _weights(model)
     scaler.skip(opt)
     scaler.update()
-    assert all(torch.equal(b, a) for b, a in zip(before, _weights(model)))
+    assert all(torch.equal(b, a) for b, a in zip(before, _weights(model), strict=True))
     assert scaler.last_step_bad and scaler.scale_value == scaler.get_scale() == 512.0
     # the next step is an ordinary one again
     assert _drive(scaler, model, opt, "g") == [512.0]
@@ -380,6 +380,73 @@ def test_nan_recovery_state_round_trip():
     assert len(callback.history) == 2  # not aliased
     fresh.load_state_dict({})  # an older checkpoint: everything starts from zero
     assert fresh.state_dict() == NaNRecovery().state_dict()
+
+
+class _Compressor:
+    """A compressor's state seam: one residual tensor, updated in place as a real one's would be."""
+
+    def __init__(self):
+        self.residual = torch.zeros(3)
+
+    def state_dict(self):
+        return {"residuals": {"0": self.residual.clone()}, "steps": 0}
+
+    def load_state_dict(self, state):
+        self.residual = state["residuals"]["0"].clone()
+
+
+def test_rollback_restores_the_snapshot_exactly_and_scales_the_learning_rate(monkeypatch):
+    """A snapshot, four more steps that change weights, momentum, the scheduler and the compressor's residual, then a
+    rollback: every one of them as at the snapshot (compared with copies taken here, not the callback's), the learning
+    rate and the scheduler's base rate times lr_factor."""
+    import copy
+    from types import SimpleNamespace
+
+    from lightning_dist.callbacks import nan_recovery
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.4, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    compressor = _Compressor()
+    ring = SimpleNamespace(compressor=compressor)
+    monkeypatch.setattr(nan_recovery, "_ring", lambda trainer: ring)
+    trainer = SimpleNamespace(global_step=0, optimizers=[optimizer],
+                              lr_scheduler_configs=[SimpleNamespace(scheduler=scheduler)])
+
+    def step():
+        optimizer.zero_grad()
+        model(X).square().sum().backward()
+        optimizer.step()
+        scheduler.step()
+        compressor.residual.add_(1.0)
+        trainer.global_step += 1
+
+    step()
+    callback = NaNRecovery(rollback_after=2, lr_factor=0.5)
+    callback._take_snapshot(trainer, model)
+    weights, momentum = _weights(model), [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    scheduler_state, residual, lr = copy.deepcopy(scheduler.state_dict()), compressor.residual.clone(), 0.2
+    for _ in range(4):
+        step()
+    assert not torch.equal(model.weight, weights[0]) and optimizer.param_groups[0]["lr"] != lr
+    callback.consecutive, callback.first_bad = 2, "global step 3: non-finite loss on rank(s) [0]"
+    callback._rollback(trainer, model)
+    assert all(torch.equal(a, b) for a, b in zip(_weights(model), weights, strict=True))
+    assert all(torch.equal(optimizer.state[p]["momentum_buffer"], m)
+               for p, m in zip(model.parameters(), momentum, strict=True))
+    assert all(p.grad is None for p in model.parameters())
+    assert optimizer.param_groups[0]["lr"] == lr * 0.5
+    assert scheduler.last_epoch == scheduler_state["last_epoch"] == 1
+    assert scheduler.base_lrs == [0.4 * 0.5]
+    assert torch.equal(compressor.residual, residual)
+    # the snapshot is a copy: training on from the restored state leaves it as it was, for the next rollback
+    step()
+    callback.consecutive = 2
+    callback._rollback(trainer, model)
+    assert all(torch.equal(a, b) for a, b in zip(_weights(model), weights, strict=True))
+    assert torch.equal(compressor.residual, residual) and optimizer.param_groups[0]["lr"] == lr * 0.25
+    assert callback.rollbacks == 2 and callback.consecutive == 0
 
 
 def test_copy_clones_every_tensor_and_keeps_the_structure():

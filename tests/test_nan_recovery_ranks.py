@@ -3,10 +3,16 @@
 Faults: a NaN loss on one rank, an Inf in one gradient element on one rank (every compressor), persistent
 NaN (rollback, then recovery), NaN that never ends (a clear error on every rank), a forced replica drift;
 under 32-bit, bf16-mixed and fp16 loss scaling, and with heterogeneous batches.
+
+A skipped step is checked against a run that never saw its batch (the same setting, that global batch left out of
+the data): bit for bit the same weights, since a skipped step must leave weights and optimizer state as they were. A
+rollback is checked against a clean run of the snapshot's steps continued at the reduced learning rate from that
+run's weights and momentum.
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import lightning.pytorch as pl
@@ -32,15 +38,16 @@ SETTINGS = {"topk": {"ratio": 0.1}, "threshold": {"threshold": 1e-3, "max_ratio"
 
 class Net(ToyClassifier):
     """Faults by (rank, global step): ``nan_loss`` adds NaN to the loss, ``inf_grad`` puts +Inf into one element
-    of the first layer's weight gradient before DDP takes it; ``drop`` removes that global batch from the data
-    (the reference for a skipped step: the same updates, one fewer step). The same initial weights in every fit;
-    Lightning's own sampler always shuffles training data, by a permutation that depends on the length: the
-    loader brings an unshuffled one."""
+    of the first layer's weight gradient before DDP takes it; ``nan_batch``, by (rank, batch index), adds NaN to the
+    loss of one micro-batch only; ``drop`` removes those global batches from the data (the reference for a skipped
+    step: the same updates, one fewer step). The same initial weights in every fit; Lightning's own sampler always
+    shuffles training data, by a permutation that depends on the length: the loader brings an unshuffled one."""
 
-    def __init__(self, nan_loss=(), inf_grad=(), drop=None, value=float("inf")):
+    def __init__(self, nan_loss=(), inf_grad=(), drop=(), value=float("inf"), nan_batch=()):
         super().__init__(features=16, hidden=(32,), classes=4, samples=N_SAMPLES, batch_size=BATCH, momentum=0.9,
                          distributed_sampler=True, seed=0)
-        self.nan_loss, self.inf_grad, self.drop, self.value = set(nan_loss), set(inf_grad), drop, value
+        self.nan_loss, self.inf_grad, self.drop, self.value = set(nan_loss), set(inf_grad), set(drop), value
+        self.nan_batch = set(nan_batch)
         self.net[0].weight.register_hook(self._poison)
 
     def _poison(self, grad):
@@ -52,16 +59,16 @@ class Net(ToyClassifier):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = nn.functional.cross_entropy(self.net(x), y)
-        if (self.global_rank, self.trainer.global_step) in self.nan_loss:
+        rank = self.global_rank
+        if (rank, self.trainer.global_step) in self.nan_loss or (rank, batch_idx) in self.nan_batch:
             loss = loss + float("nan")
         return loss
 
     def dataset(self):
         x, y = self.data()
-        if self.drop is not None:  # global batch k holds samples 16k..16k+15 (DistributedSampler, no shuffle)
-            keep = [i for i in range(N_SAMPLES) if not 2 * BATCH * self.drop <= i < 2 * BATCH * (self.drop + 1)]
-            x, y = x[keep], y[keep]
-        return TensorDataset(x, y)
+        # global batch k holds samples 16k..16k+15 (DistributedSampler, no shuffle)
+        keep = [i for i in range(N_SAMPLES) if i // (2 * BATCH) not in self.drop]
+        return TensorDataset(x[keep], y[keep])
 
 
 class Drift(Callback):
@@ -77,12 +84,46 @@ class Drift(Callback):
                 w[0, 0] = torch.nextafter(w[0, 0], torch.tensor(1.0))
 
 
+class Record(Callback):
+    """After every training batch (listed after NaNRecovery: what its rollback left), by global step: the weights,
+    the optimizer's momentum buffers and its learning rate."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        optimizer = trainer.optimizers[0]
+        self.seen[trainer.global_step] = (_flat(pl_module), _momentum(optimizer), optimizer.param_groups[0]["lr"])
+
+
+class LoadOptimizer(Callback):
+    """At the start of training: the optimizer's state from ``state``, at learning rate ``lr``."""
+
+    def __init__(self, state, lr):
+        self.state, self.lr = state, lr
+
+    def on_train_start(self, trainer, pl_module):
+        optimizer = trainer.optimizers[0]
+        optimizer.load_state_dict(copy.deepcopy(self.state))
+        for group in optimizer.param_groups:
+            group["lr"] = self.lr
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _momentum(optimizer):
+    return torch.cat([optimizer.state[p]["momentum_buffer"].reshape(-1) for group in optimizer.param_groups
+                      for p in group["params"]])
+
+
 def _fit(strategy, model, callbacks=(), **kwargs):
     pl.seed_everything(0, verbose=False)
     trainer = quiet_trainer(**{"devices": 2, "max_epochs": 1, "use_distributed_sampler": False, "strategy": strategy,
                                "callbacks": list(callbacks), **kwargs})
     trainer.fit(model)
-    return trainer, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return trainer, _flat(model)
 
 
 def _faults(rank, world_size):
@@ -90,8 +131,8 @@ def _faults(rank, world_size):
     with launched_externally(rank, world_size), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # 1. NaN loss on rank 1 at step 2, against a run that skips step 2's batch on every rank
-        _, out["reference"] = _fit(RingDDPStrategy(), Net(drop=2))
-        _, out["ddp_reference"] = _fit(DDPStrategy(), Net(drop=2))
+        _, out["reference"] = _fit(RingDDPStrategy(), Net(drop=[2]))
+        _, out["ddp_reference"] = _fit(DDPStrategy(), Net(drop=[2]))
         memory = RecordingLogger()
         cb = NaNRecovery()
         _, weights = _fit(RingDDPStrategy(), Net(nan_loss={(1, 2)}), [cb], logger=memory, log_every_n_steps=1)
@@ -100,7 +141,7 @@ def _faults(rank, world_size):
         # 2. Inf in one gradient element on rank 0, with every compressor and without
         for name in COMPRESSORS:
             ref_compressor = build_compressor(name, **SETTINGS.get(name, {}))
-            _, reference = _fit(RingDDPStrategy(compressor=ref_compressor), Net(drop=3))
+            _, reference = _fit(RingDDPStrategy(compressor=ref_compressor), Net(drop=[3]))
             cb = NaNRecovery()
             compressor = build_compressor(name, **SETTINGS.get(name, {}))
             _, weights = _fit(RingDDPStrategy(compressor=compressor), Net(inf_grad={(0, 3)}), [cb])
@@ -113,20 +154,25 @@ def _faults(rank, world_size):
         cb = NaNRecovery()
         _, weights = _fit(RingDDPStrategy(compressor="fp16"), Net(inf_grad={(1, 3)}, value=1e6), [cb])
         out["fp16_overflow"] = (weights, cb.skipped, list(cb.history))
-        # gradient accumulation: a NaN in the first micro-batch of a step
+        # gradient accumulation: a NaN in the first micro-batch of step 1 only (global batch 2 of 2 and 3), against
+        # a run without batches 2 and 3
         cb = NaNRecovery()
-        _, weights = _fit(RingDDPStrategy(), Net(nan_loss={(0, 1)}), [cb], accumulate_grad_batches=2)
-        out["accumulate"] = (weights, cb.skipped)
-        # 3. blocking hook, bf16-mixed, heterogeneous batches
+        _, weights = _fit(RingDDPStrategy(), Net(nan_batch={(0, 2)}), [cb], accumulate_grad_batches=2)
+        _, reference = _fit(RingDDPStrategy(), Net(drop=[2, 3]), accumulate_grad_batches=2)
+        out["accumulate"] = (weights, cb.skipped, reference)
+        # 3. blocking hook (the reference of 1.: the hook's arithmetic is the overlapping one's), bf16-mixed,
+        # heterogeneous batches, each against the same setting without that step's batch
         cb = NaNRecovery()
-        _, weights = _fit(RingDDPStrategy(overlap=False), Net(nan_loss={(0, 1)}), [cb])
-        out["blocking"] = (weights, cb.skipped)
+        _, weights = _fit(RingDDPStrategy(overlap=False), Net(nan_loss={(0, 2)}), [cb])
+        out["blocking"] = (weights, cb.skipped, out["reference"])
         cb = NaNRecovery()
         _, weights = _fit(RingDDPStrategy(), Net(nan_loss={(1, 1)}), [cb], precision="bf16-mixed")
-        out["bf16"] = (weights, cb.skipped)
+        _, reference = _fit(RingDDPStrategy(), Net(drop=[1]), precision="bf16-mixed")
+        out["bf16"] = (weights, cb.skipped, reference)
         cb = NaNRecovery()
         _, weights = _fit(RingDDPStrategy(hetero=HeteroBatching(batch_sizes=[12, 4])), Net(inf_grad={(1, 2)}), [cb])
-        out["hetero"] = (weights, cb.skipped)
+        _, reference = _fit(RingDDPStrategy(hetero=HeteroBatching(batch_sizes=[12, 4])), Net(drop=[2]))
+        out["hetero"] = (weights, cb.skipped, reference)
         # 4. fp16 loss scaling on the CPU: the GradScaler becomes a LossScaler; two bad steps in a row cut
         # the scale once (hysteresis 2); error-feedback residuals follow the scale
         for name in ("none", "topk"):
@@ -145,11 +191,20 @@ def _faults(rank, world_size):
             out["fp16_floor"] = None
         except NaNRecoveryError as error:
             out["fp16_floor"] = (str(error), cb.skipped)
-        # 5. persistent NaN: rollback to the snapshot of step 2, learning rate halved, then recovery
-        cb = NaNRecovery(rollback_after=3, snapshot_every=2, lr_factor=0.5)
-        trainer, weights = _fit(RingDDPStrategy(), Net(nan_loss={(0, 3), (0, 4), (0, 5)}), [cb], max_epochs=2)
+        # 5. persistent NaN: rollback to the snapshot of step 2, learning rate halved, then recovery. The reference:
+        # a clean run of 2 steps (the snapshot), then one epoch from its weights and momentum at half the rate (the
+        # faulty run's epoch 2: the batches of steps 3-5 are not replayed)
+        cb, record = NaNRecovery(rollback_after=3, snapshot_every=2, lr_factor=0.5), Record()
+        trainer, weights = _fit(RingDDPStrategy(), Net(nan_loss={(0, 3), (0, 4), (0, 5)}), [cb, record],
+                                max_epochs=2)
         out["rollback"] = (weights, cb.rollbacks, cb.skipped, list(cb.history),
-                           trainer.optimizers[0].param_groups[0]["lr"], cb.state_dict())
+                           trainer.optimizers[0].param_groups[0]["lr"], cb.state_dict(), record.seen[6])
+        model = Net()
+        trainer, at_step_2 = _fit(RingDDPStrategy(), model, max_steps=2)
+        state = copy.deepcopy(trainer.optimizers[0].state_dict())
+        momentum = _momentum(trainer.optimizers[0])
+        _, continued = _fit(RingDDPStrategy(), model, [LoadOptimizer(state, lr=0.05)])
+        out["rollback_reference"] = (at_step_2, momentum, continued)
         # 6. NaN that never ends: every rank stops with the same clear error
         cb = NaNRecovery(rollback_after=2, snapshot_every=1, max_rollbacks=1)
         try:
@@ -229,9 +284,11 @@ def test_an_overflow_in_fp16_compression_is_caught(faults):
 
 
 @pytest.mark.parametrize("key", ["blocking", "bf16", "hetero", "accumulate"])
-def test_blocking_hook_bf16_hetero_and_accumulation(faults, key):
-    _same_on_both(faults, key)
-    assert faults[0][key][1] == 1
+def test_blocking_hook_bf16_hetero_and_accumulation_equal_the_run_without_that_batch(faults, key):
+    weights = _same_on_both(faults, key)
+    _, skipped, reference = faults[0][key]
+    assert skipped == 1
+    assert torch.equal(weights, reference), f"{key}: not the run without the skipped step's batch"
 
 
 @pytest.mark.parametrize("name", ["none", "topk"])
@@ -251,12 +308,20 @@ def test_a_bad_step_at_the_minimum_scale_stops_every_rank(faults):
 
 
 def test_persistent_nan_rolls_back_then_recovers(faults):
-    _same_on_both(faults, "rollback")
-    _, rollbacks, skipped, history, lr, state = faults[0]["rollback"]
+    weights = _same_on_both(faults, "rollback")
+    _, rollbacks, skipped, history, lr, state, after_rollback = faults[0]["rollback"]
     assert (rollbacks, skipped, lr) == (1, 3, 0.05)
     assert [h["kind"] for h in history] == ["skip", "skip", "skip", "rollback"]
     assert "restored the snapshot of global step 2" in history[-1]["detail"]
     assert state["rollbacks"] == 1 and state["skipped"] == 3 and state["consecutive"] == 0
+    at_step_2, momentum, continued = faults[0]["rollback_reference"]
+    # right after the rollback (global step 6): the weights and momentum of a clean run's step 2, the rate halved
+    restored_weights, restored_momentum, restored_lr = after_rollback
+    assert torch.equal(restored_weights, at_step_2) and torch.equal(restored_momentum, momentum)
+    assert restored_lr == 0.05
+    # and the rest of the run is that state trained on at half the rate, bit for bit
+    assert torch.equal(weights, continued)
+    assert torch.equal(continued, faults[1]["rollback_reference"][2])
 
 
 def test_unrecoverable_stops_every_rank_with_a_clear_error(faults):

@@ -223,6 +223,15 @@ class NaNRecovery(Callback):
     def _rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         snapshot = self._snapshot
         assert snapshot is not None, "a snapshot is taken when training starts"
+        if self.lr_factor != 1.0:
+            # in the snapshot itself, which is then loaded: a second rollback to the same snapshot (no good steps
+            # enough for a new one in between) lowers the rates again, from the lowered ones
+            for state in snapshot["optimizers"]:
+                for group in state["param_groups"]:
+                    group["lr"] *= self.lr_factor
+            for state in snapshot["schedulers"]:
+                if "base_lrs" in state:
+                    state["base_lrs"] = [lr * self.lr_factor for lr in state["base_lrs"]]
         pl_module.load_state_dict(snapshot["model"])
         for optimizer, state in zip(trainer.optimizers, snapshot["optimizers"]):
             optimizer.load_state_dict(copy.deepcopy(state))  # loading may alias the tensors it is given
@@ -230,13 +239,6 @@ class NaNRecovery(Callback):
         for cfg, state in zip(trainer.lr_scheduler_configs, snapshot["schedulers"]):
             cfg.scheduler.load_state_dict(copy.deepcopy(state))
         _ring(trainer).compressor.load_state_dict(snapshot["compressor"])
-        if self.lr_factor != 1.0:
-            for optimizer in trainer.optimizers:
-                for group in optimizer.param_groups:
-                    group["lr"] *= self.lr_factor
-            for cfg in trainer.lr_scheduler_configs:
-                if hasattr(cfg.scheduler, "base_lrs"):
-                    cfg.scheduler.base_lrs = [lr * self.lr_factor for lr in cfg.scheduler.base_lrs]
         self.rollbacks += 1
         lr = f", learning rate x{self.lr_factor:g}" if self.lr_factor != 1.0 else ""
         detail = (f"{self.consecutive} consecutive non-finite steps (from {self.first_bad}); restored the snapshot "
