@@ -134,7 +134,7 @@ def test_counting_hook_counts_what_the_hook_all_reduces(kind):
             # 2 dense steps (start_powerSGD_iter=2), then 2 compressed ones
             assert totals["bytes_sent"] == pytest.approx(2 * 4 * numel + 2 * 4 * sum(parts), rel=0.02)
             assert checked > 0 and mismatches == 0
-        for g, other in zip(grads, results[1 - rank][3]):  # the ranks agree (no collective mismatch)
+        for g, other in zip(grads, results[1 - rank][3], strict=True):  # the ranks agree (no collective mismatch)
             assert torch.equal(g, other)
     assert not dist.is_initialized()
 

@@ -22,7 +22,7 @@ def test_quick_run_writes_json_table_and_plot(tmp_path):
         if run["config"] == "ddp":
             assert run["comm_median_s"] is None and run["exposed_median_s"] is None
         else:  # the overlapped hook: time inside the transport, and the part backward waited for
-            assert run["comm_median_s"] > 0 and run["exposed_median_s"] >= 0
+            assert run["comm_median_s"] > 0 and 0 <= run["exposed_median_s"] < run["median_s"]
     ddp = [r for r in saved["records"] if r["config"] == "ddp"]
     assert all(r["ratio_vs_ddp"] == 1.0 for r in ddp)
     assert {(t["workload"], t["config"]) for t in saved["targets"]} == {("digits", "auto"), ("mlp", "auto")}

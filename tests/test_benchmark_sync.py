@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -228,10 +229,10 @@ def test_peak_rate_takes_the_busiest_window_of_the_link_counter():
     # a reading every 20 ms for 5 s: 100 B/s of background, and a 50 kB burst between 2.0 and 2.2 s
     times = [0.02 * i for i in range(251)]
     counter = [int(100 * t + 50_000 * min(max(t - 2.0, 0.0), 0.2) / 0.2) for t in times]
-    peak, window = stream.peak_rate(list(zip(times, counter)))
+    peak, window = stream.peak_rate(list(zip(times, counter, strict=True)))
     assert window == 1.0 and peak == pytest.approx(50_100, rel=0.01)
     # a window that holds only background
-    quiet, _ = stream.peak_rate(list(zip(times[:90], counter[:90])))
+    quiet, _ = stream.peak_rate(list(zip(times[:90], counter[:90], strict=True)))
     assert quiet == pytest.approx(100, rel=0.05)
     # readings that span less than a window: one window of the whole span
     short, used = stream.peak_rate([(0.0, 0), (0.1, 500), (0.4, 800)])
@@ -257,7 +258,7 @@ def test_link_sampler_reads_the_counter_on_a_thread_until_stopped():
     count = len(sampler.samples)
     assert count >= 5  # the first reading, the thread's, the last
     assert [b for _, b in sampler.samples] == list(range(0, 1000 * count, 1000))
-    assert all(b[0] > a[0] for a, b in zip(sampler.samples, sampler.samples[1:]))
+    assert all(b[0] > a[0] for a, b in pairwise(sampler.samples))
     time.sleep(0.03)
     assert len(sampler.samples) == count  # stopped means stopped
 
@@ -432,7 +433,7 @@ def _hetero_ranks(step_s, batches, epochs, batch=16):
     """Raw records of hosts stepping every ``step_s[r]`` seconds through ``epochs`` epochs of ``batches[r]`` batches
     of ``batch`` windows."""
     ranks = []
-    for seconds, count in zip(step_s, batches):
+    for seconds, count in zip(step_s, batches, strict=True):
         starts, ends, epoch_of, now = [], [], [], 0.0
         for epoch in range(epochs):
             for _ in range(count):
@@ -528,8 +529,9 @@ def test_quick_streaming_run(streaming_quick, tmp_path):
         assert t["per_step_s"] > 0 and t["timed_cycles"] == 2 and t["link_readings"] >= 2
         assert t["peak_bytes_per_s"] > 0 and t["link_bytes_per_exchange"] > 0 and t["exchange_s"] > 0
         assert t["reports"] == t["exchanges"]  # one sync/* report per fragment exchange
-        # (no upper bound: with a delay rank 0's wait at landing includes slower workers' part of the collective)
-        assert t["waited_per_step_s"] >= 0
+        # a wait at landing includes slower workers' part of the collective, but is still part of the step (a mean
+        # against a median cycle: the margin is the cycles' spread)
+        assert 0 <= t["waited_per_step_s"] <= 1.5 * t["per_step_s"]
     ref, streaming = timings["diloco10"], timings[f"F2/tau1/{stream.STREAM_CODEC}"]
     assert ref["exchanges"] == 2 and streaming["exchanges"] == 4
     # half the model at a time, in at most 8 bits instead of 32

@@ -1,5 +1,7 @@
 """Pure parts of lightning_dist.comm: no process group needed."""
 
+from itertools import pairwise
+
 import pytest
 import torch
 
@@ -21,7 +23,7 @@ def test_chunk_bounds_cover_range_evenly(numel, parts):
     bounds = chunk_bounds(numel, parts)
     assert len(bounds) == parts
     assert bounds[0][0] == 0 and bounds[-1][1] == numel
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert all(a[1] == b[0] for a, b in pairwise(bounds))
     sizes = [e - s for s, e in bounds]
     assert max(sizes) - min(sizes) <= 1
     assert sizes == sorted(sizes, reverse=True)  # the longest chunk is first: staging buffers rely on it

@@ -271,7 +271,7 @@ def _group(request, way):
 
 def _close(got, expected, tolerance, what, steps=STEPS):
     assert len(got) == len(expected) == steps, (what, len(got), len(expected))
-    for step, (a, b) in enumerate(zip(got, expected), 1):
+    for step, (a, b) in enumerate(zip(got, expected, strict=True), 1):
         error = (a - b).abs().max().item()
         assert error <= tolerance * max(1.0, b.abs().max().item()), f"{what}, step {step}: {error:.3g}"
 
@@ -288,7 +288,7 @@ def test_accumulation_equals_the_same_samples_in_one_batch(request, way, precisi
         else:
             start = out["initial"]["params"]
             assert len(got["params"]) == len(expected["params"]) == STEPS, what
-            for step, (a, b) in enumerate(zip(got["params"], expected["params"]), 1):
+            for step, (a, b) in enumerate(zip(got["params"], expected["params"], strict=True), 1):
                 assert (a - b).norm() <= LOSSY_MIXED * (b - start).norm(), f"{what}, step {step}"
         assert got["lrs"] == expected["lrs"]  # both schedulers, stepped alike
 
@@ -305,15 +305,16 @@ def test_frozen_and_unused_parameters_stay_where_they_started(request, way):
 def test_a_second_fit_with_the_same_settings_object_is_the_first_again(request, way):
     for out in _group(request, way):
         first, second = out[way, "first"]["params"], out[way, "second"]["params"]
-        assert len(first) == STEPS and all(torch.equal(a, b) for a, b in zip(first, second)), way
-        assert all(torch.equal(a, b) for a, b in zip(first, out[way, "plain", "fp32"]["params"]))
+        assert len(first) == STEPS and all(torch.equal(a, b) for a, b in zip(first, second, strict=True)), way
+        assert all(torch.equal(a, b) for a, b in zip(first, out[way, "plain", "fp32"]["params"], strict=True))
 
 
 @pytest.mark.parametrize("way", WAYS)
 def test_a_resume_mid_run_is_the_uninterrupted_fit(request, way):
     for out in _group(request, way):
         resumed, uninterrupted = out[way, "resumed"]["params"], out[way, "first"]["params"][SAVED_AT:]
-        assert len(resumed) == STEPS - SAVED_AT and all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted)), way
+        assert len(resumed) == STEPS - SAVED_AT, way
+        assert all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted, strict=True)), way
 
 
 @pytest.mark.parametrize("way", WAYS)
@@ -331,7 +332,7 @@ def test_ranks_agree_where_the_way_promises_and_after_a_callbacks_stop(request, 
 def test_fault_tolerance_and_memory_monitor_leave_the_fit_as_it_was(request, way):
     for out in _group(request, way):
         got, expected = out[way, "callbacks"]["params"], out[way, "first"]["params"]
-        assert len(got) == STEPS and all(torch.equal(a, b) for a, b in zip(got, expected)), way
+        assert len(got) == STEPS and all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), way
 
 
 # the ranks that skip a step whose loss is NaN on rank 1: every rank, or the ranks of rank 1's worker
@@ -395,7 +396,7 @@ def test_mixed_precision_is_stock_ddps(ranks, precision):
 def test_onebit_adam_skips_one_ranks_fp16_overflow_on_every_rank(ranks, key):
     # the fit ended (no hang), rank 1's NaN at global step 5 skipped the step on both ranks, ranks identical
     a, b = ranks[0]["onebit", key]["params"], ranks[1]["onebit", key]["params"]
-    assert len(a) == len(b) == STEPS and all(torch.equal(x, y) for x, y in zip(a, b))
+    assert len(a) == len(b) == STEPS and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert torch.equal(a[5], a[4])  # step 5 (the sixth) changed nothing
     assert all(torch.isfinite(p).all() for p in a)
 

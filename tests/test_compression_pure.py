@@ -127,7 +127,7 @@ def test_topk_sends_the_largest_entries_of_every_layer():
     flats = _grads(1)
     compressor = build_compressor("topk", ratio=0.05, error_feedback=False, value_dtype="fp32")
     out = _step([compressor], flats)[0]
-    for (name, start, end, _), k in zip(LAYOUT.spans(), compressor.counts(LAYOUT)):
+    for (name, start, end, _), k in zip(LAYOUT.spans(), compressor.counts(LAYOUT), strict=True):
         part, original = out[start:end], flats[0][start:end]
         assert k == max(1, math.ceil(0.05 * (end - start)))
         kept = part != 0
@@ -195,11 +195,11 @@ def test_error_feedback_invariant_sent_plus_new_residual_equals_gradient_plus_ol
     ranks = _ranks(name, 2, error_feedback=True)
     for step in range(3):
         flats = _grads(2, seed=step)
-        old = [torch.cat([_residual(c, n, s) for n, s in zip(LAYOUT.names, LAYOUT.shapes)]) for c in ranks]
+        old = [torch.cat([_residual(c, n, s) for n, s in zip(LAYOUT.names, LAYOUT.shapes, strict=True)]) for c in ranks]
         out = _step(ranks, flats)[0]
         sent = []
         for r, c in enumerate(ranks):
-            new = torch.cat([_residual(c, n, s) for n, s in zip(LAYOUT.names, LAYOUT.shapes)])
+            new = torch.cat([_residual(c, n, s) for n, s in zip(LAYOUT.names, LAYOUT.shapes, strict=True)])
             sent.append(flats[r] + old[r] - new)
             if step:
                 assert new.abs().sum() > 0, "a lossy compressor left no residual"
@@ -220,9 +220,9 @@ def test_a_codec_fed_owed_reduces_the_corrected_gradient(name):
     # is left owed; a codec reading owed before writing keep may be handed keep == owed's own buffer
     flats, owed = _grads(2, seed=3), _grads(2, seed=4, scale=0.1)
     plain = emulate_reduce(_ranks(name, 2, error_feedback=False),
-                           [f + o for f, o in zip(flats, owed)], LAYOUT, owed=[None, None])
+                           [f + o for f, o in zip(flats, owed, strict=True)], LAYOUT, owed=[None, None])
     fed = emulate_reduce(_ranks(name, 2, error_feedback=False), flats, LAYOUT, owed=owed)
-    for (out_plain, keep_plain), (out_fed, keep_fed) in zip(plain, fed):
+    for (out_plain, keep_plain), (out_fed, keep_fed) in zip(plain, fed, strict=True):
         assert torch.allclose(out_plain, out_fed, atol=1e-6)
         assert torch.allclose(keep_plain, keep_fed, atol=1e-6)
 
@@ -293,7 +293,7 @@ def test_state_dict_round_trip_loads_weights_only_and_continues_identically(name
     for s in range(2):
         _step(ranks, _grads(2, seed=s))
     restored = _ranks(name, 2)
-    for src, dst in zip(ranks, restored):
+    for src, dst in zip(ranks, restored, strict=True):
         buffer = io.BytesIO()
         torch.save(src.state_dict(), buffer)
         buffer.seek(0)

@@ -33,7 +33,7 @@ def _epoch(dataset: int, world: int, batch: int, epoch: int = 1, weights=None) -
     samplers = [HeteroBatchSampler(dataset, world, r, batch, plan, seed=7, elastic=True) for r in range(world)]
     for sampler in samplers:
         sampler.set_epoch(epoch)
-    return [[i for piece in pieces for i in piece] for pieces in zip(*samplers)]
+    return [[i for piece in pieces for i in piece] for pieces in zip(*samplers, strict=True)]
 
 
 @pytest.mark.parametrize("dataset,batch", [(1437, 96), (101, 8), (64, 64)])

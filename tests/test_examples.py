@@ -29,7 +29,7 @@ def test_split_sizes_shapes_and_range(datamodule):
     x, y = datamodule.train_set.tensors
     assert x.shape == (1437, 1, 8, 8) and x.dtype == torch.float32
     assert y.dtype == torch.int64
-    assert 0.0 <= x.min() and x.max() <= 1.0 and x.max() == 1.0
+    assert 0.0 <= x.min() <= x.max() == 1.0
 
 
 def test_split_is_stratified_and_disjoint(datamodule):
@@ -42,7 +42,7 @@ def test_split_is_stratified_and_disjoint(datamodule):
     # the two sides partition the data set: together they hold each image exactly as often as load_digits does
     x_all = torch.cat([datamodule.train_set.tensors[0], datamodule.val_set.tensors[0]]).flatten(1)
     x_ref = torch.from_numpy(load_digits().data.astype("float32") / 16.0)
-    for a, b in zip(x_all.unique(dim=0, return_counts=True), x_ref.unique(dim=0, return_counts=True)):
+    for a, b in zip(x_all.unique(dim=0, return_counts=True), x_ref.unique(dim=0, return_counts=True), strict=True):
         assert torch.equal(a, b)
     assert collections.Counter(torch.cat([y_train, y_val]).tolist()) == collections.Counter(
         load_digits().target.tolist()
@@ -131,7 +131,7 @@ def test_short_fit_logs_metrics_and_checkpoint_loads_weights_only(tmp_path):
     checkpoint = torch.load(path, weights_only=True)
     assert checkpoint["hyper_parameters"]["lr"] == 3e-3
     restored = DigitsCNN.load_from_checkpoint(path)
-    for a, b in zip(model.parameters(), restored.parameters()):
+    for a, b in zip(model.parameters(), restored.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -212,7 +212,7 @@ def test_lm_size_init_loss_and_seeded_init(text):
         loss = model.loss((x, y))
     assert abs(loss.item() - math.log(256)) < 0.3, loss  # near-uniform predictions at init
     torch.manual_seed(0)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ByteLM().parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ByteLM().parameters(), strict=True))
     assert not any(isinstance(m, (nn.Dropout, nn.modules.batchnorm._BatchNorm)) for m in model.modules())
 
 

@@ -114,7 +114,7 @@ def test_the_hook_on_cuda_buckets_over_nccl(nccl_world_of_one, compressor):
     finally:
         state.stop_worker(10.0)
     tolerance = 1e-6 if compressor == "none" else 0.05
-    for a, b in zip(model.parameters(), plain.parameters()):
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
         assert torch.allclose(a.grad, b.grad, atol=tolerance * b.grad.abs().max().item() + 1e-7)
 
 

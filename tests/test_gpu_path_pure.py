@@ -378,7 +378,7 @@ def test_a_resume_with_an_exchange_in_flight_lands_on_the_host_from_any_map_loca
     _step(resumed_module, 0.05)
     sync.sync_after(step=3)
     resumed.sync_after(step=3)
-    for a, b in zip(module.parameters(), resumed_module.parameters()):
+    for a, b in zip(module.parameters(), resumed_module.parameters(), strict=True):
         assert torch.equal(a, b)
     sync.close()
     resumed.close()

@@ -17,7 +17,7 @@ def test_split_adds_up_and_follows_the_weights(total, weights):
     assert sum(sizes) == total and min(sizes) >= 1
     ideal = [total * w / sum(weights) for w in weights]
     if all(x >= 1 for x in ideal):
-        assert all(abs(s - x) < 1 for s, x in zip(sizes, ideal)), (sizes, ideal)
+        assert all(abs(s - x) < 1 for s, x in zip(sizes, ideal, strict=True)), (sizes, ideal)
 
 
 def test_split_respects_bounds_and_is_deterministic():

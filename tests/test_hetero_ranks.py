@@ -107,14 +107,14 @@ def fits(tmp_path_factory):
 def _global_batches(results, key):
     ranks = [r[key][0] for r in results]
     assert len(ranks[0]) == len(ranks[1])  # the same number of steps on every rank
-    return [sorted(a[2] + b[2]) for a, b in zip(*ranks)]
+    return [sorted(a[2] + b[2]) for a, b in zip(*ranks, strict=True)]
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_each_step_uses_stock_ddps_samples_and_trains_the_same_weights(fits, accumulate):
     assert _global_batches(fits, f"hetero_{accumulate}") == _global_batches(fits, f"ddp_{accumulate}")
     key = f"hetero_{accumulate}"
-    sizes = [(len(a[2]), len(b[2])) for a, b in zip(fits[0][key][0], fits[1][key][0])]
+    sizes = [(len(a[2]), len(b[2])) for a, b in zip(fits[0][key][0], fits[1][key][0], strict=True)]
     assert sizes[:6] == [(12, 4)] * 6 and sizes[6] == (3, 1)  # the epoch's last global batch holds 4
     hetero, stock = fits[0][f"hetero_{accumulate}"][1], fits[0][f"ddp_{accumulate}"][1]
     assert torch.allclose(hetero, stock, atol=1e-6), float((hetero - stock).abs().max())  # summation order only

@@ -162,7 +162,7 @@ def test_error_feedback_carries_what_was_not_sent():
             total += emulate_reduce(ranks, flats, LAYOUT)[0].double()
             _commit(ranks)
             if feedback:
-                for c, before, flat in zip(ranks, owed, flats):
+                for c, before, flat in zip(ranks, owed, flats, strict=True):
                     residual = torch.cat([_residual(c, name, n) for name in LAYOUT.names])
                     assert residual.abs().max() <= (flat + before).abs().max() / LEVELS * 1.0001
                     assert residual.abs().sum() > 0
@@ -175,7 +175,8 @@ def test_error_feedback_carries_what_was_not_sent():
 
 def _residual(compressor, name, numel):
     value = compressor.residuals.get(name)
-    return torch.zeros(dict(zip(LAYOUT.names, LAYOUT.sizes()))[name]) if value is None else value.reshape(-1)
+    sizes = dict(zip(LAYOUT.names, LAYOUT.sizes(), strict=True))
+    return torch.zeros(sizes[name]) if value is None else value.reshape(-1)
 
 
 # ---- settings, registry, identity --------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ def _run_all(commands, cwd, envs=None):
     """Start every command (one per "node" or task) in its own session; wait for all; kill all on timeout."""
     envs = envs or [_clean_env()] * len(commands)
     procs = [subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for cmd, env in zip(commands, envs)]
+                              start_new_session=True) for cmd, env in zip(commands, envs, strict=True)]
     outputs = []
     try:
         for proc in procs:
@@ -55,7 +55,7 @@ def _run_all(commands, cwd, envs=None):
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    for proc, out in zip(procs, outputs):
+    for proc, out in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, out[-4000:]
     return outputs
 

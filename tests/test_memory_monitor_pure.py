@@ -136,7 +136,7 @@ def test_activation_probe_counts_what_autograd_saves_and_changes_nothing():
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     model(x).sum().backward()
-    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters()))
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters(), strict=True))
     # start/stop from two hooks, idempotent stop; nothing counted after
     probe = ActivationProbe(exclude=model.parameters())
     probe.start()

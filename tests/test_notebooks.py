@@ -104,7 +104,7 @@ def executed(tmp_path_factory):
 
     longest_first = sorted(NOTEBOOKS, key=lambda p: p.name == "01-quickstart.ipynb")
     results = side_by_side(*(lambda p=p: run(p) for p in longest_first))
-    return {p.name: result for p, result in zip(longest_first, results)}
+    return {p.name: result for p, result in zip(longest_first, results, strict=True)}
 
 
 @pytest.mark.slow  # each trains 2-rank jobs forked from its kernel: 10-25 s on 2 cores

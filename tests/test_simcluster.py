@@ -134,7 +134,7 @@ def runs(tmp_path_factory):
     jobs = {"cut": lambda: _fault_then_resume(tmp, "cut"), "flat": lambda: _train(str(tmp / "flat"), "flat"),
             "kill": lambda: _fault_then_resume(tmp, "kill"),
             "two_tier": lambda: _train(str(tmp / "two_tier"), "two_tier")}
-    return dict(zip(jobs, side_by_side(*jobs.values())))
+    return dict(zip(jobs, side_by_side(*jobs.values()), strict=True))
 
 
 @pytest.mark.parametrize("fault", ["cut", "kill"])

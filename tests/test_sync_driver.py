@@ -147,7 +147,7 @@ def test_the_example_averages_as_diloco_with_outer_lr_1_does(ranks):
     steps = 2 * STEPS_PER_EPOCH
     for out in ranks:
         assert len(out["averaging"]) == len(out["diloco"]) == steps
-        for step, (mine, diloco) in enumerate(zip(out["averaging"], out["diloco"]), 1):
+        for step, (mine, diloco) in enumerate(zip(out["averaging"], out["diloco"], strict=True), 1):
             assert torch.allclose(mine, diloco, rtol=0, atol=1e-6), (step, float((mine - diloco).abs().max()))
     for step in range(1, steps + 1):  # every rank alike after each average, apart between them (own batches)
         same = torch.equal(ranks[0]["averaging"][step - 1], ranks[1]["averaging"][step - 1])
@@ -173,7 +173,7 @@ def test_the_example_saves_and_resumes(ranks):
     for out in ranks:
         assert out["resumed_syncs"] == 2 * STEPS_PER_EPOCH // EVERY  # counted on from the checkpoint
         assert len(out["resumed"]) == STEPS_PER_EPOCH  # the second epoch, the same steps as uninterrupted
-        for mine, uninterrupted in zip(out["resumed"], out["averaging"][STEPS_PER_EPOCH:]):
+        for mine, uninterrupted in zip(out["resumed"], out["averaging"][STEPS_PER_EPOCH:], strict=True):
             assert torch.equal(mine, uninterrupted)
 
 

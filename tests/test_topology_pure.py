@@ -4,6 +4,8 @@ and put back; the strategy's refusals before any process starts."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -56,12 +58,12 @@ def test_split_cuts_every_parameter_by_rows_and_names_slices_by_parameter(parts)
     split = LAYOUT.split(parts)
     covered = sorted(span for _, spans in split for span in spans)
     assert covered[0][0] == 0 and covered[-1][1] == LAYOUT.numel
-    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))  # every element once
+    assert all(a[1] == b[0] for a, b in pairwise(covered))  # every element once
     for i, (layout, spans) in enumerate(split):
         assert all(name.endswith(f"#{i}/{parts}") for name in layout.names)
         assert [b - a for a, b in spans] == layout.sizes()
-        for name, shape in zip(layout.names, layout.shapes):
-            full = dict(zip(LAYOUT.names, LAYOUT.shapes))[name.split("#")[0]]
+        for name, shape in zip(layout.names, layout.shapes, strict=True):
+            full = dict(zip(LAYOUT.names, LAYOUT.shapes, strict=True))[name.split("#")[0]]
             if len(full) >= 1 and full[0] >= parts:  # a row block: PowerSGD still sees a matrix
                 assert tuple(shape[1:]) == tuple(full[1:])
             else:
@@ -71,9 +73,9 @@ def test_split_cuts_every_parameter_by_rows_and_names_slices_by_parameter(parts)
 
 
 def test_split_does_not_depend_on_the_buckets_order():
-    reordered = BucketLayout.of([(n, s) for n, s in reversed(list(zip(LAYOUT.names, LAYOUT.shapes)))])
-    for (a, _), (b, _) in zip(LAYOUT.split(3), reordered.split(3)):
-        assert dict(zip(a.names, a.shapes)) == dict(zip(b.names, b.shapes))
+    reordered = BucketLayout.of([(n, s) for n, s in reversed(list(zip(LAYOUT.names, LAYOUT.shapes, strict=True)))])
+    for (a, _), (b, _) in zip(LAYOUT.split(3), reordered.split(3), strict=True):
+        assert dict(zip(a.names, a.shapes, strict=True)) == dict(zip(b.names, b.shapes, strict=True))
 
 
 @pytest.mark.parametrize("parts", [2, 3, 4])

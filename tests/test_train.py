@@ -163,7 +163,7 @@ def launched(tmp_path_factory):
         "typo": lambda: run("typo", ["trainer.max_epoch=3"], timeout=120),
         "bad_compressor": lambda: run("bad_compressor", ["compression=topk", "compression.ratio=0"], timeout=120),
     }
-    return dict(zip(jobs, side_by_side(*jobs.values())))
+    return dict(zip(jobs, side_by_side(*jobs.values()), strict=True))
 
 
 @pytest.mark.slow  # a subprocess of the command
