@@ -268,7 +268,7 @@ def test_find_unused_parameters_and_static_graph_train(runs):
     stock, _ = runs["stock"]
     for way in ("find_unused", "static_graph"):
         ours, _ = runs[way]
-        assert set(ours) == set(stock), way
+        assert set(stock) <= set(ours), way  # find_unused's model has an unused branch besides
         for name in stock:
             assert torch.allclose(ours[name], stock[name], atol=WEIGHT_TOLERANCE), (way, name)
 
