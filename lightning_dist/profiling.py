@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.profilers import PyTorchProfiler
 from typing_extensions import override
 
+from lightning_dist.upstream import ProfilerBase, all_threads_profiler_config
 
-class AllThreadsProfiler(PyTorchProfiler):
+
+class AllThreadsProfiler(ProfilerBase):
     """A :class:`~lightning.pytorch.profilers.PyTorchProfiler` whose traces include every thread.
 
     Takes PyTorchProfiler's arguments (``dirpath``, ``filename``, ``export_to_chrome``, ...). On a torch
@@ -27,21 +28,13 @@ class AllThreadsProfiler(PyTorchProfiler):
     """
 
     @override
-    def _create_profiler(self, profiler: type) -> Any:
-        config = None if "experimental_config" in self._profiler_kwargs else _all_threads_config()
+    def make_profiler(self, profiler: type) -> Any:
+        kwargs = self.profiler_kwargs
+        config = None if "experimental_config" in kwargs else all_threads_profiler_config()
         if config is None:  # the user's own experimental config, or a torch without the switch
-            return super()._create_profiler(profiler)
-        self._profiler_kwargs["experimental_config"] = config
+            return super().make_profiler(profiler)
+        kwargs["experimental_config"] = config
         try:
-            return super()._create_profiler(profiler)
+            return super().make_profiler(profiler)
         finally:
-            del self._profiler_kwargs["experimental_config"]  # not kept: it does not pickle
-
-
-def _all_threads_config() -> Any:
-    try:
-        from torch._C._profiler import _ExperimentalConfig
-
-        return _ExperimentalConfig(profile_all_threads=True)
-    except (ImportError, TypeError):  # torch before the switch existed
-        return None
+            del kwargs["experimental_config"]  # not kept: it does not pickle

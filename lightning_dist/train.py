@@ -138,7 +138,7 @@ class RunSummaryCallback(Callback):
             "compression_ratio": (totals["dense_bytes"] / totals["bytes_sent"]
                                   if totals.get("bytes_sent") and totals.get("dense_bytes") else
                                   None if features is not None and features.sync is not None else 1.0),
-            "sync": features.sync.settings.describe() if features is not None and features.sync is not None else None,
+            "sync": strategy.sync.describe() if features is not None and strategy.sync is not None else None,
             "compressor": features.compressor.describe() if features is not None else "none",
             # how the gradients travelled (flat or two_tier, the ranks on each host) and rank zero's bytes per tier
             "topology": ({"kind": features.topology.kind, "hosts": [list(h) for h in features.topology.hosts]}

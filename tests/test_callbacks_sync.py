@@ -28,7 +28,7 @@ from lightning_dist import DistMetrics, FaultTolerance, MemoryMonitor, RingDDPSt
 from lightning_dist.fault.checkpoint import verify
 from lightning_dist.strategy import features_of
 from lightning_dist.sync import DiLoCo
-from lightning_dist.sync.diloco import DiLoCoSync
+from lightning_dist.sync.diloco_exchange import Exchanges as DiLoCoExchanges
 from lightning_dist.testing import InjectFault, ToyClassifier, launched_externally, quiet_trainer, run_ranks
 
 pytestmark = pytest.mark.slow  # one launched group of 2 ranks serves every test
@@ -95,7 +95,7 @@ def _fit(sync, callbacks, **kwargs):
 
 def _slow_first_sync():
     """The first sync's reduction takes SLOW_S longer on every rank (a model's worth of bytes over a slow link)."""
-    real, calls = DiLoCoSync._reduce_all, []
+    real, calls = DiLoCoExchanges._reduce_all, []
 
     def slow(self, fragment, recorder):
         if not calls:
@@ -103,8 +103,8 @@ def _slow_first_sync():
             time.sleep(SLOW_S)
         return real(self, fragment, recorder)
 
-    DiLoCoSync._reduce_all = slow
-    return lambda: setattr(DiLoCoSync, "_reduce_all", real)
+    DiLoCoExchanges._reduce_all = slow
+    return lambda: setattr(DiLoCoExchanges, "_reduce_all", real)
 
 
 def _run(rank, world, tmp):

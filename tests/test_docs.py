@@ -11,7 +11,6 @@ benchmarks page itself). The tests below check every quote against its tag, and 
 figures stated again outside a quote, in the same or in a rounded or truncated form ("26x", "1/27").
 """
 
-import ast
 import importlib.util
 import re
 import subprocess
@@ -217,34 +216,15 @@ def test_the_hydra_page_lists_every_option_of_every_group():
     assert listed == groups, f"hydra.md's groups table differs from lightning_dist/conf/: page {listed}, conf {groups}"
 
 
-def _private_lightning_names() -> set[str]:
-    """Lightning's private names the package imports, and the private methods of Lightning's classes that its
-    strategy and profiler override."""
-    names = set()
-    for path in (ROOT / "lightning_dist").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "lightning":
-                names |= {alias.name for alias in node.names if alias.name.startswith("_")}
-    from lightning.pytorch.profilers import PyTorchProfiler
-    from lightning.pytorch.strategies import DDPStrategy
-
-    from lightning_dist import RingDDPStrategy
-    from lightning_dist.profiling import AllThreadsProfiler
-
-    for ours, theirs in ((RingDDPStrategy, DDPStrategy), (AllThreadsProfiler, PyTorchProfiler)):
-        names |= {name for name, value in vars(ours).items() if name.startswith("_") and not name.startswith("__")
-                  and callable(value) and callable(getattr(theirs, name, None))}
-    return names
-
-
 def test_the_strategy_page_gives_the_lightning_pin_and_why():
     """The pin on Lightning (pyproject.toml) is there for its private API: docs/strategy.md states the pin and names
-    every private name the package imports from Lightning or overrides."""
+    every private name the package reaches (through lightning_dist.upstream alone)."""
     pin = re.search(r'"(lightning[<>=!,.\d]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
     text = (DOCS / "strategy.md").read_text()
     assert f"`{pin}`" in text, f"docs/strategy.md does not give the pin {pin} (pyproject.toml)"
-    names = _private_lightning_names()
-    assert {"_register_ddp_hooks", "_init_dist_connection"} <= names
+    from lightning_dist.upstream import REACHED  # the one list (tests/test_upstream.py: no other module reaches one)
+
+    names = {name for _, name in REACHED}
     missing = sorted(name for name in names if f"{name}`" not in text)
     assert not missing, f"docs/strategy.md's list of Lightning's private names lacks {missing}"
 

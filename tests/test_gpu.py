@@ -120,7 +120,8 @@ def test_the_hook_on_cuda_buckets_over_nccl(nccl_world_of_one, compressor):
 
 def test_diloco_keeps_no_state_on_the_gpu():
     from lightning_dist.sync import DiLoCo
-    from lightning_dist.sync.diloco import DiLoCoSync, Workers
+    from lightning_dist.sync.diloco import DiLoCoSync
+    from lightning_dist.sync.diloco_fragments import Workers
 
     model = torch.nn.Linear(1024, 1024).cuda()
     torch.cuda.synchronize()

@@ -291,7 +291,8 @@ def _tensors(value):
 
 def _delayed_sync(module):
     from lightning_dist.sync import DiLoCo
-    from lightning_dist.sync.diloco import DiLoCoSync, Workers
+    from lightning_dist.sync.diloco import DiLoCoSync
+    from lightning_dist.sync.diloco_fragments import Workers
 
     sync = DiLoCoSync(DiLoCo(every=2, outer_momentum=0.9, delay=1), Workers(((0,),), rank=0), "auto", None)
     sync.attach(module)
@@ -390,8 +391,8 @@ def test_the_exchange_thread_selects_the_models_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device",
                         lambda device: selected.append((device, threading.current_thread().name)))
     sync = _delayed_sync(torch.nn.Linear(2, 2))
-    sync.device = torch.device("cuda", 1)
-    executor = sync._executor()
+    sync.exchanges.device = torch.device("cuda", 1)
+    executor = sync.exchanges._executor()
     executor.submit(lambda: None).result()
     executor.shutdown()
     assert selected and selected[0][0] == torch.device("cuda", 1) and "sync" in selected[0][1]

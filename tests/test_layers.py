@@ -22,9 +22,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_dist"
 # entry is a top-level module or subpackage of lightning_dist ("__init__" is the package root, lightning_dist/__init__).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # torch.distributed's collectives, the launch environment, and leaves that import nothing of the package (conf:
-    # the Hydra configs' package)
+    # the Hydra configs' package; upstream: every private name of Lightning and torch the package reaches)
     ("base", ("_deprecation", "comm", "conf", "examples", "identities", "launch", "loss_scaler", "perf", "profiling",
-              "simcluster")),
+              "simcluster", "upstream")),
     # gradient compressors over a Transport (comm's collectives)
     ("compression", ("compression",)),
     # the mechanisms callbacks and the strategy drive: per-rank batches, memory, checkpoints and faults, syncing

@@ -17,7 +17,8 @@ from lightning_dist.compression import BucketLayout, NoCompressor, build_compres
 from lightning_dist.compression.emulate import emulate_reduce
 from lightning_dist.strategy.tiers import GradientGroups
 from lightning_dist.sync import OneBitAdam, as_sync
-from lightning_dist.sync.onebit_adam import COMPRESSED, REFRESH, WARMUP, OneBitAdamDriver, phase
+from lightning_dist.sync.onebit_adam import OneBitAdamDriver
+from lightning_dist.sync.onebit_settings import COMPRESSED, REFRESH, WARMUP, phase
 
 
 def test_the_schedule_warm_up_then_a_refresh_every_r_steps():
@@ -62,7 +63,7 @@ class _Guard:
 def _driver(model, compressor="none", bound=4.5, checkpoint=None):
     """A driver of one rank (no group), bound to ``model``."""
     context = SimpleNamespace(module=model, ddp=SimpleNamespace(find_unused_parameters=False), topology=None, rank=0,
-                              world_size=1, algorithm="auto", timeout=None,
+                              world_size=1, exchange_group=None, algorithm="auto", timeout=None,
                               stats=CommStats(), guard=_Guard(), checkpoint=checkpoint, share=lambda: 1.0,
                               record_skip=lambda *a: None, reduction=lambda: GradientGroups(None, None, 1, False, []))
     return OneBitAdamDriver(OneBitAdam(warmup=1, compressor=compressor, bound=bound), context)
@@ -73,7 +74,7 @@ def test_a_resume_at_another_world_size_restarts_the_residuals_and_keeps_the_res
     saved = _driver(model, compressor="sign")
     saved.compressor.residuals.stage("weight", torch.ones(16))
     saved.compressor.commit()
-    saved.compressed_steps, saved.refreshes, saved._variance_updates = 7, 2, {"weight": 3, "bias": 3}
+    saved.compressed_steps, saved.refreshes, saved.adam.variance_updates = 7, 2, {"weight": 3, "bias": 3}
     entry = saved.checkpoint_entry()
     assert torch.equal(entry["ranks"][0]["residuals"]["weight"], torch.ones(16))
     same = _driver(model, compressor="sign", checkpoint={"sync": entry})
@@ -81,7 +82,8 @@ def test_a_resume_at_another_world_size_restarts_the_residuals_and_keeps_the_res
     elastic = _driver(model, compressor="sign", checkpoint={"sync": {**entry, "world_size": 4, "ranks": [
         None, entry["ranks"][0], None, None]}})
     assert elastic.compressor.residuals.get("weight") is None  # each rank's debt on its own cut: restarts at zero
-    assert (elastic.compressed_steps, elastic.refreshes, elastic._variance_updates) == (7, 2, {"weight": 3, "bias": 3})
+    assert (elastic.compressed_steps, elastic.refreshes) == (7, 2)
+    assert elastic.adam.variance_updates == {"weight": 3, "bias": 3}
     with pytest.raises(ValueError, match="resume with the same OneBitAdam settings"):
         _driver(model, compressor="int8", checkpoint={"sync": entry})
 
@@ -96,7 +98,7 @@ def test_a_compressed_update_is_adam_with_v_frozen_masked_and_bounded():
     model(x).square().sum().backward()
     opt.step()
     driver = _driver(model, bound=1.5)
-    driver._after_adam(opt)
+    driver.adam.adam_stepped(opt)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     m_before = {name: opt.state[p]["exp_avg"].clone() for name, p in model.named_parameters()}
     model.zero_grad()
@@ -129,9 +131,9 @@ def test_the_frozen_denominator_is_bias_corrected_by_vs_updates_not_adams_step_c
     def adam_step() -> None:  # a warm-up step or a refresh: Adam's own, counted
         model.zero_grad()
         model(torch.randn(8, 4)).square().sum().backward()
-        before = driver._steps(opt)
+        before = driver.adam.step_counts(opt)
         opt.step()
-        driver._after_adam(opt, before)
+        driver.adam.adam_stepped(opt, before)
 
     adam_step(), adam_step()
     for _ in range(5):
@@ -139,26 +141,27 @@ def test_the_frozen_denominator_is_bias_corrected_by_vs_updates_not_adams_step_c
         model(torch.randn(8, 4)).square().sum().backward()
         driver._compressed_update(opt)
     adam_step()  # a refresh at Adam's step 8: v's third update
-    assert driver._variance_updates == {"weight": 3, "bias": 3}
+    assert driver.adam.variance_updates == {"weight": 3, "bias": 3}
     assert all(int(opt.state[p]["step"]) == 8 for p in model.parameters())
-    (ds, _), = driver._frozen(opt)[0]
+    (ds, _), = driver.adam.frozen(opt)[0]
     beta2, eps = 0.999, opt.param_groups[0]["eps"]
     for d, p in zip(ds, model.parameters(), strict=True):
         torch.testing.assert_close(d, opt.state[p]["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** 3) + eps)
     resumed = _driver(model, checkpoint={"sync": driver.checkpoint_entry()})
-    assert resumed._variance_updates == {"weight": 3, "bias": 3}
+    assert resumed.adam.variance_updates == {"weight": 3, "bias": 3}
     old = {k: v for k, v in driver.checkpoint_entry().items() if k != "variance_updates"}
     old["variance_step"] = {"weight": 8, "bias": 8}  # an older checkpoint: Adam's step of v's last update, capped
     # by the warm-up (warmup=1) plus the refreshes
-    assert _driver(model, checkpoint={"sync": {**old, "refreshes": 1}})._variance_updates == {"weight": 2, "bias": 2}
+    older = _driver(model, checkpoint={"sync": {**old, "refreshes": 1}})
+    assert older.adam.variance_updates == {"weight": 2, "bias": 2}
 
 
 def test_an_optimizer_other_than_adam_is_refused():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="return torch.optim.Adam or AdamW"):
-        _driver(model)._check_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        _driver(model).adam.check(torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ValueError, match=r"Adam\(amsgrad=True\).*set amsgrad=False"):
-        _driver(model)._check_optimizer(torch.optim.Adam(model.parameters(), amsgrad=True))
+        _driver(model).adam.check(torch.optim.Adam(model.parameters(), amsgrad=True))
 
 
 def test_memory_counts_denominators_masks_buckets_and_residuals():

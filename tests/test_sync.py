@@ -33,7 +33,7 @@ from lightning_dist.callbacks import MemoryMonitor, NaNRecovery
 from lightning_dist.compression import COMPRESSORS
 from lightning_dist.hetero import HeteroBatching
 from lightning_dist.sync import DiLoCo
-from lightning_dist.sync.diloco import DiLoCoSync
+from lightning_dist.sync.diloco_exchange import Exchanges as DiLoCoExchanges
 from lightning_dist.testing import RecordingLogger, ToyClassifier, launched_externally, quiet_trainer, run_ranks
 
 N_SAMPLES, BATCH = 96, 8
@@ -95,7 +95,7 @@ class Validated(Callback):
     def on_validation_end(self, trainer, pl_module):
         sync = trainer.strategy.features.sync
         self.seen.append((trainer.global_step, float(trainer.callback_metrics["val/loss"]),
-                          torch.cat([g.reshape(-1) for g in sync._global]).clone(), _flat(pl_module)))
+                          torch.cat([g.reshape(-1) for g in sync.outer.theta]).clone(), _flat(pl_module)))
 
 
 class Record(Callback):
@@ -124,7 +124,7 @@ class Exchanges:
         self.calls = []
 
     def __enter__(self):
-        real, calls = DiLoCoSync._reduce, self.calls
+        real, calls = DiLoCoExchanges._reduce, self.calls
 
         def recording(sync, bucket, codec, transport):
             given = bucket.flat.clone()
@@ -132,11 +132,11 @@ class Exchanges:
             calls.append((bucket.layout.names, bucket.layout.shapes, given, bucket.flat.clone()))
             return finite
 
-        DiLoCoSync._reduce, self._real = recording, real
+        DiLoCoExchanges._reduce, self._real = recording, real
         return self
 
     def __exit__(self, *exc):
-        DiLoCoSync._reduce = self._real
+        DiLoCoExchanges._reduce = self._real
 
 
 def _part(flat, names, shapes, index, parts):
@@ -405,7 +405,7 @@ def _run_flat(rank, world, ckpt_dir):
             if rank == 0 else None
         # the final sync of a fit that ends mid-cycle (6 steps, the last sync after step 4); theta_global after it
         trainer, record = _fit(_strategy(DiLoCo(every=EVERY)), world, model=Net("adamw"), epochs=1)
-        theta = torch.cat([g.reshape(-1) for g in trainer.strategy.features.sync._global])
+        theta = torch.cat([g.reshape(-1) for g in trainer.strategy.features.sync.outer.theta])
         out["final"] = (record.params, record.end, theta)
         # validation of theta_global mid-cycle (after step 6, the last sync after step 4), and of each worker's own
         for validate in ("global", "worker"):

@@ -10,7 +10,9 @@ from lightning_dist.comm.topology import resolve_topology
 from lightning_dist.hetero import HeteroBatching
 from lightning_dist.memory.estimate import CommSetup, estimate_memory
 from lightning_dist.sync import DiLoCo, as_sync
-from lightning_dist.sync.diloco import DiLoCoSync, Workers, _buckets, fragment_cut, inner_steps
+from lightning_dist.sync.diloco import DiLoCoSync
+from lightning_dist.sync.diloco_fragments import Workers, fragment_cut, inner_steps
+from lightning_dist.sync.diloco_fragments import fragment_buckets as _buckets
 
 
 @pytest.mark.parametrize("bad, words", [
@@ -59,7 +61,8 @@ def test_workers_are_ranks_under_flat_and_hosts_under_two_tier():
     flat = Workers.of(resolve_topology("flat", [0, 0, 1, 1]), 4, 2)
     assert flat.ranks == ((0,), (1,), (2,), (3,)) and flat.index == 2 and flat.local_size == 1
     tiers = Workers.of(resolve_topology("two_tier", [0, 0, 1, 1]), 4, 3)
-    assert tiers.ranks == ((0, 1), (2, 3)) and tiers.index == 1 and tiers.mine == (2, 3) and tiers.local_index == 1
+    assert tiers.ranks == ((0, 1), (2, 3)) and tiers.index == 1
+    assert tiers.local_ranks == (2, 3) and tiers.local_index == 1
     assert Workers.of(None, 1, 0).ranks == ((0,),)
 
 
@@ -73,7 +76,7 @@ def test_workers_weigh_by_the_samples_they_processed_since_the_sync():
 
 
 def test_buckets_keep_the_modules_order_and_split_at_the_cap(monkeypatch):
-    monkeypatch.setattr("lightning_dist.sync.diloco.BUCKET_BYTES", 4 * 300)
+    monkeypatch.setattr("lightning_dist.sync.buckets.BUCKET_BYTES", 4 * 300)
     model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Linear(20, 5))  # 220 and 105 parameters
     buckets = _buckets(list(model.named_parameters()), parts=1, local_index=0)
     assert [b.layout.names for b in buckets] == [("0.weight", "0.bias"), ("1.weight", "1.bias")]
@@ -137,7 +140,7 @@ def test_two_outer_steps_match_nesterov_sgd_written_out_by_hand(lr, momentum, c1
         result, = sync.sync_after(step=step)
         assert not result.skipped and sync.outer_steps == step
         got = torch.cat([model.weight.detach().view(-1), model.bias.detach()]).double()
-        held = torch.cat([t.view(-1) for t in sync._global]).double()
+        held = torch.cat([t.view(-1) for t in sync.outer.theta]).double()
         # float32 parameters against float64 arithmetic: a few ulps of values near 1
         assert torch.allclose(got, theta, rtol=0, atol=1e-6), (step, got, theta)
         assert torch.equal(got, held)  # the worker restarts from theta_global
@@ -169,9 +172,9 @@ def test_state_dict_round_trip_restores_theta_global_and_momentum():
     other = _bound(DiLoCo(every=1), other_model)
     other.load_state_dict(state)
     assert other.outer_steps == 1
-    assert torch.equal(other._global[0], sync._global[0])
-    assert torch.equal(other._outer.state[other._global[0]]["momentum_buffer"],
-                       sync._outer.state[sync._global[0]]["momentum_buffer"])
+    assert torch.equal(other.outer.theta[0], sync.outer.theta[0])
+    assert torch.equal(other.outer.sgd.state[other.outer.theta[0]]["momentum_buffer"],
+                       sync.outer.sgd.state[sync.outer.theta[0]]["momentum_buffer"])
     with pytest.raises(ValueError, match="same DiLoCo settings"):
         _bound(DiLoCo(every=2), torch.nn.Linear(3, 2)).load_state_dict(state)
 
@@ -252,13 +255,13 @@ def test_fragments_follow_the_parameter_names_not_the_bucket_order():
     module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
     a = DiLoCoSync(DiLoCo(every=4, fragments=2), Workers(((0,), (1,)), rank=0), "auto", None)
     a.attach(module)
-    names = [[a._names[i] for i in f.params] for f in a.fragments]
+    names = [[a.model.names[i] for i in f.params] for f in a.fragments]
     # 128 + 16 elements, then 256 + 16 + 64 + 4: 1.weight lies mostly past the half (242) and starts the second
     assert names == [["0.weight", "0.bias"], ["1.weight", "1.bias", "2.weight", "2.bias"]]
     assert [f.offset for f in a.fragments] == [0, 2]
     assert a.fragments[1].compressor is not a.fragments[0].compressor  # residuals per fragment
     # which fragment starts after which step: every parameter once per H steps
-    starts = {step: a._starting(step).index for step in range(1, 13) if a._starting(step) is not None}
+    starts = {step: a.schedule.starting(step).index for step in range(1, 13) if a.schedule.starting(step) is not None}
     assert starts == {2: 1, 4: 0, 6: 1, 8: 0, 10: 1, 12: 0}
 
 
@@ -281,7 +284,7 @@ def test_one_worker_delayed_landing_mixes_theta_global_with_the_progress_since_t
     # one worker, outer lr 0.5, no momentum: theta_global moves half way to the worker's value at the start
     # (start + 0.5); the landing: p_now + 0.5 (theta_global - p_at_s) = (start + 1.5) + 0.5 (-0.5) = start + 1.25
     for i, (p, s) in enumerate(zip(module.parameters(), start, strict=True)):
-        assert torch.allclose(sync._global[i], s + 0.5)
+        assert torch.allclose(sync.outer.theta[i], s + 0.5)
         assert torch.allclose(p, s + 1.25)
     sync.close()
 
@@ -312,7 +315,7 @@ def test_memory_counts_the_snapshots_of_exchanges_in_flight():
     plain.attach(module)
     delayed = DiLoCoSync(DiLoCo(every=4, fragments=2, delay=3), Workers(((0,), (1,)), rank=0), "auto", None)
     delayed.attach(module)
-    largest = max(sum(delayed._params[i].numel() * 4 for i in f.params) for f in delayed.fragments)
+    largest = max(sum(delayed.model.params[i].numel() * 4 for i in f.params) for f in delayed.fragments)
     # spacing 2, delay 3: two exchanges in flight at once
     assert delayed.memory_bytes() - plain.memory_bytes() == 2 * largest
 
@@ -357,7 +360,7 @@ def test_the_warm_up_averages_every_fragment_after_each_step_then_the_outer_step
             moved = [p.detach().clone() for p in model.parameters()]
         results = sync.sync_after(step=step)
         if step <= 3:  # one worker: its parameters are the mean, taken whole, and no momentum is built
-            assert [r.fragment for r in results] == [0, 1] and not sync._outer.state
+            assert [r.fragment for r in results] == [0, 1] and not sync.outer.sgd.state
             assert all(torch.equal(m, p) for m, p in zip(moved, model.parameters(), strict=True))
             reference = [m.clone() for m in moved]
             outer = torch.optim.SGD(reference, lr=0.7, momentum=0.9, nesterov=True)
@@ -406,10 +409,10 @@ def test_the_final_sync_averages_the_workers_over_the_partial_cycle_and_leaves_t
             p.add_(0.1)  # three steps of a cycle of four
     moved = [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
     result, = sync.final_sync(step=3)
-    assert not result.skipped and sync.outer_steps == 1 and not sync._outer.state  # no outer step: no momentum
+    assert not result.skipped and sync.outer_steps == 1 and not sync.outer.sgd.state  # no outer step: no momentum
     # one worker: the mean is its own model (an outer step at 0.7 / 0.9 would have gone 1.33x the pseudo-gradient)
     assert all(torch.equal(m, t) for m, t in zip(moved, (*model.parameters(), *model.buffers()), strict=True))
-    assert all(torch.equal(p, g) for p, g in zip(model.parameters(), sync._global, strict=True))
+    assert all(torch.equal(p, g) for p, g in zip(model.parameters(), sync.outer.theta, strict=True))
     # a last step whose sync ran before the fit's end was known (a stop a callback sets): nothing more to sync
     with torch.no_grad():
         for p in model.parameters():
@@ -427,10 +430,10 @@ def test_validating_the_global_model_restores_the_workers_own_bit_for_bit():
             p.add_(torch.randn_like(p) / 3)
     own = [t.clone() for t in (*model.parameters(), *model.buffers())]
     sync.swap_in_global()
-    assert all(torch.equal(p, g) for p, g in zip(model.parameters(), sync._global, strict=True))
+    assert all(torch.equal(p, g) for p, g in zip(model.parameters(), sync.outer.theta, strict=True))
     assert torch.equal(model[1].running_mean, torch.zeros(3))  # the averaged buffers: the start's
-    assert set(sync.own_state()) == {"0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var",
+    assert set(sync.worker_tensors()) == {"0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var",
                                      "1.num_batches_tracked"}
     sync.swap_back()
     assert all(torch.equal(a, b) for a, b in zip(own, (*model.parameters(), *model.buffers()), strict=True))
-    assert sync.own_state() == {}
+    assert sync.worker_tensors() == {}

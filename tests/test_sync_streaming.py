@@ -277,7 +277,7 @@ def _run_elastic_before(rank, world, ckpt_dir):
         trainer, record = _fit(_strategy(DiLoCo(every=3, final_sync=False)), world, epochs=1,
                                callbacks=[Identities("abc")])
         trainer.save_checkpoint(f"{ckpt_dir}/three.ckpt")
-        return {"end": record.params[-1], "global": [g.clone() for g in trainer.strategy.features.sync._global]}
+        return {"end": record.params[-1], "global": [g.clone() for g in trainer.strategy.features.sync.outer.theta]}
 
 
 def _run_elastic_after(rank, world, ckpt_dir, identities):

@@ -150,6 +150,18 @@ def launched(tmp_path_factory):
         second = run("second", SHORT + ["trainer.max_epochs=2", f"ckpt_path={ckpt}"], timeout=240)
         return (first, out), second
 
+    def own_sync():  # the feature-seam page's worked driver, from a package of the user's, named by _target_
+        package, conf = tmp / "user_code", tmp / "user_conf"
+        (conf / "sync").mkdir(parents=True)
+        package.mkdir()
+        (package / "param_avg.py").write_text(_seam_example())
+        (conf / "sync" / "param_avg.yaml").write_text("_target_: param_avg.ParameterAveraging\nevery: 10\n")
+        path = os.pathsep.join(filter(None, [str(package), os.environ.get("PYTHONPATH")]))
+        return run("own_sync", ["--config-dir", str(conf), "sync=param_avg", "sync.every=3", "trainer.max_epochs=1",
+                                "trainer.limit_train_batches=6", "trainer.limit_val_batches=1",
+                                "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false"],
+                   env={"PYTHONPATH": path})
+
     jobs = {
         # the README's main job (its first command), unchanged but for the output directory and a quiet progress bar
         "default": lambda: run("default", ["trainer.enable_progress_bar=false"]),
@@ -160,10 +172,32 @@ def launched(tmp_path_factory):
         "multirun": lambda: run("multirun", ["-m", "strategy.algorithm=ring,native", "trainer.max_epochs=1",
                                              "trainer.limit_train_batches=3", "trainer.limit_val_batches=1",
                                              "trainer.enable_progress_bar=false"], sweep=True),
+        "own_sync": own_sync,
         "typo": lambda: run("typo", ["trainer.max_epoch=3"], timeout=120),
         "bad_compressor": lambda: run("bad_compressor", ["compression=topk", "compression.ratio=0"], timeout=120),
     }
     return dict(zip(jobs, side_by_side(*jobs.values()), strict=True))
+
+
+def _seam_example() -> str:
+    """The worked sync driver of docs/contributing/feature-seam.md, as written (tests/test_sync_driver.py runs it
+    against DiLoCo)."""
+    page = (REPO / "docs" / "contributing" / "feature-seam.md").read_text()
+    section = page.split("## A way of syncing of your own")[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.slow  # the command on 2 ranks
+def test_a_sync_driver_of_the_users_own_trains_from_the_command_by_target(launched):
+    """A driver outside the package, in the user's own module and config directory (``conf/sync/param_avg.yaml`` with
+    its ``_target_``), chosen and set from the command line like the built-in ones: its syncs are logged."""
+    proc, out = launched["own_sync"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["sync"] == "ParameterAveraging(every=3)" and summary["global_step"] == 6
+    averaged = [float(row["sync/averaged"]) for row in csv.DictReader(open(out / "csv" / "metrics.csv"))
+                if row.get("sync/averaged")]
+    assert averaged == [1.0, 2.0]  # after steps 3 and 6
 
 
 @pytest.mark.slow  # a subprocess of the command

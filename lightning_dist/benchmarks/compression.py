@@ -23,7 +23,7 @@ import lightning as L
 import numpy as np
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.strategies import Strategy
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -36,6 +36,7 @@ from lightning_dist.compression.accuracy import ACCURACY_COST
 from lightning_dist.examples import WideMLP
 from lightning_dist.strategy import features_of
 from lightning_dist.testing import RanksFailed, launched_externally, quiet_trainer, run_ranks
+from lightning_dist.upstream import DDPBase
 
 TORCH_POWERSGD_START_ITER = 2  # torch's minimum with error feedback or warm start
 LOSS_WINDOW = 10  # mlp: the loss at the fixed step is the mean over this many last steps
@@ -200,20 +201,20 @@ def counting_hook(meter, bucket):  # no annotations: DDP checks them, and they a
     return future
 
 
-class TorchHookDDPStrategy(DDPStrategy):
-    """Lightning's stock DDPStrategy with a torch comm hook that is registered on CPU too (Lightning's own
-    ``_register_ddp_hooks`` registers hooks only on CUDA and drops them silently elsewhere).
+class TorchHookDDPStrategy(DDPBase):
+    """Lightning's stock DDPStrategy with a torch comm hook that is registered on CPU too (Lightning registers hooks
+    only on CUDA and drops them silently elsewhere).
 
     The peer reference, not a feature of ours: it wraps stock DDP and PyTorch's hooks, so RingFeatures has nothing to
-    offer it. It overrides the same private method RingDDPStrategy does, under the same pinned Lightning release and
-    the test that fails if that method goes."""
+    offer it. It overrides the hook registration RingDDPStrategy does, through the same adapter
+    (:class:`lightning_dist.upstream.DDPBase`)."""
 
     def __init__(self, meter: HookMeter, **kwargs: Any) -> None:
         super().__init__(ddp_comm_state=meter, ddp_comm_hook=counting_hook, **kwargs)
         self.meter = meter
 
     @override
-    def _register_ddp_hooks(self) -> None:
+    def register_comm_hooks(self) -> None:
         assert isinstance(self.model, DistributedDataParallel)
         self.model.register_comm_hook(self._ddp_comm_state, self._ddp_comm_hook)
 

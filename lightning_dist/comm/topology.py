@@ -20,7 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
+
+import torch.distributed as dist
 
 TOPOLOGIES = ("auto", "flat", "two_tier")
 
@@ -59,6 +61,14 @@ def state_layout(topology: Optional[Topology]) -> str:
     """What a compressor's per-rank state is kept for: whole buckets (``"flat"``; also with one rank, ``None``) or one
     of ``L`` parts of each (``"two_tier/L"``). A checkpoint's per-rank state applies only under the same layout."""
     return "flat" if topology is None or topology.kind == "flat" else f"two_tier/{topology.ranks_per_host}"
+
+
+def agree_topology(requested: str, node_rank: int, world_size: int, group: Optional[dist.ProcessGroup]) -> Topology:
+    """Every rank's node rank, gathered over ``group`` (a collective: every rank calls it), and the topology they
+    imply (:func:`resolve_topology`): the same decision on every rank."""
+    nodes: list[Any] = [None] * world_size
+    dist.all_gather_object(nodes, node_rank, group=group)
+    return resolve_topology(requested, nodes)
 
 
 def resolve_topology(requested: str, node_ranks: Sequence[int]) -> Topology:

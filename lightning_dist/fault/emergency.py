@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 import lightning.pytorch as pl
 
 from lightning_dist.fault.checkpoint import checkpoint_dir, save_checkpoint
+from lightning_dist.upstream import dump_checkpoint
 
 EXIT_EXCEPTION, EXIT_STALL, EXIT_STOP_TIMEOUT = 1, 124, 143  # an exception; no progress; a stop not agreed in time
 
@@ -53,7 +54,7 @@ class EmergencyCheckpoint:
         path = os.path.join(checkpoint_dir(trainer, dirpath), "emergency",
                             f"emergency-rank{rank}-step={trainer.global_step}.ckpt")
         try:
-            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            checkpoint = dump_checkpoint(trainer)
             rewind_unfinished_batch(checkpoint)
             if extra is not None:
                 checkpoint.update(extra())

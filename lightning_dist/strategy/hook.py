@@ -89,6 +89,7 @@ from lightning_dist.compression import BucketLayout, Compressor, NoCompressor, T
 from lightning_dist.strategy.comm_worker import CommWorker
 from lightning_dist.strategy.skip import StepGuard
 from lightning_dist.strategy.tiers import TwoTier
+from lightning_dist.upstream import profiler_enabled
 
 
 class BucketObserver:
@@ -400,7 +401,7 @@ def _bucket_layout(state: RingHookState, bucket: dist.GradBucket) -> BucketLayou
 def _stage(name: str) -> contextlib.AbstractContextManager:
     """A profiler range while torch's profiler runs; nothing otherwise (entering a ``record_function`` goes
     through the op dispatcher, a cost a bandwidth-bound step notices at 4 stages per bucket)."""
-    return record_function(name) if torch.autograd.profiler._is_profiler_enabled else contextlib.nullcontext()
+    return record_function(name) if profiler_enabled() else contextlib.nullcontext()
 
 
 def _short(key: str, limit: int = 80) -> str:

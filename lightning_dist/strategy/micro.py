@@ -40,6 +40,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_dist.strategy.hook import RingHookState
+from lightning_dist.upstream import logged_results, running_hook
 
 
 def cut(batch: Any, sizes: Sequence[int]) -> list[Any]:
@@ -129,7 +130,7 @@ class MicroBatches:
             # every micro-batch but the last: forward and backward with DDP's synchronisation off
             with strategy.block_backward_sync() if j < last else contextlib.nullcontext():
                 if j > 0:
-                    with _logged_as(trainer, piece), _fx(trainer.lightning_module, "training_step"), \
+                    with _logged_as(trainer, piece), running_hook(trainer.lightning_module, "training_step"), \
                             (self._inside() if j < last else contextlib.nullcontext()):
                         loss = loss_of(step(piece, *rest)) / normalize
                 state.share = share * size / total
@@ -155,7 +156,7 @@ class MicroBatches:
         normalize = trainer.accumulate_grad_batches
         for piece in pieces:
             optimizer.zero_grad()
-            with _logged_as(trainer, piece), _fx(trainer.lightning_module, "training_step"), self._inside():
+            with _logged_as(trainer, piece), running_hook(trainer.lightning_module, "training_step"), self._inside():
                 output = step(piece, *rest)
             state.share = share
             backward(loss_of(output) / normalize)
@@ -180,21 +181,10 @@ class MicroBatches:
 
 
 @contextlib.contextmanager
-def _fx(module: Any, name: str) -> Iterator[None]:
-    """Lightning's name of the hook running (what ``self.log`` checks and keys its values by), as its trainer sets it
-    around each hook it calls."""
-    previous, module._current_fx_name = module._current_fx_name, name
-    try:
-        yield
-    finally:
-        module._current_fx_name = previous
-
-
-@contextlib.contextmanager
 def _logged_as(trainer: Any, piece: Any) -> Iterator[None]:
     """``self.log`` infers a value's batch size from the batch Lightning's results hold: the micro-batch's own while its
     ``training_step`` runs, the whole share (as Lightning set it) again afterwards."""
-    results = getattr(trainer, "_results", None)  # Lightning's private result collection (pinned lightning<2.7)
+    results = logged_results(trainer)
     if results is None:
         yield
         return

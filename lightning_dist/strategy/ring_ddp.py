@@ -4,9 +4,9 @@ Like Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy`, the class i
 delegate; each mechanism lives in a module beside it:
 
 - :mod:`.hook` (with :mod:`.comm_worker`): the DDP comm hook, registered on every device; with a two-tier
-  topology (:mod:`lightning_dist.comm.topology`) it reduces each bucket through :mod:`.tiers`. Lightning's
-  ``_register_ddp_hooks`` (private, hence the ``lightning>=2.6,<2.7`` pin and a test that fails if it goes)
-  registers hooks only on CUDA and drops them silently on CPU. With ``overlap=True`` each bucket travels on
+  topology (:mod:`lightning_dist.comm.topology`) it reduces each bucket through :mod:`.tiers`. Lightning
+  registers hooks only on CUDA and drops them silently on CPU (a private hook of DDPStrategy, reached through
+  :class:`lightning_dist.upstream.DDPBase` as ``register_comm_hooks``). With ``overlap=True`` each bucket travels on
   a communication thread while backward computes the next, on a process group of the strategy's own;
 - :mod:`.stepping`: the rank's share of the step applied in autograd, and step-or-skip on every rank together
   (:mod:`.skip` holds the finiteness mechanism, :class:`~lightning_dist.callbacks.NaNRecovery` the policy);
@@ -39,18 +39,15 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_dist.comm import destroy_at_exit, destroy_groups, release_scratch
-from lightning_dist.comm.topology import Topology, resolve_topology, state_layout
+from lightning_dist.comm.topology import Topology, agree_topology, state_layout
 from lightning_dist.compression import Compressor, as_compressor
 from lightning_dist.elastic import complete_from_siblings
 from lightning_dist.hetero import HeteroBatching
@@ -69,17 +66,12 @@ from lightning_dist.strategy.skip import StepGuard, StepVerdict
 from lightning_dist.strategy.step_meter import StepMeter
 from lightning_dist.strategy.tiers import gradient_groups
 from lightning_dist.sync import EveryStep, SyncContext, SyncDriver, as_sync
-
-if not callable(getattr(DDPStrategy, "_register_ddp_hooks", None)):  # pragma: no cover - guarded by a test too
-    raise ImportError(
-        "lightning_dist needs DDPStrategy._register_ddp_hooks, which this Lightning release does not have; "
-        "install lightning>=2.6,<2.7 (the range in lightning_dist's pyproject.toml)."
-    )
+from lightning_dist.upstream import DDPBase
 
 WORKER_JOIN_TIMEOUT_S = 10.0  # teardown waits this long for the communication worker to end
 
 
-class RingDDPStrategy(DDPStrategy):
+class RingDDPStrategy(DDPBase):
     """DDP whose gradient all-reduce is lightning_dist's ring, tree, native or size-chosen algorithm.
 
     The positional and keyword arguments are :class:`~lightning.pytorch.strategies.DDPStrategy`'s, in its
@@ -197,26 +189,25 @@ class RingDDPStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         # a fit starts from the compressor's settings, not from another fit's residuals (before a checkpoint's restore)
         self._hook_state.compressor = copy.deepcopy(self._compressor)
-        store = attempt_store(self._timeout)
+        store = attempt_store(self.collective_timeout)
         if store is None:
             super().setup_distributed()
         else:  # DDPStrategy.setup_distributed, with the store of this attempt
             reset_seed()
             self.set_world_ranks()
-            self._process_group_backend = self._get_process_group_backend()
             assert self.cluster_environment is not None
-            device_id = self.root_device if self.root_device.type != "cpu" else None
-            _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
-                                  device_id=device_id, store=store)
+            self.init_process_group(store, device_id=self.root_device if self.root_device.type != "cpu" else None)
         destroy_at_exit()  # gloo's threads must be joined before the interpreter finalizes (comm.destroy_at_exit)
         # The exchange's group (a CPU tensor on every backend, so gloo) and the topology, before anything is
         # restored from a checkpoint (whose compressor state applies only under the same topology)
         if self.world_size > 1:
-            self._schedule.group = dist.new_group(backend="gloo", timeout=self._timeout)
-            self.topology = self._resolve_topology()
+            self._schedule.group = group = dist.new_group(backend="gloo", timeout=self.collective_timeout)
+            self.topology = topology = agree_topology(self._topology_request, self.node_rank, self.world_size, group)
+            rank_zero_info(f"RingDDPStrategy: topology {topology.kind} ({topology.reason}; hosts: "
+                           f"{[list(ranks) for ranks in topology.hosts]})")
 
     @override
-    def _configure_launcher(self) -> None:
+    def configure_launcher(self) -> None:
         # When torchrun, SLURM or another launcher created the processes, every rank already runs this script:
         # launch nothing, whatever start_method says. (Lightning's own DDPStrategy with "fork" or "spawn"
         # forks N more ranks inside each worker.) The subprocess launcher is the one that checks for this.
@@ -227,14 +218,14 @@ class RingDDPStrategy(DDPStrategy):
         if self._topology_request == "two_tier" and self.num_nodes < 2:
             raise ValueError(f"topology='two_tier' needs at least 2 nodes, and Trainer(num_nodes={self.num_nodes}): "
                              "run on 2 or more hosts (num_nodes=2, ...), or use topology='auto' or 'flat'.")
-        if self._start_method != "popen" and self.cluster_environment.creates_processes_externally:
+        if self.start_method != "popen" and self.cluster_environment.creates_processes_externally:
             rank_zero_info(
                 f"RingDDPStrategy: {type(self.cluster_environment).__name__} created the processes; "
-                f"start_method={self._start_method!r} launches none of its own."
+                f"start_method={self.start_method!r} launches none of its own."
             )
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self.launch_nothing()
             return
-        super()._configure_launcher()
+        super().configure_launcher()
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -250,12 +241,12 @@ class RingDDPStrategy(DDPStrategy):
         self._driver.setup(trainer)
 
     @override
-    def _register_ddp_hooks(self) -> None:
+    def register_comm_hooks(self) -> None:
         # Lightning registers hooks only when root_device is CUDA; ours must run on CPU as well.
         assert isinstance(self.model, DistributedDataParallel)
         self._stop_worker()  # a fit that failed before teardown may have left one
         reduction = gradient_groups(self.topology, self.global_rank, self.world_size, self._algorithm,
-                                    self._hook_state.stats, self._timeout, workers=self._bind_driver())
+                                    self._hook_state.stats, self.collective_timeout, workers=self._bind_driver())
         self._hook_groups = reduction.owned
         self._schedule.every_step = bool(self._hetero is not None and self._hetero.rebalance)
         state = self._hook_state
@@ -271,11 +262,11 @@ class RingDDPStrategy(DDPStrategy):
         """The sync driver of this fit, bound to the wrapped model; returns its workers' ranks (None: every rank)."""
         assert isinstance(self.model, DistributedDataParallel)
         context = SyncContext(strategy=self, ddp=self.model, topology=self.topology, algorithm=self._algorithm,
-                              timeout=self._timeout, stats=self._hook_state.stats, guard=self._guard,
+                              timeout=self.collective_timeout, stats=self._hook_state.stats, guard=self._guard,
                               hetero=self._hetero, checkpoint=self._restoring, record_skip=self._record_skipped_sync,
                               share=self._hook_state.step_share, reduction=lambda: gradient_groups(
                                   self.topology, self.global_rank, self.world_size, self._algorithm,
-                                  self._hook_state.stats, self._timeout))
+                                  self._hook_state.stats, self.collective_timeout))
         self._restoring = None
         self._driver = (self._sync or EveryStep()).bind(context)
         self._features.sync = self._driver if self._sync is not None else None
@@ -293,15 +284,6 @@ class RingDDPStrategy(DDPStrategy):
     def _record_skipped_sync(self, step: int, reason: str) -> None:
         if self._guard.armed:  # NaNRecovery hears of a skipped sync as of a skipped step
             self._guard.record(StepVerdict(step=step, skipped=True, reason=reason))
-
-    def _resolve_topology(self) -> Topology:
-        """Every rank's node rank, gathered, and the topology they imply (the same decision on every rank)."""
-        nodes: list[Any] = [None] * self.world_size
-        dist.all_gather_object(nodes, self.node_rank, group=self._schedule.group)
-        topology = resolve_topology(self._topology_request, nodes)
-        rank_zero_info(f"RingDDPStrategy: topology {topology.kind} ({topology.reason}; hosts: "
-                       f"{[list(ranks) for ranks in topology.hosts]})")
-        return topology
 
     def _stop_worker(self) -> None:
         warning = self._hook_state.stop_worker(WORKER_JOIN_TIMEOUT_S)

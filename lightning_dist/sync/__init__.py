@@ -9,9 +9,9 @@ from dataclasses import fields
 from typing import Any, Optional
 
 from lightning_dist.sync.diloco_driver import DiLoCo
+from lightning_dist.sync.diloco_settings import BALANCES
 from lightning_dist.sync.driver import EveryStep, SyncContext, SyncDriver
 from lightning_dist.sync.onebit_adam import OneBitAdam
-from lightning_dist.sync.settings import BALANCES
 
 # What ``sync=`` may name: the default (every step: today's gradient all-reduce, unchanged) and the drivers by name. The
 # one list, read by the strategy's check, the Hydra group (conf/sync/) and the errors.
@@ -25,8 +25,10 @@ __all__ = ["BALANCES", "DRIVERS", "SYNCS", "DiLoCo", "EveryStep", "OneBitAdam", 
 def as_sync(sync: Any) -> Optional[SyncDriver]:
     """What ``RingDDPStrategy(sync=...)`` accepts, as the driver the strategy calls (None: every step, the default):
     None or ``"every_step"``; any :class:`SyncDriver` (a :class:`DiLoCo`, or a driver of your own), as it is; a name
-    of :data:`DRIVERS` (its defaults); or a dict of a driver's arguments, optionally with ``name`` (``"diloco"`` when
-    absent; Hydra's ``sync`` group passes one)."""
+    of :data:`DRIVERS` (its defaults); a dict of a driver's arguments, optionally with ``name`` (``"diloco"`` when
+    absent; Hydra's ``sync`` group passes one); or a dict with ``_target_``, a driver of any package built as Hydra's
+    ``instantiate`` builds it (the class or a function returning the driver, by its dotted path, and its arguments
+    beside it: a ``conf/sync/<yours>.yaml`` in the command's ``--config-dir``)."""
     sync = getattr(sync, "value", sync)  # an enum from a structured config
     if sync is None or isinstance(sync, EveryStep):
         return None
@@ -37,6 +39,8 @@ def as_sync(sync: Any) -> Optional[SyncDriver]:
             raise ValueError(f"sync={sync!r}; use one of {', '.join(SYNCS)}, a DiLoCo(every=..., ...), a dict of its "
                              "arguments, or a lightning_dist.sync.SyncDriver of your own")
         return as_sync(DRIVERS[sync]())
+    if isinstance(sync, dict) and "_target_" in sync:
+        return _instantiate(dict(sync))
     if isinstance(sync, dict):
         settings = dict(sync)
         name = settings.pop("name", "diloco")
@@ -56,3 +60,21 @@ def as_sync(sync: Any) -> Optional[SyncDriver]:
     raise ValueError(f"sync={sync!r}; use None or 'every_step' (every step), 'diloco', a "
                      "lightning_dist.sync.DiLoCo(every=..., ...), a dict of its arguments, or a "
                      "lightning_dist.sync.SyncDriver of your own")
+
+
+def _instantiate(settings: dict[str, Any]) -> SyncDriver:
+    """A driver named by ``_target_`` (its other keys its arguments; ``name`` is the group option's, dropped)."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    settings.pop("name", None)
+    target = settings["_target_"]
+    try:
+        driver = instantiate(settings, _convert_="all")
+    except InstantiationException as err:
+        raise ValueError(f"sync={{'_target_': {target!r}, ...}}: {err}; the target must import (on PYTHONPATH, or "
+                         "in the working directory) and take the other keys as arguments") from err
+    if not isinstance(driver, SyncDriver):
+        raise ValueError(f"sync={{'_target_': {target!r}, ...}} built a {type(driver).__name__}, not a "
+                         "lightning_dist.sync.SyncDriver: name a SyncDriver subclass or a function returning one")
+    return driver

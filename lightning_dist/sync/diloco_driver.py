@@ -1,9 +1,10 @@
 """DiLoCo as a sync driver (:mod:`lightning_dist.sync.driver`): what it does around Lightning's step, its checkpoints.
 
 :class:`DiLoCo` is what users pass (``RingDDPStrategy(sync=DiLoCo(every=50))``): its settings
-(:class:`~lightning_dist.sync.settings.DiLoCoSettings`, checked before any process starts) and the driver's first two
-hooks, :meth:`DiLoCo.check` and :meth:`DiLoCo.bind`. At set-up ``bind`` makes the running :class:`DiLoCoDriver`: the
-outer loop (:class:`~lightning_dist.sync.diloco.DiLoCoSync`) with the hooks the strategy calls from then on:
+(:class:`~lightning_dist.sync.diloco_settings.DiLoCoSettings`, checked before any process starts) and the driver's
+first two hooks, :meth:`DiLoCo.check` and :meth:`DiLoCo.bind`. At set-up ``bind`` makes the running
+:class:`DiLoCoDriver`: the outer loop (:class:`~lightning_dist.sync.diloco.DiLoCoSync`) with the hooks the strategy
+calls from then on:
 
 - *set-up*: the outer loop's groups; DDP's gradient synchronisation kept inside a worker (off for a worker of one rank,
   whose gradients then never leave it; on the host's group for a host, dense, over its own links); DDP's buffer
@@ -13,7 +14,7 @@ outer loop (:class:`~lightning_dist.sync.diloco.DiLoCoSync`) with the hooks the 
 - Lightning's SIGTERM broadcast before every batch (a collective across every worker, which syncing every H steps
   exists to avoid) runs only before the steps where the workers meet anyway (:meth:`DiLoCoSync.meets`);
 - *every batch*: each worker's samples weigh its pseudo-gradient; ``balance="steps"`` runs a faster worker's share as
-  more inner steps (:func:`~lightning_dist.sync.diloco.inner_steps`, agreed from every rank's share);
+  more inner steps (:func:`~lightning_dist.sync.diloco_fragments.inner_steps`, agreed from every rank's share);
 - *after every optimizer step*: the fragment syncs that land and start there (each a long collective of every rank, a
   model's worth of bytes over the slowest links: FaultTolerance's watchdog waits while every rank is in one, through
   :meth:`~lightning_dist.strategy.features.RingFeatures.long_collective`); a skipped outer step is warned of and
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, ContextManager, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,9 +39,12 @@ from lightning_dist.comm import destroy_groups
 from lightning_dist.compression import NoCompressor
 from lightning_dist.hetero import micro_batch_sizes
 from lightning_dist.identities import map_ranks
-from lightning_dist.sync.diloco import DiLoCoSync, SyncResult, inner_steps
+from lightning_dist.sync.buckets import gather_to_rank_zero
+from lightning_dist.sync.diloco import DiLoCoSync, SyncResult
+from lightning_dist.sync.diloco_fragments import inner_steps
+from lightning_dist.sync.diloco_settings import DiLoCoSettings
 from lightning_dist.sync.driver import SyncContext, SyncDriver, ends_fit
-from lightning_dist.sync.settings import DiLoCoSettings
+from lightning_dist.upstream import can_stop_early, trainer_of, wrap_sigterm_broadcast
 
 
 class DiLoCo(DiLoCoSettings, SyncDriver):
@@ -135,7 +139,7 @@ class DiLoCoDriver(DiLoCoSync, SyncDriver):
 
     def after_step(self, global_step: int) -> None:
         if self.settings.final_sync and ends_fit(self._trainer, global_step):
-            self._final_sync(global_step, "the fit's last step")  # in place of the sync due after it, if any
+            self._final_sync_once(global_step, "the fit's last step")  # in place of the sync due after it, if any
         elif self.due(global_step):
             context = self.context
             with self._long(f"DiLoCo's sync after global step {global_step}"):
@@ -146,7 +150,7 @@ class DiLoCoDriver(DiLoCoSync, SyncDriver):
         """A collective of every worker that may take long (a sync: the model's bytes over the slowest links)."""
         return self.context.strategy.features.long_collective(what)
 
-    def _final_sync(self, step: int, why: str) -> None:
+    def _final_sync_once(self, step: int, why: str) -> None:
         """Every worker meets once more (the settings' ``final_sync``): every rank then holds ``theta_global``."""
         if self.final_step is not None:
             return
@@ -164,16 +168,17 @@ class DiLoCoDriver(DiLoCoSync, SyncDriver):
 
     def _fitting(self) -> bool:
         module = self.context.strategy.lightning_module
-        return module is not None and module._trainer is not None and module.trainer.state.fn == "fit"
+        trainer = trainer_of(module)
+        return trainer is not None and trainer.state.fn == "fit"
 
     # -- validation -----------------------------------------------------------------------------------------------
     def before_validation(self) -> None:
         if not self._fitting():
             return
         trainer = self._trainer
-        stopping = trainer.should_stop and getattr(trainer.fit_loop, "_can_stop_early", True)
+        stopping = trainer.should_stop and can_stop_early(trainer)
         if self.settings.final_sync and stopping and not trainer.sanity_checking:  # the fit's last validation
-            self._final_sync(trainer.global_step, "a stop every rank agreed on")
+            self._final_sync_once(trainer.global_step, "a stop every rank agreed on")
         if self.settings.validate == "global":
             self.swap_in_global()
 
@@ -192,10 +197,10 @@ class DiLoCoDriver(DiLoCoSync, SyncDriver):
     def end_of_fit(self) -> None:
         self.ended = True
         if self.settings.final_sync:
-            self._final_sync(self._trainer.global_step, "the fit ended")
+            self._final_sync_once(self._trainer.global_step, "the fit ended")
         else:  # exchanges still in flight land: the fit's model holds every sync it started
             with self._long("DiLoCo's exchanges in flight at the end of the fit"):
-                results = self.finish(self.context.stats, self._tier(), self.context.exchange_group)
+                results = self.land_inflight(self.context.stats, self._tier(), self.context.exchange_group)
             self._report(results)
 
     def _tier(self) -> str:
@@ -220,11 +225,11 @@ class DiLoCoDriver(DiLoCoSync, SyncDriver):
         if local and self.settings.final_sync and self.final_step is None:
             warnings.warn(f"rank {context.rank}: an emergency checkpoint (peers may be gone): DiLoCo's final sync is "
                           "skipped; it holds theta_global beside this worker's own parameters", stacklevel=2)
-        leader = local or context.rank == self.workers.mine[0]  # a worker's ranks hold the same state
-        own = worker_state(context.strategy, self.own_state()) if leader else None
+        leader = local or context.rank == self.workers.leader  # a worker's ranks hold the same state
+        worker = worker_state(context.strategy, self.worker_tensors()) if leader else None
         # every worker's state to rank zero (exchanges in flight settled first), unless an emergency checkpoint's
         with contextlib.nullcontext() if local else self._long("DiLoCo's state gathered for a checkpoint"):
-            return sync_entry(self, own, context.rank, context.world_size,
+            return sync_entry(self, worker, context.rank, context.world_size,
                               None if local else context.exchange_group, local=local,
                               identities=context.strategy.features.identities)
 
@@ -234,9 +239,18 @@ class DiLoCoDriver(DiLoCoSync, SyncDriver):
         states, self.worker_optimizers = self.worker_optimizers, None
         return {**checkpoint, "optimizer_states": states}  # this worker's own inner optimizer states
 
+    # -- reports: DiLoCoSync's figures, named here rather than left to the order of the bases (SyncDriver's say 0)
+    metrics: dict[str, float]  # the last sync's sync/* figures, assigned by DiLoCoSync at each landing
+
     @property
     def syncs(self) -> int:
         return self.outer_steps + self.skipped
+
+    def memory_bytes(self) -> int:
+        return DiLoCoSync.memory_bytes(self)
+
+    def memory_by_device(self) -> dict[str, int]:
+        return DiLoCoSync.memory_by_device(self)
 
     def close(self) -> None:
         if self.settings.final_sync and self.final_step is None and not self.ended and self.context is not None \
@@ -244,7 +258,7 @@ class DiLoCoDriver(DiLoCoSync, SyncDriver):
             warnings.warn(f"rank {self.context.rank}: the fit stopped on a fault (a peer gone, an error): DiLoCo's "
                           "final sync is skipped, and this rank keeps its own worker's parameters", stacklevel=2)
         self.swap_back()  # a fault during validation: this rank's own parameters, as its checkpoint holds them
-        super().close()  # the exchanges' thread
+        self.exchanges.close()  # the exchanges' thread
         destroy_groups(self.groups)
 
 
@@ -275,22 +289,23 @@ def _sigterm_broadcast_before_syncs(trainer: Any, diloco: DiLoCoSync) -> None:
     exchanges run beside it), and it runs once per H steps: before the first fragment's sync starts.
     (``FaultTolerance`` agrees on a stop through the strategy's exchange instead, at its defaults on the same steps:
     the steps where the workers meet, :meth:`DiLoCoSync.meets` through the feature seam.)"""
-    loop = trainer.fit_loop.epoch_loop
-    broadcast = type(loop)._broadcast_sigterm_tensor  # private, hence lightning<2.7 and a test that fails if it goes
+    def only_before_syncs(broadcast: Callable[[], None]) -> Callable[[], None]:
+        def before_syncs() -> None:
+            if diloco.meets(trainer.global_step + 1):
+                broadcast()
 
-    def before_syncs() -> None:
-        if diloco.meets(trainer.global_step + 1):
-            broadcast(loop)
+        return before_syncs
 
-    loop._broadcast_sigterm_tensor = before_syncs
+    wrap_sigterm_broadcast(trainer, only_before_syncs)
 
 
 # -- checkpoints ------------------------------------------------------------------------------------------------------
-def worker_state(strategy: Any, own: Optional[dict[str, torch.Tensor]] = None) -> dict[str, Any]:
+def worker_state(strategy: Any, worker_tensors: Optional[dict[str, torch.Tensor]] = None) -> dict[str, Any]:
     """A rank's (so its DiLoCo worker's) parameters, buffers and inner optimizer states, as Lightning saves rank
-    zero's; ``own``: its own parameters and buffers by name while the global model is swapped in for validation."""
+    zero's; ``worker_tensors``: its own parameters and buffers by name while the global model is swapped in for
+    validation (:meth:`DiLoCoSync.worker_tensors`)."""
     module = strategy.lightning_module.state_dict()
-    return {"module": {k: own.get(k, v) for k, v in module.items()} if own else module,
+    return {"module": {k: worker_tensors.get(k, v) for k, v in module.items()} if worker_tensors else module,
             "optimizers": [strategy.optimizer_state(optimizer) for optimizer in strategy.optimizers]}
 
 
@@ -308,27 +323,8 @@ def sync_entry(diloco: DiLoCoSync, worker_state: Optional[dict[str, Any]], rank:
     state = diloco.state_dict(settle=not local)  # first: what is in flight is settled (or dropped) here
     if worker_state is not None:
         worker_state = {**worker_state, "inflight": diloco.worker_state()}
-    # every tensor on the host before it is pickled: gather_object would otherwise unpickle each rank's CUDA tensors
-    # onto rank zero's GPU (cuda:<the sender's index>: a copy of every worker's model on one GPU, or an error where a
-    # rank sees one GPU only)
-    mine = to_host({"rank": diloco.rank_state(), "worker": worker_state})
-    ranks: list[Any] = [None] * world_size
-    if local or world_size == 1 or not dist.is_initialized():
-        ranks[rank] = mine
-    else:
-        dist.gather_object(mine, ranks if rank == 0 else None, dst=0, group=group)
+    ranks = gather_to_rank_zero({"rank": diloco.rank_state(), "worker": worker_state}, rank, world_size, group, local)
     return {"state": state, "world_size": world_size, "ranks": ranks, "identities": identities}
-
-
-def to_host(value: Any) -> Any:
-    """``value`` (dicts, lists and tuples of tensors, numbers and strings) with every tensor copied to the CPU."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu")
-    if isinstance(value, dict):
-        return {k: to_host(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(to_host(v) for v in value)
-    return value
 
 
 def restore_sync(diloco: DiLoCoSync, module: Any, entry: dict[str, Any], rank: int, world_size: int,
@@ -344,24 +340,24 @@ def restore_sync(diloco: DiLoCoSync, module: Any, entry: dict[str, Any], rank: i
     diloco.load_state_dict(entry["state"])
     ranks = entry["ranks"]
     same = entry["world_size"] == world_size and entry["state"]["workers"] == diloco.workers.count
-    own: Optional[int] = rank if same else None
+    source: Optional[int] = rank if same else None  # the old rank whose entry is this rank's
     mapped = identities is not None and entry.get("identities") and diloco.workers.local_size == 1
     if mapped:
-        own = map_ranks(entry["identities"], identities)[rank]
-    if own is not None and ranks[own] is not None:
-        diloco.load_rank_state(_rank_part(ranks[own]))
+        source = map_ranks(entry["identities"], identities)[rank]
+    if source is not None and ranks[source] is not None:
+        diloco.load_rank_state(_rank_part(ranks[source]))
     else:
         first = next((r for r in ranks if r is not None), None)
         diloco.load_rank_state(_rank_part(first), shared_only=True)
     # this rank's own entry (an emergency checkpoint's, or its old rank's), else its worker's first rank's
-    candidates = (own,) if mapped else ((rank, diloco.workers.mine[0]) if same else ())
+    candidates = (source,) if mapped else ((rank, diloco.workers.leader) if same else ())
     found = [ranks[r]["worker"] for r in candidates if r is not None and ranks[r] is not None]
     worker = next((w for w in found if w is not None), None)
     if mapped:  # the old ranks whose workers are gone with their progress since the last sync
         new = set(identities or ())
         diloco.lost_workers = [r for r, identity in enumerate(entry["identities"])
                                if identity not in new or ranks[r] is None or ranks[r].get("worker") is None]
-    if worker is None and mapped and own is None:  # a newcomer: theta_global is where it starts
+    if worker is None and mapped and source is None:  # a newcomer: theta_global is where it starts
         diloco.restart_from_global()
         return None
     if worker is None:

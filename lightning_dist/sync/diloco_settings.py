@@ -1,7 +1,8 @@
 """DiLoCo's settings (:class:`DiLoCoSettings`), checked when the object is built, before any process starts.
 
 :class:`~lightning_dist.sync.DiLoCo` (:mod:`lightning_dist.sync.diloco_driver`) is these settings as a sync driver, the
-object users pass to ``RingDDPStrategy(sync=...)``; the outer loop (:mod:`lightning_dist.sync.diloco`) reads them."""
+object users pass to ``RingDDPStrategy(sync=...)``; the outer loop (:mod:`lightning_dist.sync.diloco`) reads them. What
+each setting costs and buys, measured, is on docs/sync.md."""
 
 from __future__ import annotations
 
@@ -32,9 +33,7 @@ class DiLoCoSettings:
             workers' parameters).
         outer_momentum: the outer SGD's Nesterov momentum, in ``[0, 1)``. 0.8 by default, under the paper's 0.9 (a
             run of thousands of inner steps from a pretrained model): on runs of 10-32 syncs from scratch 0.9
-            overshoots. Measured (docs/sync.md): the digits job at H=20 reaches 97.8% at 0.8 against 96.5% at 0.9
-            (3 seeds), the sync benchmark's LM at H=50 and 1,600 steps +2.4% above dense against +3.5% (both with
-            an outer step at the end, before the final sync averaged).
+            overshoots (measured on docs/sync.md).
         compressor: how the pseudo-gradient travels between workers: None (dense, by the strategy's algorithm), a
             compressor name (``"int8"``, ``"topk"``, ...: :func:`~lightning_dist.compression.build_compressor` with
             its defaults, error feedback included where it has it), a dict of ``build_compressor``'s arguments, or a
@@ -65,18 +64,14 @@ class DiLoCoSettings:
             workers weighted by their samples as at every sync; no outer step, whose Nesterov extrapolation validates
             worse), in place of the sync due in a last step known as such, and every rank leaves ``fit`` holding
             ``theta_global``: the fit's last validation and the checkpoint written at its end hold the one global
-            model. Measured (docs/sync.md): the sync benchmark's LM at H=50 ends 1.2% lower than with an outer step
-            there. ``False``: each worker keeps
-            its own parameters (a fit to be resumed as if never stopped). A fault (a peer gone) skips it, with a
-            warning.
+            model (docs/sync.md measures it against an outer step there). ``False``: each worker keeps its own
+            parameters (a fit to be resumed as if never stopped). A fault (a peer gone) skips it, with a warning.
         warmup: the fit's first ``warmup`` optimizer steps sync after every step, by plain averaging: every fragment
             at once, in the step, the workers' parameters averaged (weighted by samples, as at every sync: an outer
             step of learning rate 1 without momentum, through ``compressor`` as every pseudo-gradient). The syncs every
             ``every`` steps, with their outer momentum, start after it. Each warm-up step sends one model's worth
             across workers, as a sync does. 0 (the default) starts syncing every ``every`` steps from the first step.
-            Measured (docs/sync.md): on the sync benchmark's LM at H=50 over 1,600 steps, 100 steps of warm-up
-            bring DiLoCo from +1.65% above dense AdamW to -0.21% (means of 3 seeds), for 130 exchanges of the model
-            instead of 32.
+            What it buys, measured, is on docs/sync.md ("The warm-up").
         validate: which model validation runs on: ``"global"`` (the default): ``theta_global`` and the averaged
             buffers, i.e. the model after the last sync that landed, swapped in for the validation loop and each
             rank's own parameters restored afterwards, bit for bit; ``"worker"``: each rank's own worker's parameters
