@@ -68,6 +68,7 @@ class DistMetrics(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._interval = trainer.log_every_n_steps if self._every is None else self._every
+        self._logged = -1  # (a fit counts its steps from 0 again)
         features = features_of(trainer.strategy)
         if features is not None:  # ask the strategy to exchange on the steps we log
             features.request_exchange(self._interval, "metrics")
@@ -89,7 +90,6 @@ class DistMetrics(Callback):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(features.step_metrics, step=trainer.global_step)
-
 
     def _log_sync(self, trainer: pl.Trainer, features: Any) -> None:
         """The sync driver's ``sync/*`` metrics after every sync (DiLoCo's: every H steps), whatever the interval."""
