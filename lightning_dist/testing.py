@@ -591,7 +591,9 @@ class InjectFault(Callback):
                 return
             with open(self.once_file, "w") as f:
                 f.write(f"{self.kind} at step {self.step} on rank {self.rank}\n")
-        print(f"[InjectFault] rank {self.rank}: {self.kind} at global step {self.step}", flush=True)
+        # the wall clock's time of the fault, for a test that bounds how long after it every rank is gone
+        print(f"[InjectFault] rank {self.rank}: {self.kind} at global step {self.step} (time {time.time():.3f})",
+              flush=True)
         if self.kind == "raise":
             raise RuntimeError(f"injected fault on rank {self.rank} at global step {self.step}")
         if self.kind == "kill":

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from lightning_dist.callbacks.fault_tolerance import check_settings
+from lightning_dist.fault import leave
 from lightning_dist.fault.leave import EXIT_LEFT, EXIT_RESHAPE, Notice, decide
 
 NODES = [0, 0, 1, 1, 2, 2]  # 3 hosts of 2 ranks
@@ -70,8 +71,11 @@ def test_a_leaving_worker_signals_its_agent_and_a_script_that_ends_exits_with_th
     got = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
     try:  # this process plays the torchrun agent: the child is its worker
-        code = ("from lightning_dist.fault.leave import exit_when_main_ends, signal_agent\n"
-                "assert signal_agent('test')\nexit_when_main_ends(76)\nprint('main ends')\n")
+        # the module alone, by its path (it needs only the standard library): the package's import would take seconds
+        code = ("import importlib.util, sys\n"
+                f"spec = importlib.util.spec_from_file_location('leave', {leave.__file__!r})\n"
+                "leave = sys.modules['leave'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(leave)\n"
+                "assert leave.signal_agent('test')\nleave.exit_when_main_ends(76)\nprint('main ends')\n")
         env = {**os.environ, "TORCHELASTIC_RUN_ID": "test", "LOCAL_RANK": "0"}
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
         deadline = time.monotonic() + 5
@@ -81,10 +85,15 @@ def test_a_leaving_worker_signals_its_agent_and_a_script_that_ends_exits_with_th
         signal.signal(signal.SIGTERM, previous)
     assert got == [signal.SIGTERM]
     assert done.returncode == 76 and "main ends" in done.stdout, done.stderr
-    second = subprocess.run([sys.executable, "-c", "from lightning_dist.fault.leave import signal_agent\n"
-                             "print(signal_agent('x'))"], env={**env, "LOCAL_RANK": "1"}, capture_output=True,
-                            text=True, timeout=60)
-    assert second.stdout.strip() == "False"  # only a host's first local rank signals its agent
+
+
+def test_only_a_hosts_first_local_rank_signals_its_agent(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert not leave.signal_agent("x")  # returns before any signal: this process is no worker of an agent
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert not leave.signal_agent("x")  # not under torchrun
 
 
 def test_an_exception_that_says_a_peer_is_gone_is_known_anywhere_in_its_chain():
