@@ -25,7 +25,8 @@ class SyncContext:
     """What the strategy hands a driver at :meth:`~lightning_dist.sync.SyncSettings.bind`.
 
     Args:
-        rank, world_size: this rank and every rank of the fit.
+        rank: this rank.
+        world_size: every rank of the fit.
         module: the user's LightningModule (the one DDP wraps: its parameters are the fit's).
         topology: flat or two_tier and the ranks of each host; None with one rank.
         algorithm: the strategy's all-reduce algorithm (ring, tree, native, auto).
