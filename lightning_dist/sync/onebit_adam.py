@@ -5,7 +5,9 @@ reduced gradient. How a step goes, what keeps it stable and what it measures: do
 
 :class:`OneBitAdam` is what users pass (its settings: :class:`~lightning_dist.sync.onebit_settings.OneBitAdamSettings`);
 ``bind`` makes the running :class:`OneBitAdamDriver`, which drives the steps around the user's Adam: its reduction
-groups and buckets, the phase of each step, the loss scale's agreement, unused parameters, checkpoints and reports.
+groups and buckets, the phase of each step (after the warm-up its ``before_forward`` says DDP reduces nothing: the
+strategy then checks the gradients for NaNRecovery and agrees fp16 loss scaling's verdict), unused parameters,
+checkpoints and reports.
 The update itself (frozen denominators, the preconditioned momentum, the step from its sum) is
 :mod:`lightning_dist.sync.onebit_update`'s.
 """
