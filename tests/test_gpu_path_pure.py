@@ -325,11 +325,15 @@ def test_diloco_keeps_its_state_in_host_memory(monkeypatch):
 
 def test_memory_monitor_counts_diloco_on_the_host_not_the_gpu():
     from lightning_dist.callbacks.memory_monitor import _sync_bytes
+    from lightning_dist.comm import CommStats
+    from lightning_dist.sync import DiLoCo, SyncContext
 
-    sync = _delayed_sync(torch.nn.Linear(4, 3))
-    assert _sync_bytes(sync, on_gpu=True) == 0
-    assert _sync_bytes(sync, on_gpu=False) == sync.memory_bytes()
-    sync.close()
+    context = SyncContext(rank=0, world_size=1, module=torch.nn.Linear(4, 3), topology=None, algorithm="auto",
+                          timeout=None, stats=CommStats())
+    driver = DiLoCo(every=2, outer_momentum=0.9, delay=1).bind(context)  # one rank: no group
+    assert _sync_bytes(driver, on_gpu=True) == 0
+    assert _sync_bytes(driver, on_gpu=False) == driver.loop.memory_bytes() == driver.report().memory_bytes
+    driver.close()
 
 
 def test_what_diloco_gathers_and_saves_is_on_the_host(monkeypatch):
@@ -363,7 +367,7 @@ def test_a_resume_with_an_exchange_in_flight_lands_on_the_host_from_any_map_loca
     sync = _delayed_sync(module)
     _step(module)
     sync.sync_after(step=2)
-    state, snapshots = sync.state_dict(), sync.worker_state()
+    state, snapshots = sync.state_dict(), sync.inflight_snapshots()
     mapped = {**state, "global": {k: _on_cuda(v) for k, v in state["global"].items()},
               "inflight": [{**ex, "sums": [_on_cuda(t) for t in ex["sums"]],
                             "buffers": None if ex["buffers"] is None else [_on_cuda(b) for b in ex["buffers"]]}
@@ -373,7 +377,7 @@ def test_a_resume_with_an_exchange_in_flight_lands_on_the_host_from_any_map_loca
     resumed_module.load_state_dict(module.state_dict())
     resumed = _delayed_sync(resumed_module)
     resumed.load_state_dict(mapped)
-    resumed.load_worker_state(mapped_snapshots)
+    resumed.load_inflight_snapshots(mapped_snapshots)
     assert all(_on_host(t) for t in resumed.state_tensors())
     _step(module, 0.05)
     _step(resumed_module, 0.05)

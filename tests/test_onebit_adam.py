@@ -301,7 +301,7 @@ def _run_flat(rank, world, ckpt_dir):
         for optimizer in ("adamw", "adam"):
             trainer, record, model = _fit(_settings(), world, model=Net(optimizer))
             out[("replay", optimizer)] = (record.params, model.seen)
-        out["metrics"] = dict(trainer.strategy.features.sync.metrics)
+        out["metrics"] = dict(trainer.strategy.features.sync.report().metrics)
         _, record, _ = _fit(None, world)
         out["ring_ddp"] = record.params
         # accumulation, two param groups, a per-step scheduler, a frozen and an unused layer

@@ -5,7 +5,6 @@ split (:func:`host_parts`), each checked bit for bit against the product here.""
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 from typing import Sequence
 
 import pytest
@@ -16,7 +15,7 @@ from lightning_dist.comm import CommStats
 from lightning_dist.compression import BucketLayout, NoCompressor, build_compressor
 from lightning_dist.compression.emulate import emulate_reduce
 from lightning_dist.strategy.tiers import GradientGroups
-from lightning_dist.sync import OneBitAdam, as_sync
+from lightning_dist.sync import OneBitAdam, SyncContext, as_sync
 from lightning_dist.sync.onebit_adam import OneBitAdamDriver
 from lightning_dist.sync.onebit_settings import COMPRESSED, REFRESH, WARMUP, phase
 
@@ -56,17 +55,13 @@ def test_as_sync_takes_its_name_and_a_dict():
         as_sync({"name": "onebit_adam", "every": 5})
 
 
-class _Guard:
-    armed = False
-
-
-def _driver(model, compressor="none", bound=4.5, checkpoint=None):
-    """A driver of one rank (no group), bound to ``model``."""
-    context = SimpleNamespace(module=model, ddp=SimpleNamespace(find_unused_parameters=False), topology=None, rank=0,
-                              world_size=1, exchange_group=None, algorithm="auto", timeout=None,
-                              stats=CommStats(), guard=_Guard(), checkpoint=checkpoint, share=lambda: 1.0,
-                              record_skip=lambda *a: None, reduction=lambda: GradientGroups(None, None, 1, False, []))
-    return OneBitAdamDriver(OneBitAdam(warmup=1, compressor=compressor, bound=bound), context)
+def _driver(model, compressor="none", bound=4.5, state=None):
+    """A driver of one rank (no group, no trainer), bound to ``model``; ``state``: a resume's."""
+    context = SyncContext(rank=0, world_size=1, module=model, topology=None, algorithm="auto", timeout=None,
+                          stats=CommStats(), reduction=lambda: GradientGroups(None, None, 1, False, []))
+    driver = OneBitAdamDriver(OneBitAdam(warmup=1, compressor=compressor, bound=bound), context)
+    driver.load_state_dict(state)
+    return driver
 
 
 def test_a_resume_at_another_world_size_restarts_the_residuals_and_keeps_the_rest():
@@ -75,17 +70,17 @@ def test_a_resume_at_another_world_size_restarts_the_residuals_and_keeps_the_res
     saved.compressor.residuals.stage("weight", torch.ones(16))
     saved.compressor.commit()
     saved.compressed_steps, saved.refreshes, saved.adam.variance_updates = 7, 2, {"weight": 3, "bias": 3}
-    entry = saved.checkpoint_entry()
+    entry = saved.state_dict()
     assert torch.equal(entry["ranks"][0]["residuals"]["weight"], torch.ones(16))
-    same = _driver(model, compressor="sign", checkpoint={"sync": entry})
+    same = _driver(model, compressor="sign", state=entry)
     assert torch.equal(same.compressor.residuals.get("weight"), torch.ones(16))
-    elastic = _driver(model, compressor="sign", checkpoint={"sync": {**entry, "world_size": 4, "ranks": [
-        None, entry["ranks"][0], None, None]}})
+    elastic = _driver(model, compressor="sign", state={**entry, "world_size": 4, "ranks": [
+        None, entry["ranks"][0], None, None]})
     assert elastic.compressor.residuals.get("weight") is None  # each rank's debt on its own cut: restarts at zero
     assert (elastic.compressed_steps, elastic.refreshes) == (7, 2)
     assert elastic.adam.variance_updates == {"weight": 3, "bias": 3}
     with pytest.raises(ValueError, match="resume with the same OneBitAdam settings"):
-        _driver(model, compressor="int8", checkpoint={"sync": entry})
+        _driver(model, compressor="int8", state=entry)
 
 
 def test_a_compressed_update_is_adam_with_v_frozen_masked_and_bounded():
@@ -147,12 +142,12 @@ def test_the_frozen_denominator_is_bias_corrected_by_vs_updates_not_adams_step_c
     beta2, eps = 0.999, opt.param_groups[0]["eps"]
     for d, p in zip(ds, model.parameters(), strict=True):
         torch.testing.assert_close(d, opt.state[p]["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** 3) + eps)
-    resumed = _driver(model, checkpoint={"sync": driver.checkpoint_entry()})
+    resumed = _driver(model, state=driver.state_dict())
     assert resumed.adam.variance_updates == {"weight": 3, "bias": 3}
-    old = {k: v for k, v in driver.checkpoint_entry().items() if k != "variance_updates"}
+    old = {k: v for k, v in driver.state_dict().items() if k != "variance_updates"}
     old["variance_step"] = {"weight": 8, "bias": 8}  # an older checkpoint: Adam's step of v's last update, capped
     # by the warm-up (warmup=1) plus the refreshes
-    older = _driver(model, checkpoint={"sync": {**old, "refreshes": 1}})
+    older = _driver(model, state={**old, "refreshes": 1})
     assert older.adam.variance_updates == {"weight": 2, "bias": 2}
 
 
@@ -166,8 +161,8 @@ def test_an_optimizer_other_than_adam_is_refused():
 
 def test_memory_counts_denominators_masks_buckets_and_residuals():
     model = torch.nn.Linear(10, 10)  # 110 parameters
-    assert _driver(model).memory_bytes() == 110 * (2 * 4 + 1)
-    assert _driver(model, compressor="sign").memory_bytes() == 110 * 9 + 110 * 4 * 2 + 110 * 4 * 2
+    assert _driver(model).report().memory == {"cpu": 110 * (2 * 4 + 1)}  # beside the model, on its device
+    assert _driver(model, compressor="sign").report().memory_bytes == 110 * 9 + 110 * 4 * 2 + 110 * 4 * 2
     assert _driver(model).refresh_compressor.describe() == "int4(chunk=64)"
     assert not isinstance(_driver(model).compressor, type(None)) and isinstance(_driver(model).compressor, NoCompressor)
 

@@ -93,7 +93,7 @@ class Validated(Callback):
         self.seen = []
 
     def on_validation_end(self, trainer, pl_module):
-        sync = trainer.strategy.features.sync
+        sync = trainer.strategy.features.sync.loop
         self.seen.append((trainer.global_step, float(trainer.callback_metrics["val/loss"]),
                           torch.cat([g.reshape(-1) for g in sync.outer.theta]).clone(), _flat(pl_module)))
 
@@ -370,7 +370,7 @@ def _run_flat(rank, world, ckpt_dir):
             compressor = {"name": name, **SETTINGS.get(name, {})}
             with Exchanges() as exchanges:
                 trainer, record = _fit(_strategy(DiLoCo(every=EVERY, compressor=compressor)), world)
-            sync = trainer.strategy.features.sync
+            sync = trainer.strategy.features.sync.loop
             # error feedback's residuals alone (int8's generator state is a tensor too, and no residual)
             state = sync.fragments[0].compressor.state_dict().get("residuals", {})
             residuals = sum(float(v.abs().sum()) for v in _tensors(state))
@@ -405,7 +405,7 @@ def _run_flat(rank, world, ckpt_dir):
             if rank == 0 else None
         # the final sync of a fit that ends mid-cycle (6 steps, the last sync after step 4); theta_global after it
         trainer, record = _fit(_strategy(DiLoCo(every=EVERY)), world, model=Net("adamw"), epochs=1)
-        theta = torch.cat([g.reshape(-1) for g in trainer.strategy.features.sync.outer.theta])
+        theta = torch.cat([g.reshape(-1) for g in trainer.strategy.features.sync.loop.outer.theta])
         out["final"] = (record.params, record.end, theta)
         # validation of theta_global mid-cycle (after step 6, the last sync after step 4), and of each worker's own
         for validate in ("global", "worker"):
@@ -451,7 +451,7 @@ def _run_hosts(rank, world, ckpt_dir):
             with Exchanges() as exchanges:
                 trainer, record = _fit(_strategy(DiLoCo(every=EVERY, compressor=compressor), topology="two_tier"),
                                        world, hosts=2)
-            out[("compressor", name)] = (record.params, trainer.strategy.features.sync.outer_steps)
+            out[("compressor", name)] = (record.params, trainer.strategy.features.sync.loop.outer_steps)
             out[("exchanges", name)] = exchanges.calls
         strategy = _strategy(DiLoCo(every=EVERY), topology="two_tier", hetero=HeteroBatching(batch_sizes=[14, 6, 4, 8]))
         model = Net()

@@ -20,23 +20,24 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_dist import RingDDPStrategy
 from lightning_dist.strategy import features_of
-from lightning_dist.sync import DiLoCo, EveryStep, SyncDriver, as_sync
+from lightning_dist.sync import DiLoCo, EveryStep, SyncDriver, SyncSettings, as_sync
 from lightning_dist.testing import ToyClassifier, launched_externally, quiet_trainer, run_ranks
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "contributing" / "feature-seam.md"
 EVERY, WORLD, STEPS_PER_EPOCH = 3, 2, 6  # 96 samples, batches of 8 on 2 ranks
 
 
-def _example() -> type:
-    """The worked example's class, from the page's code block, run as written."""
+def _example() -> dict:
+    """The worked example's classes, from the page's code block, run as written."""
     section = DOC.read_text().split("## A way of syncing of your own", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     namespace: dict = {}
     exec(compile(code, str(DOC), "exec"), namespace)
-    return namespace["ParameterAveraging"]
+    return namespace
 
 
-ParameterAveraging = _example()
+EXAMPLE = _example()
+ParameterAveraging, Averaging = EXAMPLE["ParameterAveraging"], EXAMPLE["Averaging"]
 
 
 class Recording(ParameterAveraging):
@@ -48,10 +49,13 @@ class Recording(ParameterAveraging):
 
     def bind(self, context):
         self.calls.append("bind")
-        return super().bind(context)
+        driver = RecordingDriver(self.every, context)
+        driver.calls = self.calls
+        return driver
 
-    def setup(self, trainer):
-        self.calls.append("setup")
+
+class RecordingDriver(Averaging):
+    calls: list
 
     def before_forward(self):
         self.calls.append("before_forward")
@@ -74,17 +78,19 @@ class Recording(ParameterAveraging):
 
 # -- before any process ---------------------------------------------------------------------------------------------
 def test_a_driver_of_ones_own_is_taken_as_it_is():
-    driver = ParameterAveraging(every=4)
-    assert isinstance(driver, SyncDriver) and as_sync(driver) is driver
-    assert RingDDPStrategy(sync=driver).sync is driver
+    settings = ParameterAveraging(every=4)
+    assert isinstance(settings, SyncSettings) and as_sync(settings) is settings
+    assert RingDDPStrategy(sync=settings).sync is settings
     assert as_sync(EveryStep()) is None and as_sync("every_step") is None and RingDDPStrategy().sync is None
-    assert isinstance(as_sync("diloco"), DiLoCo) and isinstance(DiLoCo(every=5), SyncDriver)
+    assert isinstance(as_sync("diloco"), DiLoCo) and isinstance(DiLoCo(every=5), SyncSettings)
+    assert not isinstance(DiLoCo(every=5), SyncDriver)  # the settings, apart from the driver they bind
+
 
 
 def test_a_drivers_check_refuses_before_any_process():
     with pytest.raises(ValueError, match="drop compressor="):
         RingDDPStrategy(sync=ParameterAveraging(every=4), compressor="topk")
-    with pytest.raises(ValueError, match="SyncDriver of your own"):
+    with pytest.raises(ValueError, match="SyncSettings of your own"):
         RingDDPStrategy(sync=object())
     with pytest.raises(ValueError, match="every=0"):
         ParameterAveraging(every=0)
@@ -123,14 +129,14 @@ def _run(rank, world, ckpt_dir):
         warnings.simplefilter("ignore")
         driver = Recording(EVERY)
         trainer, out["averaging"] = _fit(driver)
-        out["calls"], out["syncs"] = driver.calls, features_of(trainer.strategy).sync.syncs
+        out["calls"], out["syncs"] = driver.calls, features_of(trainer.strategy).sync.report().syncs
         _, out["diloco"] = _fit(DiLoCo(every=EVERY, outer_lr=1.0, outer_momentum=0.0))
         trainer, _ = _fit(ParameterAveraging(EVERY), epochs=1)
         path = f"{ckpt_dir}/averaging.ckpt"
         trainer.save_checkpoint(path)
         out["saved"] = torch.load(path, weights_only=True)["lightning_dist"]["sync"] if rank == 0 else None
         trainer, out["resumed"] = _fit(ParameterAveraging(EVERY), ckpt_path=path)
-        out["resumed_syncs"] = features_of(trainer.strategy).sync.syncs
+        out["resumed_syncs"] = features_of(trainer.strategy).sync.report().syncs
         # uneven batches: a rank's share of its gradient is taken among its worker's ranks (itself), not every rank
         trainer, params = _fit(ParameterAveraging(EVERY), epochs=1, hetero={"batch_sizes": [12, 4]})
         out["hetero"] = (params[0], trainer.seen[0])
@@ -159,7 +165,7 @@ def test_the_strategy_calls_the_hooks_in_the_protocols_order(ranks):
     steps = 2 * STEPS_PER_EPOCH
     # Lightning's closure runs the training step inside the optimizer's step
     per_step = [["optimizer_step", "before_forward", f"after_step {s}"] for s in range(1, steps + 1)]
-    expected = ["bind", "setup", *[call for calls in per_step for call in calls], "end_of_fit", "close"]
+    expected = ["bind", *[call for calls in per_step for call in calls], "end_of_fit", "close"]
     for out in ranks:
         assert out["calls"] == expected
         assert out["syncs"] == steps // EVERY

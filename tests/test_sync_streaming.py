@@ -51,7 +51,8 @@ class SavedInFlight(Callback):
         self.inflight = []
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-        self.inflight.append([(ex.fragment.index, ex.step, ex.lands) for ex in trainer.strategy.features.sync.inflight])
+        inflight = trainer.strategy.features.sync.loop.inflight
+        self.inflight.append([(ex.fragment.index, ex.step, ex.lands) for ex in inflight])
 
 
 # -- the one-process replay -----------------------------------------------------------------------------------------
@@ -65,7 +66,7 @@ def _run_flat(rank, world, ckpt_dir):
                 trainer, record = _fit(_strategy(DiLoCo(every=EVERY, fragments=fragments, delay=delay, mix=mix)),
                                        world, model=Net(optimizer))
                 out[("replay", fragments, delay, mix, optimizer)] = (record.params, record.end)
-        sync = trainer.strategy.features.sync
+        sync = trainer.strategy.features.sync.loop
         out["counts"] = (sync.outer_steps, sync.skipped, len(sync.inflight))
         # delay=0 with one fragment is part 1's sync, bit for bit, whatever mix says
         for settings in ({"every": EVERY}, {"every": EVERY, "fragments": 1, "delay": 0, "mix": 0.3}):
@@ -90,7 +91,7 @@ def _run_flat(rank, world, ckpt_dir):
         # after step 9, and every worker restarts that fragment from theta_global
         nan = NaNRecovery()
         trainer, record = _fit(_strategy(DiLoCo(every=EVERY, delay=1)), world, callbacks=[Poison(), nan])
-        out["skip"] = (record.params, nan.skipped, trainer.strategy.features.sync.skipped)
+        out["skip"] = (record.params, nan.skipped, trainer.strategy.features.sync.loop.skipped)
         # resume with an exchange in flight: the first epoch's 6 steps end after the second fragment's exchange
         # started (after step 6, landing after step 7); int8 residuals per fragment
         diloco = {"every": EVERY, "fragments": 2, "delay": 1, "compressor": "int8"}
@@ -277,7 +278,8 @@ def _run_elastic_before(rank, world, ckpt_dir):
         trainer, record = _fit(_strategy(DiLoCo(every=3, final_sync=False)), world, epochs=1,
                                callbacks=[Identities("abc")])
         trainer.save_checkpoint(f"{ckpt_dir}/three.ckpt")
-        return {"end": record.params[-1], "global": [g.clone() for g in trainer.strategy.features.sync.outer.theta]}
+        theta = trainer.strategy.features.sync.loop.outer.theta
+        return {"end": record.params[-1], "global": [g.clone() for g in theta]}
 
 
 def _run_elastic_after(rank, world, ckpt_dir, identities):

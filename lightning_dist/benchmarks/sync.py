@@ -36,7 +36,7 @@ from lightning_dist.examples import ByteLM, StdlibText
 from lightning_dist.hetero import HeteroBatching
 from lightning_dist.simcluster import link_bytes_sent, unavailable
 from lightning_dist.strategy import RingDDPStrategy, features_of
-from lightning_dist.sync import DiLoCo, OneBitAdam, SyncDriver
+from lightning_dist.sync import DiLoCo, OneBitAdam, SyncSettings
 from lightning_dist.testing import RanksFailed, free_port, launched_externally, quiet_trainer, run_ranks
 
 WORKER_MODULE = "lightning_dist.benchmarks.sync"
@@ -86,8 +86,8 @@ class Method:
         sync (such a method is not timed, and DiLoCo's 1/H bytes bound is not judged on it)."""
         return not self.warmup
 
-    def settings(self) -> Optional[SyncDriver]:
-        """The sync driver (None: every step); raises DiLoCo's ValueError for a refused combination."""
+    def settings(self) -> Optional[SyncSettings]:
+        """The sync settings (None: every step); raises DiLoCo's ValueError for a refused combination."""
         if not self.diloco:
             return OneBitAdam() if self.onebit else None
         streaming = {k: v for k in ("fragments", "delay", "mix", "balance", "warmup")
@@ -275,7 +275,7 @@ class FitRecord(Callback):
             (self.sampler.start if step == self.sample[0] else self.sampler.stop)()
         features = features_of(trainer.strategy)
         if self.trace and features is not None and features.sync is not None:
-            metrics = dict(features.sync.metrics)
+            metrics = dict(features.sync.report().metrics)
             if metrics and (not self.sync_trace or self.sync_trace[-1][1] != metrics):
                 self.sync_trace.append((step, metrics))
         if self.every and step > self.offset and step % self.every == self.offset % self.every:
@@ -323,13 +323,13 @@ def fit(method: Method, shape: Shape, sizes: Sizes, steps: int, curve: bool, lin
     features = features_of(trainer.strategy)
     global_loss = None
     if record.every and trainer.is_global_zero and method.diloco:
-        global_loss = val_loss(global_model(model, features.sync.state_dict()), record.batch)
+        global_loss = val_loss(global_model(model, features.sync.loop.state_dict()), record.batch)
     return {"method": method.label, "steps": trainer.global_step, "params": sum(p.numel() for p in model.parameters()),
             "start": record.starts[0] if record.starts else None, "starts": record.starts, "ends": record.ends,
             "epochs": record.epochs, "samples": record.samples, "link_sent": record.link_sent,
             "curve": [list(point) for point in record.curve], "totals": dict(features.totals),
             # DiLoCo's sync/* figures as of the last sync (its bytes per step: this rank's over the fit's steps)
-            "sync_metrics": dict(features.sync.metrics) if features.sync is not None else {},
+            "sync_metrics": dict(features.sync.report().metrics) if features.sync is not None else {},
             "global_loss": global_loss, "trace": [[step, m] for step, m in record.sync_trace],
             "link_samples": [list(s) for s in record.sampler.samples] if record.sampler is not None else []}
 

@@ -480,10 +480,6 @@ def check_settings(**settings: Any) -> list[str]:
 
 
 def _sync_bytes(sync: Any, on_gpu: bool) -> int:
-    """What a sync driver keeps on the device this monitor watches: a driver that says where its state lives
-    (``memory_by_device``: DiLoCo keeps all of it in host memory) counts there only; else all of it, beside the
-    model."""
-    by_device = sync.memory_by_device()
-    if by_device is None:
-        return int(sync.memory_bytes())
-    return int(by_device.get("cuda" if on_gpu else "cpu", 0))
+    """What a sync driver keeps on the device this monitor watches: its report's bytes by device type (DiLoCo keeps all
+    of it in host memory, OneBitAdam beside the model)."""
+    return int(sync.report().memory.get("cuda" if on_gpu else "cpu", 0))

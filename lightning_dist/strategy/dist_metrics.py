@@ -45,6 +45,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
@@ -72,7 +73,7 @@ class DistMetrics(Callback):
         features = features_of(trainer.strategy)
         if features is not None:  # ask the strategy to exchange on the steps we log
             features.request_exchange(self._interval, "metrics")
-            self._syncs_logged = 0 if features.sync is None else features.sync.syncs
+            self._syncs_logged = 0 if features.sync is None else features.sync.report().syncs
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -93,14 +94,26 @@ class DistMetrics(Callback):
 
     def _log_sync(self, trainer: pl.Trainer, features: Any) -> None:
         """The sync driver's ``sync/*`` metrics after every sync (DiLoCo's: every H steps), whatever the interval."""
-        sync = features.sync
-        done = 0 if sync is None else sync.syncs
-        if done == self._syncs_logged or sync is None or not sync.metrics:
+        report = features.sync.report() if features.sync is not None else None
+        if report is None or report.syncs == self._syncs_logged or not report.metrics:
             return
-        self._syncs_logged = done
+        self._syncs_logged = report.syncs
         if trainer.is_global_zero:
             for logger in trainer.loggers:
-                logger.log_metrics(dict(sync.metrics), step=trainer.global_step)
+                logger.log_metrics(dict(report.metrics), step=trainer.global_step)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The sync driver's figures of every validation of a fit (DiLoCo's ``sync/validated_global``), in the
+        callback metrics and logged, whatever the interval."""
+        features = features_of(trainer.strategy)
+        if features is None or features.sync is None or trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        validation = dict(features.sync.report().validation)
+        trainer.callback_metrics.update({k: torch.tensor(v) for k, v in validation.items()})
+        if validation and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(validation, step=trainer.global_step)
 
 
 __getattr__ = renamed(__name__, {"DistMetricsCallback": DistMetrics})

@@ -67,7 +67,7 @@ class RingFeatures:
         self._meter, self._schedule, self._guard, self._hook_state = meter, schedule, guard, hook_state
         self._hetero = hetero
         self.identities: Optional[list[str]] = None  # every rank's node identity, in rank order (elastic runs)
-        # sync=: the running sync driver, bound at set-up (its metrics and state), None when syncing every step
+        # sync=: the sync driver bound to the fit at set-up (its report and state), None when syncing every step
         self.sync: Optional[SyncDriver] = None
         # wraps a long collective (:meth:`long_collective`); set by a feature that watches for stalls (FaultTolerance)
         self.collective_guard: Optional[Callable[[str], ContextManager[Any]]] = None
@@ -190,7 +190,7 @@ class RingFeatures:
         strategy = self._strategy
         entry = local_entry(self._hook_state.compressor, strategy.global_rank, strategy.world_size, self.identities,
                             state_layout(self.topology))
-        sync = self.sync.checkpoint_entry(local=True) if self.sync is not None else None
+        sync = self.sync.state_dict(local=True) if self.sync is not None else None
         if sync is not None:
             entry[CHECKPOINT_KEY]["sync"] = sync
         return entry

@@ -18,9 +18,9 @@ delegate; each mechanism lives in a module beside it:
 - :mod:`lightning_dist.hetero`: with ``hetero=``, the training loader rebuilt so each rank's share of the
   global batch follows its speed, rebalanced from the exchange; :mod:`.micro` runs a share above the rank's memory
   cap as several micro-batches inside the one training step;
-- :mod:`lightning_dist.sync`: ``sync=`` takes a sync driver (:class:`~lightning_dist.sync.SyncDriver`, such as
-  ``DiLoCo(every=H)``), whose hooks the strategy calls around Lightning's step without knowing which way of syncing
-  it drives; the comm hook then reduces inside the driver's workers only;
+- :mod:`lightning_dist.sync` (with :mod:`.sync_seam`): ``sync=`` takes sync settings (such as ``DiLoCo(every=H)``)
+  bound at set-up to a :class:`~lightning_dist.sync.SyncDriver`, whose hooks the strategy calls around Lightning's
+  step without knowing which way of syncing it drives; the comm hook then reduces inside the driver's workers only;
 - :mod:`lightning_dist.launch`: under torchrun, a view of the launcher's store private to the restart attempt.
 
 Features (callbacks, experiments, benchmarks) use the strategy only through :attr:`RingDDPStrategy.features`
@@ -64,8 +64,9 @@ from lightning_dist.strategy.micro import MicroBatches
 from lightning_dist.strategy.schedule import ExchangeSchedule
 from lightning_dist.strategy.skip import StepGuard, StepVerdict
 from lightning_dist.strategy.step_meter import StepMeter
+from lightning_dist.strategy.sync_seam import SyncSeam, agreeing_scaler
 from lightning_dist.strategy.tiers import gradient_groups
-from lightning_dist.sync import EveryStep, SyncContext, SyncDriver, as_sync
+from lightning_dist.sync import SyncContext, SyncSettings, as_sync
 from lightning_dist.upstream import DDPBase
 
 WORKER_JOIN_TIMEOUT_S = 10.0  # teardown waits this long for the communication worker to end
@@ -102,7 +103,7 @@ class RingDDPStrategy(DDPBase):
         sync: how the workers synchronise: None or ``"every_step"`` (default: the gradient all-reduce of every
             step), a :class:`~lightning_dist.sync.DiLoCo` (``"diloco"``, or a dict of its arguments: each worker, a
             host under two_tier or a rank under flat, trains alone for ``every`` steps, then the workers average
-            their progress through an outer Nesterov step), or any :class:`~lightning_dist.sync.SyncDriver`.
+            their progress through an outer Nesterov step), or any :class:`~lightning_dist.sync.SyncSettings`.
         **kwargs: every other keyword of :class:`~torch.nn.parallel.DistributedDataParallel` that
             DDPStrategy passes through (``find_unused_parameters``, ``static_graph``, ``bucket_cap_mb``, ...).
 
@@ -130,13 +131,13 @@ class RingDDPStrategy(DDPBase):
         overlap: bool = True,
         hetero: Union[HeteroBatching, dict, None] = None,
         topology: str = "auto",
-        sync: Union[SyncDriver, dict, str, None] = None,
+        sync: Union[SyncSettings, dict, str, None] = None,
         **kwargs: Any,
     ) -> None:
         algorithm, topology, start_method = check_arguments(
             algorithm, topology, start_method, overlap, ddp_comm_state=ddp_comm_state, ddp_comm_hook=ddp_comm_hook,
             ddp_comm_wrapper=ddp_comm_wrapper, model_averaging_period=model_averaging_period)
-        self._sync = as_sync(sync)
+        self._sync = as_sync(sync)  # the settings; the driver of each fit is bound at set-up (SyncSeam)
         compressor = as_compressor(compressor)
         self._compressor = compressor  # the settings: each fit reduces through a fresh copy (setup_distributed)
         super().__init__(
@@ -158,9 +159,7 @@ class RingDDPStrategy(DDPBase):
         self._schedule = ExchangeSchedule()  # the per-step exchange, on a gloo group of its own
         self._meter = StepMeter()  # this rank's per-step measurements; its step count is the strategy's
         self._micro = MicroBatches()  # a share run as several micro-batches (hetero accumulate), or as inner steps
-        self._driver: SyncDriver = EveryStep()  # the sync driver of this fit, bound at set-up (sync=, or every step)
-        self._worker: Optional[list[int]] = None  # the ranks of this rank's worker, where the driver has workers
-        self._restoring: Optional[dict[str, Any]] = None  # a resumed checkpoint's entry, for the driver's bind
+        self._seam = SyncSeam(self._sync, self._guard)  # the sync driver of this fit and what follows from its answers
         self._cycle = StepCycle(self._meter, self._schedule, self._hook_state, self._hetero)  # one step's bookkeeping
         self._features = RingFeatures(self, self._meter, self._schedule, self._guard, self._hook_state,
                                        self._hetero)
@@ -179,9 +178,9 @@ class RingDDPStrategy(DDPBase):
         return self._overlap
 
     @property
-    def sync(self) -> Optional[SyncDriver]:
-        """How the workers synchronise: None (every step) or the sync driver given as ``sync=`` (the running one, its
-        metrics and state, is ``features.sync`` during and after a fit)."""
+    def sync(self) -> Optional[SyncSettings]:
+        """How the workers synchronise: None (every step) or the sync settings given as ``sync=`` (the driver bound to
+        a fit, its report and state, is ``features.sync`` during and after the fit)."""
         return self._sync
 
     # -- set-up ---------------------------------------------------------------------------------------------
@@ -233,20 +232,26 @@ class RingDDPStrategy(DDPBase):
         wanted = not getattr(trainer, "barebones", False)
         if wanted and not any(isinstance(cb, DistMetrics) for cb in trainer.callbacks):
             trainer.callbacks.append(DistMetrics())
+        if trainer.state.fn == "fit":  # what the sync settings declare they cannot do, before DDP wraps the model
+            self._seam.refuse(trainer, self._hetero, self.topology, self.world_size)
         super().setup(trainer)
         if self._hetero is not None and not trainer.lightning_module.automatic_optimization:
             change = self._hetero.without_micro_batches()  # the user's training_step runs its own backward
             if change is not None:
                 rank_zero_info(f"RingDDPStrategy: {change}")
-        self._driver.setup(trainer)
+        if trainer.state.fn == "fit":  # once Lightning's set-up is done (DDP's wrap, optimizers): the driver binds
+            self._register_hook(trainer)
 
     @override
     def register_comm_hooks(self) -> None:
-        # Lightning registers hooks only when root_device is CUDA; ours must run on CPU as well.
-        assert isinstance(self.model, DistributedDataParallel)
+        # Lightning calls this from its DDP wrap (and registers hooks only on CUDA); ours is registered on every device
+        # at the end of setup, once the sync driver is bound (its workers decide where the hook reduces)
         self._stop_worker()  # a fit that failed before teardown may have left one
+
+    def _register_hook(self, trainer: Any) -> None:
+        assert isinstance(self.model, DistributedDataParallel)
         reduction = gradient_groups(self.topology, self.global_rank, self.world_size, self._algorithm,
-                                    self._hook_state.stats, self.collective_timeout, workers=self._bind_driver())
+                                    self._hook_state.stats, self.collective_timeout, workers=self._bind_driver(trainer))
         self._hook_groups = reduction.owned
         self._schedule.every_step = bool(self._hetero is not None and self._hetero.rebalance)
         state = self._hook_state
@@ -258,32 +263,23 @@ class RingDDPStrategy(DDPBase):
             state.start_worker(f"rank{self.global_rank}", self.root_device)
         self.model.register_comm_hook(state, ring_comm_hook)
 
-    def _bind_driver(self) -> Optional[Sequence[Sequence[int]]]:
+    def _bind_driver(self, trainer: Any) -> Optional[Sequence[Sequence[int]]]:
         """The sync driver of this fit, bound to the wrapped model; returns its workers' ranks (None: every rank)."""
-        assert isinstance(self.model, DistributedDataParallel)
-        context = SyncContext(strategy=self, ddp=self.model, topology=self.topology, algorithm=self._algorithm,
-                              timeout=self.collective_timeout, stats=self._hook_state.stats, guard=self._guard,
-                              hetero=self._hetero, checkpoint=self._restoring, record_skip=self._record_skipped_sync,
-                              share=self._hook_state.step_share, reduction=lambda: gradient_groups(
-                                  self.topology, self.global_rank, self.world_size, self._algorithm,
-                                  self._hook_state.stats, self.collective_timeout))
-        self._restoring = None
-        self._driver = (self._sync or EveryStep()).bind(context)
-        self._features.sync = self._driver if self._sync is not None else None
-        workers = self._driver.gradient_ranks
-        # what the driver's workers imply: a rank's share of the gradient is taken among its worker's ranks; each
-        # worker keeps its own buffers (DDP would broadcast rank zero's in every forward); and a worker of one rank
-        # reduces nothing (DDP's synchronisation off for the whole fit, as its no_sync() sets it)
-        self._worker = None if workers is None else next(list(w) for w in workers if self.global_rank in w)
-        if workers is not None:
-            self.model.broadcast_buffers = False
-        if self._worker is not None and len(self._worker) == 1:
-            self.model.require_backward_grad_sync = False
+        features, state = self._features, self._hook_state
+        context = SyncContext(
+            rank=self.global_rank, world_size=self.world_size, module=self.model.module, topology=self.topology,
+            algorithm=self._algorithm, timeout=self.collective_timeout, stats=state.stats, hetero=self._hetero,
+            find_unused=bool(self.model.find_unused_parameters), share=state.step_share,
+            reduction=lambda: gradient_groups(self.topology, self.global_rank, self.world_size, self._algorithm,
+                                              state.stats, self.collective_timeout),
+            record_skip=self._seam.record_skip, long_collective=features.long_collective,
+            exchange_group=lambda: self._schedule.group, identities=lambda: features.identities,
+            optimizer_states=lambda: [self.optimizer_state(optimizer) for optimizer in self.optimizers],
+            agreeing_scaler=lambda: agreeing_scaler(self.precision_plugin))
+        # the share among the worker's ranks, the DDP flags, the verdict's group: lightning_dist.strategy.sync_seam
+        workers = self._seam.bind(context, self.model, trainer, self.collective_timeout)
+        features.sync = self._seam.driver if self._sync is not None else None
         return workers
-
-    def _record_skipped_sync(self, step: int, reason: str) -> None:
-        if self._guard.armed:  # NaNRecovery hears of a skipped sync as of a skipped step
-            self._guard.record(StepVerdict(step=step, skipped=True, reason=reason))
 
     def _stop_worker(self) -> None:
         warning = self._hook_state.stop_worker(WORKER_JOIN_TIMEOUT_S)
@@ -308,14 +304,14 @@ class RingDDPStrategy(DDPBase):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
         self._meter.batch_started(batch)
-        micro, accumulate, driver = None, True, self._driver
+        micro, accumulate, driver = None, True, self._seam.driver
         if self._hetero is not None and self._hetero.attached:  # the share, from the plan every rank holds
             batch_idx = args[1] if len(args) > 1 else kwargs["batch_idx"]
             epoch = self.lightning_module.trainer.current_epoch
-            self._hook_state.share = self._hetero.start_batch(epoch, batch_idx, self.global_rank, self._worker)
+            self._hook_state.share = self._hetero.start_batch(epoch, batch_idx, self.global_rank, self._seam.worker)
             micro, accumulate = driver.before_batch(self._hetero.sizes_of(epoch, batch_idx),
                                                     self._hetero.micro_sizes(epoch, batch_idx, self.global_rank))
-        driver.before_forward()
+        self._seam.before_forward(self.model)
         if micro is not None and len(micro) > 1:  # several passes in this step (lightning_dist.strategy.micro)
             args = (*args, *kwargs.values())  # Lightning passes (batch, batch_idx) by position
             return self._micro.start(self, args[0], args[1:], micro, self._hook_state, super().training_step,
@@ -347,8 +343,8 @@ class RingDDPStrategy(DDPBase):
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         def one_pass(loss: torch.Tensor) -> torch.Tensor:
-            if self._worker is not None and len(self._worker) == 1:  # Lightning's manual optimization turns DDP's
-                self.model.require_backward_grad_sync = False    # synchronisation back on after every forward
+            if not self._seam.reduces:  # Lightning's manual optimization turns DDP's synchronisation back on after
+                self.model.require_backward_grad_sync = False  # every forward
             # the loss gradient carries this rank's share (and NaN for a non-finite loss with the guard armed)
             stepping.follow_loss_scale(self._features.loss_scaler, self._hook_state)
             with stepping.shared_backward(loss, self._hook_state, self._guard,
@@ -378,29 +374,33 @@ class RingDDPStrategy(DDPBase):
             if not exchanged:
                 exchanged = True
                 self._cycle.complete_exchange(self.world_size, self.lightning_module.trainer.num_training_batches)
+                self._seam.agree_scaler(optimizer, self._features.loss_scaler, self._schedule.group, self.global_rank,
+                                        self.world_size)  # a step DDP did not reduce: fp16's verdict made the worker's
             return result
 
         def step(run: Callable[[], Any]) -> Any:  # Lightning's step, around which the sync driver may do its own
             return super(RingDDPStrategy, self).optimizer_step(optimizer, run, model, **kwargs)
 
+        driver = self._seam.driver
         if not self._guard.armed:
-            output = self._driver.optimizer_step(optimizer, closure_then_exchange, step)
+            output = driver.optimizer_step(optimizer, closure_then_exchange, step)
             if exchanged:
                 self._after_step(optimizer, model, skipped=False, **kwargs)
             return output
         # The step-or-skip point: backward first, then every rank decides alike whether the optimizer steps (every
-        # rank of the sync driver's group: under DiLoCo a worker's, since the workers step alone between syncs).
+        # rank of the sync driver's worker: under DiLoCo a worker's, since the workers step alone between syncs).
         result = closure_then_exchange()
         verdict = self._decide(optimizer)
         if not verdict.skipped:
-            result = self._driver.optimizer_step(optimizer, stepping.replay(result, closure_then_exchange), step)
+            result = driver.optimizer_step(optimizer, stepping.replay(result, closure_then_exchange), step)
         self._after_step(optimizer, model, skipped=verdict.skipped, **kwargs)
         return result
 
     def _decide(self, optimizer: Any) -> StepVerdict:
-        """Step or skip (NaNRecovery armed the guard), agreed in the sync driver's group; a skip is taken here."""
+        """Step or skip (NaNRecovery armed the guard), agreed among the worker's ranks; a skip is taken here."""
         scaler = self._features.loss_scaler
-        group, rank, size = self._driver.verdict_group() or (self._schedule.group, self.global_rank, self.world_size)
+        group, rank, size = self._seam.verdict_group(self.model.module, scaler, self._schedule.group, self.global_rank,
+                                                     self.world_size)
         verdict = stepping.decide_step(self._guard, optimizer, scaler, group, rank, size,
                                        step=self.lightning_module.trainer.global_step)
         if verdict.skipped:
@@ -419,31 +419,31 @@ class RingDDPStrategy(DDPBase):
             self._micro.more_steps(self, optimizer, lambda loss: self.backward(loss, optimizer), take_step,
                                    self._hook_state, super().training_step)
             self._meter.add_compute(time.perf_counter() - started)  # the measured speed covers every inner step
-        self._driver.after_step(self.lightning_module.trainer.global_step + 1)
+        self._seam.driver.after_step(self.lightning_module.trainer.global_step + 1)
         self._cycle.finish(skipped)
 
     # -- validation (the sync driver's: e.g. DiLoCo validates theta_global) and the end of a fit --------------
     @override
     def on_validation_start(self) -> None:
-        self._driver.before_validation()
+        self._seam.driver.validation(starting=True)
 
     @override
     def on_validation_end(self) -> None:
-        self._driver.after_validation()
+        self._seam.driver.validation(starting=False)
 
     @override
     def on_train_end(self) -> None:
         self._schedule.drain()  # every rank started it, so every rank can finish it
-        self._driver.end_of_fit()
+        self._seam.driver.end_of_fit()
         super().on_train_end()
 
     @override
     def teardown(self) -> None:
         self._stop_worker()  # first: it may still use the comm group
-        self._driver.close()  # (it stays readable, its metrics and counts, until the next set-up)
-        for failure in destroy_groups((*self._hook_groups, self._schedule.group)):
+        self._seam.driver.close()  # (it stays readable, its report and state, until the next set-up)
+        for failure in destroy_groups((*self._hook_groups, self._schedule.group, self._seam.worker_group)):
             rank_zero_debug(f"RingDDPStrategy.teardown: {failure}")
-        self._schedule.group, self._hook_groups = None, []
+        self._schedule.group, self._hook_groups, self._seam.worker_group = None, [], None
         self._hook_state.unbind()
         release_scratch()
         super().teardown()
@@ -455,7 +455,7 @@ class RingDDPStrategy(DDPBase):
         # state (residuals, random generator) is its own, so all of them travel to rank zero first.
         compressor = self._hook_state.compressor
         states = gather_states(compressor, self.world_size, self._schedule.group)
-        sync = self._driver.checkpoint_entry()  # a collective too (DiLoCo: every worker's own state)
+        sync = self._seam.driver.state_dict()  # a collective too (DiLoCo: every worker's own state)
         if self.is_global_zero:
             entry = compressor_entry(compressor, self.world_size, states, self._features.identities,
                                      state_layout(self.topology))
@@ -476,12 +476,12 @@ class RingDDPStrategy(DDPBase):
         super().load_model_state_dict(checkpoint, strict=strict)
         restore_compressor(self._hook_state.compressor, checkpoint, self.global_rank, self.world_size,
                            self._features.identities, state_layout(self.topology))
-        # the sync driver's state applies once it is bound: after DDP's wrap, which copies rank zero's parameters
-        self._restoring = checkpoint.get(CHECKPOINT_KEY) or {}
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        super().load_optimizer_state_dict(self._driver.restore_optimizers(checkpoint))
+        # the bound sync driver's state, in one call that hands back this rank's optimizer states where workers own them
+        states = self._seam.driver.load_state_dict((checkpoint.get(CHECKPOINT_KEY) or {}).get("sync"))
+        super().load_optimizer_state_dict(checkpoint if states is None else {**checkpoint, "optimizer_states": states})
 
     @classmethod
     @override

@@ -13,7 +13,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,8 @@ from lightning_dist.sync.diloco_fragments import Fragment, Schedule, SyncedModel
 from lightning_dist.sync.diloco_outer import GlobalSwap, OuterStep
 from lightning_dist.sync.diloco_settings import DiLoCoSettings
 from lightning_dist.sync.diloco_state import SyncState
+
+Agree = Callable[[list[bool]], list[bool]]  # flags agreed across every rank (SyncContext.agree)
 
 
 @dataclass
@@ -52,11 +54,9 @@ class DiLoCoSync:
 
     def __init__(self, settings: DiLoCoSettings, workers: Workers, algorithm: str,
                  cross_group: Optional[dist.ProcessGroup], host_group: Optional[dist.ProcessGroup] = None,
-                 worker_flags_group: Optional[dist.ProcessGroup] = None,
                  buffers_group: Optional[dist.ProcessGroup] = None) -> None:
         self.settings = settings
         self.workers = workers
-        self.worker_flags_group = worker_flags_group  # two_tier: gloo, for the inner step's verdict inside the host
         # two_tier: the buffers' broadcast inside the host, from the main thread (with a delay host_group is the
         # sync thread's)
         self.buffers_group = buffers_group if buffers_group is not None else host_group
@@ -72,9 +72,8 @@ class DiLoCoSync:
     @classmethod
     def create(cls, settings: DiLoCoSettings, topology: Optional[Topology], rank: int, world_size: int, algorithm: str,
                timeout: Optional[timedelta] = None) -> DiLoCoSync:
-        """The sync's groups, made by every rank in the same order: under two_tier each part's group across hosts,
-        each host's group for the parts' all-gather and a gloo one for the inner step's verdict; under flat one
-        group of every rank."""
+        """The sync's groups, made by every rank in the same order: under two_tier each part's group across hosts and
+        each host's group for the parts' all-gather; under flat one group of every rank."""
         workers = Workers.of(topology, world_size, rank)
         # the pseudo-gradient and the averaged buffers are host tensors: gloo groups (docs/sync.md, "Where the state
         # lives")
@@ -85,16 +84,15 @@ class DiLoCoSync:
         hosts = [list(r) for r in workers.ranks]
         cross = dist.new_subgroups_by_enumeration(across_hosts, timeout=timeout, backend="gloo")[0]
         host = dist.new_subgroups_by_enumeration(hosts, timeout=timeout, backend="gloo")[0]
-        flags = dist.new_subgroups_by_enumeration(hosts, timeout=timeout, backend="gloo")[0]
         # the model's own buffers, broadcast inside the host before each forward from the main thread: where they
         # live (the default backend's group: NCCL for a GPU model)
         buffers = dist.new_subgroups_by_enumeration(hosts, timeout=timeout)[0]
-        return cls(settings, workers, algorithm, cross, host, flags, buffers)
+        return cls(settings, workers, algorithm, cross, host, buffers)
 
     @property
     def groups(self) -> list[dist.ProcessGroup]:
         """The groups this rank is in (to destroy at teardown)."""
-        found = (self.exchanges.cross_group, self.exchanges.host_group, self.worker_flags_group, self.buffers_group)
+        found = (self.exchanges.cross_group, self.exchanges.host_group, self.buffers_group)
         return list({id(g): g for g in found if g is not None}.values())
 
     # -- the parts' figures -----------------------------------------------------------------------------------------
@@ -170,39 +168,26 @@ class DiLoCoSync:
         for buf in self.model.buffers:
             dist.broadcast(buf, src=self.workers.leader, group=self.buffers_group)
 
-    def worker_verdict_group(self, guard: Any, module: torch.nn.Module
-                             ) -> tuple[Optional[dist.ProcessGroup], int, int]:
-        """The group, rank and size in which the inner step's step-or-skip verdict is agreed: the worker's. A worker
-        of one rank reduced nothing in the comm hook, so its gradients are checked here (``guard``: the strategy's
-        :class:`~lightning_dist.strategy.skip.StepGuard`, whose sentinel checks each gradient alone)."""
-        if self.workers.local_size > 1:
-            return self.worker_flags_group, self.workers.local_index, self.workers.local_size
-        for p in module.parameters():
-            if p.grad is not None and p.grad.numel():
-                flat = p.grad.view(-1)
-                guard.check_local(flat)
-                guard.check_reduced(flat)
-        return None, 0, 1
-
     # -- the sync -------------------------------------------------------------------------------------------------
     def sync_after(self, step: int, stats: Optional[CommStats] = None, tier: str = "inter_host",
-                   flags_group: Optional[dist.ProcessGroup] = None) -> list[SyncResult]:
+                   agree: Optional[Agree] = None) -> list[SyncResult]:
         """After optimizer step ``step``, on every rank together: the exchanges due to land land (in the order they
         started), then the fragment due to sync starts (and, without a delay, lands at once). Returns the syncs that
         landed.
 
         ``stats``: the strategy's step statistics; the pseudo-gradient's bytes are recorded under ``tier`` (a delayed
-        exchange's in the step it lands). ``flags_group``: a group of every rank (gloo) to say, on a skip, which
-        workers saw a non-finite value.
+        exchange's in the step it lands). ``agree``: flags agreed across every rank (the context's
+        :meth:`~lightning_dist.sync.context.SyncContext.agree`), to say, on a skip, which workers saw a non-finite
+        value.
         """
-        results = [self._land(ex, stats, tier, flags_group) for ex in self.exchanges.landing(step)]
+        results = [self._land(ex, stats, tier, agree) for ex in self.exchanges.landing(step)]
         if self.schedule.warming(step):  # (nothing is in flight: the first delayed exchange starts after the warm-up)
-            return results + [self._average_now(f, step, stats, tier, flags_group) for f in self.fragments]
+            return results + [self._average_now(f, step, stats, tier, agree) for f in self.fragments]
         fragment = self.schedule.starting(step)
         if fragment is not None:
             exchange = self._start(fragment, step, stats, tier, self.settings.delay)
             if not self.settings.delay:
-                results.append(self._land(exchange, stats, tier, flags_group))
+                results.append(self._land(exchange, stats, tier, agree))
         return results
 
     def _start(self, fragment: Fragment, step: int, stats: Optional[CommStats], tier: str, delay: int,
@@ -212,14 +197,14 @@ class DiLoCoSync:
                                     averages)
 
     def _average_now(self, fragment: Fragment, step: int, stats: Optional[CommStats], tier: str,
-                     flags_group: Optional[dist.ProcessGroup]) -> SyncResult:
+                     agree: Optional[Agree]) -> SyncResult:
         """A warm-up step's or the final sync's: the fragment's exchange in the step, landed as the workers' weighted
         mean (``theta_global`` minus the mean pseudo-gradient; no outer step, the momentum untouched)."""
         exchange = self._start(fragment, step, stats, tier, delay=0, averages=True)
-        return self._land(exchange, stats, tier, flags_group)
+        return self._land(exchange, stats, tier, agree)
 
     def _land(self, exchange: Exchange, stats: Optional[CommStats], tier: str,
-              flags_group: Optional[dist.ProcessGroup]) -> SyncResult:
+              agree: Optional[Agree]) -> SyncResult:
         """The outer step on the fragment (or the skip), and the worker's parameters set from ``theta_global``."""
         started = time.perf_counter()
         sent_before = stats.bytes_sent if stats is not None else 0
@@ -228,7 +213,7 @@ class DiLoCoSync:
         result = SyncResult(step=exchange.lands, skipped=not math.isfinite(norm), fragment=fragment.index)
         with torch.no_grad():
             if result.skipped:
-                result.bad_workers = self.exchanges.bad_workers(exchange, flags_group)
+                result.bad_workers = self.exchanges.bad_workers(exchange, agree)
                 outer.skipped += 1
             else:
                 outer.step(exchange)
@@ -262,24 +247,24 @@ class DiLoCoSync:
         self.exchanges.settle_all()
 
     def land_inflight(self, stats: Optional[CommStats] = None, tier: str = "inter_host",
-                      flags_group: Optional[dist.ProcessGroup] = None) -> list[SyncResult]:
+                      agree: Optional[Agree] = None) -> list[SyncResult]:
         """The end of a fit, on every rank together: every exchange still in flight lands now (the model the fit
         leaves holds every sync it started)."""
-        return [self._land(ex, stats, tier, flags_group) for ex in list(self.inflight)]
+        return [self._land(ex, stats, tier, agree) for ex in list(self.inflight)]
 
     def final_sync(self, step: int, stats: Optional[CommStats] = None, tier: str = "inter_host",
-                   flags_group: Optional[dist.ProcessGroup] = None) -> list[SyncResult]:
+                   agree: Optional[Agree] = None) -> list[SyncResult]:
         """The end of a fit after optimizer step ``step`` (``DiLoCo(final_sync=True)``), on every rank together: the
         exchanges in flight land (:meth:`land_inflight`), then every fragment whose sync did not start after ``step``
         averages the workers, in the step (its pseudo-gradient since its last sync, workers weighted by their
         samples, as every sync's; ``theta_global`` minus it, as a warm-up step: no outer momentum), and every rank's
         parameters and buffers become ``theta_global`` and the averaged buffers. Called instead of
         :meth:`sync_after` in a last step known as such, it takes the place of the sync due there."""
-        results = self.land_inflight(stats, tier, flags_group)
+        results = self.land_inflight(stats, tier, agree)
         if step > 0:
             for fragment in self.fragments:
                 if fragment.started != step:  # steps since its last sync
-                    results.append(self._average_now(fragment, step, stats, tier, flags_group))
+                    results.append(self._average_now(fragment, step, stats, tier, agree))
         self.outer.copy_to(self.model)
         return results
 
@@ -349,14 +334,14 @@ class DiLoCoSync:
         contribution to each exchange in flight was finite."""
         return self.state.rank_state()
 
-    def worker_state(self) -> list[dict[str, torch.Tensor]]:
+    def inflight_snapshots(self) -> list[dict[str, torch.Tensor]]:
         """This worker's part (after :meth:`state_dict`): its parameters at the start of each exchange in flight, by
         name."""
-        return self.state.worker_state()
+        return self.state.inflight_snapshots()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output (after :meth:`attach`); then :meth:`load_rank_state` and
-        :meth:`load_worker_state`."""
+        :meth:`load_inflight_snapshots`."""
         self.state.load_state_dict(state)
 
     def load_rank_state(self, state: Optional[dict[str, Any]], shared_only: bool = False) -> None:
@@ -364,12 +349,12 @@ class DiLoCoSync:
         another rank's, whose shared compressor state applies)."""
         self.state.load_rank_state(state, shared_only)
 
-    def load_worker_state(self, snapshots: Optional[list[dict[str, torch.Tensor]]]) -> None:
-        """This worker's parameters at the start of each exchange in flight, from :meth:`worker_state` (None: not
+    def load_inflight_snapshots(self, snapshots: Optional[list[dict[str, torch.Tensor]]]) -> None:
+        """This worker's parameters at the start of each exchange in flight, from :meth:`inflight_snapshots` (None: not
         saved; each lands then on the worker's parameters as restored, as if it had started now)."""
-        self.state.load_worker_state(snapshots)
+        self.state.load_inflight_snapshots(snapshots)
 
     def restart_from_global(self) -> None:
         """Every parameter and buffer of this rank set to the global ones (a worker whose own state was lost)."""
         self.outer.copy_to(self.model)
-        self.load_worker_state(None)
+        self.load_inflight_snapshots(None)

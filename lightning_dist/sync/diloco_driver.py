@@ -1,35 +1,36 @@
 """DiLoCo as a sync driver (:mod:`lightning_dist.sync.driver`): what it does around Lightning's step, its checkpoints.
 
 :class:`DiLoCo` is what users pass (``RingDDPStrategy(sync=DiLoCo(every=50))``): its settings
-(:class:`~lightning_dist.sync.diloco_settings.DiLoCoSettings`, checked before any process starts) and the driver's
-first two hooks, :meth:`DiLoCo.check` and :meth:`DiLoCo.bind`. At set-up ``bind`` makes the running
-:class:`DiLoCoDriver`: the outer loop (:class:`~lightning_dist.sync.diloco.DiLoCoSync`) with the hooks the strategy
+(:class:`~lightning_dist.sync.diloco_settings.DiLoCoSettings`, checked before any process starts) as
+:class:`~lightning_dist.sync.SyncSettings`: :meth:`DiLoCo.check`, :meth:`DiLoCo.refuses` and :meth:`DiLoCo.bind`. At
+set-up ``bind`` makes the running :class:`DiLoCoDriver`, which holds the outer loop
+(:class:`~lightning_dist.sync.diloco.DiLoCoSync`, its :attr:`~DiLoCoDriver.loop`) and answers the hooks the strategy
 calls from then on:
 
-- *set-up*: the outer loop's groups; DDP's gradient synchronisation kept inside a worker (off for a worker of one rank,
-  whose gradients then never leave it; on the host's group for a host, dense, over its own links); DDP's buffer
-  broadcast off (the sync averages buffers, and a host's first rank broadcasts them inside the host before each
-  forward); a resumed checkpoint's state applied (this rank's worker's own parameters, inner optimizer states and
-  exchanges in flight, or ``theta_global`` when they are gone);
-- Lightning's SIGTERM broadcast before every batch (a collective across every worker, which syncing every H steps
-  exists to avoid) runs only before the steps where the workers meet anyway (:meth:`DiLoCoSync.meets`);
+- *set-up*: the outer loop's groups; its workers (:attr:`DiLoCoDriver.gradient_ranks`), from which the strategy
+  derives the rest: DDP's gradient synchronisation kept inside a worker (off for a worker of one rank, whose gradients
+  then never leave it; on the host's group for a host, dense, over its own links), DDP's buffer broadcast off (the sync
+  averages buffers, and a host's first rank broadcasts them inside the host before each forward), NaNRecovery's verdict
+  agreed inside the worker, and Lightning's SIGTERM broadcast (a collective across every worker before every batch)
+  run only before the steps where the workers meet anyway (:meth:`DiLoCoSync.meets`);
 - *every batch*: each worker's samples weigh its pseudo-gradient; ``balance="steps"`` runs a faster worker's share as
   more inner steps (:func:`~lightning_dist.sync.diloco_fragments.inner_steps`, agreed from every rank's share);
 - *after every optimizer step*: the fragment syncs that land and start there (each a long collective of every rank, a
   model's worth of bytes over the slowest links: FaultTolerance's watchdog waits while every rank is in one, through
-  :meth:`~lightning_dist.strategy.features.RingFeatures.long_collective`); a skipped outer step is warned of and
-  reported to NaNRecovery as a skipped step; after the fit's last step (:func:`~lightning_dist.sync.driver.ends_fit`,
-  or a stop a callback agreed on, met at the last validation or at the end) the final sync;
+  the context's ``long_collective``); a skipped outer step is warned of and reported to NaNRecovery as a skipped
+  step; after the fit's last step (the context's ``ends_fit``, or a stop a callback agreed on, met at the last
+  validation or at the end) the final sync;
 - *validation*: ``theta_global`` swapped in (``validate="global"``) and each rank's own parameters back afterwards;
-  ``sync/validated_global`` names the model validated;
-- *checkpoints*: :func:`sync_entry` (every rank's part gathered to rank zero) and :func:`restore_sync`.
+  ``sync/validated_global`` (in its report) names the model validated;
+- *checkpoints*: :func:`sync_entry` (every rank's part gathered to rank zero) and :func:`restore_sync`, the pair
+  behind :meth:`DiLoCoDriver.state_dict` and :meth:`DiLoCoDriver.load_state_dict`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, ContextManager, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,14 +41,14 @@ from lightning_dist.compression import NoCompressor
 from lightning_dist.hetero import micro_batch_sizes
 from lightning_dist.identities import map_ranks
 from lightning_dist.sync.buckets import gather_to_rank_zero
+from lightning_dist.sync.context import SyncContext
 from lightning_dist.sync.diloco import DiLoCoSync, SyncResult
 from lightning_dist.sync.diloco_fragments import inner_steps
 from lightning_dist.sync.diloco_settings import DiLoCoSettings
-from lightning_dist.sync.driver import SyncContext, SyncDriver, ends_fit
-from lightning_dist.upstream import can_stop_early, trainer_of, wrap_sigterm_broadcast
+from lightning_dist.sync.driver import FitSettings, SyncDriver, SyncReport, SyncSettings
 
 
-class DiLoCo(DiLoCoSettings, SyncDriver):
+class DiLoCo(DiLoCoSettings, SyncSettings):
     __doc__ = DiLoCoSettings.__doc__
     name = "diloco"
 
@@ -58,69 +59,50 @@ class DiLoCo(DiLoCoSettings, SyncDriver):
                              f"sync=DiLoCo(every={self.every}, compressor={compressor.name!r}) (on the command "
                              f"line sync.compressor={compressor.name}), and drop compressor=")
         if self.balance == "steps":
-            check_steps_balance(hetero, topology)
+            problem = steps_balance_problem(hetero, topology)
+            if problem is not None:
+                raise ValueError(problem)
+
+    def refuses(self, fit: FitSettings) -> Optional[str]:
+        # accumulation and mixed precision: each worker's inner steps are Lightning's own (docs/compatibility.md)
+        if self.balance == "steps":  # topology="auto" may have resolved to two_tier
+            return steps_balance_problem(fit.hetero, fit.topology or "flat")
+        return None
 
     def bind(self, context: SyncContext) -> DiLoCoDriver:
-        return DiLoCoDriver.start(self, context)
+        return DiLoCoDriver(self, context)
 
 
-class DiLoCoDriver(DiLoCoSync, SyncDriver):
-    """One rank's running DiLoCo: the outer loop and the hooks the strategy calls (the module's docstring)."""
+class DiLoCoDriver(SyncDriver):
+    """One rank's running DiLoCo: the outer loop (:attr:`loop`, a :class:`~lightning_dist.sync.diloco.DiLoCoSync`) and
+    the hooks the strategy calls (the module's docstring)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.context: Optional[SyncContext] = None  # what the strategy handed at set-up (bind)
+    def __init__(self, settings: DiLoCoSettings, context: SyncContext) -> None:
+        """Made by every rank at set-up, in the same order (the outer loop's groups are collectives)."""
+        self.settings, self.context = settings, context
+        self.loop = DiLoCoSync.create(settings, context.topology, context.rank, context.world_size, context.algorithm,
+                                      context.timeout)
         self.inner_counts: Optional[list[int]] = None  # balance="steps": each rank's inner steps per training step
-        self.worker_optimizers: Optional[list[Any]] = None  # this worker's inner optimizer states, from a checkpoint
         self.final_step: Optional[int] = None  # the step after which the final sync ran (None: not yet)
         self.ended = False  # end_of_fit ran (close() after a fault says the final sync was skipped)
-
-    @classmethod
-    def start(cls, settings: DiLoCoSettings, context: SyncContext) -> DiLoCoDriver:
-        """Made by every rank at set-up, in the same order (its groups are collectives)."""
-        driver = cls.create(settings, context.topology, context.rank, context.world_size, context.algorithm,
-                            context.timeout)
-        driver.context = context
-        workers = driver.workers
-        if settings.balance == "steps" and workers.local_size > 1:
-            check_steps_balance(context.hetero, "two_tier")  # topology="auto" resolved to two_tier
-        driver.attach(context.module)
-        driver._restore(context.checkpoint)
+        self._memory: Optional[dict[str, int]] = None  # the bytes it keeps, by device (fixed once attached)
+        self.loop.attach(context.module)
+        workers = self.loop.workers
         rank_zero_info(f"RingDDPStrategy: {settings.describe()} over {workers.count} workers "
                        f"({'hosts' if workers.local_size > 1 else 'ranks'}: {[list(r) for r in workers.ranks]})")
-        return driver
-
-    def _restore(self, checkpoint: Optional[dict[str, Any]]) -> None:
-        if checkpoint is None:  # not resuming
-            return
-        entry = checkpoint.get("sync")
-        if entry is None:
-            rank_zero_warn("The checkpoint holds no DiLoCo state (written without sync=DiLoCo): theta_global starts "
-                           "as the restored parameters, with no outer momentum.")
-            return
-        context = self.context
-        identities = context.strategy.features.identities
-        self.worker_optimizers = restore_sync(self, context.module, entry, context.rank, context.world_size,
-                                              identities)
-        hetero = context.hetero
-        if self.lost_workers and hetero is not None:  # their samples since the last sync train again
-            hetero.lost_workers = (self.unsynced_from, list(self.lost_workers))
-            rank_zero_info(f"RingDDPStrategy: DiLoCo workers of old ranks {self.lost_workers} were lost with their "
-                           f"progress since global batch {self.unsynced_from}: their samples since then train again "
-                           "on the survivors")
 
     @property
     def gradient_ranks(self) -> Sequence[Sequence[int]]:
         # a worker of one rank reduces nothing (the strategy turns DDP's synchronisation off, and the buffers'
         # broadcast: a host's ranks share theirs in before_forward)
-        return self.workers.ranks
-
-    def setup(self, trainer: Any) -> None:
-        _sigterm_broadcast_before_syncs(trainer, self)
+        return self.loop.workers.ranks
 
     # -- every step ---------------------------------------------------------------------------------------------
+    def meets(self, global_step: int) -> bool:
+        return self.loop.meets(global_step)
+
     def before_batch(self, sizes: Sequence[int], micro: Optional[list[int]]) -> tuple[Optional[list[int]], bool]:
-        self.count_samples(sizes)  # each worker's samples weigh its pseudo-gradient
+        self.loop.count_samples(sizes)  # each worker's samples weigh its pseudo-gradient
         if self.settings.balance != "steps":
             return micro, True
         counts = inner_steps(sizes)  # the share as inner steps of about the smallest share, alike on every rank
@@ -132,82 +114,58 @@ class DiLoCoDriver(DiLoCoSync, SyncDriver):
         return micro_batch_sizes(sizes[rank], count=counts[rank]), False
 
     def before_forward(self) -> None:
-        self.broadcast_buffers()
-
-    def verdict_group(self) -> tuple[Optional[dist.ProcessGroup], int, int]:
-        return self.worker_verdict_group(self.context.guard, self.context.module)
+        self.loop.broadcast_buffers()
 
     def after_step(self, global_step: int) -> None:
-        if self.settings.final_sync and ends_fit(self._trainer, global_step):
+        context = self.context
+        if self.settings.final_sync and context.ends_fit(global_step):
             self._final_sync_once(global_step, "the fit's last step")  # in place of the sync due after it, if any
-        elif self.due(global_step):
-            context = self.context
-            with self._long(f"DiLoCo's sync after global step {global_step}"):
-                results = self.sync_after(global_step, context.stats, self._tier(), flags_group=context.exchange_group)
-            self._report(results)
-
-    def _long(self, what: str) -> ContextManager[Any]:
-        """A collective of every worker that may take long (a sync: the model's bytes over the slowest links)."""
-        return self.context.strategy.features.long_collective(what)
+        elif self.loop.due(global_step):
+            with context.long_collective(f"DiLoCo's sync after global step {global_step}"):
+                results = self.loop.sync_after(global_step, context.stats, self._tier(), agree=context.agree)
+            self._warn_skips(results)
 
     def _final_sync_once(self, step: int, why: str) -> None:
         """Every worker meets once more (the settings' ``final_sync``): every rank then holds ``theta_global``."""
         if self.final_step is not None:
             return
         self.final_step = step
-        syncs = self.syncs
-        with self._long(f"DiLoCo's final sync after global step {step}"):
-            results = self.final_sync(step, self.context.stats, self._tier(), self.context.exchange_group)
-        self._report(results)
+        syncs, context = self.report().syncs, self.context
+        with context.long_collective(f"DiLoCo's final sync after global step {step}"):
+            results = self.loop.final_sync(step, context.stats, self._tier(), context.agree)
+        self._warn_skips(results)
         rank_zero_info(f"RingDDPStrategy: DiLoCo's final sync after global step {step} ({why}): "
-                       f"{self.syncs - syncs} fragment(s) averaged; every rank holds theta_global")
-
-    @property
-    def _trainer(self) -> Any:
-        return self.context.strategy.lightning_module.trainer
-
-    def _fitting(self) -> bool:
-        module = self.context.strategy.lightning_module
-        trainer = trainer_of(module)
-        return trainer is not None and trainer.state.fn == "fit"
+                       f"{self.report().syncs - syncs} fragment(s) averaged; every rank holds theta_global")
 
     # -- validation -----------------------------------------------------------------------------------------------
-    def before_validation(self) -> None:
-        if not self._fitting():
+    def validation(self, starting: bool) -> None:
+        if not starting:
+            self.loop.swap_back()
             return
-        trainer = self._trainer
-        stopping = trainer.should_stop and can_stop_early(trainer)
-        if self.settings.final_sync and stopping and not trainer.sanity_checking:  # the fit's last validation
-            self._final_sync_once(trainer.global_step, "a stop every rank agreed on")
+        context = self.context
+        if not context.fitting:
+            return
+        if self.settings.final_sync and context.stopping and not context.sanity_checking:  # the fit's last validation
+            self._final_sync_once(context.global_step, "a stop every rank agreed on")
         if self.settings.validate == "global":
-            self.swap_in_global()
-
-    def after_validation(self) -> None:
-        self.swap_back()
-        trainer = self._trainer if self._fitting() else None
-        if trainer is None or trainer.sanity_checking:
-            return
-        validated = {"sync/validated_global": float(self.settings.validate == "global")}
-        trainer.callback_metrics.update({k: torch.tensor(v) for k, v in validated.items()})
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(validated, step=trainer.global_step)
+            self.loop.swap_in_global()
 
     # -- the end ----------------------------------------------------------------------------------------------------
     def end_of_fit(self) -> None:
         self.ended = True
+        context = self.context
         if self.settings.final_sync:
-            self._final_sync_once(self._trainer.global_step, "the fit ended")
+            self._final_sync_once(context.global_step, "the fit ended")
         else:  # exchanges still in flight land: the fit's model holds every sync it started
-            with self._long("DiLoCo's exchanges in flight at the end of the fit"):
-                results = self.land_inflight(self.context.stats, self._tier(), self.context.exchange_group)
-            self._report(results)
+            with context.long_collective("DiLoCo's exchanges in flight at the end of the fit"):
+                results = self.loop.land_inflight(context.stats, self._tier(), context.agree)
+            self._warn_skips(results)
 
     def _tier(self) -> str:
         topology = self.context.topology
         return "inter_host" if topology is not None and len(topology.hosts) > 1 else "intra_host"
 
-    def _report(self, results: list[SyncResult]) -> None:
+    def _warn_skips(self, results: list[SyncResult]) -> None:
         """A skipped outer step is warned of, and NaNRecovery hears of it as of a skipped step."""
         for result in results:
             if not result.skipped:
@@ -219,94 +177,79 @@ class DiLoCoDriver(DiLoCoSync, SyncDriver):
             self.context.record_skip(result.step, f"non-finite pseudo-gradient on worker(s) {result.bad_workers} at "
                                                   f"the DiLoCo sync{fragment}: the outer step skipped on every worker")
 
-    # -- checkpoints and reports ----------------------------------------------------------------------------------
-    def checkpoint_entry(self, local: bool = False) -> dict[str, Any]:
+    def close(self) -> None:
         context = self.context
+        if self.settings.final_sync and self.final_step is None and not self.ended and context.fitting \
+                and context.global_step > 0:
+            warnings.warn(f"rank {context.rank}: the fit stopped on a fault (a peer gone, an error): DiLoCo's "
+                          "final sync is skipped, and this rank keeps its own worker's parameters", stacklevel=2)
+        self.loop.swap_back()  # a fault during validation: this rank's own parameters, as its checkpoint holds them
+        self.loop.exchanges.close()  # the exchanges' thread
+        destroy_groups(self.loop.groups)
+
+    # -- checkpoints and reports ----------------------------------------------------------------------------------
+    def state_dict(self, local: bool = False) -> dict[str, Any]:
+        context, loop = self.context, self.loop
         if local and self.settings.final_sync and self.final_step is None:
             warnings.warn(f"rank {context.rank}: an emergency checkpoint (peers may be gone): DiLoCo's final sync is "
                           "skipped; it holds theta_global beside this worker's own parameters", stacklevel=2)
-        leader = local or context.rank == self.workers.leader  # a worker's ranks hold the same state
-        worker = worker_state(context.strategy, self.worker_tensors()) if leader else None
+        leader = local or context.rank == loop.workers.leader  # a worker's ranks hold the same state
+        worker = worker_state(context, loop.worker_tensors()) if leader else None
         # every worker's state to rank zero (exchanges in flight settled first), unless an emergency checkpoint's
-        with contextlib.nullcontext() if local else self._long("DiLoCo's state gathered for a checkpoint"):
-            return sync_entry(self, worker, context.rank, context.world_size,
-                              None if local else context.exchange_group, local=local,
-                              identities=context.strategy.features.identities)
+        with contextlib.nullcontext() if local else context.long_collective("DiLoCo's state gathered for a checkpoint"):
+            return sync_entry(loop, worker, context.rank, context.world_size,
+                              None if local else context.exchange_group, local=local, identities=context.identities)
 
-    def restore_optimizers(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        if self.worker_optimizers is None:
-            return checkpoint
-        states, self.worker_optimizers = self.worker_optimizers, None
-        return {**checkpoint, "optimizer_states": states}  # this worker's own inner optimizer states
+    def load_state_dict(self, state: Optional[dict[str, Any]]) -> Optional[list[Any]]:
+        if state is None:
+            rank_zero_warn("The checkpoint holds no DiLoCo state (written without sync=DiLoCo): theta_global starts "
+                           "as the restored parameters, with no outer momentum.")
+            return None
+        context, loop = self.context, self.loop
+        optimizers = restore_sync(loop, context.module, state, context.rank, context.world_size, context.identities)
+        hetero = context.hetero
+        if loop.lost_workers and hetero is not None:  # their samples since the last sync train again
+            hetero.lost_workers = (loop.unsynced_from, list(loop.lost_workers))
+            rank_zero_info(f"RingDDPStrategy: DiLoCo workers of old ranks {loop.lost_workers} were lost with their "
+                           f"progress since global batch {loop.unsynced_from}: their samples since then train again "
+                           "on the survivors")
+        return optimizers  # this worker's own inner optimizer states
 
-    # -- reports: DiLoCoSync's figures, named here rather than left to the order of the bases (SyncDriver's say 0)
-    metrics: dict[str, float]  # the last sync's sync/* figures, assigned by DiLoCoSync at each landing
-
-    @property
-    def syncs(self) -> int:
-        return self.outer_steps + self.skipped
-
-    def memory_bytes(self) -> int:
-        return DiLoCoSync.memory_bytes(self)
-
-    def memory_by_device(self) -> dict[str, int]:
-        return DiLoCoSync.memory_by_device(self)
-
-    def close(self) -> None:
-        if self.settings.final_sync and self.final_step is None and not self.ended and self.context is not None \
-                and self._fitting() and self._trainer.global_step > 0:
-            warnings.warn(f"rank {self.context.rank}: the fit stopped on a fault (a peer gone, an error): DiLoCo's "
-                          "final sync is skipped, and this rank keeps its own worker's parameters", stacklevel=2)
-        self.swap_back()  # a fault during validation: this rank's own parameters, as its checkpoint holds them
-        self.exchanges.close()  # the exchanges' thread
-        destroy_groups(self.groups)
+    def report(self) -> SyncReport:
+        if self._memory is None:
+            self._memory = self.loop.memory_by_device()
+        return SyncReport(syncs=self.loop.outer_steps + self.loop.skipped, metrics=self.loop.metrics,
+                          memory=self._memory,
+                          validation={"sync/validated_global": float(self.settings.validate == "global")})
 
 
-def check_steps_balance(hetero: Any, topology: str) -> None:
-    """``DiLoCo(balance="steps")`` needs heterogeneous batching (it measures each worker's speed and gives the shares
-    the inner steps are cut from) and a worker of one rank (``flat``: the ranks of a host would have to run the same
-    inner steps); caps per pass are the accumulation's, which this replaces."""
+def steps_balance_problem(hetero: Any, topology: str) -> Optional[str]:
+    """What ``DiLoCo(balance="steps")`` cannot do, or None: it needs heterogeneous batching (it measures each worker's
+    speed and gives the shares the inner steps are cut from) and a worker of one rank (``flat``: the ranks of a host
+    would have to run the same inner steps); caps per pass are the accumulation's, which this replaces."""
     if hetero is None:
-        raise ValueError("sync=DiLoCo(balance='steps') runs more inner steps on a faster worker, from the speeds "
-                         "heterogeneous batching measures: pass hetero=HeteroBatching() (on the command line "
-                         "hetero=balanced), or use balance='batches'")
+        return ("sync=DiLoCo(balance='steps') runs more inner steps on a faster worker, from the speeds "
+                "heterogeneous batching measures: pass hetero=HeteroBatching() (on the command line "
+                "hetero=balanced), or use balance='batches'")
     if topology == "two_tier":
-        raise ValueError("sync=DiLoCo(balance='steps') with topology='two_tier': a worker is then a host, whose ranks "
-                         "would have to run the same inner steps; use topology='flat' (a worker per rank) or "
-                         "balance='batches'")
+        return ("sync=DiLoCo(balance='steps') with topology='two_tier': a worker is then a host, whose ranks "
+                "would have to run the same inner steps; use topology='flat' (a worker per rank) or "
+                "balance='batches'")
     if hetero.memory_caps is not None or hetero.max_batch_size is not None or hetero.accumulate not in ("auto", "off"):
-        raise ValueError("sync=DiLoCo(balance='steps') cuts each share into inner steps of about the smallest share; "
-                         "HeteroBatching's memory_caps, max_batch_size and accumulate counts do not apply: drop them, "
-                         "or use balance='batches'")
-
-
-def _sigterm_broadcast_before_syncs(trainer: Any, diloco: DiLoCoSync) -> None:
-    """Lightning broadcasts rank zero's SIGTERM flag to every rank before every training batch: a collective across
-    every worker on every step, which syncing every H steps exists to avoid (on a slow link it costs a round trip per
-    step, and every worker waits for the slowest at each). Under DiLoCo it runs only before the batches of a step
-    where the workers meet anyway (:meth:`DiLoCoSync.meets`: a sync in the step), so a SIGTERM on rank zero stops
-    every rank together within H steps. With a delay the workers never meet on the training loop's thread (the
-    exchanges run beside it), and it runs once per H steps: before the first fragment's sync starts.
-    (``FaultTolerance`` agrees on a stop through the strategy's exchange instead, at its defaults on the same steps:
-    the steps where the workers meet, :meth:`DiLoCoSync.meets` through the feature seam.)"""
-    def only_before_syncs(broadcast: Callable[[], None]) -> Callable[[], None]:
-        def before_syncs() -> None:
-            if diloco.meets(trainer.global_step + 1):
-                broadcast()
-
-        return before_syncs
-
-    wrap_sigterm_broadcast(trainer, only_before_syncs)
+        return ("sync=DiLoCo(balance='steps') cuts each share into inner steps of about the smallest share; "
+                "HeteroBatching's memory_caps, max_batch_size and accumulate counts do not apply: drop them, "
+                "or use balance='batches'")
+    return None
 
 
 # -- checkpoints ------------------------------------------------------------------------------------------------------
-def worker_state(strategy: Any, worker_tensors: Optional[dict[str, torch.Tensor]] = None) -> dict[str, Any]:
+def worker_state(context: SyncContext, worker_tensors: Optional[dict[str, torch.Tensor]] = None) -> dict[str, Any]:
     """A rank's (so its DiLoCo worker's) parameters, buffers and inner optimizer states, as Lightning saves rank
     zero's; ``worker_tensors``: its own parameters and buffers by name while the global model is swapped in for
     validation (:meth:`DiLoCoSync.worker_tensors`)."""
-    module = strategy.lightning_module.state_dict()
+    module = context.module.state_dict()
     return {"module": {k: worker_tensors.get(k, v) for k, v in module.items()} if worker_tensors else module,
-            "optimizers": [strategy.optimizer_state(optimizer) for optimizer in strategy.optimizers]}
+            "optimizers": context.optimizer_states()}
 
 
 def sync_entry(diloco: DiLoCoSync, worker_state: Optional[dict[str, Any]], rank: int, world_size: int,
@@ -322,7 +265,7 @@ def sync_entry(diloco: DiLoCoSync, worker_state: Optional[dict[str, Any]], rank:
     worker (:func:`restore_sync`)."""
     state = diloco.state_dict(settle=not local)  # first: what is in flight is settled (or dropped) here
     if worker_state is not None:
-        worker_state = {**worker_state, "inflight": diloco.worker_state()}
+        worker_state = {**worker_state, "inflight": diloco.inflight_snapshots()}
     ranks = gather_to_rank_zero({"rank": diloco.rank_state(), "worker": worker_state}, rank, world_size, group, local)
     return {"state": state, "world_size": world_size, "ranks": ranks, "identities": identities}
 
@@ -367,7 +310,7 @@ def restore_sync(diloco: DiLoCoSync, module: Any, entry: dict[str, Any], rank: i
         diloco.restart_from_global()
         return None
     module.load_state_dict(worker["module"])
-    diloco.load_worker_state(worker.get("inflight"))
+    diloco.load_inflight_snapshots(worker.get("inflight"))
     return worker["optimizers"]
 
 

@@ -10,7 +10,7 @@ import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -216,15 +216,14 @@ class Exchanges:
         if exchange in self.inflight:
             self.inflight.remove(exchange)
 
-    def bad_workers(self, exchange: Exchange, group: Optional[dist.ProcessGroup]) -> list[int]:
-        """On a skip (every rank takes this branch together): the workers whose own pseudo-gradient was not finite."""
+    def bad_workers(self, exchange: Exchange, agree: Optional[Callable[[list[bool]], list[bool]]]) -> list[int]:
+        """On a skip (every rank takes this branch together): the workers whose own pseudo-gradient was not finite
+        (``agree``: the flags agreed across every rank; None: this rank's own only)."""
         workers = self.workers
-        flags = torch.zeros(workers.count, dtype=torch.float64)
-        if not exchange.locally_finite:
-            flags[workers.index] = 1.0
-        if workers.count > 1 and dist.is_initialized():
-            dist.all_reduce(flags, group=group)
-        return [w for w in range(workers.count) if flags[w] > 0]
+        flags = [w == workers.index and not exchange.locally_finite for w in range(workers.count)]
+        if workers.count > 1 and agree is not None:
+            flags = agree(flags)
+        return [w for w in range(workers.count) if flags[w]]
 
     # -- the thread -----------------------------------------------------------------------------------------------
     def _executor(self) -> ThreadPoolExecutor:

@@ -1,6 +1,6 @@
 """DiLoCo's settings (:class:`DiLoCoSettings`), checked when the object is built, before any process starts.
 
-:class:`~lightning_dist.sync.DiLoCo` (:mod:`lightning_dist.sync.diloco_driver`) is these settings as a sync driver, the
+:class:`~lightning_dist.sync.DiLoCo` (:mod:`lightning_dist.sync.diloco_driver`) is these settings as sync settings, the
 object users pass to ``RingDDPStrategy(sync=...)``; the outer loop (:mod:`lightning_dist.sync.diloco`) reads them. What
 each setting costs and buys, measured, is on docs/sync.md."""
 

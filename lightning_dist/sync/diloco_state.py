@@ -66,7 +66,7 @@ class SyncState:
         return {"compressors": [f.compressor.state_dict() for f in self.schedule.fragments],
                 "finite": [ex.locally_finite for ex in self.exchanges.inflight if ex.settled]}
 
-    def worker_state(self) -> list[dict[str, torch.Tensor]]:
+    def inflight_snapshots(self) -> list[dict[str, torch.Tensor]]:
         """This worker's part: its parameters at the start of each settled exchange in flight, by name."""
         names = self.model.names
         return [{names[i]: t.clone() for i, t in zip(ex.fragment.params, ex.snapshot)}
@@ -120,7 +120,7 @@ class SyncState:
             for exchange, finite in zip(self.exchanges.inflight, state["finite"]):
                 exchange.locally_finite = bool(finite)
 
-    def load_worker_state(self, snapshots: Optional[list[dict[str, torch.Tensor]]]) -> None:
+    def load_inflight_snapshots(self, snapshots: Optional[list[dict[str, torch.Tensor]]]) -> None:
         model = self.model
         for k, exchange in enumerate(self.exchanges.inflight):
             params = exchange.fragment.params

@@ -5,7 +5,9 @@ reduced gradient. How a step goes, what keeps it stable and what it measures: do
 
 :class:`OneBitAdam` is what users pass (its settings: :class:`~lightning_dist.sync.onebit_settings.OneBitAdamSettings`);
 ``bind`` makes the running :class:`OneBitAdamDriver`, which drives the steps around the user's Adam: its reduction
-groups and buckets, the phase of each step, the loss scale's agreement, unused parameters, checkpoints and reports.
+groups and buckets, the phase of each step (after the warm-up its ``before_forward`` says DDP reduces nothing: the
+strategy then checks the gradients for NaNRecovery and agrees fp16 loss scaling's verdict), unused parameters,
+checkpoints and reports.
 The update itself (frozen denominators, the preconditioned momentum, the step from its sum) is
 :mod:`lightning_dist.sync.onebit_update`'s.
 """
@@ -18,21 +20,20 @@ import warnings
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_dist.comm import destroy_groups, ring_bytes_sent
 from lightning_dist.compression import Compressor, NoCompressor, Transport
-from lightning_dist.loss_scaler import LossScaler
 from lightning_dist.sync.buckets import Bucket, cut_buckets, gather_to_rank_zero
-from lightning_dist.sync.driver import SyncContext, SyncDriver
+from lightning_dist.sync.context import SyncContext
+from lightning_dist.sync.driver import FitSettings, SyncDriver, SyncReport, SyncSettings
 from lightning_dist.sync.onebit_settings import COMPRESSED, WARMUP, OneBitAdamSettings, phase
 from lightning_dist.sync.onebit_update import FrozenAdam, apply_update, precondition
 
 _DENSE = NoCompressor()  # what a compressor's first start_step steps send
 
 
-class OneBitAdam(OneBitAdamSettings, SyncDriver):
+class OneBitAdam(OneBitAdamSettings, SyncSettings):
     __doc__ = OneBitAdamSettings.__doc__
     name = "onebit_adam"
 
@@ -43,8 +44,24 @@ class OneBitAdam(OneBitAdamSettings, SyncDriver):
                              f"travels compressed: OneBitAdam(compressor={compressor.name!r}) (on the command line "
                              f"sync.compressor={compressor.name}), and drop compressor=")
 
+    def refuses(self, fit: FitSettings) -> Optional[str]:
+        # accumulation and mixed precision: the warm-up is DDP's; after it the gradients accumulate before its own
+        # reduction, and fp16 loss scaling's verdict is agreed by the strategy (docs/compatibility.md)
+        if fit.manual_optimization:
+            return ("sync=OneBitAdam steps the optimizer itself after the warm-up, which manual optimization "
+                    "(automatic_optimization=False) does not let it do; use automatic optimization or drop sync=")
+        if fit.gradient_clip_val:
+            return (f"sync=OneBitAdam with gradient_clip_val={fit.gradient_clip_val}: after the warm-up no rank holds "
+                    "the summed gradient (each rank's momentum travels compressed), so clipping would see this rank's "
+                    f"share of it, a limit about {fit.world_size}x looser than under dense; drop gradient_clip_val "
+                    "(OneBitAdam bounds each coordinate's update instead: bound=4.5 learning rates by default), or "
+                    "train with sync=None")
+        return None
+
     def bind(self, context: SyncContext) -> OneBitAdamDriver:
-        return OneBitAdamDriver(self, context)
+        driver = OneBitAdamDriver(self, context)
+        driver.start()
+        return driver
 
 
 class OneBitAdamDriver(SyncDriver):
@@ -61,7 +78,7 @@ class OneBitAdamDriver(SyncDriver):
         self.skipped = 0
         self.bytes_total = 0
         self.metrics: dict[str, float] = {}
-        self._trainer: Any = None
+        self._memory: Optional[dict[str, int]] = None  # the bytes it keeps, by device (fixed once bound)
         named = [(name, p) for name, p in context.module.named_parameters() if p.requires_grad]
         self._buckets = cut_buckets(named, lambda numel, p: torch.zeros(numel, dtype=p.dtype, device=p.device))
         self.adam = FrozenAdam({id(p): name for name, p in named}, self._buckets)
@@ -72,94 +89,51 @@ class OneBitAdamDriver(SyncDriver):
         # the flat path's transport, made once (its byte counts go into the strategy's step statistics)
         self._transport = (Transport(context.algorithm, self._reduction.group, context.stats.tier(self._tier))
                            if self._reduction.group is not None else None)
-        self._scaler: Optional[LossScaler] = None  # fp16 loss scaling's, which this driver makes agree (setup)
-        self._agreed_at = -1  # the global step whose scaler verdict was agreed
-        self._restore(context.checkpoint)
         rank_zero_info(f"RingDDPStrategy: {settings.describe()} over {context.world_size} ranks ({self._topology})")
 
     # -- set-up ---------------------------------------------------------------------------------------------------
-    def setup(self, trainer: Any) -> None:
-        self._trainer = trainer
-        if not trainer.lightning_module.automatic_optimization:
-            raise ValueError("sync=OneBitAdam steps the optimizer itself after the warm-up, which manual optimization "
-                             "(automatic_optimization=False) does not let it do; use automatic optimization or drop "
-                             "sync=")
-        total = trainer.estimated_stepping_batches
+    def start(self) -> None:
+        """Once Lightning's set-up is done (the fit's steps and its optimizers are known): the warm-up in steps, the
+        loss scaler made one that agrees, the optimizers checked."""
+        context = self.context
+        total = context.estimated_steps
         if self.warmup_steps is None:
             if not math.isfinite(total):
                 raise ValueError(f"OneBitAdam(warmup={self.settings.warmup}) is a fraction of the fit's steps, which "
                                  "this fit does not know (no max_steps, max_epochs or finite data): give warmup as "
                                  "an int of steps")
             self.warmup_steps = int(round(self.settings.warmup * total))
+        self._check_warmup(total)
+        # fp16 loss scaling decides per rank, and after the warm-up the ranks' gradients differ: the scaler must agree
+        # (the strategy agrees it on the steps before_forward says DDP reduces nothing)
+        context.agreeing_scaler()
+        for optimizer in context.optimizers:
+            self.adam.check(optimizer)
+
+    def _check_warmup(self, total: float) -> None:
         if math.isfinite(total) and not self.warmup_steps < total:
             raise ValueError(f"OneBitAdam(warmup={self.warmup_steps}) with a fit of {int(total)} optimizer steps: the "
                              f"warm-up must end before the fit does; use warmup < {int(total)} (or a fraction such "
                              "as 0.2)")
-        clip = trainer.gradient_clip_val
-        if clip:
-            raise ValueError(f"sync=OneBitAdam with gradient_clip_val={clip}: after the warm-up no rank holds the "
-                             "summed gradient (each rank's momentum travels compressed), so clipping would see this "
-                             f"rank's share of it, a limit about {self.context.world_size}x looser than under dense; "
-                             "drop gradient_clip_val (OneBitAdam bounds each coordinate's update instead: bound=4.5 "
-                             "learning rates by default), or train with sync=None")
-        plugin = trainer.precision_plugin
-        scaler = getattr(plugin, "scaler", None)
-        if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() and not isinstance(scaler, LossScaler):
-            # fp16 loss scaling decides per rank, and after the warm-up the ranks' gradients differ: the scaler must
-            # agree (LossScaler.agree), which torch's GradScaler cannot; this one behaves as it does
-            plugin.scaler = LossScaler.plain(scaler)
-        self._scaler = plugin.scaler if isinstance(getattr(plugin, "scaler", None), LossScaler) else None
-        for optimizer in trainer.optimizers:
-            self.adam.check(optimizer)
 
     # -- every step -----------------------------------------------------------------------------------------------
     def _phase(self) -> str:
         """What the step under way is (Lightning runs the training step inside ``optimizer_step``: every hook of a
         step reads this, not a flag an earlier hook set)."""
-        index = self._trainer.global_step if self._trainer is not None else 0
-        return phase(index, self.warmup_steps or 0, self.settings.refresh)
+        return phase(self.context.global_step, self.warmup_steps or 0, self.settings.refresh)
 
-    def before_forward(self) -> None:
-        # DDP's gradient all-reduce runs in the warm-up only (the flag is read by its forward). In the warm-up the flag
-        # stays Lightning's: under accumulate_grad_batches its no_sync window turns it off for the window's earlier
-        # micro-batches, whose gradients must not be reduced (and summed again) before the window's last one.
-        if self._phase() != WARMUP:
-            self.context.ddp.require_backward_grad_sync = False
-
-    def verdict_group(self) -> None:
-        """After the warm-up no gradient goes through the comm hook, whose reduced sentinels let the ranks agree
-        in-band: each rank checks its own gradients, and one all-reduce of one number tells every rank whether any
-        was not finite (only with NaNRecovery armed, the only caller). The verdict is then every rank's."""
-        if self._phase() == WARMUP:
-            return None
-        if self._scaler is not None:  # the scaler's verdict, made every rank's (the strategy's decision reads it)
-            self._agree_scale(self._trainer.optimizers[0])
-            return None
-        guard, sentinels = self.context.guard, []
-        for bucket in self._buckets:
-            for p in bucket.params:
-                if p.grad is not None and p.grad.numel():
-                    flat = p.grad.view(-1)
-                    guard.check_local(flat)  # NaN in the first element when not finite; who saw it, for the message
-                    sentinels.append(flat[:1].float())
-        # one read of every parameter's sentinel (on a GPU: one synchronisation)
-        bad = (~torch.isfinite(torch.cat(sentinels))).any().float().cpu().view(1) if sentinels else torch.zeros(1)
-        if self.context.world_size > 1:
-            dist.all_reduce(bad, group=self.context.exchange_group)
-        guard.check_reduced(torch.full((1,), math.nan if bad.item() else 0.0))
-        return None
+    def before_forward(self) -> bool:
+        # DDP's gradient all-reduce runs in the warm-up only: after it, the strategy turns DDP's synchronisation off
+        # for the step (in the warm-up the flag stays Lightning's: under accumulate_grad_batches its no_sync window
+        # turns it off for the window's earlier micro-batches), checks each rank's gradients for NaNRecovery and agrees
+        # fp16 loss scaling's verdict among the ranks
+        return self._phase() == WARMUP
 
     def optimizer_step(self, optimizer: Any, closure: Any, step: Any) -> Any:
         self.adam.check(optimizer)
         now = self._phase()
         if now == WARMUP:
             return self._adam_step(optimizer, lambda: step(closure))
-
-        def backward_agreed() -> Any:  # backward, then (fp16) every rank's scaler holds the same verdict
-            output = closure()
-            if self._scaler is not None:
-                self._agree_scale(optimizer)
-            return output
 
         def after_warmup_step(closure: Any = None) -> Any:  # Lightning's path runs (hooks, clipping), then this step
             loss = None
@@ -175,20 +149,12 @@ class OneBitAdamDriver(SyncDriver):
         instance_step = optimizer.__dict__.get("step")  # a step set on the instance (a wrapper's), put back after
         optimizer.step = after_warmup_step
         try:
-            return step(backward_agreed)
+            return step(closure)
         finally:
             if instance_step is None:
                 del optimizer.step
             else:
                 optimizer.step = instance_step
-
-    def _agree_scale(self, optimizer: Any) -> None:
-        """fp16 loss scaling after the warm-up: one rank's non-finite gradient is every rank's skipped step (once a
-        step: the verdict's group and the optimizer step both ask)."""
-        step = self._trainer.global_step
-        if self._agreed_at != step:
-            self._agreed_at = step
-            self._scaler.agree(optimizer, self.context.exchange_group)
 
     def _adam_step(self, optimizer: Any, step: Callable[[], Any]) -> Any:
         """Adam's own step (a warm-up step, a refresh): ``v`` changes, counted, and is frozen afresh."""
@@ -265,13 +231,11 @@ class OneBitAdamDriver(SyncDriver):
         """The parameters (``id``) that no rank's backward reached this step. Only with DDP's
         ``find_unused_parameters=True``, which says parameters may go unused; then one all-reduce of a flag per
         parameter (stock DDP learns the same in its reduction, which is off after the warm-up)."""
-        if not self.context.ddp.find_unused_parameters:
+        if not self.context.find_unused:
             return set()
         params = [p for bucket in self._buckets for p in bucket.params]
-        used = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
-        if self.context.world_size > 1:
-            dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.context.exchange_group)
-        return {id(p) for p, flag in zip(params, used.tolist()) if not flag}
+        used = self.context.agree([p.grad is not None for p in params])
+        return {id(p) for p, flag in zip(params, used) if not flag}
 
     def _bytes_across(self) -> int:
         """This step's bytes across workers so far (under two_tier the host's dense collectives are not counted)."""
@@ -279,7 +243,7 @@ class OneBitAdamDriver(SyncDriver):
 
     def _skip(self, what: str) -> None:
         self.skipped += 1
-        step = self._trainer.global_step if self._trainer is not None else 0
+        step = self.context.global_step
         warnings.warn(f"OneBitAdam skipped the update of global step {step}: {what} is not finite on every rank; "
                       "momentum, second moment and residuals stay as they were", stacklevel=4)
         self.context.record_skip(step, f"non-finite {what}: the update skipped on every rank")
@@ -304,7 +268,7 @@ class OneBitAdamDriver(SyncDriver):
                         "sync/bytes_per_step": self.bytes_total / max(1, self.compressed_steps + self.refreshes)}
 
     # -- checkpoints and reports ----------------------------------------------------------------------------------
-    def checkpoint_entry(self, local: bool = False) -> dict[str, Any]:
+    def state_dict(self, local: bool = False) -> dict[str, Any]:
         context = self.context
         ranks = gather_to_rank_zero(self.compressor.state_dict(), context.rank, context.world_size,
                                     context.exchange_group, local)
@@ -313,14 +277,16 @@ class OneBitAdamDriver(SyncDriver):
                 "compressed_steps": self.compressed_steps, "refreshes": self.refreshes, "skipped": self.skipped,
                 "bytes_total": self.bytes_total}
 
-    def _restore(self, checkpoint: Optional[dict[str, Any]]) -> None:
-        entry = (checkpoint or {}).get("sync")
-        if checkpoint is None or entry is None:
+    def load_state_dict(self, entry: Optional[dict[str, Any]]) -> None:
+        if entry is None:
             return
         if entry.get("settings") != self.settings.describe():
             raise ValueError(f"the checkpoint was written with sync={entry.get('settings')}, this run has "
                              f"sync={self.settings.describe()}: resume with the same OneBitAdam settings")
-        self.warmup_steps = entry["warmup"] if self.warmup_steps is None else self.warmup_steps
+        if not isinstance(self.settings.warmup, int):  # a fraction: the steps it resolved to in the first fit
+            self.warmup_steps = entry["warmup"]
+            if self.context.optimizers:  # (bound to a fit)
+                self._check_warmup(self.context.estimated_steps)
         self.compressed_steps, self.refreshes = int(entry["compressed_steps"]), int(entry["refreshes"])
         if "variance_updates" in entry:
             self.adam.variance_updates = {k: int(v) for k, v in entry["variance_updates"].items()}
@@ -341,12 +307,14 @@ class OneBitAdamDriver(SyncDriver):
                            f"was written by {entry['world_size']} ranks, {entry['topology']}); momentum, second "
                            "moment and step are Adam's own and restored")
 
-    @property
-    def syncs(self) -> int:
-        return self.compressed_steps + self.refreshes + self.skipped
+    def report(self) -> SyncReport:
+        if self._memory is None:
+            self._memory = {self._buckets[0].flat.device.type if self._buckets else "cpu": self.memory_bytes()}
+        return SyncReport(syncs=self.compressed_steps + self.refreshes + self.skipped, metrics=self.metrics,
+                          memory=self._memory)
 
     def memory_bytes(self) -> int:
-        """The frozen denominators and masks, the momentum's buckets and the compressor's state."""
+        """The frozen denominators and masks, the momentum's buckets and the compressor's state: beside the model."""
         numel = sum(b.flat.numel() for b in self._buckets)
         element = self._buckets[0].flat.element_size() if self._buckets else 4
         state = sum(self.compressor.state_bytes(b.layout, element) for b in self._buckets)
