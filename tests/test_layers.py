@@ -10,6 +10,7 @@ of that package's ``__init__``, which sits in the package's layer.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import warnings
 from pathlib import Path
@@ -68,6 +69,7 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+@functools.cache  # read once for the four tests that walk it (none changes it)
 def import_graph() -> dict[str, dict[str, int]]:
     """``{module: {imported module: line}}`` over the package's own modules, every import statement counted."""
     modules = _modules()
