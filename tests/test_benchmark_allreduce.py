@@ -9,6 +9,7 @@ from lightning_dist.benchmarks.allreduce import MAIN_CASES, main, repeats_for
 
 
 @pytest.mark.slow  # launches groups of ranks
+@pytest.mark.benchmark
 def test_quick_run_writes_json_table_and_plot(tmp_path):
     argv = ["--quick", "--sizes", "1K", "64K", "--repeats", "3", "--warmup", "1", "--out", str(tmp_path)]
     payload = main(argv)

@@ -8,6 +8,7 @@ from lightning_dist.benchmarks.callbacks import SUBJECTS, cost_fractions, main, 
 
 
 @pytest.mark.slow  # eight short 2-rank fits, ~20 s
+@pytest.mark.benchmark
 def test_quick_run_writes_json_table_and_plot(tmp_path):
     payload = main(["--quick", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "callbacks.json").read_text())

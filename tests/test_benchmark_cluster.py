@@ -111,6 +111,7 @@ def test_argument_checks():
 
 
 @pytest.mark.slow
+@pytest.mark.benchmark
 def test_quick_run_on_a_simulated_cluster(tmp_path):
     reason = simcluster.unavailable()
     if reason is not None:

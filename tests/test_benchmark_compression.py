@@ -37,6 +37,7 @@ from lightning_dist.testing import run_ranks
 
 
 @pytest.mark.slow  # eight 2-rank Lightning fits, ~15 s
+@pytest.mark.benchmark
 def test_quick_run_writes_json_table_and_plot(tmp_path):
     payload = main(["--quick", "--out", str(tmp_path)])
 

@@ -1,9 +1,12 @@
-"""The faults benchmark's pure judging and summaries, on hand-made records. Its quick run (3 launched jobs with a
-fault and 3 resumed runs) is tested in ``tests/test_fault_tolerance.py``, beside that module's faulty jobs."""
+"""The faults benchmark's pure judging and summaries, on hand-made records; its quick run (3 launched jobs with a
+fault and 3 resumed runs) in the benchmark tier (``pytest -m benchmark``)."""
+
+import json
 
 import pytest
 import torch
 
+from lightning_dist.benchmarks import faults
 from lightning_dist.benchmarks.faults import (
     EPOCH_STEPS,
     KINDS,
@@ -206,3 +209,27 @@ def test_watchdog_verdicts_are_split_per_rank():
     assert watchdog_verdicts(log) == ["[lightning_dist watchdog] no rank has made progress: this is rank 1, ending it",
                                       "[lightning_dist watchdog] no rank has made progress: this is rank 0, ending it"]
     assert watchdog_verdicts("nothing here\n") == []
+
+
+# -- python -m lightning_dist.benchmarks.faults --quick ----------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.benchmark
+@pytest.mark.timeout(600)  # the benchmark's own deadline per job (120 s) is well inside it
+def test_the_faults_benchmarks_quick_run_writes_json_table_and_plot(tmp_path):
+    out = tmp_path / "bench"
+    payload = faults.main(["--quick", "--timeout", "6", "--out", str(out)])
+    saved = json.loads((out / "faults.json").read_text())
+    records = saved["records"]
+    assert [(r["kind"], r["victim"], r["step"]) for r in records] == list(faults.QUICK_TRIALS)
+    for r in records:
+        assert r["ok"], (r["kind"], r["problems"], r.get("log_tail", "")[-2000:])
+        assert r["rc"] not in (0, None) and not r["timed_out"] and len(r["rank_pids"]) == 2
+        assert all(0 <= g <= r["bound_s"] for g in r["rank_gone_s"]) and r["all_gone_s"] <= r["bound_s"]
+        assert r["resume"]["global_step"] == faults.EPOCH_STEPS and r["resume"]["resumed_step"] == r["step"]
+        assert r["found_ranks"] == r["expected_ranks"]
+    stall = records[2]
+    assert stall["watchdog_fired"] and stall["rank_gone_s"][0] >= 6  # the watchdog's timeout, not a crash
+    assert payload["target"]["met"] and payload["target"]["k"] == 3
+    text = (out / "faults.txt").read_text()
+    assert "Target: 3 of 3 trials" in text and "MET (3 of 3)" in text and "stall" in text
+    assert (out / "faults.png").read_bytes().startswith(b"\x89PNG")

@@ -11,6 +11,7 @@ COST_TARGET = "one micro-batch: paired step time 1.00 +/- 0.02 of today's"
 
 
 @pytest.mark.slow  # eight 2-rank fits of 1-2 epochs, ~35 s
+@pytest.mark.benchmark
 def test_quick_run_writes_json_table_and_plot(tmp_path):
     payload = main(["--quick", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "hetero.json").read_text())

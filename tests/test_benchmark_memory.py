@@ -9,6 +9,7 @@ from lightning_dist.benchmarks.memory import QUICK_ESTIMATE_CONFIGS, estimate_ta
 
 
 @pytest.mark.slow  # one 2-rank group fitting a 50 M-parameter model twice: ~10 s
+@pytest.mark.benchmark
 def test_quick_run_writes_json_table_and_plot(tmp_path):
     payload = main(["--quick", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "memory.json").read_text())

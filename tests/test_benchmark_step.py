@@ -9,6 +9,7 @@ from lightning_dist.benchmarks.step import WORKLOADS, judge, main
 
 
 @pytest.mark.slow  # four 2-rank Lightning runs, ~20 s
+@pytest.mark.benchmark
 def test_quick_run_writes_json_table_and_plot(tmp_path):
     payload = main(["--quick", "--out", str(tmp_path)])
 

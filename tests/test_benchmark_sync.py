@@ -166,6 +166,7 @@ def quick(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.benchmark
 def test_quick_run_writes_its_outputs(quick):
     payload, out = quick
     for name in ("sync.json", "sync.txt", "sync.png"):
@@ -175,6 +176,7 @@ def test_quick_run_writes_its_outputs(quick):
 
 
 @pytest.mark.slow
+@pytest.mark.benchmark
 def test_quick_run_curves_and_bytes(quick):
     payload, _ = quick
     curves = {c["method"]: c for c in payload["curves"]}
@@ -193,6 +195,7 @@ def test_quick_run_curves_and_bytes(quick):
 
 
 @pytest.mark.slow
+@pytest.mark.benchmark
 def test_quick_run_timing_validation_and_nosync(quick):
     payload, _ = quick
     if payload["skipped"]:
@@ -216,6 +219,7 @@ def test_quick_run_timing_validation_and_nosync(quick):
 
 
 @pytest.mark.slow
+@pytest.mark.benchmark
 def test_from_redoes_the_report_from_a_saved_run(quick, tmp_path):
     payload, out = quick
     again = sync.main(["--from", str(out / "sync.json"), "--out", str(tmp_path)])
@@ -502,6 +506,7 @@ def streaming_quick(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.benchmark
 def test_quick_streaming_run(streaming_quick, tmp_path):
     payload, out = streaming_quick
     for name in ("sync-streaming.json", "sync-streaming.txt", "sync-streaming.png"):
@@ -547,6 +552,7 @@ def hetero_quick(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.benchmark
 def test_quick_hetero_run(hetero_quick, tmp_path):
     payload, out = hetero_quick
     for name in ("sync-hetero.json", "sync-hetero.txt", "sync-hetero.png"):

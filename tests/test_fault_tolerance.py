@@ -22,10 +22,9 @@ Each rank's exit code comes from the launcher that reaped it: every process of a
 (``_RECORDER``, a ``sitecustomize`` on the job's ``PYTHONPATH``) that logs each rank it starts and each exit status
 it reaps, and the job runs under a reaper (``_REAPER``, a child subreaper) that reaps what outlived its launcher.
 
-The fork launcher's raise runs on 3 ranks (every rank saves, not just two); the faults benchmark's quick run
-(``lightning_dist.benchmarks.faults``: a raise, a SIGKILL of rank 0 and a stall on 2 fork ranks, each resumed) is
-tested here too, because its jobs and this module's run two at a time (:func:`side_by_side`): most of a job's time
-is one process's start-up or a wait, which leaves the second core idle.
+The fork launcher's raise runs on 3 ranks (every rank saves, not just two). The jobs run two at a time
+(:func:`side_by_side`): much of a job's time is one process's start-up or a wait. The faults benchmark's quick run is
+in the benchmark tier (tests/test_benchmark_faults.py, ``pytest -m benchmark``).
 """
 
 from __future__ import annotations
@@ -299,8 +298,6 @@ def runs(tmp_path_factory):
         return {"kill": killed, "sigterm_fork": _resumed(tmp, "kill", "sigterm_fork", *_sigterm(8))}
 
     jobs = {  # the longest first, so that the two lanes end together
-        # the benchmark's own deadline per job (120 s) is well inside pytest-timeout's
-        "bench": lambda: faults.main(["--quick", "--timeout", "6", "--out", str(tmp / "bench")]),
         "torchrun": lambda: _launch(tmp / "torchrun", cmd=torchrun("torchrun", 3, *chain), deadline=300),
         "popen_kill": killed_then_stalled_popen,
         "torchrun_ref": lambda: _launch(tmp / "torchrun_ref", cmd=torchrun("torchrun_ref", 0, *ref), deadline=240),
@@ -315,7 +312,6 @@ def runs(tmp_path_factory):
     got = dict(zip(jobs, results, strict=True))
     for name in ("popen", "popen_kill", "fork_kill"):
         got.update(got.pop(name))
-    got["bench"] = (got["bench"], tmp / "bench")
     return got
 
 
@@ -372,8 +368,7 @@ def _stall_exits(codes: list[int], reasons: dict[int, str], victim=1, survivor=(
 
 def test_no_process_is_left_behind(runs):
     for name, run in runs.items():
-        if name != "bench":  # the benchmark watches its jobs until none of their processes is left
-            assert run.leftover == [], (name, run.leftover)
+        assert run.leftover == [], (name, run.leftover)
 
 
 RAISED = "RuntimeError: injected fault on rank 1 at global step 5"
@@ -488,26 +483,6 @@ def test_torchrun_resumes_a_regular_checkpoint_bit_identically(runs):
     for index, state in reference["state"].items():
         assert state.keys() == mine["state"][index].keys()
         assert all(torch.equal(mine["state"][index][k], v) for k, v in state.items()), index
-
-
-# -- python -m lightning_dist.benchmarks.faults --quick (its pure judging and summaries: test_benchmark_faults.py) --
-def test_the_faults_benchmarks_quick_run_writes_json_table_and_plot(runs):
-    payload, out = runs["bench"]
-    saved = json.loads((out / "faults.json").read_text())
-    records = saved["records"]
-    assert [(r["kind"], r["victim"], r["step"]) for r in records] == list(faults.QUICK_TRIALS)
-    for r in records:
-        assert r["ok"], (r["kind"], r["problems"], r.get("log_tail", "")[-2000:])
-        assert r["rc"] not in (0, None) and not r["timed_out"] and len(r["rank_pids"]) == 2
-        assert all(0 <= g <= r["bound_s"] for g in r["rank_gone_s"]) and r["all_gone_s"] <= r["bound_s"]
-        assert r["resume"]["global_step"] == faults.EPOCH_STEPS and r["resume"]["resumed_step"] == r["step"]
-        assert r["found_ranks"] == r["expected_ranks"]
-    stall = records[2]
-    assert stall["watchdog_fired"] and stall["rank_gone_s"][0] >= 6  # the watchdog's timeout, not a crash
-    assert payload["target"]["met"] and payload["target"]["k"] == 3
-    text = (out / "faults.txt").read_text()
-    assert "Target: 3 of 3 trials" in text and "MET (3 of 3)" in text and "stall" in text
-    assert (out / "faults.png").read_bytes().startswith(b"\x89PNG")
 
 
 # -- a regular checkpoint resumes bit-identically: generators per rank, compressor, heterogeneous sampler ---------

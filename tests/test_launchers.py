@@ -1,13 +1,13 @@
 """Beyond one machine: torchrun and SLURM create the processes, RingDDPStrategy launches none of its own.
 
 Each launch is a real group of processes on this machine (loopback), started in its own session with a hard
-deadline; on a timeout or a failure the whole session is killed, so nothing is left running.
+deadline; on a timeout or a failure the whole session is killed, so nothing is left running. The six launches run
+two at a time in one fixture; each test reads its own, and a launch that failed fails its test only.
 """
 
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,17 +16,12 @@ import pytest
 import torch
 
 from lightning_dist.config import local_world_size, resolve_devices, run_dir_name
+from lightning_dist.testing import free_port, side_by_side
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = str(HERE / "launch_script.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 DEADLINE_S = 150
-
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _clean_env(**extra):
@@ -38,8 +33,10 @@ def _clean_env(**extra):
 
 
 def _run_all(commands, cwd, envs=None):
-    """Start every command (one per "node" or task) in its own session; wait for all; kill all on timeout."""
-    envs = envs or [_clean_env()] * len(commands)
+    """Start every command (one per "node" or task) in its own session; wait for all; kill all on timeout. Returns
+    their outputs, or the AssertionError saying which failed (read by its test: one launch failing fails its own
+    test only)."""
+    envs = envs or [_clean_env(MASTER_PORT=str(free_port()))] * len(commands)
     procs = [subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True) for cmd, env in zip(commands, envs, strict=True)]
     outputs = []
@@ -48,7 +45,7 @@ def _run_all(commands, cwd, envs=None):
             out, _ = proc.communicate(timeout=DEADLINE_S)
             outputs.append(out)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"a launch ran past {DEADLINE_S}s; killed")
+        return AssertionError(f"a launch ran past {DEADLINE_S}s; killed")
     finally:
         for proc in procs:
             try:
@@ -56,15 +53,64 @@ def _run_all(commands, cwd, envs=None):
             except ProcessLookupError:
                 pass
     for proc, out in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, out[-4000:]
+        if proc.returncode != 0:
+            return AssertionError(f"exit code {proc.returncode}:\n{out[-4000:]}")
     return outputs
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The script on one machine, 2 processes forked by Lightning itself: the weights every launch must match."""
-    tmp = tmp_path_factory.mktemp("reference")
-    _run_all([[sys.executable, SCRIPT, str(tmp / "w.pt"), "2", "1", "ring_ddp_fork"]], tmp)
+def launches(tmp_path_factory):
+    """Every launch of this module, two at a time (:func:`~lightning_dist.testing.side_by_side`: a launch spends much
+    of its time in one process's imports or in a rendezvous): name -> (its outputs, its directory)."""
+    dirs = {name: tmp_path_factory.mktemp(name) for name in
+            ("reference", "standalone", "two_nodes", "slurm", "command", "command_two_nodes")}
+
+    def torchrun_nodes(tmp, args):  # two "nodes" of one process each, a static rendezvous on this machine
+        port = str(free_port())
+        return [TORCHRUN + ["--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
+                            "--master-addr", "127.0.0.1", "--master-port", port, *args(rank)] for rank in (0, 1)]
+
+    def slurm(tmp):  # what `srun --ntasks-per-node 2` sets for a 2-task job; the test starts the two tasks itself
+        port = str(free_port())
+        envs = [_clean_env(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1", SLURM_NODEID="0",
+                           SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_JOB_ID="4242", SLURM_STEP_ID="0",
+                           SLURM_JOB_NAME="lightning_dist_test", SLURM_NODELIST="127.0.0.1", MASTER_PORT=port)
+                for rank in (0, 1)]
+        return _run_all([[sys.executable, SCRIPT, str(tmp / "w.pt"), "2", "1", "ring_ddp_spawn"]] * 2, tmp, envs)
+
+    jobs = {  # the longest first
+        "command_two_nodes": lambda tmp: _run_all(torchrun_nodes(tmp, lambda rank: [
+            "-m", "lightning_dist.train", "trainer.devices=auto", "trainer.num_nodes=2", "trainer.max_epochs=1",
+            "trainer.limit_train_batches=3", "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false"]), tmp),
+        "command": lambda tmp: _run_all([TORCHRUN + [
+            "--standalone", "--nproc-per-node", "2", "-m", "lightning_dist.train", "trainer.devices=auto",
+            "trainer.max_epochs=1", "trainer.limit_train_batches=5", "trainer.limit_val_batches=2",
+            "trainer.enable_progress_bar=false"]], tmp),
+        "two_nodes": lambda tmp: _run_all(torchrun_nodes(tmp, lambda rank: [
+            SCRIPT, str(tmp / f"w{rank}.pt"), "1", "2", "ring_ddp"]), tmp),
+        # the fork variant, which under torchrun used to fork two more ranks inside each worker
+        "standalone": lambda tmp: _run_all([TORCHRUN + ["--standalone", "--nproc-per-node", "2", SCRIPT,
+                                                        str(tmp / "w.pt"), "2", "1", "ring_ddp_fork"]], tmp),
+        "slurm": slurm,
+        # the script on one machine, 2 processes forked by Lightning itself: the weights every launch must match
+        "reference": lambda tmp: _run_all([[sys.executable, SCRIPT, str(tmp / "w.pt"), "2", "1", "ring_ddp_fork"]],
+                                          tmp),
+    }
+    done = side_by_side(*(lambda name=name: jobs[name](dirs[name]) for name in jobs))
+    return {name: (outputs, dirs[name]) for name, outputs in zip(jobs, done, strict=True)}
+
+
+def _launched(launches, name):
+    """A launch's outputs and directory, its failure raised here."""
+    outputs, tmp = launches[name]
+    if isinstance(outputs, AssertionError):
+        raise outputs
+    return outputs, tmp
+
+
+@pytest.fixture(scope="module")
+def reference(launches):
+    _, tmp = _launched(launches, "reference")
     return torch.load(tmp / "w.pt")
 
 
@@ -73,11 +119,9 @@ def _same_weights(a, b):
 
 
 @pytest.mark.slow
-def test_torchrun_standalone_user_script_launches_no_ranks_of_its_own(tmp_path, reference):
-    # the fork variant, which under torchrun used to fork two more ranks inside each worker
-    out = _run_all([TORCHRUN + ["--standalone", "--nproc-per-node", "2", SCRIPT, str(tmp_path / "w.pt"), "2", "1",
-                                "ring_ddp_fork"]], tmp_path)[0]
-    result = torch.load(tmp_path / "w.pt")
+def test_torchrun_standalone_user_script_launches_no_ranks_of_its_own(launches, reference):
+    (out,), tmp = _launched(launches, "standalone")
+    result = torch.load(tmp / "w.pt")
     assert result["world_size"] == 2 and result["environment"] == "TorchElasticEnvironment"
     assert result["launcher"] == "_SubprocessScriptLauncher"
     assert out.count("Initializing distributed") == 2  # one per torchrun worker, not two more inside each
@@ -86,41 +130,28 @@ def test_torchrun_standalone_user_script_launches_no_ranks_of_its_own(tmp_path, 
 
 
 @pytest.mark.slow
-def test_two_nodes_on_one_machine_train_the_single_node_weights(tmp_path, reference):
-    port = str(_free_port())
-    commands = [TORCHRUN + ["--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
-                            "--master-addr", "127.0.0.1", "--master-port", port,
-                            SCRIPT, str(tmp_path / f"w{rank}.pt"), "1", "2", "ring_ddp"] for rank in (0, 1)]
-    _run_all(commands, tmp_path)
-    result = torch.load(tmp_path / "w0.pt")  # global rank 0 lives on node 0
-    assert not (tmp_path / "w1.pt").exists()
+def test_two_nodes_on_one_machine_train_the_single_node_weights(launches, reference):
+    _, tmp = _launched(launches, "two_nodes")
+    result = torch.load(tmp / "w0.pt")  # global rank 0 lives on node 0
+    assert not (tmp / "w1.pt").exists()
     assert result["world_size"] == 2 and result["steps"] == 12  # 2 epochs of 96 samples / 2 ranks / batch 8
     assert _same_weights(result["state"], reference["state"])
 
 
 @pytest.mark.slow
-def test_a_slurm_job_is_picked_up_and_trains_the_same_weights(tmp_path, reference):
-    # what `srun --ntasks-per-node 2` sets for a 2-task job; the test starts the two tasks itself (no srun here)
-    port = str(_free_port())
-    envs = [_clean_env(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1", SLURM_NODEID="0",
-                       SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_JOB_ID="4242", SLURM_STEP_ID="0",
-                       SLURM_JOB_NAME="lightning_dist_test", SLURM_NODELIST="127.0.0.1", MASTER_PORT=port)
-            for rank in (0, 1)]
-    commands = [[sys.executable, SCRIPT, str(tmp_path / "w.pt"), "2", "1", "ring_ddp_spawn"]] * 2
-    _run_all(commands, tmp_path, envs)
-    result = torch.load(tmp_path / "w.pt")
+def test_a_slurm_job_is_picked_up_and_trains_the_same_weights(launches, reference):
+    _, tmp = _launched(launches, "slurm")
+    result = torch.load(tmp / "w.pt")
     assert result["environment"] == "SLURMEnvironment" and result["world_size"] == 2
     assert _same_weights(result["state"], reference["state"])
 
 
 @pytest.mark.slow
-def test_the_training_command_under_torchrun_writes_one_run_directory(tmp_path):
-    out = _run_all([TORCHRUN + ["--standalone", "--nproc-per-node", "2", "-m", "lightning_dist.train",
-                                "trainer.devices=auto", "trainer.max_epochs=1", "trainer.limit_train_batches=5",
-                                "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false"]], tmp_path)[0]
-    runs = sorted(p.name for p in (tmp_path / "outputs").iterdir())
+def test_the_training_command_under_torchrun_writes_one_run_directory(launches):
+    (out,), tmp = _launched(launches, "command")
+    runs = sorted(p.name for p in (tmp / "outputs").iterdir())
     assert len(runs) == 1 and runs[0].startswith("torchrun-"), runs  # both ranks agreed on one directory
-    run = tmp_path / "outputs" / runs[0]
+    run = tmp / "outputs" / runs[0]
     assert (run / "summary.json").exists() and (run / "checkpoints" / "last.ckpt").exists()
     assert out.count("summary: ") == 1  # summary written and announced once, by rank zero
     assert out.count("Initializing distributed") == 2
@@ -161,16 +192,10 @@ def test_devices_auto_and_two_nodes_compose_and_validate_under_a_launcher(monkey
 
 
 @pytest.mark.slow
-def test_the_command_on_two_nodes_with_a_static_rendezvous_shares_one_run_directory(tmp_path):
+def test_the_command_on_two_nodes_with_a_static_rendezvous_shares_one_run_directory(launches):
     # no --rdzv-id: the run id is "none", so rank 0's timestamp travels through torchrun's store
-    port = str(_free_port())
-    commands = [TORCHRUN + ["--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
-                            "--master-addr", "127.0.0.1", "--master-port", port, "-m", "lightning_dist.train",
-                            "trainer.devices=auto", "trainer.num_nodes=2", "trainer.max_epochs=1",
-                            "trainer.limit_train_batches=3", "trainer.limit_val_batches=1",
-                            "trainer.enable_progress_bar=false"] for rank in (0, 1)]
-    outputs = _run_all(commands, tmp_path)
-    runs = sorted(p.name for p in (tmp_path / "outputs").iterdir())
+    outputs, tmp = _launched(launches, "command_two_nodes")
+    runs = sorted(p.name for p in (tmp / "outputs").iterdir())
     assert len(runs) == 1 and runs[0].startswith("torchrun-"), runs
-    assert (tmp_path / "outputs" / runs[0] / "summary.json").exists()
+    assert (tmp / "outputs" / runs[0] / "summary.json").exists()
     assert sum(out.count("summary: ") for out in outputs) == 1
