@@ -1,6 +1,7 @@
 """The sync driver seam stays narrow (docs/contributing/feature-seam.md): no module of ``lightning_dist.sync`` reaches
 the strategy (``.strategy``) or a private attribute of another object (``context._x``, ``trainer._x``: its own
-``self._x`` only), nor logs by itself (its figures go through ``report()`` and DistMetrics). Read with ``ast``."""
+``self._x`` only), nor replaces an optimizer's ``step``, nor logs by itself (its figures go through ``report()`` and
+DistMetrics). Read with ``ast``."""
 
 from __future__ import annotations
 
@@ -18,12 +19,17 @@ MODULES = sorted(SYNC.glob("*.py"))
 
 
 def _reaches(tree: ast.AST) -> list[str]:
-    """Every ``.strategy`` and every private attribute reached on anything but ``self`` or ``cls``, with its line."""
+    """Every ``.strategy``, every private attribute reached on anything but ``self`` or ``cls``, and every method of
+    another object replaced (``optimizer.step = ...``: the strategy's ``step(closure, update)`` does that), with its
+    line."""
     found = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Attribute):
             continue
-        if node.attr == "strategy":
+        replaced = isinstance(node.ctx, (ast.Store, ast.Del)) and node.attr == "step"
+        if replaced and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            found.append(f"line {node.lineno}: {ast.unparse(node)} replaced")
+        elif node.attr == "strategy":
             found.append(f"line {node.lineno}: .strategy")
         elif node.attr.startswith("_") and not node.attr.startswith("__"):
             owner = node.value
@@ -46,8 +52,10 @@ def test_no_driver_logs_by_itself(path):
 
 
 def test_the_check_finds_what_it_looks_for():
-    code = "self.context.strategy.features\nx = context._trainer\nself._own = trainer._results\ncls._fine = 1\n"
-    assert _reaches(ast.parse(code)) == ["line 1: .strategy", "line 2: context._trainer", "line 3: trainer._results"]
+    code = ("self.context.strategy.features\nx = context._trainer\nself._own = trainer._results\ncls._fine = 1\n"
+            "optimizer.step = f\ndel optimizer.step\nself.step = 0\n")
+    assert _reaches(ast.parse(code)) == ["line 1: .strategy", "line 2: context._trainer", "line 3: trainer._results",
+                                         "line 5: optimizer.step replaced", "line 6: optimizer.step replaced"]
 
 
 def test_the_context_carries_no_strategy_and_agrees_without_peers():

@@ -367,8 +367,7 @@ class RingDDPStrategy(DDPBase):
         exchanged = False
 
         def closure_then_exchange() -> Any:
-            # Runs backward (and with it every bucket hook), then completes the step's exchange, so every
-            # rank holds the same values before any parameter changes.
+            # backward (every bucket's hook), then the step's exchange: every rank's values before any parameter changes
             nonlocal exchanged
             result = closure()
             if not exchanged:
@@ -378,8 +377,9 @@ class RingDDPStrategy(DDPBase):
                                         self.world_size)  # a step DDP did not reduce: fp16's verdict made the worker's
             return result
 
-        def step(run: Callable[[], Any]) -> Any:  # Lightning's step, around which the sync driver may do its own
-            return super(RingDDPStrategy, self).optimizer_step(optimizer, run, model, **kwargs)
+        def step(run: Callable[[], Any], update: Optional[Callable[[], None]] = None) -> Any:  # Lightning's step,
+            with stepping.updating_with(optimizer, update):  # the driver's update in place of the optimizer's own
+                return super(RingDDPStrategy, self).optimizer_step(optimizer, run, model, **kwargs)
 
         driver = self._seam.driver
         if not self._guard.armed:

@@ -101,3 +101,33 @@ def replay(result: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
         return result if calls == 1 else closure()
 
     return replayed
+
+
+@contextlib.contextmanager
+def updating_with(optimizer: Any, update: Optional[Callable[[], None]]) -> Iterator[None]:
+    """Lightning's optimizer step (the precision plugin's: the closure, ``on_before_optimizer_step``, clipping, fp16's
+    unscale and inf check) with ``update`` in place of the optimizer's own ``step``, for a sync driver that updates
+    the parameters its own way (:meth:`~lightning_dist.sync.SyncDriver.optimizer_step`); None: the optimizer's own.
+    The precision plugin calls ``optimizer.step(closure=...)``: for the step's length the instance's ``step`` runs the
+    closure, then ``update``; a ``step`` set on the instance before (a wrapper's) is put back after."""
+    if update is None:
+        yield
+        return
+
+    def closure_then_update(closure: Optional[Callable[[], Any]] = None, **_: Any) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        update()
+        return loss
+
+    instance_step = optimizer.__dict__.get("step")
+    optimizer.step = closure_then_update
+    try:
+        yield
+    finally:
+        if instance_step is None:
+            del optimizer.step
+        else:
+            optimizer.step = instance_step

@@ -128,11 +128,13 @@ class SyncDriver:
         return None
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any],
-                       step: Callable[[Callable[[], Any]], Any]) -> Any:
+                       step: Callable[..., Any]) -> Any:
         """The optimizer's step: ``step(closure)`` is Lightning's (the precision plugin's ``optimizer.step(closure)``;
         the closure runs the training step and backward first, unless they ran already: then it returns their
-        result). A driver that updates the parameters another way runs ``closure()`` itself instead, and returns its
-        result. Not called for a step every rank skips."""
+        result). A driver that updates the parameters its own way passes that update: ``step(closure, update)`` runs
+        Lightning's path (the closure, ``on_before_optimizer_step``, clipping, fp16's unscale and inf check) and then
+        ``update()`` in place of the optimizer's own step; the driver never touches the optimizer's ``step`` itself.
+        Not called for a step every rank skips."""
         return step(closure)
 
     def after_step(self, global_step: int) -> None:

@@ -135,26 +135,13 @@ class OneBitAdamDriver(SyncDriver):
         if now == WARMUP:
             return self._adam_step(optimizer, lambda: step(closure))
 
-        def after_warmup_step(closure: Any = None) -> Any:  # Lightning's path runs (hooks, clipping), then this step
-            loss = None
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
+        def update() -> None:  # in place of Adam's step, once Lightning's path ran (the closure, hooks, clipping)
             if now == COMPRESSED:
                 self._compressed_update(optimizer)
             elif self._reduce_gradients():  # a refresh: Adam's own step on the reduced gradient
                 self._adam_step(optimizer, lambda: type(optimizer).step(optimizer))
-            return loss
 
-        instance_step = optimizer.__dict__.get("step")  # a step set on the instance (a wrapper's), put back after
-        optimizer.step = after_warmup_step
-        try:
-            return step(closure)
-        finally:
-            if instance_step is None:
-                del optimizer.step
-            else:
-                optimizer.step = instance_step
+        return step(closure, update)
 
     def _adam_step(self, optimizer: Any, step: Callable[[], Any]) -> Any:
         """Adam's own step (a warm-up step, a refresh): ``v`` changes, counted, and is frozen afresh."""
