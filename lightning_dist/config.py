@@ -29,6 +29,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from lightning_dist.comm.dispatch import ALGORITHMS
 from lightning_dist.comm.topology import TOPOLOGIES
+from lightning_dist.examples.schedules import SCHEDULES
 from lightning_dist.launch import LaunchEnv, connect_store
 from lightning_dist.strategy.arguments import START_METHODS
 from lightning_dist.sync import as_sync
@@ -49,6 +50,7 @@ def _choices(name: str, values: Sequence[str]) -> type[Enum]:
 Algorithm = _choices("Algorithm", ALGORITHMS)  # lightning_dist.comm.dispatch
 TopologyKind = _choices("TopologyKind", TOPOLOGIES)  # lightning_dist.comm.topology
 StartMethod = _choices("StartMethod", START_METHODS)  # lightning_dist.strategy.arguments
+Schedule = _choices("Schedule", SCHEDULES)  # lightning_dist.examples.schedules: model.schedule
 
 
 @dataclass
@@ -102,6 +104,8 @@ class DigitsCNNConf:  # model=cnn
     channels: int = MISSING
     hidden: int = MISSING
     weight_decay: float = MISSING
+    schedule: Schedule = MISSING  # type: ignore[valid-type]
+    warmup_steps: int = MISSING
 
 
 @dataclass
@@ -114,6 +118,7 @@ class ByteLMConf:  # model=lm
     context: int = MISSING
     weight_decay: float = MISSING
     warmup_steps: int = MISSING
+    schedule: Schedule = MISSING  # type: ignore[valid-type]
 
 
 @dataclass

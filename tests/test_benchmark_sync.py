@@ -148,6 +148,11 @@ def test_tables_and_plot_show_every_record_and_failures():
 def test_argument_checks():
     args = sync._parse_args(["--quick"])
     assert (args.shapes, args.rates, args.methods) == (("flat",), (100.0,), sync.QUICK_METHODS)
+    assert args.sizes.schedule == "constant"
+    model, _ = sync.workload(sync._parse_args(["--quick", "--schedule", "cosine", "--steps", "40"]).sizes)
+    assert (model.hparams["schedule"], model.hparams["schedule_steps"]) == ("cosine", 40)  # every fit: one schedule
+    with pytest.raises(SystemExit):
+        sync._parse_args(["--schedule", "linear"])
     args = sync._parse_args([])
     assert args.shapes == ("flat", "two_tier") and args.rates == (10.0, 100.0) and args.methods == sync.FULL.methods
     with pytest.raises(SystemExit):

@@ -101,7 +101,8 @@ def test_model_has_no_batchnorm_or_dropout():
 
 def test_hyperparameters_are_plain_types():
     model = DigitsCNN(lr=1e-3, channels=8, hidden=16, weight_decay=1e-4)
-    assert dict(model.hparams) == {"lr": 1e-3, "channels": 8, "hidden": 16, "weight_decay": 1e-4}
+    assert dict(model.hparams) == {"lr": 1e-3, "channels": 8, "hidden": 16, "weight_decay": 1e-4,
+                                   "schedule": "constant", "warmup_steps": 0}
     assert all(type(value) in (int, float, str) for value in model.hparams.values())
 
 
@@ -263,8 +264,8 @@ def test_lm_warmup_is_linear_per_step():
 def test_lm_hyperparameters_are_plain_types():
     model = ByteLM(lr=1e-3, width=32, depth=1, heads=2, context=16, weight_decay=0.0, warmup_steps=0)
     assert dict(model.hparams) == {"lr": 1e-3, "width": 32, "depth": 1, "heads": 2, "context": 16,
-                                   "weight_decay": 0.0, "warmup_steps": 0}
-    assert all(type(value) in (int, float) for value in model.hparams.values())
+                                   "weight_decay": 0.0, "warmup_steps": 0, "schedule": "constant", "schedule_steps": 0}
+    assert all(type(value) in (int, float, str) for value in model.hparams.values())
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -649,3 +649,14 @@ def test_the_lm_trains_with_diloco_from_the_command(launched):
                                          "compressor": "int8", "fragments": 1, "delay": 0, "mix": 0.5,
                                          "balance": "batches", "final_sync": True, "validate": "global", "warmup": 0}
     assert summary["sync"].startswith("DiLoCo(every=2, ") and "int8" in summary["sync"]
+
+
+@pytest.mark.parametrize("model", ["cnn", "lm"])
+def test_the_schedule_comes_from_the_command_and_a_bad_one_fails_at_composition(model, tmp_path):
+    extra = ["data=stdlib"] if model == "lm" else []
+    cfg = _compose(f"model={model}", "model.schedule=cosine", "model.warmup_steps=3", *extra)
+    validate(cfg)
+    _, built, _ = build(cfg, str(tmp_path), 0.0)
+    assert built.hparams["schedule"] == "cosine" and built.hparams["warmup_steps"] == 3
+    with pytest.raises(ConfigCompositionException, match="cosin"):
+        _compose(f"model={model}", "model.schedule=cosin", *extra)

@@ -33,6 +33,7 @@ from lightning_dist.benchmarks import _streaming as stream
 from lightning_dist.benchmarks._cluster import launch_job
 from lightning_dist.compression import COMPRESSORS
 from lightning_dist.examples import ByteLM, StdlibText
+from lightning_dist.examples.schedules import SCHEDULES
 from lightning_dist.hetero import HeteroBatching
 from lightning_dist.simcluster import link_bytes_sent, unavailable
 from lightning_dist.strategy import RingDDPStrategy, features_of
@@ -172,6 +173,9 @@ class Sizes:
     hetero_epoch_steps: int  # hetero: steps per epoch at equal batches
     hetero_epochs: int  # hetero: per fit; every epoch after the first (warm-up, first rebalance) is timed
     own_speed_steps: int  # hetero: the fits that measure each host's own speed
+    # --schedule: the learning rate after the warm-up (lightning_dist.examples.schedules), over ``steps`` for every fit
+    # (a curve that goes on past them stays at the schedule's last rate): every method at equal samples sees the same
+    schedule: str = "constant"
 
     def stream_steps(self, every: int) -> int:
         """A streaming timing fit's steps: one warm-up cycle of H = ``every``, then ``stream_timed_cycles``."""
@@ -297,7 +301,7 @@ def workload(sizes: Sizes) -> tuple[ByteLM, StdlibText]:
     """The LM and its data at ``sizes``, seeded: every fit of the benchmark starts from the same weights and samples."""
     L.seed_everything(SEED, verbose=False)
     model = ByteLM(width=sizes.width, depth=sizes.depth, heads=sizes.heads, context=sizes.context,
-                   warmup_steps=sizes.warmup_steps)
+                   warmup_steps=sizes.warmup_steps, schedule=sizes.schedule, schedule_steps=sizes.steps)
     data = StdlibText(context=sizes.context, batch_size=sizes.batch_size, max_train_bytes=sizes.train_bytes,
                       max_val_bytes=sizes.context + 1, seed=SEED)
     return model, data
@@ -425,7 +429,7 @@ def cluster_job(args: argparse.Namespace, shape: Shape, rate: float, worker: lis
     not written), why the job failed, its wall time."""
     with bench.scratch("sync") as out:
         worker = ["--worker", "--out", str(out), "--steps", str(args.sizes.steps), *(["--quick"] * args.quick),
-                  *worker]
+                  "--schedule", args.sizes.schedule, *worker]
         error, wall = launch_job(shape.hosts, rate, worker, free_port(), args.run_timeout, log,
                                  per_host=shape.per_host, module=WORKER_MODULE)
         files = {label: [_rank_file(out, label, r) for r in range(world)] for label in labels}
@@ -915,6 +919,8 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     add("--from", dest="from_json", help="redo the tables, verdicts and plot from a saved run's sync.json, "
                                          "sync-streaming.json or sync-hetero.json (nothing is measured)")
     add("--nosync-rounds", type=int, help=f"default {FULL.nosync_rounds} (--quick {QUICK.nosync_rounds})")
+    add("--schedule", choices=SCHEDULES, default="constant",
+        help="the learning rate after the warm-up, over --steps: constant (default), cosine to a tenth, or wsd")
     add("--steps", type=int, help=f"steps of every curve, a multiple of {FULL.eval_every} and of every H (default "
                                   f"{FULL.steps}, --quick {QUICK.steps})")
     # worker mode (what each host runs under torchrun)
@@ -931,6 +937,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                 else value)
     if args.steps is not None:
         args.sizes = replace(args.sizes, steps=args.steps, horizon=2 * args.steps)
+    args.sizes = replace(args.sizes, schedule=args.schedule)
     args.scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
     if args.worker or args.from_json:
         return args

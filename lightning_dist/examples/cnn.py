@@ -26,6 +26,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
 from lightning_dist.examples.digits import IMAGE_SHAPE, NUM_CLASSES
+from lightning_dist.examples.schedules import check_schedule, lightning_scheduler
 
 _MAX_NORM_GROUPS = 4  # GroupNorm groups per conv layer (fewer when `channels` is not a multiple of 4)
 
@@ -47,6 +48,10 @@ class DigitsCNN(L.LightningModule):
         channels: output channels of the first conv; the second has twice as many.
         hidden: width of the hidden linear layer.
         weight_decay: Adam's L2 penalty (coupled, as in ``torch.optim.Adam``).
+        schedule: the rate after ``warmup_steps`` optimizer steps of linear warm-up
+            (:mod:`lightning_dist.examples.schedules`): ``"constant"`` (the default, with no warm-up: Adam at ``lr``
+            throughout, as before), ``"cosine"`` to a tenth of ``lr`` at the fit's last step, or ``"wsd"``.
+        warmup_steps: optimizer steps of linear warm-up (0: none).
 
     Logged metrics (all unitless):
         ``train/loss``: cross-entropy of this rank's batch, every step (not synced: no collective per step).
@@ -56,8 +61,10 @@ class DigitsCNN(L.LightningModule):
         ``val/acc``: validation accuracy over the whole validation set, all ranks.
     """
 
-    def __init__(self, lr: float = 3e-3, channels: int = 16, hidden: int = 32, weight_decay: float = 0.0):
+    def __init__(self, lr: float = 3e-3, channels: int = 16, hidden: int = 32, weight_decay: float = 0.0,
+                 schedule: str = "constant", warmup_steps: int = 0):
         super().__init__()
+        check_schedule("DigitsCNN", schedule, warmup_steps)
         for name, value in (("channels", channels), ("hidden", hidden)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DigitsCNN: `{name}` must be an int >= 1, got {value!r}.")
@@ -73,7 +80,7 @@ class DigitsCNN(L.LightningModule):
         # plain Python types only, so checkpoints load under torch.load(weights_only=True)
         self.save_hyperparameters(
             {"lr": float(lr), "channels": int(channels), "hidden": int(hidden),
-             "weight_decay": float(weight_decay)}
+             "weight_decay": float(weight_decay), "schedule": str(schedule), "warmup_steps": int(warmup_steps)}
         )
 
         height, width = IMAGE_SHAPE[1:]
@@ -119,6 +126,8 @@ class DigitsCNN(L.LightningModule):
 
     @override
     def configure_optimizers(self) -> OptimizerLRScheduler:
-        return torch.optim.Adam(
-            self.parameters(), lr=self.hparams["lr"], weight_decay=self.hparams["weight_decay"]
-        )
+        hp = self.hparams
+        optimizer = torch.optim.Adam(self.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"])
+        schedule = lightning_scheduler(optimizer, hp["schedule"], hp["warmup_steps"],
+                                       lambda: int(self.trainer.estimated_stepping_batches))
+        return optimizer if schedule is None else {"optimizer": optimizer, "lr_scheduler": schedule}

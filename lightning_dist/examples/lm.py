@@ -36,6 +36,8 @@ from torch.utils.data import DataLoader, Dataset
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
+from lightning_dist.examples.schedules import check_schedule, lightning_scheduler
+
 VOCAB_SIZE = 256  # byte values
 # directories of the standard library left out: installed third-party packages, and the test suites (large, generated
 # data files, and not what a user's code looks like)
@@ -234,7 +236,13 @@ class ByteLM(L.LightningModule):
         weight_decay: AdamW's decoupled weight decay, applied to the weight matrices and embeddings only (not to
             biases and LayerNorm gains, as in GPT-2 and nanoGPT).
         warmup_steps: optimizer steps of linear warm-up from ``lr / warmup_steps`` to ``lr`` (0: none), stepped per
-            optimizer step; the rate is constant afterwards, so a run's length does not change its first steps.
+            optimizer step.
+        schedule: the rate after the warm-up (:mod:`lightning_dist.examples.schedules`): ``"constant"`` (so a run's
+            length does not change its first steps), ``"cosine"`` to a tenth of ``lr`` at the fit's last step, or
+            ``"wsd"`` (stable, then a linear decay to a tenth over the last fifth).
+        schedule_steps: the optimizer steps the schedule spans (0: the fit's own, Lightning's
+            ``trainer.estimated_stepping_batches``); a fit that goes on past them stays at the schedule's last rate
+            (the sync benchmark's: every method on one schedule, at equal samples).
 
     Logged metrics (losses in nats per byte; divide by ln 2 for bits per byte):
         ``train/loss``: mean cross-entropy of this rank's batch, every step (not synced: no collective per step).
@@ -244,10 +252,13 @@ class ByteLM(L.LightningModule):
     """
 
     def __init__(self, lr: float = 2e-3, width: int = 160, depth: int = 4, heads: int = 4, context: int = 128,
-                 weight_decay: float = 0.1, warmup_steps: int = 50) -> None:
+                 weight_decay: float = 0.1, warmup_steps: int = 50, schedule: str = "constant",
+                 schedule_steps: int = 0) -> None:
         super().__init__()
+        check_schedule("ByteLM", schedule, warmup_steps)
+        _check_int("ByteLM", "schedule_steps", schedule_steps, 0, "0: the fit's own length.")
         for name, value, minimum in (("width", width, 1), ("depth", depth, 1), ("heads", heads, 1),
-                                     ("context", context, 1), ("warmup_steps", warmup_steps, 0)):
+                                     ("context", context, 1)):
             _check_int("ByteLM", name, value, minimum, "")
         if width % heads:
             raise ValueError(f"ByteLM: `width`={width} must be a multiple of `heads`={heads}, e.g. width=160 heads=4")
@@ -261,7 +272,8 @@ class ByteLM(L.LightningModule):
         # plain Python types only, so checkpoints load under torch.load(weights_only=True)
         self.save_hyperparameters({"lr": float(lr), "width": int(width), "depth": int(depth), "heads": int(heads),
                                    "context": int(context), "weight_decay": float(weight_decay),
-                                   "warmup_steps": int(warmup_steps)})
+                                   "warmup_steps": int(warmup_steps), "schedule": str(schedule),
+                                   "schedule_steps": int(schedule_steps)})
         self.token_embedding = nn.Embedding(VOCAB_SIZE, width)
         self.position_embedding = nn.Embedding(context, width)
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(depth))
@@ -318,8 +330,7 @@ class ByteLM(L.LightningModule):
         optimizer = torch.optim.AdamW(
             [{"params": decayed, "weight_decay": self.hparams["weight_decay"]}, {"params": plain, "weight_decay": 0.0}],
             lr=self.hparams["lr"], betas=(0.9, 0.95))
-        warmup = self.hparams["warmup_steps"]
-        if warmup == 0:
-            return optimizer
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        hp = self.hparams
+        schedule = lightning_scheduler(optimizer, hp["schedule"], hp["warmup_steps"],
+                                       lambda: hp["schedule_steps"] or int(self.trainer.estimated_stepping_batches))
+        return optimizer if schedule is None else {"optimizer": optimizer, "lr_scheduler": schedule}
