@@ -4,6 +4,7 @@ optimizer's rate along them; bad values fail naming the fix."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -29,7 +30,7 @@ def test_cosine_runs_from_the_peak_to_a_tenth_at_the_last_step():
     span = TOTAL - 1 - WARMUP
     expected = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - WARMUP) / span)) for s in range(WARMUP, TOTAL)]
     assert got == pytest.approx(expected, abs=1e-12)
-    assert got[0] == 1.0 and got[-1] == pytest.approx(0.1) and all(a >= b for a, b in zip(got, got[1:]))
+    assert got[0] == 1.0 and got[-1] == pytest.approx(0.1) and all(a >= b for a, b in itertools.pairwise(got))
 
 
 def test_wsd_holds_the_peak_then_decays_linearly_over_the_last_fifth():
