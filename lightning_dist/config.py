@@ -272,7 +272,7 @@ def complete_overrides(overrides: Sequence[str]) -> list[str]:
         return list(overrides)
     changes = [o for o in parsed if o.type == OverrideType.CHANGE and o.package is None]
     chosen: dict[str, Optional[list[str]]] = {  # group -> the options chosen (None: a sweep only Hydra can expand)
-        o.key_or_group: _choices(o) for o in parsed
+        o.key_or_group: _sweep_choices(o) for o in parsed
         if o.key_or_group in SETTING_GROUPS and o.type in (OverrideType.CHANGE, OverrideType.ADD,
                                                            OverrideType.FORCE_ADD)}
     completed, problems = list(overrides), []
@@ -321,7 +321,7 @@ def own_class_overrides(overrides: Sequence[str]) -> list[str]:
     return out
 
 
-def _choices(override: Any) -> Optional[list[str]]:
+def _sweep_choices(override: Any) -> Optional[list[str]]:
     """The options a group override selects; None for a sweep Hydra expands itself (``glob(*)``)."""
     if not override.is_sweep_override():
         return [str(override.value())]
