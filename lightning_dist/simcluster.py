@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Optional, Sequence
 
@@ -89,6 +90,22 @@ def unavailable() -> Optional[str]:
     return None
 
 
+def _exit_on_sigterm() -> Any:
+    """While a cluster is up, SIGTERM ends the process through ``SystemExit`` (143), so that ``with`` blocks and
+    :meth:`SimCluster.close` run: the default action ends it at once and leaves the namespaces, their links and the
+    bridge behind. Only from the main thread (a thread cannot set a handler) and over the default handler (a handler
+    of the caller's is theirs); returns the handler to put back, None where none was set."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+
+    def exit_cleanly(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, exit_cleanly)
+    return signal.SIG_DFL
+
+
 class SimCluster:
     """N shaped hosts; use as a context manager (see the module docstring)."""
 
@@ -111,9 +128,11 @@ class SimCluster:
         self._made_links: list[str] = []
         self._up = False
         self.delay_applied = False
+        self._sigterm: Any = None  # the SIGTERM handler to put back at close (_exit_on_sigterm)
 
     # -- life cycle ------------------------------------------------------------------------------------------
     def __enter__(self) -> SimCluster:
+        self._sigterm = _exit_on_sigterm()
         try:
             self._build()
         except BaseException:
@@ -164,6 +183,9 @@ class SimCluster:
         if self._up:
             _ip("link", "del", self.bridge, check=False)
         self._made_namespaces, self._made_links, self._up = [], [], False
+        if self._sigterm is not None:
+            signal.signal(signal.SIGTERM, self._sigterm)
+            self._sigterm = None
 
     # -- links -------------------------------------------------------------------------------------------------
     def _qdisc(self, host: int, *spec: str) -> subprocess.CompletedProcess:

@@ -67,6 +67,29 @@ def test_links_are_shaped_and_everything_is_removed():
     assert not any(name in links or name in spaces for name in names)
 
 
+HOLD_A_CLUSTER = """
+import sys, time
+from lightning_dist.simcluster import SimCluster
+with SimCluster(2) as cluster:
+    print(" ".join([cluster.bridge, *cluster.namespaces]), flush=True)
+    time.sleep(120)
+"""
+
+
+def test_sigterm_to_the_process_holding_a_cluster_removes_everything_it_made():
+    """A benchmark stopped by SIGTERM (a kill, a scheduler) leaves no namespace, link or bridge behind."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_A_CLUSTER], stdout=subprocess.PIPE, text=True)
+    try:
+        names = proc.stdout.readline().split()
+        assert len(names) == 3 and all(name in "".join(_ours()) for name in names), names
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    links, spaces = _ours()
+    assert not any(name in links or name in spaces for name in names)
+
+
 def _job(cluster, out, epochs, *extra):
     args = ["-m", "lightning_dist.train", "trainer.devices=1", f"trainer.num_nodes={cluster.hosts}",
             f"trainer.max_epochs={epochs}", "trainer.enable_progress_bar=false",
