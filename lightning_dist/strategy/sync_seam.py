@@ -25,6 +25,7 @@ from lightning_dist.hetero import HeteroBatching
 from lightning_dist.loss_scaler import LossScaler
 from lightning_dist.strategy.skip import StepGuard, StepVerdict
 from lightning_dist.sync import EveryStep, FitSettings, SyncContext, SyncDriver, SyncSettings
+from lightning_dist.sync.context import agree_flags
 from lightning_dist.upstream import wrap_sigterm_broadcast
 
 
@@ -134,9 +135,7 @@ class SyncSeam:
         # one read of every parameter's sentinel (on a GPU: one synchronisation)
         bad = bool((~torch.isfinite(torch.cat(sentinels))).any()) if sentinels else False
         if size > 1 and world_size > 1:
-            flag = torch.tensor([float(bad)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-            bad = bool(flag.item())
+            bad = agree_flags(bad, group)
         guard.check_reduced(torch.full((1,), math.nan if bad else 0.0))
         return group, index, size
 

@@ -85,12 +85,9 @@ class SyncContext:
         """Whether any rank of ``group`` (default: :attr:`exchange_group`, every rank) raised the flag, for one flag or
         a list of them: one all-reduce (MAX) of the flags, the same answer on every rank. Every rank of the group must
         call it. Without peers it returns the flags as they are."""
-        one = isinstance(flags, bool)
-        values = torch.tensor([flags] if one else list(flags), dtype=torch.uint8)
-        if self.world_size > 1 and dist.is_initialized():
-            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group if group is not None else self.exchange_group)
-        agreed = [bool(v) for v in values.tolist()]
-        return agreed[0] if one else agreed
+        if self.world_size == 1:
+            return flags if isinstance(flags, bool) else list(flags)
+        return agree_flags(flags, group if group is not None else self.exchange_group)
 
     # -- the trainer, as a driver reads it ------------------------------------------------------------------------
     @property
@@ -145,3 +142,15 @@ class SyncContext:
         if epochs is None or epochs < 0 or trainer.current_epoch + 1 < epochs:
             return False
         return loop.batch_progress.current.ready >= trainer.num_training_batches or loop.batch_progress.is_last_batch
+
+
+def agree_flags(flags: Union[bool, Sequence[bool]], group: Optional[dist.ProcessGroup]) -> Union[bool, list[bool]]:
+    """Whether any rank of ``group`` raised each flag: one all-reduce (MAX) of them, the same answer on every rank of
+    the group, each of which must call it (without a process group: the flags as they are). The one way the sync seam
+    agrees on a flag (:meth:`SyncContext.agree`, NaNRecovery's verdict among a worker's ranks)."""
+    one = isinstance(flags, bool)
+    values = torch.tensor([flags] if one else list(flags), dtype=torch.uint8)
+    if dist.is_initialized():
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    agreed = [bool(v) for v in values.tolist()]
+    return agreed[0] if one else agreed
