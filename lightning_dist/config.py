@@ -160,8 +160,9 @@ class DiLoCoConf:  # sync=diloco: lightning_dist.sync.DiLoCo's arguments
     mix: float = MISSING  # how much of theta_global a delayed fragment takes on landing, in (0, 1]
     balance: str = MISSING  # batches | steps: how workers of different speeds meet at a sync
     final_sync: bool = MISSING  # every worker meets once more when the fit ends (every rank ends with theta_global)
-    validate: str = MISSING  # global | worker: the model validation runs on
+    validate: str = MISSING  # mean | global | worker: the model validation runs on
     warmup: int = MISSING  # the first optimizer steps average the workers after every step (0: none)
+    inner_rate: str = MISSING  # none | normalised | follow | anneal: the outer step's answer to the inner learning rate
 
 
 @dataclass

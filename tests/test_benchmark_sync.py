@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import replace
 from itertools import pairwise
 
 import numpy as np
 import pytest
+import torch
 
 from lightning_dist.benchmarks import _streaming as stream
 from lightning_dist.benchmarks import sync
@@ -153,6 +155,14 @@ def test_argument_checks():
     assert (model.hparams["schedule"], model.hparams["schedule_steps"]) == ("cosine", 40)  # every fit: one schedule
     with pytest.raises(SystemExit):
         sync._parse_args(["--schedule", "linear"])
+    args = sync._parse_args(["--quick", "--seed", "2", "--steps", "40", "--horizon", "40", "--no-timing"])
+    assert (args.sizes.seed, args.sizes.horizon, args.no_timing) == (2, 40, True)
+    held_out = [sync.val_batch(replace(sync.QUICK, seed=seed))[0] for seed in (0, 2)]
+    assert not torch.equal(*held_out)  # the seed draws the held-out windows too (each seed's dense is its own)
+    with pytest.raises(SystemExit):
+        sync._parse_args(["--quick", "--steps", "40", "--horizon", "20"])  # a fit shorter than the compared steps
+    assert sync.METHODS["diloco50+anneal"].settings().inner_rate == "anneal"
+    assert sync.METHODS["diloco50+warmup100+outer1"].settings().outer_lr == 1.0
     args = sync._parse_args([])
     assert args.shapes == ("flat", "two_tier") and args.rates == (10.0, 100.0) and args.methods == sync.FULL.methods
     with pytest.raises(SystemExit):

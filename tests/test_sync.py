@@ -235,7 +235,7 @@ def _fit(strategy, world, hosts=1, model=None, callbacks=(), epochs=EPOCHS, ckpt
 # -- the one-process replay -----------------------------------------------------------------------------------------
 def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=DiLoCo.outer_lr,
            outer_momentum=DiLoCo.outer_momentum, epochs=EPOCHS, batches=None, fragments=1, delay=0, mix=0.5, steps=None,
-           final_sync=True, warmup=0):
+           final_sync=True, warmup=0, means=None):
     """Each worker's parameters after every step, and at the end of the fit, and the workers' ranks, by the contract
     alone (the module's docstring; streaming's, tests/test_sync_streaming.py: ``fragments`` cut by :data:`CUTS`,
     ``delay`` and ``mix``). ``hosts > 1``: workers of ``world // hosts`` ranks, whose gradient is the mean of their
@@ -248,7 +248,9 @@ def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=DiLoCo.outer_l
     ``theta_global`` becomes itself minus the mean pseudo-gradient since its last sync (the workers' mean, no outer
     momentum), and every worker takes ``theta_global`` (DiLoCo(final_sync=True)).
     ``warmup``: after each of the first ``warmup`` steps every fragment's ``theta_global`` becomes itself minus the mean
-    pseudo-gradient (the workers' mean), with no outer momentum, and every worker takes it."""
+    pseudo-gradient (the workers' mean), with no outer momentum, and every worker takes it.
+    ``means``: a list that gets, after every step, the workers' mean at each parameter's last sync (``theta_global``
+    before that sync minus the mean pseudo-gradient: what ``validate="mean"`` validates), flat."""
     per = world // hosts if hosts > 1 else 1
     workers = [list(range(w * per, (w + 1) * per)) for w in range(world // per)]
     x, y = Net().data()
@@ -256,6 +258,7 @@ def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=DiLoCo.outer_l
     models = [copy.deepcopy(start) for _ in workers]
     inner = [m.configure_optimizers() for m in models]
     theta = [p.detach().clone() for p in start.parameters()]
+    synced_mean = [t.clone() for t in theta]
     outer = torch.optim.SGD(theta, lr=outer_lr, momentum=outer_momentum, nesterov=True)
     cut, spacing = CUTS[fragments], every // fragments
     steps_per_epoch = N_SAMPLES // (world * BATCH) if batches is None else len(batches[-1]) // epochs
@@ -277,6 +280,7 @@ def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=DiLoCo.outer_l
     def land(fragment, mean, snapshots, averages=False):
         with torch.no_grad():
             for i in cut[fragment]:
+                synced_mean[i] = theta[i] - mean[i]
                 if averages:
                     theta[i].sub_(mean[i])
                 else:
@@ -344,6 +348,8 @@ def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=DiLoCo.outer_l
                     land(fragment, mean, None)
             for w in range(len(workers)):
                 history[w].append(_flat(models[w]))
+            if means is not None:
+                means.append(torch.cat([m.reshape(-1) for m in synced_mean]))
     for item in pending:  # final_sync=False: what is in flight lands as the fit ends
         land(*item[1:])
     return history, [_flat(m) for m in models], workers
@@ -408,12 +414,13 @@ def _run_flat(rank, world, ckpt_dir):
         theta = torch.cat([g.reshape(-1) for g in trainer.strategy.features.sync.loop.outer.theta])
         out["final"] = (record.params, record.end, theta)
         # validation of theta_global mid-cycle (after step 6, the last sync after step 4), and of each worker's own
-        for validate in ("global", "worker"):
+        for validate in ("mean", "global", "worker"):
             validated = Validated()
             trainer, record = _fit(_strategy(DiLoCo(every=EVERY, validate=validate)), world, model=ValNet("adamw"),
                                    callbacks=[validated], limit_val_batches=None)
             out[("validate", validate)] = (record.params, validated.seen,
-                                           float(trainer.callback_metrics["sync/validated_global"]))
+                                           float(trainer.callback_metrics["sync/validated_global"]),
+                                           float(trainer.callback_metrics["sync/validated_mean"]))
         # Lightning's SIGTERM broadcast (every rank, every batch) only before the batches that end with a sync
         broadcasts = []
         real = torch.distributed.broadcast
@@ -632,7 +639,8 @@ def test_sync_metrics_logged_after_every_sync(flat2):
 
 def test_memory_monitor_counts_theta_global_and_momentum(flat2):
     counted, params = flat2[0]["memory"]
-    assert counted == 3 * params  # theta_global, the outer momentum, the exchange's buckets (no buffers)
+    # theta_global, the outer momentum, the exchange's buckets, the validated workers' mean (no buffers)
+    assert counted == 4 * params
 
 
 def test_lightnings_sigterm_broadcast_runs_before_syncs_only(flat2):
@@ -664,8 +672,8 @@ def _loss(flat):
 
 def test_validation_runs_on_theta_global_and_leaves_the_workers_bit_for_bit(flat2):
     for rank in range(2):
-        params, seen, flag = flat2[rank][("validate", "global")]
-        assert flag == 1.0  # sync/validated_global: the metrics name the model validated
+        params, seen, flag, mean_flag = flat2[rank][("validate", "global")]
+        assert (flag, mean_flag) == (1.0, 0.0)  # sync/validated_global: the metrics name the model validated
         # the workers' parameters are those of the same fit without validation, bit for bit
         assert len(params) == len(flat2[rank][("replay", "adamw")]) == 12
         assert all(torch.equal(a, b) for a, b in zip(params, flat2[rank][("replay", "adamw")], strict=True))
@@ -676,11 +684,29 @@ def test_validation_runs_on_theta_global_and_leaves_the_workers_bit_for_bit(flat
         assert abs(loss - _loss(theta)) <= 1e-6 * max(1.0, abs(loss))  # a separate evaluation of theta_global
 
 
+def test_validation_runs_by_default_on_the_workers_mean_at_the_last_sync(flat2):
+    """validate="mean" (the default) validates theta_global before the last sync's outer step minus the mean
+    pseudo-gradient: the replay's, not theta_global (the outer step's Nesterov extrapolation), and not a worker's."""
+    means = []
+    replay(2, optimizer="adamw", means=means)
+    for rank in range(2):
+        params, seen, flag, mean_flag = flat2[rank][("validate", "mean")]
+        assert (flag, mean_flag) == (0.0, 1.0)
+        assert all(torch.equal(a, b) for a, b in zip(params, flat2[rank][("replay", "adamw")], strict=True))
+        assert [step for step, *_ in seen] == [6, 12]
+        step, loss, theta, validated = seen[0]  # after step 6: mid-cycle, the last sync after step 4
+        assert _close(validated, means[step - 1]) and not _close(validated, theta)
+        assert not torch.equal(validated, params[5])  # each worker's own parameters are restored after it
+        assert abs(loss - _loss(validated)) <= 1e-6 * max(1.0, abs(loss))
+        step, loss, theta, validated = seen[1]  # the fit's last validation: after the final sync, theta_global
+        assert torch.equal(validated, theta)
+
+
 def test_validate_worker_runs_on_each_workers_own_parameters(flat2):
     own = [flat2[rank][("validate", "worker")][0][5] for rank in range(2)]  # after step 6
     for rank in range(2):
-        params, seen, flag = flat2[rank][("validate", "worker")]
-        assert flag == 0.0
+        params, seen, flag, mean_flag = flat2[rank][("validate", "worker")]
+        assert (flag, mean_flag) == (0.0, 0.0)
         step, loss, theta, validated = seen[0]
         assert torch.equal(validated, own[rank])
         assert abs(loss - (_loss(own[0]) + _loss(own[1])) / 2) <= 1e-6 * max(1.0, abs(loss))  # sync_dist's mean

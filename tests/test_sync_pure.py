@@ -21,7 +21,7 @@ from lightning_dist.sync.diloco_fragments import fragment_buckets as _buckets
     ({"outer_momentum": 1.0}, "outer_momentum=1.0"), ({"outer_momentum": -0.1}, "outer_momentum=-0.1"),
     ({"compressor": "zip"}, "zip"),
     ({"final_sync": "yes"}, "final_sync='yes'"), ({"final_sync": 1}, "sync.final_sync=true or false"),
-    ({"validate": "best"}, "validate='best'"), ({"validate": None}, "sync.validate=global or worker"),
+    ({"validate": "best"}, "validate='best'"), ({"validate": None}, "sync.validate=mean, global or worker"),
     ({"warmup": -1}, "warmup=-1"), ({"warmup": 0.2}, "sync.warmup=100"), ({"warmup": True}, "warmup=True"),
 ])
 def test_bad_settings_are_refused_naming_the_value(bad, words):
@@ -179,12 +179,14 @@ def test_state_dict_round_trip_restores_theta_global_and_momentum():
         _bound(DiLoCo(every=2), torch.nn.Linear(3, 2)).load_state_dict(state)
 
 
-def test_memory_counts_two_parameter_copies_and_the_exchange():
+def test_memory_counts_the_parameter_copies_and_the_exchange():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
-    sync = _bound(DiLoCo(every=1), model)
     params = sum(p.numel() * 4 for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    assert sync.memory_bytes() == 3 * params + buffers  # theta_global, momentum, the flat bucket
+    # theta_global, momentum, the flat bucket; validate="mean" (the default) also keeps the workers' mean
+    assert _bound(DiLoCo(every=1, validate="global"), model).memory_bytes() == 3 * params + buffers
+    sync = _bound(DiLoCo(every=1), model)
+    assert sync.memory_bytes() == 4 * params + buffers
     est = estimate_memory(model, [], CommSetup(sync_bytes=sync.memory_bytes()))
     assert est.parts["sync_state"] == sync.memory_bytes() and "theta_global" in est.notes["sync_state"]
     assert "sync_state" not in estimate_memory(model, [], CommSetup()).parts
@@ -422,14 +424,14 @@ def test_the_final_sync_averages_the_workers_over_the_partial_cycle_and_leaves_t
 
 def test_validating_the_global_model_restores_the_workers_own_bit_for_bit():
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
-    sync = _bound(DiLoCo(every=4), model)
+    sync = _bound(DiLoCo(every=4, validate="global"), model)
     model.train()
     model(torch.randn(8, 4))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) / 3)
     own = [t.clone() for t in (*model.parameters(), *model.buffers())]
-    sync.swap_in_global()
+    sync.swap_in_validated()
     assert all(torch.equal(p, g) for p, g in zip(model.parameters(), sync.outer.theta, strict=True))
     assert torch.equal(model[1].running_mean, torch.zeros(3))  # the averaged buffers: the start's
     assert set(sync.worker_tensors()) == {"0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var",
@@ -437,3 +439,92 @@ def test_validating_the_global_model_restores_the_workers_own_bit_for_bit():
     sync.swap_back()
     assert all(torch.equal(a, b) for a, b in zip(own, (*model.parameters(), *model.buffers()), strict=True))
     assert sync.worker_tensors() == {}
+
+
+def test_validate_mean_keeps_the_workers_mean_at_each_sync_not_the_outer_steps_model():
+    model = torch.nn.Linear(4, 3)
+    sync = _bound(DiLoCo(every=2), model)  # one worker: the workers' mean is its own parameters at the sync
+    assert all(torch.equal(m, p) for m, p in zip(sync.outer.mean, model.parameters(), strict=True))  # before any
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.25)
+    at_sync = [p.detach().clone() for p in model.parameters()]
+    sync.sync_after(step=2)  # an outer step of lr 0.7 and Nesterov momentum 0.8: 0.7 * 1.8 of the way, not 1
+    assert all(torch.allclose(m, a) for m, a in zip(sync.outer.mean, at_sync, strict=True))
+    assert all(torch.allclose(g - (a - 0.25), 1.26 * 0.25 * torch.ones_like(g))
+               for g, a in zip(sync.outer.theta, at_sync, strict=True))
+    sync.swap_in_validated()
+    assert all(torch.equal(p, m) for p, m in zip(model.parameters(), sync.outer.mean, strict=True))
+    sync.swap_back()
+    assert all(torch.equal(p, g) for p, g in zip(model.parameters(), sync.outer.theta, strict=True))
+
+
+# -- DiLoCo(inner_rate=...): the outer step's answer to the inner learning rate ---------------------------------------
+def test_the_inner_rate_is_read_from_the_optimizers_groups_weighted_by_their_elements():
+    from lightning_dist.sync.diloco_driver import inner_rate
+
+    big, small = torch.nn.Linear(8, 8), torch.nn.Linear(2, 1)  # 72 and 3 elements
+    optimizer = torch.optim.AdamW([{"params": big.parameters(), "lr": 1e-3},
+                                   {"params": small.parameters(), "lr": 4e-3}])
+    assert inner_rate([optimizer]) == pytest.approx((72 * 1e-3 + 3 * 4e-3) / 75)
+    assert inner_rate([]) == 0.0
+    # a schedule the user writes in configure_optimizers sets the groups' lr, which is all it reads
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+    optimizer.step()
+    scheduler.step()
+    assert inner_rate([optimizer]) == pytest.approx((72 * 0.5e-3 + 3 * 2e-3) / 75)
+
+
+def _two_syncs(rule, rates=(2e-3, 1e-3)):
+    """A worker of one rank moved by 0.25, then by 0.1, each cycle of 2 steps at ``rates``' rate; the outer
+    optimizer's group after each sync and theta_global at the end."""
+    model = torch.nn.Linear(3, 1)
+    start = [p.detach().clone() for p in model.parameters()]
+    sync = _bound(DiLoCo(every=2, inner_rate=rule), model)
+    seen = []
+    for move, rate, step in zip((0.25, 0.1), rates, (2, 4), strict=True):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(move)
+        sync.count_rate(rate)
+        sync.count_rate(rate)
+        sync.sync_after(step=step)
+        group = sync.outer.sgd.param_groups[0]
+        seen.append((group["lr"], group["momentum"]))
+    return seen, [g - s for g, s in zip(sync.outer.theta, start, strict=True)], sync
+
+
+def test_each_inner_rate_rule_against_its_arithmetic():
+    # Nesterov SGD by hand: b1 = d1, step1 = lr (d1 + m b1); b2 = m b1 + d2, step2 = lr (d2 + m b2); d = the
+    # pseudo-gradient (0.25, then 0.1 of the way back)
+    def moved(lrs, momenta, scale=1.0):
+        b1 = 0.25
+        first = lrs[0] * (0.25 + momenta[0] * b1)
+        b2 = momenta[1] * b1 * scale + 0.1
+        return -(first + lrs[1] * (0.1 + momenta[1] * b2))
+
+    cases = {"none": ((0.7, 0.7), (0.8, 0.8), 1.0), "normalised": ((0.7, 0.7), (0.8, 0.8), 0.5),
+             "follow": ((0.7, 0.35), (0.8, 0.8), 1.0), "anneal": ((0.7, 0.85), (0.8, 0.4), 1.0)}
+    for rule, (lrs, momenta, scale) in cases.items():
+        seen, moves, _ = _two_syncs(rule)
+        assert [lr for lr, _ in seen] == pytest.approx(list(lrs)), rule
+        assert [m for _, m in seen] == pytest.approx(list(momenta)), rule
+        assert all(torch.allclose(d, torch.full_like(d, moved(lrs, momenta, scale))) for d in moves), rule
+    # a rate that rises (a warm-up) leaves every rule at its set outer rate and momentum
+    for rule in cases:
+        seen, moves, _ = _two_syncs(rule, rates=(1e-3, 2e-3))
+        assert seen == [(0.7, 0.8), (0.7, 0.8)], rule
+
+
+def test_the_inner_rates_are_kept_in_the_checkpoint():
+    _, _, sync = _two_syncs("normalised")
+    sync.count_rate(5e-4)
+    state = sync.state_dict()
+    other = _bound(DiLoCo(every=2, inner_rate="normalised"), torch.nn.Linear(3, 1))
+    other.load_state_dict(state)
+    assert (other.outer.rates, other.outer.peak_rate) == ({0: 1e-3}, 2e-3)
+    assert (other.fragments[0].rate_sum, other.fragments[0].rate_steps) == (5e-4, 1)
+    with pytest.raises(ValueError, match="same DiLoCo settings"):  # the rule is part of the settings a resume matches
+        _bound(DiLoCo(every=2), torch.nn.Linear(3, 1)).load_state_dict(state)
+    with pytest.raises(ValueError, match="sync.inner_rate=none"):
+        DiLoCo(inner_rate="cosine")

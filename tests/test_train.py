@@ -525,7 +525,7 @@ def test_a_diloco_setting_without_the_group_names_it(monkeypatch):
     with pytest.raises(ValueError, match="use sync=diloco sync.every=5"):
         complete_overrides(["sync=every_step", "sync.every=5"])
     with pytest.raises(ValueError, match="no sync option has it; sync=diloco's settings are balance, compressor, "
-                                         "delay, every, final_sync, fragments, mix, name"):
+                                         "delay, every, final_sync, fragments, inner_rate, mix, name"):
         complete_overrides(["sync=diloco", "sync.evry=5"])
     assert complete_overrides(["sync=diloco", "sync.every=5"]) == ["sync=diloco", "sync.every=5"]
     monkeypatch.setattr(sys, "argv", ["lightning-dist-train", "sync.every=5"])

@@ -38,10 +38,10 @@ from lightning_dist.hetero import HeteroBatching
 from lightning_dist.simcluster import link_bytes_sent, unavailable
 from lightning_dist.strategy import RingDDPStrategy, features_of
 from lightning_dist.sync import DiLoCo, OneBitAdam, SyncSettings
+from lightning_dist.sync.diloco_fragments import SyncedModel
 from lightning_dist.testing import RanksFailed, free_port, launched_externally, quiet_trainer, run_ranks
 
 WORKER_MODULE = "lightning_dist.benchmarks.sync"
-SEED = 0
 # gloo's own all-reduce, what "auto" picks for the full model's 1.9 MB bucket (for --quick's, auto's tree: ~15x slower)
 ALGORITHM = "native"
 COLLECTIVE_TIMEOUT_S = 300.0  # a dense step at 10 Mbit/s takes seconds; a hang still fails the run
@@ -76,6 +76,8 @@ class Method:
     warmup: Optional[int] = None  # DiLoCo(warmup=W): the first W steps average the workers after every step
     onebit: bool = False  # OneBitAdam() with its defaults: Adam's momentum compressed after a dense warm-up
     final_sync: bool = True  # DiLoCo's meeting after the last step; off in the timing fits (no step's time)
+    inner_rate: Optional[str] = None  # DiLoCo(inner_rate=...): the outer step's answer to the inner learning rate
+    outer_lr: Optional[float] = None  # DiLoCo(outer_lr=...) where not the default
 
     @property
     def diloco(self) -> bool:
@@ -91,7 +93,7 @@ class Method:
         """The sync settings (None: every step); raises DiLoCo's ValueError for a refused combination."""
         if not self.diloco:
             return OneBitAdam() if self.onebit else None
-        streaming = {k: v for k in ("fragments", "delay", "mix", "balance", "warmup")
+        streaming = {k: v for k in ("fragments", "delay", "mix", "balance", "warmup", "inner_rate", "outer_lr")
                      if (v := getattr(self, k)) is not None}
         return DiLoCo(every=self.every, final_sync=self.final_sync,  # the outer optimizer's defaults
                       compressor=dict(self.sync_compressor) if self.sync_compressor else None, **streaming)
@@ -117,6 +119,11 @@ METHODS = {m.label: m for m in (
     *(Method(f"diloco{h}{suffix}", every=h, sync_compressor=codec)
       for h in (10, 50) for suffix, codec in (("", None), ("/int8", INT8), ("/topk1%", TOPK))),
     *(Method(f"diloco50+warmup{w}", every=50, warmup=w) for w in (50, 100)),
+    # under a decaying learning rate (issue 52, docs/sync.md): the outer step's answers to the inner rate, and a
+    # higher outer rate alone and after a warm-up
+    *(Method(f"diloco50+{rule}", every=50, inner_rate=rule) for rule in ("normalised", "follow", "anneal")),
+    Method("diloco50+outer1", every=50, outer_lr=1.0),
+    Method("diloco50+warmup100+outer1", every=50, warmup=100, outer_lr=1.0),
 )}
 DENSE = "dense"
 PER_STEP_COMPRESSORS = ("topk1%", "powersgd-r2")
@@ -176,6 +183,7 @@ class Sizes:
     # --schedule: the learning rate after the warm-up (lightning_dist.examples.schedules), over ``steps`` for every fit
     # (a curve that goes on past them stays at the schedule's last rate): every method at equal samples sees the same
     schedule: str = "constant"
+    seed: int = 0  # --seed: the model's initial weights, the samples' order and the held-out windows
 
     def stream_steps(self, every: int) -> int:
         """A streaming timing fit's steps: one warm-up cycle of H = ``every``, then ``stream_timed_cycles``."""
@@ -221,7 +229,7 @@ def eval_every(method: Method, sizes: Sizes) -> int:
 def val_batch(sizes: Sizes) -> tuple[torch.Tensor, torch.Tensor]:
     """``sizes.val_windows`` windows of the held-out stream (all of it, every held-out file), evenly spaced."""
     data = StdlibText(context=sizes.context, batch_size=sizes.batch_size, max_train_bytes=sizes.context + 1,
-                      max_val_bytes=None, seed=SEED)
+                      max_val_bytes=None, seed=sizes.seed)
     data.setup("fit")
     windows = data.val_set.windows
     picked = windows[torch.linspace(0, len(windows) - 1, sizes.val_windows).long()].long()
@@ -258,7 +266,8 @@ class FitRecord(Callback):
         self.epochs: list[int] = []
         self.samples: list[int] = []
         self.link_sent: list[int] = []
-        self.curve: list[tuple[int, float, float, float]] = []  # (step, loss, step end, evaluation seconds)
+        # (step, loss, theta_global's loss (DiLoCo; else None), step end, evaluation seconds)
+        self.curve: list[tuple[int, float, Optional[float], float, float]] = []
         self.sync_trace: list[tuple[int, dict[str, float]]] = []
         self.sampler = stream.LinkSampler(link_bytes_sent) if sample else None
 
@@ -285,11 +294,11 @@ class FitRecord(Callback):
         if self.every and step > self.offset and step % self.every == self.offset % self.every:
             started = time.perf_counter()
             if trainer.is_global_zero:
-                self.curve.append((step, val_loss(pl_module, self.batch), self.ends[-1], 0.0))
+                self.curve.append((step, *validated_losses(pl_module, features, self.batch), self.ends[-1], 0.0))
             if features is not None and features.exchange_group is not None:
                 dist.barrier(group=features.exchange_group)
             if trainer.is_global_zero:
-                self.curve[-1] = (*self.curve[-1][:3], time.perf_counter() - started)
+                self.curve[-1] = (*self.curve[-1][:4], time.perf_counter() - started)
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -299,11 +308,11 @@ class FitRecord(Callback):
 
 def workload(sizes: Sizes) -> tuple[ByteLM, StdlibText]:
     """The LM and its data at ``sizes``, seeded: every fit of the benchmark starts from the same weights and samples."""
-    L.seed_everything(SEED, verbose=False)
+    L.seed_everything(sizes.seed, verbose=False)
     model = ByteLM(width=sizes.width, depth=sizes.depth, heads=sizes.heads, context=sizes.context,
                    warmup_steps=sizes.warmup_steps, schedule=sizes.schedule, schedule_steps=sizes.steps)
     data = StdlibText(context=sizes.context, batch_size=sizes.batch_size, max_train_bytes=sizes.train_bytes,
-                      max_val_bytes=sizes.context + 1, seed=SEED)
+                      max_val_bytes=sizes.context + 1, seed=sizes.seed)
     return model, data
 
 
@@ -323,7 +332,7 @@ def fit(method: Method, shape: Shape, sizes: Sizes, steps: int, curve: bool, lin
     if record.every and trainer.is_global_zero and (not record.curve or record.curve[-1][0] != trainer.global_step):
         # the model the fit leaves: a delayed sync still in flight after the last step has landed (DiLoCo settles it
         # as training ends), so the last point holds every sync the fit started, as a synchronous sync's does
-        record.curve.append((trainer.global_step, val_loss(model, record.batch), time.perf_counter(), 0.0))
+        record.curve.append((trainer.global_step, val_loss(model, record.batch), None, time.perf_counter(), 0.0))
     features = features_of(trainer.strategy)
     global_loss = None
     if record.every and trainer.is_global_zero and method.diloco:
@@ -336,6 +345,26 @@ def fit(method: Method, shape: Shape, sizes: Sizes, steps: int, curve: bool, lin
             "sync_metrics": dict(features.sync.report().metrics) if features.sync is not None else {},
             "global_loss": global_loss, "trace": [[step, m] for step, m in record.sync_trace],
             "link_samples": [list(s) for s in record.sampler.samples] if record.sampler is not None else []}
+
+
+def validated_losses(module: ByteLM, features: Any, batch: tuple[torch.Tensor, torch.Tensor]
+                     ) -> tuple[float, Optional[float]]:
+    """``module``'s loss on ``batch`` as validation sees it, and under DiLoCo ``theta_global``'s beside it (else None):
+    DiLoCo swaps in the model its ``validate`` setting names (by default the workers' mean at the last sync) and puts
+    the worker's own back afterwards."""
+    loop = getattr(features.sync, "loop", None) if features is not None and features.sync is not None else None
+    if loop is None:
+        return val_loss(module, batch), None
+    loop.swap_in_validated()
+    try:
+        validated = val_loss(module, batch)
+    finally:
+        loop.swap_back()
+    agreed = copy.deepcopy(module)
+    with torch.no_grad():
+        for t, g in zip(SyncedModel.of(agreed).tensors(), loop.outer.tensors()):
+            t.copy_(g)
+    return validated, val_loss(agreed, batch)
 
 
 def global_model(model: ByteLM, state: dict[str, Any]) -> ByteLM:
@@ -429,7 +458,7 @@ def cluster_job(args: argparse.Namespace, shape: Shape, rate: float, worker: lis
     not written), why the job failed, its wall time."""
     with bench.scratch("sync") as out:
         worker = ["--worker", "--out", str(out), "--steps", str(args.sizes.steps), *(["--quick"] * args.quick),
-                  "--schedule", args.sizes.schedule, *worker]
+                  "--schedule", args.sizes.schedule, "--seed", str(args.sizes.seed), *worker]
         error, wall = launch_job(shape.hosts, rate, worker, free_port(), args.run_timeout, log,
                                  per_host=shape.per_host, module=WORKER_MODULE)
         files = {label: [_rank_file(out, label, r) for r in range(world)] for label in labels}
@@ -474,6 +503,8 @@ def curve_record(outs: Sequence[dict[str, Any]], shape: str, equal_steps: int) -
     synced_sum = sum(synced) if synced and len(synced) == len(outs) else None
     return {"shape": shape, "method": rank0["method"], "params": rank0["params"], "steps": steps,
             "equal_steps": equal_steps, "curve_steps": [p[0] for p in curve], "curve_loss": [p[1] for p in curve],
+            # DiLoCo: theta_global's loss at each point but the last (the final sync's, which averages)
+            "curve_global": [p[2] if len(p) > 4 else None for p in curve],
             "final_loss": at_equal[0] if at_equal else None, "end_loss": curve[-1][1] if curve else None,
             "global_loss": rank0.get("global_loss"),
             "bytes_across_per_step": synced_sum if synced_sum is not None else per_step("bytes_inter_host"),
@@ -916,11 +947,18 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     add("--mix", type=float, help="streaming: DiLoCo(mix=alpha) of the delayed configurations (default DiLoCo's)")
     add("--run-timeout", type=float, help="one job's hard deadline, s (default 1800, --quick 150)")
     add("--no-validate", action="store_true", help="skip the full shaped run that checks the prediction")
+    add("--no-timing", action="store_true", help="the curves on loopback ranks only (quality at equal samples): no "
+                                                 "no-sync step cost, no shaped cluster")
     add("--from", dest="from_json", help="redo the tables, verdicts and plot from a saved run's sync.json, "
                                          "sync-streaming.json or sync-hetero.json (nothing is measured)")
     add("--nosync-rounds", type=int, help=f"default {FULL.nosync_rounds} (--quick {QUICK.nosync_rounds})")
     add("--schedule", choices=SCHEDULES, default="constant",
         help="the learning rate after the warm-up, over --steps: constant (default), cosine to a tenth, or wsd")
+    add("--horizon", type=int, help=f"steps of a per-step compressor's fit, read at --steps (default {FULL.horizon}, "
+                                    "twice --steps where given); = --steps: every fit ends at the compared steps, as "
+                                    "a user's fit of that length (OneBitAdam's warm-up is a fraction of it)")
+    add("--seed", type=int, default=0, help="the model's initial weights, the samples' order and the held-out windows "
+                                            "(default 0, the tables' runs)")
     add("--steps", type=int, help=f"steps of every curve, a multiple of {FULL.eval_every} and of every H (default "
                                   f"{FULL.steps}, --quick {QUICK.steps})")
     # worker mode (what each host runs under torchrun)
@@ -937,11 +975,16 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                 else value)
     if args.steps is not None:
         args.sizes = replace(args.sizes, steps=args.steps, horizon=2 * args.steps)
-    args.sizes = replace(args.sizes, schedule=args.schedule)
+    if args.horizon is not None:
+        args.sizes = replace(args.sizes, horizon=args.horizon)
+    args.sizes = replace(args.sizes, schedule=args.schedule, seed=args.seed)
     args.scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
     if args.worker or args.from_json:
         return args
     bench.check_counts(cli, nosync_rounds=args.nosync_rounds, steps=args.steps)
+    if args.sizes.horizon < args.sizes.steps:
+        cli.error(f"--horizon {args.sizes.horizon} ends before --steps {args.sizes.steps}, where every method is read; "
+                  f"use --horizon >= {args.sizes.steps}")
     if "methods" in args.scenarios:
         points = {m: eval_every(METHODS[m], args.sizes) for m in args.methods}
         if any(args.sizes.steps % point for point in points.values()):
@@ -1054,9 +1097,9 @@ def validation_record(raw: Optional[dict[str, Any]], curves: Sequence[dict[str, 
                 == (VALIDATE_SHAPE, VALIDATE_RATE, VALIDATE_METHOD)), None)
     loop = next((c for c in curves if (c["shape"], c["method"]) == (VALIDATE_SHAPE, VALIDATE_METHOD)
                  and not c.get("error")), None)
-    evals = [p[3] for p in raw["curve"]]
+    evals = [p[4] for p in raw["curve"]]
     # each evaluation's step end since the fit's first step, less the evaluations before it
-    measured_times = [point[2] - raw["start"] - sum(evals[:i]) for i, point in enumerate(raw["curve"])]
+    measured_times = [point[3] - raw["start"] - sum(evals[:i]) for i, point in enumerate(raw["curve"])]
     with_evals = raw["ends"][-1] - raw["start"]
     per_step = row["per_step_s"] if row else None
     return {"method": VALIDATE_METHOD, "shape": VALIDATE_SHAPE, "rate_mbit": VALIDATE_RATE, "steps": raw["steps"],
@@ -1098,7 +1141,10 @@ def run_methods(args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], di
                              timing_steps={m: timing_steps(METHODS[m], sizes)[0] for m in args.methods})
     methods = {label: METHODS[label] for label in args.methods}
     curves = [rec for shape in args.shapes for rec in run_curves(args, shape, methods, sizes.steps, sizes.horizon)]
-    nosync, reason = run_nosync(args), _skipped("shaped timing")
+    if args.no_timing:
+        nosync, reason = {"error": "not run: --no-timing"}, "--no-timing"
+    else:
+        nosync, reason = run_nosync(args), _skipped("shaped timing")
     timings, validation_raw = run_cluster(args, _logs(out)) if reason is None else ([], None)
     validation = validation_record(validation_raw, curves, combine(curves, timings))
     return meta, {"skipped": reason, "curves": curves, "timings": timings, "validation": validation, "nosync": nosync}

@@ -284,7 +284,8 @@ def estimate_memory(module: torch.nn.Module, optimizers: Iterable[torch.optim.Op
     _comm_parts(est, params, comm, grads)
     if comm.sync_bytes:
         est.parts["sync_state"] = int(comm.sync_bytes)
-        est.notes["sync_state"] = ("DiLoCo: theta_global and the outer momentum (two parameter copies), the "
+        est.notes["sync_state"] = ("DiLoCo: theta_global and the outer momentum (two parameter copies; a third, "
+                                   "the workers' mean validated by default), the "
                                    "pseudo-gradient's buckets and its compressor's state")
     if activation_bytes is None:
         est.notes["activations"] = "not measured yet (the first forward pass measures them)"

@@ -156,6 +156,10 @@ class DiLoCoSync:
     def count_samples(self, sizes: Sequence[int]) -> None:
         self.schedule.count_samples(sizes)
 
+    def count_rate(self, rate: float) -> None:
+        """The inner learning rate of the optimizer step just taken (before :meth:`sync_after` for it)."""
+        self.schedule.count_rate(rate)
+
     def weight(self, fragment: int = 0) -> float:
         return self.schedule.weight(fragment)
 
@@ -192,9 +196,9 @@ class DiLoCoSync:
 
     def _start(self, fragment: Fragment, step: int, stats: Optional[CommStats], tier: str, delay: int,
                averages: bool = False) -> Exchange:
-        samples, weight = self.schedule.take_samples(fragment, step)
+        samples, weight, rate = self.schedule.take_samples(fragment, step)
         return self.exchanges.start(fragment, step, samples, weight, self.outer.theta, self.model, stats, tier, delay,
-                                    averages)
+                                    averages, rate)
 
     def _average_now(self, fragment: Fragment, step: int, stats: Optional[CommStats], tier: str,
                      agree: Optional[Agree]) -> SyncResult:
@@ -269,13 +273,14 @@ class DiLoCoSync:
         return results
 
     # -- validation -------------------------------------------------------------------------------------------------
-    def swap_in_global(self) -> None:
-        """Validation of the global model: this rank's own parameters and buffers kept in host memory, and
-        ``theta_global`` and the averaged buffers (the model after the last sync that landed) set in their place."""
+    def swap_in_validated(self) -> None:
+        """Validation of the agreed model: this rank's own parameters and buffers kept in host memory, and the model
+        the settings' ``validate`` names (:meth:`~lightning_dist.sync.diloco_outer.OuterStep.validated`: the workers'
+        mean at the last sync, or ``theta_global``) with the averaged buffers set in their place."""
         self.swap.swap_in(self.model, self.outer)
 
     def swap_back(self) -> None:
-        """This rank's own parameters and buffers back, bit for bit (after :meth:`swap_in_global`)."""
+        """This rank's own parameters and buffers back, bit for bit (after :meth:`swap_in_validated`)."""
         self.swap.swap_back(self.model)
 
     def worker_tensors(self) -> dict[str, torch.Tensor]:
@@ -289,7 +294,8 @@ class DiLoCoSync:
 
     # -- what the strategy reports and saves ------------------------------------------------------------------------
     def memory_bytes(self) -> int:
-        """Bytes DiLoCo keeps beside the model: theta_global and the outer momentum (two parameter copies), the
+        """Bytes DiLoCo keeps beside the model: theta_global and the outer momentum (two parameter copies), with
+        ``validate="mean"`` the workers' mean at the last sync (a third), the
         averaged buffers, the exchange's flat buckets, the compressors' state and, with a delay, the worker's
         parameters at the start of each exchange in flight (at most ``ceil(delay F / H)`` fragments at once)."""
         params = sum(p.numel() * p.element_size() for p in self.model.params)
@@ -302,7 +308,7 @@ class DiLoCoSync:
             largest = max(sum(self.model.params[i].numel() * self.model.params[i].element_size() for i in f.params)
                           for f in self.fragments)
             snapshots = min(len(self.fragments), -(-self.settings.delay // spacing)) * (largest + buffers)
-        return 3 * params + buffers + compressor + snapshots
+        return (3 + bool(self.outer.mean)) * params + buffers + compressor + snapshots
 
     def memory_by_device(self) -> dict[str, int]:
         """:meth:`memory_bytes` by device type: all of it in host memory (``"cpu"``), none beside a GPU model
@@ -314,7 +320,8 @@ class DiLoCoSync:
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor DiLoCo keeps between syncs: theta_global, the outer momentum, the averaged buffers, the
         buckets, the snapshots and buffers of exchanges in flight (where they live is what a test checks)."""
-        found = [*self.outer.tensors(), *(b.flat for f in self.fragments for b in f.buckets), *self.outer.momenta()]
+        found = [*self.outer.tensors(), *self.outer.mean, *(b.flat for f in self.fragments for b in f.buckets),
+                 *self.outer.momenta()]
         for ex in self.inflight:
             found += [*(ex.snapshot or []), *(ex.buffers or [])]
         return found

@@ -118,6 +118,8 @@ class DiLoCoDriver(SyncDriver):
 
     def after_step(self, global_step: int) -> None:
         context = self.context
+        if self.settings.inner_rate != "none":
+            self.loop.count_rate(inner_rate(context.optimizers))
         if self.settings.final_sync and context.ends_fit(global_step):
             self._final_sync_once(global_step, "the fit's last step")  # in place of the sync due after it, if any
         elif self.loop.due(global_step):
@@ -147,8 +149,8 @@ class DiLoCoDriver(SyncDriver):
             return
         if self.settings.final_sync and context.stopping and not context.sanity_checking:  # the fit's last validation
             self._final_sync_once(context.global_step, "a stop every rank agreed on")
-        if self.settings.validate == "global":
-            self.loop.swap_in_global()
+        if self.settings.validate != "worker":
+            self.loop.swap_in_validated()
 
     # -- the end ----------------------------------------------------------------------------------------------------
     def end_of_fit(self) -> None:
@@ -220,7 +222,22 @@ class DiLoCoDriver(SyncDriver):
             self._memory = self.loop.memory_by_device()
         return SyncReport(syncs=self.loop.outer_steps + self.loop.skipped, metrics=self.loop.metrics,
                           memory=self._memory,
-                          validation={"sync/validated_global": float(self.settings.validate == "global")})
+                          validation={"sync/validated_global": float(self.settings.validate == "global"),
+                                      "sync/validated_mean": float(self.settings.validate == "mean")})
+
+
+def inner_rate(optimizers: Sequence[Any]) -> float:
+    """The learning rate the inner optimizers stepped at: their parameter groups' ``lr`` weighted by the elements of
+    each group (0 without one)."""
+    total = weighted = 0.0
+    for optimizer in optimizers:
+        for group in getattr(optimizer, "param_groups", ()):
+            lr, count = group.get("lr"), sum(p.numel() for p in group["params"])
+            if isinstance(lr, torch.Tensor):
+                lr = float(lr)
+            if isinstance(lr, (int, float)) and count:
+                total, weighted = total + count, weighted + float(lr) * count
+    return weighted / total if total else 0.0
 
 
 def steps_balance_problem(hetero: Any, topology: str) -> Optional[str]:

@@ -42,6 +42,7 @@ class Exchange:
     bytes_sent: int = 0  # this rank's bytes across workers, recorded in the step's stats so far
     norm: Optional[float] = None  # the mean pseudo-gradient's norm, once settled (NaN: skip)
     averages: bool = False  # a warm-up step's or the final sync's: theta_global takes the mean (lr 1, no momentum)
+    rate: float = 0.0  # the mean inner learning rate of the steps it carries (0: unknown)
 
     @property
     def settled(self) -> bool:
@@ -86,11 +87,11 @@ class Exchanges:
     # -- the start ----------------------------------------------------------------------------------------------
     def start(self, fragment: Fragment, step: int, samples: list[float], weight: float, theta: list[torch.Tensor],
               model: SyncedModel, stats: Optional[CommStats], tier: str, delay: int,
-              averages: bool = False) -> Exchange:
+              averages: bool = False, rate: float = 0.0) -> Exchange:
         """The fragment's pseudo-gradient ``theta_global - theta_worker`` times ``weight`` into its buckets, and its
         reduction: here (no ``delay``) or on the sync's thread (then kept in flight until it lands)."""
         started = time.perf_counter()
-        exchange = Exchange(fragment, step, step + delay, samples, averages=averages)
+        exchange = Exchange(fragment, step, step + delay, samples, averages=averages, rate=rate)
         with torch.no_grad():
             for bucket in fragment.buckets:
                 flat = bucket.flat

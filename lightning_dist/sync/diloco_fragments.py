@@ -103,6 +103,8 @@ class Fragment:
     samples: list[float]  # per worker, since this fragment's last sync (heterogeneous batches)
     buffers: bool  # whether the model's buffers are averaged with it (the first fragment)
     started: int = -1  # the step after which its last sync started (-1: none in this fit yet)
+    rate_sum: float = 0.0  # the inner learning rates of the optimizer steps since this fragment's last sync, summed
+    rate_steps: int = 0  # and their count
 
 
 class Schedule:
@@ -157,13 +159,22 @@ class Schedule:
             return 1.0 / self.workers.count
         return samples[self.workers.index] / total
 
-    def take_samples(self, fragment: Fragment, step: int) -> tuple[list[float], float]:
-        """The fragment's sync starts after ``step``: its samples counted so far and this worker's weight from them;
-        its count starts again from zero."""
+    def count_rate(self, rate: float) -> None:
+        """An optimizer step ran at the inner learning rate ``rate`` (0: unknown): it counts towards every fragment's
+        mean rate at its next sync."""
+        for fragment in self.fragments:
+            fragment.rate_sum += rate
+            fragment.rate_steps += 1
+
+    def take_samples(self, fragment: Fragment, step: int) -> tuple[list[float], float, float]:
+        """The fragment's sync starts after ``step``: its samples counted so far, this worker's weight from them and
+        the mean inner learning rate of its steps since its last sync (0: none counted); its counts start again."""
         samples, weight = list(fragment.samples), self.weight(fragment.index)
+        rate = fragment.rate_sum / fragment.rate_steps if fragment.rate_steps else 0.0
         fragment.started = step
         fragment.samples = [0.0] * self.workers.count
-        return samples, weight
+        fragment.rate_sum, fragment.rate_steps = 0.0, 0
+        return samples, weight, rate
 
 
 def fragment_buckets(named: list[tuple[str, torch.Tensor]], parts: int, local_index: int,

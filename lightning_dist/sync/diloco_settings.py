@@ -13,7 +13,8 @@ from typing import Any, Union
 from lightning_dist.compression import Compressor, as_compressor
 
 BALANCES = ("batches", "steps")  # how workers of different speeds meet at a sync (DiLoCo(balance=...))
-VALIDATES = ("global", "worker")  # which model validation runs on (DiLoCo(validate=...))
+VALIDATES = ("mean", "global", "worker")  # which model validation runs on (DiLoCo(validate=...))
+INNER_RATES = ("none", "normalised", "follow", "anneal")  # how the outer step answers the inner learning rate
 
 
 @dataclass
@@ -72,11 +73,25 @@ class DiLoCoSettings:
             ``every`` steps, with their outer momentum, start after it. Each warm-up step sends one model's worth
             across workers, as a sync does. 0 (the default) starts syncing every ``every`` steps from the first step.
             What it buys, measured, is on docs/sync.md ("The warm-up").
-        validate: which model validation runs on: ``"global"`` (the default): ``theta_global`` and the averaged
-            buffers, i.e. the model after the last sync that landed, swapped in for the validation loop and each
-            rank's own parameters restored afterwards, bit for bit; ``"worker"``: each rank's own worker's parameters
-            (mid-cycle the workers differ, and ``sync_dist`` metrics average over them). The metric
-            ``sync/validated_global`` (1 or 0) names the model validated.
+        validate: which model validation runs on: ``"mean"`` (the default): the workers' weighted mean at the last
+            sync (``theta_global`` before that outer step minus the mean pseudo-gradient, kept in host memory: one
+            more copy of the parameters), the model a fit ending at that sync leaves, since its final sync averages
+            instead of stepping; ``"global"``: ``theta_global``, the outer step's model after the last sync that
+            landed (its Nesterov extrapolation validates higher mid-run: docs/sync.md); ``"worker"``: each rank's own
+            worker's parameters (mid-cycle the workers differ, and ``sync_dist`` metrics average over them). With
+            ``"mean"`` and ``"global"`` the model is swapped in with the averaged buffers for the validation loop and
+            each rank's own parameters are restored afterwards, bit for bit. The metrics ``sync/validated_mean`` and
+            ``sync/validated_global`` (1 or 0) name the model validated.
+        inner_rate: how the outer step answers the inner optimizer's learning rate (its parameter groups' ``lr`` at
+            each step, as the user's schedule sets it), read as the mean rate of the steps each pseudo-gradient
+            carries. ``"none"`` (the default): the outer SGD stays as set; the pseudo-gradient, a sum of inner steps,
+            shrinks with the inner rate by itself. ``"normalised"``: the outer momentum is rescaled by the ratio of
+            the rate to the previous sync's, so it holds pseudo-gradients as if taken at the current rate (0/1
+            Adam's learning-rate-normalised update). ``"follow"``: the outer rate is multiplied by the rate over its
+            highest. ``"anneal"``: as the rate falls to ``r`` of its highest, the outer rate moves to
+            ``1 - (1 - outer_lr) r`` and the momentum to ``outer_momentum r``, towards plain averaging. Under warm-up
+            and cosine each of the three ended further from dense than ``"none"`` (docs/sync.md, "Under a decaying
+            learning rate"): they are there to measure, not a recommendation.
     """
 
     every: int = 50
@@ -88,8 +103,9 @@ class DiLoCoSettings:
     mix: float = 0.5
     balance: str = "batches"
     final_sync: bool = True
-    validate: str = "global"
+    validate: str = "mean"
     warmup: int = 0
+    inner_rate: str = "none"
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -123,13 +139,18 @@ class DiLoCoSettings:
                              "the fit ends, and every rank leaves fit holding theta_global) or False (each worker "
                              "keeps its own parameters); on the command line sync.final_sync=true or false")
         if self.validate not in VALIDATES:
-            raise ValueError(f"DiLoCo(validate={self.validate!r}); use 'global' (validation runs on theta_global, the "
-                             "model after the last sync) or 'worker' (each rank validates its own worker's "
-                             "parameters); on the command line sync.validate=global or worker")
+            raise ValueError(f"DiLoCo(validate={self.validate!r}); use 'mean' (validation runs on the workers' mean at "
+                             "the last sync, the model a fit ending there leaves), 'global' (theta_global, the outer "
+                             "step's model) or 'worker' (each rank validates its own worker's parameters); on the "
+                             "command line sync.validate=mean, global or worker")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"DiLoCo(warmup={self.warmup!r}): the first optimizer steps that average the workers "
                              "after every step must be an int >= 0 (0: none; e.g. warmup=100 with every=50); on the "
                              "command line sync.warmup=100")
+        if self.inner_rate not in INNER_RATES:
+            raise ValueError(f"DiLoCo(inner_rate={self.inner_rate!r}); use 'none' (the default: the pseudo-gradient "
+                             "shrinks with the inner rate by itself), 'normalised', 'follow' or 'anneal' (docs/sync.md "
+                             "measures each under a decaying rate); on the command line sync.inner_rate=none")
         # a name or a dict is built now, so a bad compressor fails here, before any process starts
         try:
             self.compressor = as_compressor(getattr(self.compressor, "value", self.compressor))
@@ -160,6 +181,8 @@ class DiLoCoSettings:
             extra += f", balance={self.balance}"
         if self.warmup:
             extra += f", warmup={self.warmup}"
+        if self.inner_rate != "none":
+            extra += f", inner_rate={self.inner_rate}"
         return (f"DiLoCo(every={self.every}, outer_lr={self.outer_lr:g}, outer_momentum={self.outer_momentum:g}, "
                 f"compressor={self.compressor.describe()}{extra})")
 

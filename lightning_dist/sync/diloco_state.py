@@ -47,6 +47,7 @@ class SyncState:
                 samples[ex.fragment.index] = [a + b for a, b in zip(samples[ex.fragment.index], ex.samples)]
                 continue
             inflight.append({"fragment": ex.fragment.index, "step": ex.step, "lands": ex.lands, "norm": ex.norm,
+                             "rate": ex.rate,
                              "samples": list(ex.samples), "seconds": ex.seconds, "waited": ex.waited,
                              "sums": [b.flat.detach().clone() for b in ex.fragment.buckets],
                              "buffers": None if ex.buffers is None else [b.clone() for b in ex.buffers],
@@ -54,9 +55,15 @@ class SyncState:
         return {"settings": self.settings.describe(), "workers": workers.count,
                 "outer_steps": outer.steps, "skipped": outer.skipped,
                 "samples": samples[0] if len(samples) == 1 else samples, "inflight": inflight,
+                # DiLoCo(inner_rate=...): each fragment's inner rates since its last sync, and the outer step's own
+                "rates": {"sums": [f.rate_sum for f in self.schedule.fragments],
+                          "steps": [f.rate_steps for f in self.schedule.fragments],
+                          "last": [outer.rates.get(f.index, 0.0) for f in self.schedule.fragments],
+                          "peak": outer.peak_rate},
                 "reduced_at": list(self.exchanges.reduced_at),
                 "bytes_total": self.exchanges.bytes_total,
                 "global": {name: g.detach().clone() for name, g in zip(model.names, outer.theta)},
+                "mean": {name: m.detach().clone() for name, m in zip(model.names, outer.mean)},
                 "momentum": momentum,
                 "buffers": {name: b.detach().clone() for name, b in zip(model.buffer_names, outer.buffers)}}
 
@@ -88,12 +95,21 @@ class SyncState:
         if same:
             for fragment, counts in zip(fragments, samples):
                 fragment.samples = [float(s) for s in counts]
+        rates = state.get("rates")  # (a checkpoint written before inner_rate: none kept)
+        if rates is not None:
+            for fragment, total, steps, last in zip(fragments, rates["sums"], rates["steps"], rates["last"]):
+                fragment.rate_sum, fragment.rate_steps = float(total), int(steps)
+                if last > 0:
+                    outer.rates[fragment.index] = float(last)
+            outer.peak_rate = float(rates["peak"])
         self.exchanges.inflight = []
         with torch.no_grad():
             for name, g in zip(model.names, outer.theta):
                 g.copy_(state["global"][name])
                 if name in state["momentum"]:
                     outer.sgd.state[g]["momentum_buffer"] = host_copy(state["momentum"][name].to(g.dtype))
+            for name, m in zip(model.names, outer.mean):  # a checkpoint of validate="global": theta_global
+                m.copy_(state.get("mean", {}).get(name, state["global"][name]))
             for name, b in zip(model.buffer_names, outer.buffers):
                 if name in state["buffers"]:
                     b.copy_(state["buffers"][name])
@@ -109,7 +125,7 @@ class SyncState:
                     [float(s) for s in saved["samples"]] if same else [0.0] * count,
                     buffers=None if saved["buffers"] is None else [host_copy(b) for b in saved["buffers"]],
                     stats=stats, seconds=float(saved["seconds"]),
-                    waited=float(saved["waited"]), norm=float(saved["norm"])))
+                    waited=float(saved["waited"]), norm=float(saved["norm"]), rate=float(saved.get("rate", 0.0))))
 
     def load_rank_state(self, state: Optional[dict[str, Any]], shared_only: bool = False) -> None:
         if state is None:
