@@ -163,6 +163,7 @@ def test_argument_checks():
         sync._parse_args(["--quick", "--steps", "40", "--horizon", "20"])  # a fit shorter than the compared steps
     assert sync.METHODS["diloco50+anneal"].settings().inner_rate == "anneal"
     assert sync.METHODS["diloco50+warmup100+outer1"].settings().outer_lr == 1.0
+    assert sync.METHODS["onebit-adam+warmup30"].settings().warmup == 0.3
     args = sync._parse_args([])
     assert args.shapes == ("flat", "two_tier") and args.rates == (10.0, 100.0) and args.methods == sync.FULL.methods
     with pytest.raises(SystemExit):

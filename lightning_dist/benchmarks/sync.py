@@ -75,6 +75,7 @@ class Method:
     balance: Optional[str] = None  # DiLoCo(balance=...) for workers of different speeds
     warmup: Optional[int] = None  # DiLoCo(warmup=W): the first W steps average the workers after every step
     onebit: bool = False  # OneBitAdam() with its defaults: Adam's momentum compressed after a dense warm-up
+    onebit_warmup: Optional[float] = None  # OneBitAdam(warmup=...) where not the default
     final_sync: bool = True  # DiLoCo's meeting after the last step; off in the timing fits (no step's time)
     inner_rate: Optional[str] = None  # DiLoCo(inner_rate=...): the outer step's answer to the inner learning rate
     outer_lr: Optional[float] = None  # DiLoCo(outer_lr=...) where not the default
@@ -92,7 +93,9 @@ class Method:
     def settings(self) -> Optional[SyncSettings]:
         """The sync settings (None: every step); raises DiLoCo's ValueError for a refused combination."""
         if not self.diloco:
-            return OneBitAdam() if self.onebit else None
+            if not self.onebit:
+                return None
+            return OneBitAdam() if self.onebit_warmup is None else OneBitAdam(warmup=self.onebit_warmup)
         streaming = {k: v for k in ("fragments", "delay", "mix", "balance", "warmup", "inner_rate", "outer_lr")
                      if (v := getattr(self, k)) is not None}
         return DiLoCo(every=self.every, final_sync=self.final_sync,  # the outer optimizer's defaults
@@ -116,6 +119,7 @@ METHODS = {m.label: m for m in (
     Method("topk1%", compressor=TOPK),
     Method("powersgd-r2", compressor={"name": "powersgd", "rank": 2}),
     Method("onebit-adam", onebit=True),
+    Method("onebit-adam+warmup30", onebit=True, onebit_warmup=0.3),
     *(Method(f"diloco{h}{suffix}", every=h, sync_compressor=codec)
       for h in (10, 50) for suffix, codec in (("", None), ("/int8", INT8), ("/topk1%", TOPK))),
     *(Method(f"diloco50+warmup{w}", every=50, warmup=w) for w in (50, 100)),

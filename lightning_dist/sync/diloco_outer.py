@@ -63,12 +63,12 @@ class OuterStep:
                 else:
                     self.theta[i].grad = reduced
         if not exchange.averages:
-            self._follow_rate(exchange)
+            self._answer_inner_rate(exchange)
             self.sgd.step()
             self.sgd.zero_grad(set_to_none=True)
         self.steps += 1
 
-    def _follow_rate(self, exchange: Exchange) -> None:
+    def _answer_inner_rate(self, exchange: Exchange) -> None:
         """The outer step's answer to the inner learning rate (``settings.inner_rate``): from the mean inner rate of
         the steps the pseudo-gradient carries (``exchange.rate``), against the fragment's previous one and the highest
         so far. ``"none"`` leaves the outer SGD as it is set (a pseudo-gradient shrinks with the inner rate by itself);
