@@ -504,7 +504,8 @@ def test_each_inner_rate_rule_against_its_arithmetic():
         return -(first + lrs[1] * (0.1 + momenta[1] * b2))
 
     cases = {"none": ((0.7, 0.7), (0.8, 0.8), 1.0), "normalised": ((0.7, 0.7), (0.8, 0.8), 0.5),
-             "follow": ((0.7, 0.35), (0.8, 0.8), 1.0), "anneal": ((0.7, 0.85), (0.8, 0.4), 1.0)}
+             "follow": ((0.7, 0.35), (0.8, 0.8), 1.0), "anneal": ((0.7, 0.85), (0.8, 0.4), 1.0),
+             "rise": ((0.7, 1.0), (0.8, 0.8), 1.0)}  # 0.7 / 0.5 = 1.4, at most 1
     for rule, (lrs, momenta, scale) in cases.items():
         seen, moves, _ = _two_syncs(rule)
         assert [lr for lr, _ in seen] == pytest.approx(list(lrs)), rule

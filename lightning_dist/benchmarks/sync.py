@@ -125,7 +125,7 @@ METHODS = {m.label: m for m in (
     *(Method(f"diloco50+warmup{w}", every=50, warmup=w) for w in (50, 100)),
     # under a decaying learning rate (issue 52, docs/sync.md): the outer step's answers to the inner rate, and a
     # higher outer rate alone and after a warm-up
-    *(Method(f"diloco50+{rule}", every=50, inner_rate=rule) for rule in ("normalised", "follow", "anneal")),
+    *(Method(f"diloco50+{rule}", every=50, inner_rate=rule) for rule in ("normalised", "follow", "anneal", "rise")),
     Method("diloco50+outer1", every=50, outer_lr=1.0),
     Method("diloco50+warmup100+outer1", every=50, warmup=100, outer_lr=1.0),
 )}

@@ -76,7 +76,8 @@ class OuterStep:
         holds LR-normalised pseudo-gradients at the current rate, as 0/1 Adam does); ``"follow"`` multiplies the outer
         rate by this rate over the highest; ``"anneal"`` moves the outer step towards plain averaging as the rate
         falls (outer rate ``1 - (1 - outer_lr) r``, momentum ``outer_momentum r``, ``r`` = this rate over the
-        highest). docs/sync.md measures them."""
+        highest); ``"rise"`` raises the outer rate as the inner rate falls, ``outer_lr / r``, up to 1 (never below
+        ``outer_lr``). docs/sync.md measures them."""
         rule, rate = self.settings.inner_rate, exchange.rate
         group = self.sgd.param_groups[0]
         group["lr"], group["momentum"] = self.settings.outer_lr, self.settings.outer_momentum
@@ -97,6 +98,8 @@ class OuterStep:
         elif rule == "anneal":
             group["lr"] = 1.0 - (1.0 - self.settings.outer_lr) * ratio
             group["momentum"] = self.settings.outer_momentum * ratio
+        elif rule == "rise":
+            group["lr"] = max(self.settings.outer_lr, min(1.0, self.settings.outer_lr / ratio))
 
     def land(self, exchange: Exchange, model: SyncedModel, skipped: bool) -> None:
         """The worker's parameters of the fragment from ``theta_global``: set to it (no delay, or a skip: every worker

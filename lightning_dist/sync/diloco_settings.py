@@ -14,7 +14,7 @@ from lightning_dist.compression import Compressor, as_compressor
 
 BALANCES = ("batches", "steps")  # how workers of different speeds meet at a sync (DiLoCo(balance=...))
 VALIDATES = ("mean", "global", "worker")  # which model validation runs on (DiLoCo(validate=...))
-INNER_RATES = ("none", "normalised", "follow", "anneal")  # how the outer step answers the inner learning rate
+INNER_RATES = ("none", "normalised", "follow", "anneal", "rise")  # how the outer step answers the inner learning rate
 
 
 @dataclass
@@ -89,9 +89,10 @@ class DiLoCoSettings:
             the rate to the previous sync's, so it holds pseudo-gradients as if taken at the current rate (0/1
             Adam's learning-rate-normalised update). ``"follow"``: the outer rate is multiplied by the rate over its
             highest. ``"anneal"``: as the rate falls to ``r`` of its highest, the outer rate moves to
-            ``1 - (1 - outer_lr) r`` and the momentum to ``outer_momentum r``, towards plain averaging. Under warm-up
-            and cosine each of the three ended further from dense than ``"none"`` (docs/sync.md, "Under a decaying
-            learning rate"): they are there to measure, not a recommendation.
+            ``1 - (1 - outer_lr) r`` and the momentum to ``outer_momentum r``, towards plain averaging. ``"rise"``:
+            the outer rate rises to ``outer_lr / r`` as the inner rate falls, up to 1 (and never below ``outer_lr``).
+            Under warm-up and cosine the first three ended further from dense than ``"none"``, and ``"rise"``
+            closer (docs/sync.md, "Under a decaying learning rate").
     """
 
     every: int = 50
@@ -149,8 +150,9 @@ class DiLoCoSettings:
                              "command line sync.warmup=100")
         if self.inner_rate not in INNER_RATES:
             raise ValueError(f"DiLoCo(inner_rate={self.inner_rate!r}); use 'none' (the default: the pseudo-gradient "
-                             "shrinks with the inner rate by itself), 'normalised', 'follow' or 'anneal' (docs/sync.md "
-                             "measures each under a decaying rate); on the command line sync.inner_rate=none")
+                             "shrinks with the inner rate by itself), 'normalised', 'follow', 'anneal' or 'rise' "
+                             "(docs/sync.md measures each under a decaying rate); on the command line "
+                             "sync.inner_rate=none")
         # a name or a dict is built now, so a bad compressor fails here, before any process starts
         try:
             self.compressor = as_compressor(getattr(self.compressor, "value", self.compressor))
