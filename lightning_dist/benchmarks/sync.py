@@ -340,7 +340,7 @@ def fit(method: Method, shape: Shape, sizes: Sizes, steps: int, curve: bool, lin
     features = features_of(trainer.strategy)
     global_loss = None
     if record.every and trainer.is_global_zero and method.diloco:
-        global_loss = val_loss(global_model(model, features.sync.loop.state_dict()), record.batch)
+        global_loss = val_loss(global_model(model, features.sync.loop), record.batch)
     return {"method": method.label, "steps": trainer.global_step, "params": sum(p.numel() for p in model.parameters()),
             "start": record.starts[0] if record.starts else None, "starts": record.starts, "ends": record.ends,
             "epochs": record.epochs, "samples": record.samples, "link_sent": record.link_sent,
@@ -364,21 +364,17 @@ def validated_losses(module: ByteLM, features: Any, batch: tuple[torch.Tensor, t
         validated = val_loss(module, batch)
     finally:
         loop.swap_back()
-    agreed = copy.deepcopy(module)
-    with torch.no_grad():
-        for t, g in zip(SyncedModel.of(agreed).tensors(), loop.outer.tensors()):
-            t.copy_(g)
-    return validated, val_loss(agreed, batch)
+    return validated, val_loss(global_model(module, loop), batch)
 
 
-def global_model(model: ByteLM, state: dict[str, Any]) -> ByteLM:
-    """A copy of ``model`` holding DiLoCo's ``theta_global`` (and averaged buffers) from its ``state_dict()``: the
-    model every worker agrees on (a worker's own mixes in its progress since each fragment's last sync)."""
+def global_model(model: ByteLM, loop: Any) -> ByteLM:
+    """A copy of ``model`` holding DiLoCo's ``theta_global`` and averaged buffers (``loop``: the driver's outer loop,
+    a :class:`~lightning_dist.sync.diloco.DiLoCoSync`): the model every worker agrees on (a worker's own mixes in its
+    progress since each fragment's last sync)."""
     agreed = copy.deepcopy(model)
-    named = {**dict(agreed.named_parameters()), **dict(agreed.named_buffers())}
     with torch.no_grad():
-        for name, tensor in {**state["global"], **state.get("buffers", {})}.items():
-            named[name].copy_(tensor)
+        for t, g in zip(SyncedModel.of(agreed).tensors(), loop.outer.tensors(), strict=True):
+            t.copy_(g)
     return agreed
 
 
