@@ -64,7 +64,6 @@ from the ``model.*`` keys given with it alone), importable from the working dire
 from __future__ import annotations
 
 import copy
-import importlib.resources
 import json
 import os
 import statistics
@@ -90,8 +89,11 @@ from lightning_dist.compression import COMPRESSORS, BucketLayout, Transport, bui
 from lightning_dist.compression.accuracy import ACCURACY_COST
 from lightning_dist.compression.registry import error_feedback_default
 from lightning_dist.config import StrategyConf, resolve_devices
-from lightning_dist.strategy import BucketObserver, RingDDPStrategy, features_of
+from lightning_dist.strategy import RingDDPStrategy, features_of
 from lightning_dist.sync import DiLoCo, OneBitAdam
+from lightning_dist.sync.auto_measure import BucketRecorder, across_hosts, agree, dense_step, measure_codecs
+from lightning_dist.sync.auto_measure import conf_compressor as default_candidate
+from lightning_dist.sync.auto_rule import predict_step
 from lightning_dist.train import build, hydra_command, hydra_main
 
 
@@ -138,25 +140,6 @@ register_configs()
 
 
 # -- the prediction (pure) -------------------------------------------------------------------------------------
-def replay(ready_s: Sequence[float], cost_s: Sequence[float]) -> float:
-    """When the worker finishes the last bucket: FIFO, bucket ``i`` handed over at ``ready_s[i]`` (ascending,
-    from backward's start) and busy for ``cost_s[i]``."""
-    if len(ready_s) != len(cost_s):
-        raise ValueError(f"{len(ready_s)} ready times for {len(cost_s)} bucket costs")
-    free = 0.0
-    for ready, cost in zip(ready_s, cost_s):
-        free = max(free, ready) + cost
-    return free
-
-
-def predict_step(compute_s: float, ready_s: Sequence[float], cost_s: Sequence[float]) -> float:
-    """The step time: the compute-only step plus what the replayed communication adds past backward's end (the
-    last hand-over, ``ready_s[-1]``)."""
-    if not ready_s:
-        return compute_s
-    return compute_s + max(0.0, replay(ready_s, cost_s) - ready_s[-1])
-
-
 def predictions(measured: dict[str, Any], codecs: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, Any]]:
     """Per compressor: bytes, coding, wire and predicted step time, and the speed-up over dense's prediction.
 
@@ -295,14 +278,6 @@ def table(report: dict[str, Any]) -> str:
 
 
 # -- candidates and checks -----------------------------------------------------------------------------------
-def default_candidate(name: str) -> dict[str, Any]:
-    """``conf/compression/<name>.yaml`` as plain ``build_compressor`` arguments (without ``_target_``)."""
-    text = (importlib.resources.files("lightning_dist.conf") / "compression" / f"{name}.yaml").read_text()
-    node = OmegaConf.to_container(OmegaConf.create(text))
-    node.pop("_target_", None)
-    return node
-
-
 def default_candidates(names: Sequence[str]) -> dict[str, dict[str, Any]]:
     """``{name: its conf/compression defaults}`` for ``names``, dense first (the base of every speed-up); raises
     ``ValueError`` naming an unknown one."""
@@ -390,35 +365,6 @@ def check(cfg: DictConfig) -> None:
 
 
 # -- measuring: the bucket observer and the callback -----------------------------------------------------------
-class BucketRecorder(BucketObserver):
-    """What :class:`Advisor` records of each backward pass through the strategy's comm hook."""
-
-    def __init__(self) -> None:
-        self.handed: list[float] = []  # perf_counter per bucket, in hand-over order
-        self.done: list[float] = []
-        self.buckets: list[tuple[BucketLayout, torch.Tensor]] = []
-        self.keep = False  # copy the buckets' gradients (a timed step)
-        self.active = True  # False: the measured steps are over, record nothing
-
-    def clear(self) -> None:
-        self.handed.clear()
-        self.done.clear()
-        self.buckets.clear()
-
-    @override
-    def bucket_handed(self, index: int, layout: BucketLayout, buffer: torch.Tensor) -> None:
-        if not self.active:
-            return
-        self.handed.append(time.perf_counter())
-        if self.keep:
-            self.buckets.append((layout, buffer.detach().clone()))
-
-    @override
-    def bucket_done(self, index: int) -> None:
-        if self.active:
-            self.done.append(time.perf_counter())
-
-
 class Advisor(Callback):
     """Times a fit's first dense steps, then, when the fit ends, reduces the real buckets with every candidate; rank
     zero prints the table (and writes the report where ``path`` says). Every rank holds the report in :attr:`report`.
@@ -528,7 +474,11 @@ class Advisor(Callback):
             codecs = measure_codecs(self.candidates, buckets, trainer.strategy.algorithm, group, self.settings.rounds)
             measured, codecs = agree(measured, codecs, group)
             # DiLoCo's workers are hosts: its sync runs across hosts, each rank carrying its part
-            across = self._across_hosts(trainer, topology, buckets) if two_tier else None
+            across = None
+            if two_tier:
+                chosen = {label: self.candidates[label] for label in self.sync.codecs if label in self.candidates}
+                across = across_hosts(chosen, buckets, topology, trainer.global_rank, trainer.strategy.algorithm,
+                                      self.settings.rounds, timedelta(seconds=self.settings.timeout_s))
             if across is not None:
                 _, across = agree(measured, across, group)
         finally:
@@ -559,23 +509,6 @@ class Advisor(Callback):
                 os.replace(tmp, self.path)
                 print(f"advise: {self.path}", flush=True)
 
-    def _across_hosts(self, trainer: pl.Trainer, topology: Any, buckets: Sequence[tuple[BucketLayout, torch.Tensor]]
-                      ) -> dict[str, dict[str, list[float]]]:
-        """DiLoCo's sync under two_tier: this rank's part of every bucket through each of DiLoCo's codecs, across hosts
-        (the ranks of this local index, one per host), as the parts cross at a sync. Totals per codec, one entry each
-        (ranks of different local indices may hold different numbers of non-empty parts)."""
-        timeout = timedelta(seconds=self.settings.timeout_s)
-        # a collective call (every rank makes every group, in order); this rank's own comes back
-        group = dist.new_subgroups_by_enumeration(topology.inter_groups(), timeout=timeout)[0]
-        try:
-            chosen = {label: self.candidates[label] for label in self.sync.codecs if label in self.candidates}
-            index = topology.local_index(trainer.global_rank)
-            per_part = measure_codecs(chosen, host_parts(buckets, topology.ranks_per_host, index),
-                                      trainer.strategy.algorithm, group, self.settings.rounds)
-        finally:
-            dist.destroy_process_group(group)
-        return {label: {key: [sum(values)] for key, values in figures.items()} for label, figures in per_part.items()}
-
     def _dense_step(self) -> dict[str, Any]:
         """Medians over the timed steps (per bucket for the ready times)."""
         if not self._steps:
@@ -583,79 +516,7 @@ class Advisor(Callback):
                 f"advise: no timed step had a gradient bucket: the fit trained {len(self._ends)} batch(es), of which "
                 f"the first warmup_steps={self.settings.warmup_steps} are not timed; train at least "
                 f"{self._window()} (Trainer max_steps, the data's length), without gradient accumulation")
-        steps = self._steps
-        n = min(len(s["ready_s"]) for s in steps)
-        step_s = statistics.median(s["step_s"] for s in steps)
-        exposed_s = statistics.median(s["exposed_s"] for s in steps)
-        return {"step_s": step_s, "exposed_s": exposed_s, "compute_s": max(0.0, step_s - exposed_s),
-                "ready_s": [statistics.median(s["ready_s"][i] for s in steps) for i in range(n)],
-                "timed_steps": len(steps)}
-
-
-def measure_codecs(candidates: dict[str, dict[str, Any]], buckets: Sequence[tuple[BucketLayout, torch.Tensor]],
-                   algorithm: str, group: Any, rounds: int) -> dict[str, dict[str, list[float]]]:
-    """Per candidate, per bucket: median coding and wire seconds and bytes of ``reduce`` on copies of the buckets,
-    round-robin over the candidates (the order rotated each round), after one untimed round."""
-    compressors = {label: build_compressor(**kwargs) for label, kwargs in candidates.items()}
-    labels = list(compressors)
-    samples: dict[str, list[list[tuple[float, float, int]]]] = {label: [[] for _ in buckets] for label in labels}
-    for r in range(rounds + 1):
-        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
-            codec = compressors[label]
-            for i, (layout, grad) in enumerate(buckets):
-                flat = grad.clone()
-                stats = CommStats(keep_records=False)
-                transport = Transport(algorithm, group, stats)
-                dist.barrier(group)  # each bucket timed from a common start: no skew of the previous one
-                _sync(flat)
-                started = time.perf_counter()
-                codec.reduce(flat, layout, transport)
-                _sync(flat)
-                wall = time.perf_counter() - started
-                if r > 0:
-                    samples[label][i].append((max(0.0, wall - transport.seconds), transport.seconds, stats.bytes_sent))
-            codec.commit()
-    return {label: {key: [statistics.median(s[k] for s in per) for per in samples[label]]
-                    for k, key in enumerate(("coding_s", "wire_s", "bytes"))} for label in labels}
-
-
-def host_parts(buckets: Sequence[tuple[BucketLayout, torch.Tensor]], parts: int, index: int
-               ) -> list[tuple[BucketLayout, torch.Tensor]]:
-    """Part ``index`` of ``parts`` of every bucket (:meth:`BucketLayout.split`: what the ``index``-th rank of a host
-    carries across hosts), as a contiguous tensor with its layout; empty parts left out."""
-    out = []
-    for layout, flat in buckets:
-        part, spans = layout.split(parts)[index]
-        if spans:
-            out.append((part, torch.cat([flat[a:b] for a, b in spans])))
-    return out
-
-
-def agree(measured: dict[str, Any], codecs: dict[str, dict[str, list[float]]], group: Any
-          ) -> tuple[dict[str, Any], dict[str, dict[str, list[float]]]]:
-    """Every figure as its maximum over the ranks (one all-reduce), so every rank predicts the same."""
-    labels = list(codecs)
-    keys = ("coding_s", "wire_s", "bytes")
-    flat = [measured["step_s"], measured["exposed_s"], *measured["ready_s"]]
-    flat += [v for label in labels for key in keys for v in codecs[label][key]]
-    counts = torch.tensor([len(measured["ready_s"]), -len(measured["ready_s"])], dtype=torch.float64)
-    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)  # every rank the same number of buckets
-    if counts[0] != -counts[1]:
-        raise RuntimeError(f"advise: ranks saw different numbers of buckets ({-counts[1]:.0f} to {counts[0]:.0f})")
-    values = torch.tensor(flat, dtype=torch.float64)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-    it = iter(values.tolist())
-    step_s, exposed_s = next(it), next(it)
-    ready = [next(it) for _ in measured["ready_s"]]
-    out = {label: {key: [next(it) for _ in codecs[label][key]] for key in keys} for label in labels}
-    agreed = {**measured, "step_s": step_s, "exposed_s": exposed_s, "ready_s": ready,
-              "compute_s": max(0.0, step_s - exposed_s)}
-    return agreed, out
-
-
-def _sync(tensor: torch.Tensor) -> None:
-    if tensor.is_cuda:
-        torch.cuda.synchronize(tensor.device)
+        return dense_step(self._steps)
 
 
 # -- the command -------------------------------------------------------------------------------------------------

@@ -31,14 +31,13 @@ from lightning_dist.advise import (
     check,
     configured_sync,
     default_candidate,
-    host_parts,
     onebit_prediction,
-    predict_step,
     predictions,
-    replay,
     sync_predictions,
     table,
 )
+from lightning_dist.sync.auto_measure import host_parts
+from lightning_dist.sync.auto_rule import predict_step, replay
 from lightning_dist.benchmarks.compression import CONFIGS, TABLE_ROWS
 from lightning_dist.compression import COMPRESSORS, BucketLayout
 from lightning_dist.config import own_class_overrides

@@ -275,11 +275,31 @@ class RingDDPStrategy(DDPBase):
             record_skip=self._seam.record_skip, long_collective=features.long_collective,
             exchange_group=lambda: self._schedule.group, identities=lambda: features.identities,
             optimizer_states=lambda: [self.optimizer_state(optimizer) for optimizer in self.optimizers],
-            agreeing_scaler=lambda: agreeing_scaler(self.precision_plugin))
+            agreeing_scaler=lambda: agreeing_scaler(self.precision_plugin),
+            observe=lambda observer, on: (features.add_bucket_observer if on else features.remove_bucket_observer)(
+                observer),
+            compressor=lambda: state.compressor, set_compressor=self._set_compressor, regroup=self._regroup)
         # the share among the worker's ranks, the DDP flags, the verdict's group: lightning_dist.strategy.sync_seam
         workers = self._seam.bind(context, self.model, trainer, self.collective_timeout)
         features.sync = self._seam.driver if self._sync is not None else None
         return workers
+
+    def _set_compressor(self, compressor: Optional[Compressor]) -> None:
+        """The comm hook's compressor from the next step on (a sync driver's choice between steps: ``sync="auto"``)."""
+        self._hook_state.compressor = compressor if compressor is not None else as_compressor(None)
+
+    def _regroup(self) -> None:
+        """The sync driver's workers changed between steps (``SyncContext.regroup``): the seam derives DDP's flags and
+        the verdict's group again, and the comm hook reduces over the new workers' groups (every rank, in order)."""
+        state, old = self._hook_state, self._hook_groups
+        workers = self._seam.derive(self.global_rank, self.model, self.collective_timeout)
+        reduction = gradient_groups(self.topology, self.global_rank, self.world_size, self._algorithm, state.stats,
+                                    self.collective_timeout, workers=workers)
+        self._hook_groups = reduction.owned
+        automatic = self.lightning_module.automatic_optimization
+        state.bind(self.model.module, reduction.group, reduction.world, tiers=reduction.tiers,
+                   spans_hosts=reduction.spans_hosts, on_last_bucket=lambda: self._cycle.start_exchange_early(automatic))
+        destroy_groups(old)
 
     def _stop_worker(self) -> None:
         warning = self._hook_state.stop_worker(WORKER_JOIN_TIMEOUT_S)
@@ -474,6 +494,10 @@ class RingDDPStrategy(DDPBase):
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
+        if not (self._sync is not None and self._sync.chooses_compressor):  # (else: once the driver chose it, below)
+            self._restore_compressor(checkpoint)
+
+    def _restore_compressor(self, checkpoint: Any) -> None:
         restore_compressor(self._hook_state.compressor, checkpoint, self.global_rank, self.world_size,
                            self._features.identities, state_layout(self.topology))
 
@@ -481,6 +505,8 @@ class RingDDPStrategy(DDPBase):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         # the bound sync driver's state, in one call that hands back this rank's optimizer states where workers own them
         states = self._seam.driver.load_state_dict((checkpoint.get(CHECKPOINT_KEY) or {}).get("sync"))
+        if self._sync is not None and self._sync.chooses_compressor:  # the driver set the hook's compressor: its state
+            self._restore_compressor(checkpoint)
         super().load_optimizer_state_dict(checkpoint if states is None else {**checkpoint, "optimizer_states": states})
 
     @classmethod

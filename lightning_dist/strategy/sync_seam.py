@@ -20,6 +20,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_dist.comm import destroy_groups
 from lightning_dist.comm.topology import Topology
 from lightning_dist.hetero import HeteroBatching
 from lightning_dist.loss_scaler import LossScaler
@@ -39,6 +40,7 @@ class SyncSeam:
         self.worker: Optional[list[int]] = None  # the ranks of this rank's worker, where the driver has workers
         self.worker_group: Optional[dist.ProcessGroup] = None  # gloo, the worker's ranks (a worker of several)
         self.bypassed = False  # the driver said DDP reduces nothing in the step under way (before_forward)
+        self._broadcast_buffers = True  # DDP's own setting, restored when a driver's workers give way to every rank
 
     @property
     def reduces(self) -> bool:
@@ -64,17 +66,9 @@ class SyncSeam:
         """Bind the settings to this fit (every rank, in the same order) and derive what the workers imply; returns
         them (None: every rank)."""
         self.driver = (self.settings or EveryStep()).bind(context)
-        self.bypassed = False
-        workers = self.driver.gradient_ranks
-        self.worker = None if workers is None else next(list(w) for w in workers if context.rank in w)
+        self._broadcast_buffers = ddp.broadcast_buffers
         self.worker_group = None
-        if workers is not None:  # each worker keeps its own buffers (DDP would broadcast rank zero's every forward)
-            ddp.broadcast_buffers = False
-            if len(self.worker) == 1:  # reduces nothing: DDP's synchronisation off for the whole fit
-                ddp.require_backward_grad_sync = False
-            if any(len(w) > 1 for w in workers):  # NaNRecovery's verdict agreed inside a worker (every rank makes it)
-                self.worker_group = dist.new_subgroups_by_enumeration([list(w) for w in workers], timeout=timeout,
-                                                                      backend="gloo")[0]
+        workers = self.derive(context.rank, ddp, timeout)
         if self.settings is not None:  # a collective of every rank before every batch: only where the workers meet
             driver = self.driver
 
@@ -86,6 +80,25 @@ class SyncSeam:
                 return broadcast_if_meeting
 
             wrap_sigterm_broadcast(trainer, only_when_workers_meet)
+        return workers
+
+    def derive(self, rank: int, ddp: torch.nn.parallel.DistributedDataParallel, timeout: Any
+               ) -> Optional[Sequence[Sequence[int]]]:
+        """What the driver's workers imply (at bind, and again when the driver's workers change between steps:
+        ``SyncContext.regroup``): this rank's worker, DDP's flags, the verdict's group; returns the workers."""
+        self.bypassed = False
+        workers = self.driver.gradient_ranks
+        self.worker = None if workers is None else next(list(w) for w in workers if rank in w)
+        if self.worker_group is not None:
+            destroy_groups([self.worker_group])
+            self.worker_group = None
+        ddp.broadcast_buffers = self._broadcast_buffers if workers is None else False
+        ddp.require_backward_grad_sync = workers is None or len(self.worker) > 1
+        if workers is not None:  # each worker keeps its own buffers (DDP would broadcast rank zero's every forward)
+            # a worker of one rank reduces nothing: DDP's synchronisation is off (above) for as long as it holds
+            if any(len(w) > 1 for w in workers):  # NaNRecovery's verdict agreed inside a worker (every rank makes it)
+                self.worker_group = dist.new_subgroups_by_enumeration([list(w) for w in workers], timeout=timeout,
+                                                                      backend="gloo")[0]
         return workers
 
     def before_forward(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, Optional
 
+from lightning_dist.sync.auto import Auto
 from lightning_dist.sync.context import SyncContext
 from lightning_dist.sync.diloco_driver import DiLoCo
 from lightning_dist.sync.diloco_settings import BALANCES
@@ -16,10 +17,11 @@ from lightning_dist.sync.onebit_adam import OneBitAdam
 
 # What ``sync=`` may name: the default (every step: today's gradient all-reduce, unchanged) and the drivers by name. The
 # one list, read by the strategy's check, the Hydra group (conf/sync/) and the errors.
-DRIVERS: dict[str, type[SyncSettings]] = {"every_step": EveryStep, "diloco": DiLoCo, "onebit_adam": OneBitAdam}
+DRIVERS: dict[str, type[SyncSettings]] = {"every_step": EveryStep, "diloco": DiLoCo, "onebit_adam": OneBitAdam,
+                                          "auto": Auto}
 SYNCS = tuple(DRIVERS)
 
-__all__ = ["BALANCES", "DRIVERS", "SYNCS", "DiLoCo", "EveryStep", "FitSettings", "OneBitAdam", "SyncContext",
+__all__ = ["BALANCES", "DRIVERS", "SYNCS", "Auto", "DiLoCo", "EveryStep", "FitSettings", "OneBitAdam", "SyncContext",
            "SyncDriver", "SyncReport", "SyncSettings", "as_sync"]
 
 

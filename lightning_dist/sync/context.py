@@ -44,6 +44,13 @@ class SyncContext:
         identities: every rank's node identity in elastic runs, else None.
         optimizer_states: this rank's optimizers' states, as Lightning saves them.
         agreeing_scaler: the fp16 loss scaler made one that agrees across ranks (None without fp16 loss scaling).
+        observe: ``(observer, True)`` tells a bucket observer (the comm hook's ``BucketObserver`` protocol) about every
+            gradient bucket from now on, ``(observer, False)`` stops.
+        compressor: the comm hook's per-step compressor, now.
+        set_compressor: the comm hook's per-step compressor from the next step on (None: dense), between steps.
+        regroup: the driver's :attr:`~lightning_dist.sync.SyncDriver.gradient_ranks` changed (a driver that hands the
+            fit to another, as ``sync="auto"`` does): the strategy derives again what follows from them (the hook's
+            groups, DDP's flags, the verdict's group). A collective: every rank, at the same point between steps.
     """
 
     def __init__(self, *, rank: int, world_size: int, module: torch.nn.Module, topology: Optional[Topology],
@@ -55,12 +62,17 @@ class SyncContext:
                  exchange_group: Callable[[], Optional[dist.ProcessGroup]] = lambda: None,
                  identities: Callable[[], Optional[list[str]]] = lambda: None,
                  optimizer_states: Callable[[], list[Any]] = list,
-                 agreeing_scaler: Callable[[], Any] = lambda: None) -> None:
+                 agreeing_scaler: Callable[[], Any] = lambda: None,
+                 observe: Callable[[Any, bool], None] = lambda observer, on: None,
+                 compressor: Callable[[], Any] = lambda: None,
+                 set_compressor: Callable[[Any], None] = lambda compressor: None,
+                 regroup: Callable[[], None] = lambda: None) -> None:
         self.rank, self.world_size, self.module = rank, world_size, module
         self.topology, self.algorithm, self.timeout, self.stats = topology, algorithm, timeout, stats
         self.hetero, self.find_unused, self.share, self.record_skip = hetero, find_unused, share, record_skip
         self.reduction = reduction
         self.optimizer_states, self.agreeing_scaler = optimizer_states, agreeing_scaler
+        self.observe, self.compressor, self.set_compressor, self.regroup = observe, compressor, set_compressor, regroup
         self._long = long_collective
         self._exchange_group, self._identities = exchange_group, identities
 

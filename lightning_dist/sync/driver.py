@@ -74,6 +74,9 @@ class SyncSettings:
     """A way of syncing the workers, as the user writes it: checked before any process starts, bound at set-up."""
 
     name = "sync"  # a short name for logs
+    # whether the bound driver sets the comm hook's per-step compressor itself (SyncContext.set_compressor, as
+    # sync="auto" does): a resume then restores the compressor's state once the driver restored its own
+    chooses_compressor = False
 
     def describe(self) -> str:
         """The settings in one line (logs, the run's summary, matching a checkpoint's state)."""

@@ -1,0 +1,409 @@
+"""``RingDDPStrategy(sync="auto")``: the fit measures its own links, model and optimizer, picks the way of syncing that
+reaches dense quality soonest, and picks again when the cluster changes. docs/auto.md is the user's page.
+
+How a fit goes:
+
+1. **Measuring.** The first ``warmup_steps + steps`` optimizer steps run dense (every step's all-reduce through the comm
+   hook, exactly as ``sync=None``). The timed steps record the step time, each bucket's ready time and the exposed
+   communication (:class:`~lightning_dist.sync.auto_measure.BucketRecorder`), and keep a copy of the gradient buckets.
+2. **Deciding**, after the last measuring step, on every rank: each candidate codec reduces copies of the real buckets
+   over the real links (:func:`~lightning_dist.sync.auto_measure.measure_codecs`; under ``two_tier`` also this rank's
+   part across hosts, as DiLoCo's workers sync), every figure is agreed (its maximum over the ranks) and the pure rule
+   (:func:`~lightning_dist.sync.auto_rule.decide`) picks. The table goes to the log.
+3. **Switching**, in the same step on every rank: to a per-step compressor (the comm hook's, its ``start_step`` counted
+   from the fit's start, so the measuring steps are its warm-up), to OneBitAdam (bound with its warm-up counted from
+   the fit's start: the measuring steps were dense Adam steps) or to DiLoCo (bound from the parameters every rank
+   holds, the measuring steps its dense start). The strategy re-derives what follows from the new driver's workers
+   (:meth:`~lightning_dist.sync.SyncContext.regroup`).
+4. **Watching.** Every ``check_every`` steps (for DiLoCo, whole cycles), the mean step time since the last check is
+   agreed across ranks; above ``drift`` times the prediction (a link that degraded), every candidate is measured again
+   on the kept buckets and the rule decides again. A different choice switches: DiLoCo lands what is in flight and
+   ends on the workers' mean (its final sync), OneBitAdam's compressed momentum and a compressor's residuals are dropped
+   with a message.
+5. **Resuming.** A checkpoint keeps the decision, its history and the cluster it was made on (world size, hosts). A
+   resume on the same cluster binds the chosen method at once and restores its state; on a changed one (an elastic
+   restart with another world size, a host joined or left) the fit measures and decides again.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_dist.compression import COMPRESSORS, NoCompressor, build_compressor
+from lightning_dist.sync.auto_measure import (BucketRecorder, across_hosts, agree, conf_compressor, dense_step,
+                                              measure_codecs)
+from lightning_dist.sync.auto_rule import (DENSE, DILOCO_CANDIDATES, Decision, Limits, Row, candidate_rows, decide,
+                                           family, table)
+from lightning_dist.sync.context import SyncContext
+from lightning_dist.sync.diloco_driver import DiLoCo, DiLoCoDriver
+from lightning_dist.sync.driver import FitSettings, SyncDriver, SyncReport, SyncSettings
+from lightning_dist.sync.onebit_adam import OneBitAdam, OneBitAdamDriver
+
+# the per-step compressors measured by default (their conf/compression defaults), and OneBitAdam's two codecs
+COMPRESSOR_CANDIDATES = ("fp16", "int8", "powersgd", "topk")
+ONEBIT_CODECS = ("sign", "int4")
+
+
+@dataclass
+class Auto(SyncSettings):
+    """``sync="auto"``: measure during the fit's first dense steps, pick the way of syncing with the most progress per
+    second under the product's quality tables, switch on every rank in the same step, pick again when the cluster
+    changes (module docstring; docs/auto.md).
+
+    Args:
+        warmup_steps: dense steps first, not timed (DDP rebuilds its buckets after the first).
+        steps: timed dense steps (their medians are the measurement).
+        rounds: timed rounds of every candidate codec over the kept buckets.
+        compressors: the per-step compressors measured, by name (their conf/compression defaults).
+        max_bytes_per_step: bytes this rank may send per step, at most (None: any): dense is excluded below its own.
+        exact: no change to the optimisation: dense and the lossless casts only.
+        methods: only these candidates' labels (``"int8"``, ``"onebit_adam"``, ``"diloco50"``, ``"diloco50/int8"``,
+            ...), dense always beside them; None: every one.
+        drift: pick again when the mean step since the last check is this many times the prediction (0: never).
+        check_every: optimizer steps between the drift checks (for DiLoCo: whole cycles of H, at least one).
+    """
+
+    warmup_steps: int = 2
+    steps: int = 6
+    rounds: int = 3
+    compressors: Sequence[str] = COMPRESSOR_CANDIDATES
+    max_bytes_per_step: Optional[float] = None
+    exact: bool = False
+    methods: Optional[Sequence[str]] = None
+    drift: float = 2.0
+    check_every: int = 50
+    # what this fit's settings refuse, per candidate (refuses(), at set-up; read by bind)
+    _refused: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    name = "auto"
+    chooses_compressor = True
+
+    def __post_init__(self) -> None:
+        for key, low in (("warmup_steps", 1), ("steps", 1), ("rounds", 1), ("check_every", 1)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"Auto({key}={value!r}): an int >= {low}")
+        unknown = [n for n in self.compressors if n not in COMPRESSORS or n == DENSE]
+        if unknown:
+            raise ValueError(f"Auto(compressors={list(self.compressors)}): unknown {unknown}; choose from "
+                             f"{[n for n in COMPRESSORS if n != DENSE]}")
+        self.compressors = tuple(self.compressors)
+        if self.methods is not None:
+            known = {*self.compressors, "onebit_adam", *(d.label for d in DILOCO_CANDIDATES)}
+            bad = [m for m in self.methods if m not in known]
+            if bad:
+                raise ValueError(f"Auto(methods={list(self.methods)}): unknown {bad}; choose from {sorted(known)}")
+            self.methods = tuple(self.methods)
+        if self.max_bytes_per_step is not None and not self.max_bytes_per_step >= 0:
+            raise ValueError(f"Auto(max_bytes_per_step={self.max_bytes_per_step!r}): bytes, >= 0, or None for any")
+        if not (self.drift == 0 or self.drift > 1):
+            raise ValueError(f"Auto(drift={self.drift!r}): a factor above 1 (2.0: twice the prediction), or 0 for never")
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.max_bytes_per_step, self.exact, self.methods)
+
+    def describe(self) -> str:
+        extra = "".join(f", {k}={v!r}" for k, v in (("max_bytes_per_step", self.max_bytes_per_step),
+                                                     ("exact", self.exact), ("methods", self.methods))
+                        if v not in (None, False))
+        return (f"Auto(measure={self.warmup_steps}+{self.steps}, compressors={list(self.compressors)}, "
+                f"drift={self.drift}, check_every={self.check_every}{extra})")
+
+    def check(self, *, compressor: Any, hetero: Any, topology: str) -> None:
+        if compressor.name != DENSE:
+            raise ValueError(f"compressor={compressor.describe()} with sync='auto': auto chooses the compressor itself; "
+                             "drop compressor= (to try only it: Auto(methods=['" + compressor.name + "']))")
+
+    def refuses(self, fit: FitSettings) -> Optional[str]:
+        """Nothing: dense runs under every setting. A candidate the fit's settings refuse is left out (the reason shows
+        in the decision's table)."""
+        self._refused = {}
+        for label, settings in _method_settings():
+            problem = settings.refuses(fit)
+            if problem is None:
+                try:
+                    settings.check(compressor=NoCompressor(), hetero=fit.hetero, topology=fit.topology or "flat")
+                except ValueError as err:
+                    problem = str(err)
+            if problem is not None:
+                self._refused[label] = problem
+        return None
+
+    def bind(self, context: SyncContext) -> AutoDriver:
+        return AutoDriver(self, context, dict(self._refused))
+
+
+def _method_settings() -> list[tuple[str, SyncSettings]]:
+    """The sync drivers among the candidates, by label, at their defaults (DiLoCo at H and codec)."""
+    out: list[tuple[str, SyncSettings]] = [("onebit_adam", OneBitAdam())]
+    for d in DILOCO_CANDIDATES:
+        out.append((d.label, DiLoCo(every=d.every, compressor=None if d.codec == DENSE else d.codec)))
+    return out
+
+
+@dataclass
+class Cluster:
+    """What a decision holds for: a resume on another cluster decides again."""
+
+    world_size: int
+    hosts: int
+
+    @classmethod
+    def of(cls, context: SyncContext) -> Cluster:
+        return cls(context.world_size, len(context.topology.hosts) if context.topology is not None else 1)
+
+
+class AutoDriver(SyncDriver):
+    """One rank's ``auto``: the measuring steps, the decision and the driver it chose (every hook delegates to it)."""
+
+    MEASURING, RUNNING = "measuring", "running"
+
+    def __init__(self, settings: Auto, context: SyncContext, refused: dict[str, str]) -> None:
+        self.settings, self.context, self.refused = settings, context, refused
+        self.inner: SyncDriver = SyncDriver()  # every step's, until the decision
+        self.phase = self.MEASURING
+        self.measure_from = 0  # the global step the measuring steps start after (a resume that decides again)
+        self.decision: Optional[Decision] = None
+        self.history: list[dict[str, Any]] = []  # every decision: step, choice, why, reason
+        self.cluster = Cluster.of(context)
+        self.compressor_kwargs: Optional[dict[str, Any]] = None  # the chosen per-step compressor's arguments
+        self._recorder = BucketRecorder()
+        self._steps: list[dict[str, Any]] = []  # the timed measuring steps
+        self._buckets: list[Any] = []  # the last timed step's gradient buckets (kept for the re-decisions)
+        self._measured: Optional[dict[str, Any]] = None  # the dense step, agreed
+        self._started = 0.0  # perf_counter at the step's before_forward
+        self._window: list[float] = []  # step seconds since the last drift check
+        context.observe(self._recorder, True)
+
+    # -- delegation -------------------------------------------------------------------------------------------------
+    @property
+    def gradient_ranks(self) -> Optional[Sequence[Sequence[int]]]:
+        return self.inner.gradient_ranks
+
+    def meets(self, global_step: int) -> bool:
+        return self.inner.meets(global_step) or self._decides(global_step) or self._checks(global_step)
+
+    def before_batch(self, sizes: Sequence[int], micro: Optional[list[int]]) -> tuple[Optional[list[int]], bool]:
+        return self.inner.before_batch(sizes, micro)
+
+    def before_forward(self) -> Optional[bool]:
+        self._started = time.perf_counter()
+        if self.phase == self.MEASURING:
+            rec = self._recorder
+            rec.clear()
+            done = self.context.global_step - self.measure_from
+            rec.active = True
+            rec.keep = done >= self.settings.warmup_steps
+        return self.inner.before_forward()
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], step: Callable[..., Any]) -> Any:
+        return self.inner.optimizer_step(optimizer, closure, step)
+
+    def after_step(self, global_step: int) -> None:
+        ended = time.perf_counter()
+        self.inner.after_step(global_step)
+        if self.phase == self.MEASURING:
+            if global_step - self.measure_from > self.settings.warmup_steps:
+                measured = self._recorder.step(self._started, ended)
+                if measured is not None:
+                    self._steps.append(measured)
+                    self._buckets = list(self._recorder.buckets)
+            if self._decides(global_step):
+                self._recorder.active = False
+                self._decide(global_step, "the measuring steps are over")
+            return
+        self._window.append(ended - self._started)
+        if self._checks(global_step):
+            self._check_drift(global_step)
+
+    def validation(self, starting: bool) -> None:
+        self.inner.validation(starting)
+
+    def end_of_fit(self) -> None:
+        self.inner.end_of_fit()
+
+    def close(self) -> None:
+        self.context.observe(self._recorder, False)
+        self.inner.close()
+
+    def report(self) -> SyncReport:
+        inner = self.inner.report()
+        metrics = dict(inner.metrics)
+        if self.decision is not None:
+            row = self.decision.row()
+            metrics.update({"sync/auto_decisions": float(len(self.history)),
+                            "sync/auto_predicted_step_s": row.predicted_step_s,
+                            "sync/auto_bytes_per_step": row.bytes_per_step,
+                            "sync/auto_every": float(row.every)})
+        return SyncReport(syncs=inner.syncs + len(self.history), metrics=metrics, memory=inner.memory,
+                          validation=inner.validation)
+
+    def summary(self) -> dict[str, Any]:
+        """The ``auto`` section of the run's summary: the current choice and every decision."""
+        return {"choice": self.decision.choice if self.decision is not None else None, "decisions": list(self.history),
+                "cluster": asdict(self.cluster)}
+
+    # -- when -------------------------------------------------------------------------------------------------------
+    def _decides(self, global_step: int) -> bool:
+        return (self.phase == self.MEASURING
+                and global_step - self.measure_from == self.settings.warmup_steps + self.settings.steps)
+
+    def _window_steps(self) -> int:
+        every = self.decision.row().every if self.decision is not None else 1
+        return every * max(1, math.ceil(self.settings.check_every / every))
+
+    def _checks(self, global_step: int) -> bool:
+        if self.phase != self.RUNNING or not self.settings.drift:
+            return False
+        return global_step % self._window_steps() == 0
+
+    # -- deciding ---------------------------------------------------------------------------------------------------
+    def _candidates(self) -> dict[str, dict[str, Any]]:
+        names = [DENSE, *self.settings.compressors]
+        if family(self.context.optimizers) == "adam":
+            names += [n for n in ONEBIT_CODECS if n not in names]
+        names += [d.codec for d in DILOCO_CANDIDATES if d.codec not in names]
+        return {n: conf_compressor(n) for n in names}
+
+    def _measure(self) -> list[Row]:
+        """Every candidate's row from the kept buckets over the links as they are now (a collective of every rank)."""
+        context = self.context
+        if self._measured is None:
+            if not self._steps:
+                raise RuntimeError(
+                    f"sync='auto': no measuring step had a gradient bucket (warmup_steps={self.settings.warmup_steps}, "
+                    f"steps={self.settings.steps}); DDP reduced nothing: train with a model whose parameters get "
+                    "gradients, without accumulate_grad_batches over the measuring steps")
+            local = dense_step(self._steps)
+        else:
+            local = self._measured
+        group = context.exchange_group
+        candidates = self._candidates()
+        with context.long_collective("sync='auto' measures every candidate over the links"):
+            codecs = measure_codecs(candidates, self._buckets, context.algorithm, group, self.settings.rounds)
+            measured, codecs = agree(local, codecs, group)
+            topology = context.topology
+            across = None
+            if topology is not None and topology.kind == "two_tier":
+                diloco = {n: candidates[n] for n in {d.codec for d in DILOCO_CANDIDATES}}
+                across = across_hosts(diloco, self._buckets, topology, context.rank, context.algorithm,
+                                      self.settings.rounds, context.timeout)
+                _, across = agree(measured, across, group)
+        self._measured = measured
+        workers = "two_tier" if across is not None else "flat"
+        rows = candidate_rows(measured, codecs, family(context.optimizers), workers, across,
+                              bytes_scale=topology.ranks_per_host if across is not None else 1.0,
+                              remaining_steps=context.estimated_steps - context.global_step,
+                              compressors=self.settings.compressors)
+        for r in rows:
+            if r.excluded is None and r.label in self.refused:
+                r.excluded = f"this fit refuses it: {self.refused[r.label]}"
+        return rows
+
+    def _decide(self, global_step: int, reason: str) -> None:
+        rows = self._measure()
+        decision = decide(rows, self.settings.limits)
+        previous = self.decision.choice if self.decision is not None else None
+        self.history.append({"step": global_step, "choice": decision.choice, "why": decision.why, "reason": reason,
+                             "rows": decision.as_dict()["rows"]})
+        rank_zero_info(f"sync='auto' at step {global_step} ({reason}):\n{table(decision)}")
+        self.decision = decision
+        if decision.choice != previous:
+            self._switch(decision.row(), global_step)
+        self.phase = self.RUNNING
+        self._window = []
+
+    def _check_drift(self, global_step: int) -> None:
+        window, self._window = self._window, []
+        if not window:
+            return
+        predicted = self.decision.row().predicted_step_s
+        ratio = (sum(window) / len(window)) / predicted if predicted > 0 else 0.0
+        agreed = torch.tensor([ratio], dtype=torch.float64)
+        if self.context.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.context.exchange_group)
+        ratio = float(agreed.item())
+        if ratio > self.settings.drift:
+            self._decide(global_step, f"the step took {ratio:.2f}x its prediction over {len(window)} steps")
+
+    # -- switching ----------------------------------------------------------------------------------------------------
+    def _switch(self, row: Row, global_step: int) -> None:
+        """Hand over from the current driver to ``row``'s, on every rank in this step."""
+        context = self.context
+        old = self.inner
+        if isinstance(old, DiLoCoDriver):  # DiLoCo: what is in flight lands, every worker ends on the workers' mean
+            old.end_of_fit()
+        elif isinstance(old, OneBitAdamDriver) and global_step > (old.warmup_steps or 0):
+            warnings.warn("sync='auto': switching away from OneBitAdam drops its compressed momentum's error feedback "
+                          "(Adam's own moments stay)", stacklevel=2)
+        if self.compressor_kwargs is not None and self.compressor_kwargs.get("name") != DENSE:
+            if getattr(context.compressor(), "residuals", None) is not None:
+                warnings.warn(f"sync='auto': switching away from {self.compressor_kwargs['name']} drops its error "
+                              "feedback's residuals", stacklevel=2)
+        old.close()
+        self.inner, self.compressor_kwargs = SyncDriver(), None
+        context.set_compressor(None)
+        if row.kind == "compressor":
+            kwargs = conf_compressor(row.codec)
+            # the compressor's warm-up counts from the fit's start: the dense steps so far were its first
+            compressor = build_compressor(**{**kwargs, "start_step": max(int(kwargs.get("start_step", 0)),
+                                                                          global_step)})
+            _set_steps(compressor, global_step)
+            context.set_compressor(compressor)
+            self.compressor_kwargs = kwargs
+        elif row.kind == "onebit_adam":
+            self.inner = OneBitAdam().bind(context)
+            # its warm-up counts from the fit's start, and is at least the dense steps so far
+            self.inner.warmup_steps = max(self.inner.warmup_steps or 0, global_step)
+        elif row.kind == "diloco":
+            self.inner = DiLoCo(every=row.every, compressor=None if row.codec == DENSE else row.codec).bind(context)
+        context.regroup()
+
+    # -- checkpoints --------------------------------------------------------------------------------------------------
+    def state_dict(self, local: bool = False) -> Optional[dict[str, Any]]:
+        return {"settings": self.settings.describe(), "phase": self.phase, "cluster": asdict(self.cluster),
+                "decision": self.decision.as_dict() if self.decision is not None else None,
+                "history": list(self.history), "measured": self._measured,
+                "inner": self.inner.state_dict(local)}
+
+    def load_state_dict(self, state: Optional[dict[str, Any]]) -> Optional[list[Any]]:
+        if state is None:
+            return None
+        self.history = list(state.get("history", []))
+        if state.get("decision") is None:  # saved while measuring: measure again from here
+            self.measure_from = self.context.global_step
+            return None
+        if Cluster(**state["cluster"]) != self.cluster:
+            rank_zero_info(f"sync='auto': the checkpoint's decision ({state['decision']['choice']}) was made on "
+                           f"{state['cluster']}, this fit runs on {asdict(self.cluster)}: measuring again")
+            self.measure_from = self.context.global_step
+            self.history.append({"step": self.context.global_step, "choice": None, "why": "the cluster changed",
+                                 "reason": f"resumed on {asdict(self.cluster)} from {state['cluster']}"})
+            return None
+        decision = state["decision"]
+        self.decision = Decision(decision["choice"], decision["why"], [Row(**r) for r in decision["rows"]])
+        self._measured = state.get("measured")
+        self._switch(self.decision.row(), self.context.global_step)
+        self.phase = self.RUNNING
+        return self.inner.load_state_dict(state.get("inner"))
+
+
+def _set_steps(compressor: Any, steps: int) -> None:
+    """As if the compressor had committed ``steps`` steps (the fit's dense steps so far)."""
+    compressor.steps = steps
+    inner = getattr(compressor, "inner", None)
+    if inner is not None:
+        inner.steps = steps
+
+
+__all__ = ["Auto", "AutoDriver", "Cluster"]

@@ -1,0 +1,168 @@
+"""What a fit measures of its own links and buckets, for ``lightning-dist-advise`` (:class:`~lightning_dist.advise.
+Advisor`) and ``sync="auto"`` (:mod:`lightning_dist.sync.auto`) alike: one home for the measurement, two users.
+
+- :class:`BucketRecorder`: a bucket observer (the comm hook's :class:`~lightning_dist.strategy.hook.BucketObserver`
+  protocol: ``bucket_handed``, ``bucket_done``) that records each bucket's hand-over and completion, and copies of
+  the gradient buckets of the steps it keeps.
+- :func:`dense_step`: the medians of the timed dense steps (step, exposed communication, compute-only, ready times).
+- :func:`measure_codecs`: every candidate codec's ``reduce`` on copies of the real buckets over a group of its own:
+  coding seconds, wire seconds and bytes, per bucket.
+- :func:`across_hosts`: the same for this rank's part of every bucket across hosts (a sync between hosts' workers).
+- :func:`agree`: every figure as its maximum over the ranks, so every rank predicts, and decides, the same.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import statistics
+import time
+from datetime import timedelta
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from lightning_dist.comm import CommStats
+from lightning_dist.compression import BucketLayout, Transport, build_compressor
+
+
+def conf_compressor(name: str) -> dict[str, Any]:
+    """``conf/compression/<name>.yaml`` as plain ``build_compressor`` arguments (without ``_target_``): a candidate at
+    the defaults users get from the command line."""
+    from omegaconf import OmegaConf
+
+    text = (importlib.resources.files("lightning_dist.conf") / "compression" / f"{name}.yaml").read_text()
+    node = OmegaConf.to_container(OmegaConf.create(text))
+    node.pop("_target_", None)
+    return node
+
+
+class BucketRecorder:
+    """Records each backward pass through the strategy's comm hook (register it with ``add_bucket_observer``)."""
+
+    def __init__(self) -> None:
+        self.handed: list[float] = []  # perf_counter per bucket, in hand-over order
+        self.done: list[float] = []
+        self.buckets: list[tuple[BucketLayout, torch.Tensor]] = []
+        self.keep = False  # copy the buckets' gradients (a timed step)
+        self.active = True  # False: the measured steps are over, record nothing
+
+    def clear(self) -> None:
+        self.handed.clear()
+        self.done.clear()
+        self.buckets.clear()
+
+    def bucket_handed(self, index: int, layout: BucketLayout, buffer: torch.Tensor) -> None:
+        if not self.active:
+            return
+        self.handed.append(time.perf_counter())
+        if self.keep:
+            self.buckets.append((layout, buffer.detach().clone()))
+
+    def bucket_done(self, index: int) -> None:
+        if self.active:
+            self.done.append(time.perf_counter())
+
+    def step(self, started: float, ended: float) -> Optional[dict[str, Any]]:
+        """The step that ran from ``started`` to ``ended`` (``perf_counter``), as :func:`dense_step` takes it: its
+        time, each bucket's ready time from ``started``, the exposed communication (the last completion past the last
+        hand-over). None when no bucket was handed over."""
+        if not self.handed:
+            return None
+        return {"step_s": ended - started, "ready_s": [t - started for t in self.handed],
+                "exposed_s": max(0.0, max(self.done, default=self.handed[-1]) - self.handed[-1])}
+
+
+def dense_step(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the timed steps (:meth:`BucketRecorder.step`'s), per bucket for the ready times; the compute-only
+    step is the step less its exposed communication."""
+    if not steps:
+        raise ValueError("no timed step had a gradient bucket")
+    n = min(len(s["ready_s"]) for s in steps)
+    step_s = statistics.median(s["step_s"] for s in steps)
+    exposed_s = statistics.median(s["exposed_s"] for s in steps)
+    return {"step_s": step_s, "exposed_s": exposed_s, "compute_s": max(0.0, step_s - exposed_s),
+            "ready_s": [statistics.median(s["ready_s"][i] for s in steps) for i in range(n)],
+            "timed_steps": len(steps)}
+
+
+def measure_codecs(candidates: dict[str, dict[str, Any]], buckets: Sequence[tuple[BucketLayout, torch.Tensor]],
+                   algorithm: str, group: Any, rounds: int) -> dict[str, dict[str, list[float]]]:
+    """Per candidate, per bucket: median coding and wire seconds and bytes of ``reduce`` on copies of the buckets,
+    round-robin over the candidates (the order rotated each round), after one untimed round."""
+    compressors = {label: build_compressor(**kwargs) for label, kwargs in candidates.items()}
+    labels = list(compressors)
+    samples: dict[str, list[list[tuple[float, float, int]]]] = {label: [[] for _ in buckets] for label in labels}
+    for r in range(rounds + 1):
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            codec = compressors[label]
+            for i, (layout, grad) in enumerate(buckets):
+                flat = grad.clone()
+                stats = CommStats(keep_records=False)
+                transport = Transport(algorithm, group, stats)
+                dist.barrier(group)  # each bucket timed from a common start: no skew of the previous one
+                _sync(flat)
+                started = time.perf_counter()
+                codec.reduce(flat, layout, transport)
+                _sync(flat)
+                wall = time.perf_counter() - started
+                if r > 0:
+                    samples[label][i].append((max(0.0, wall - transport.seconds), transport.seconds, stats.bytes_sent))
+            codec.commit()
+    return {label: {key: [statistics.median(s[k] for s in per) for per in samples[label]]
+                    for k, key in enumerate(("coding_s", "wire_s", "bytes"))} for label in labels}
+
+
+def host_parts(buckets: Sequence[tuple[BucketLayout, torch.Tensor]], parts: int, index: int
+               ) -> list[tuple[BucketLayout, torch.Tensor]]:
+    """Part ``index`` of ``parts`` of every bucket (:meth:`BucketLayout.split`: what the ``index``-th rank of a host
+    carries across hosts), as a contiguous tensor with its layout; empty parts left out."""
+    out = []
+    for layout, flat in buckets:
+        part, spans = layout.split(parts)[index]
+        if spans:
+            out.append((part, torch.cat([flat[a:b] for a, b in spans])))
+    return out
+
+
+def across_hosts(candidates: dict[str, dict[str, Any]], buckets: Sequence[tuple[BucketLayout, torch.Tensor]],
+                 topology: Any, rank: int, algorithm: str, rounds: int, timeout: Optional[timedelta]
+                 ) -> dict[str, dict[str, list[float]]]:
+    """A sync between hosts' workers: this rank's part of every bucket through each candidate, across hosts (the ranks
+    of this local index, one per host), as the parts cross at a sync. Totals per codec, one entry each (ranks of
+    different local indices may hold different numbers of non-empty parts). A collective of every rank."""
+    # a collective call (every rank makes every group, in order); this rank's own comes back
+    group = dist.new_subgroups_by_enumeration(topology.inter_groups(), timeout=timeout)[0]
+    try:
+        per_part = measure_codecs(candidates, host_parts(buckets, topology.ranks_per_host, topology.local_index(rank)),
+                                  algorithm, group, rounds)
+    finally:
+        dist.destroy_process_group(group)
+    return {label: {key: [sum(values)] for key, values in figures.items()} for label, figures in per_part.items()}
+
+
+def agree(measured: dict[str, Any], codecs: dict[str, dict[str, list[float]]], group: Any
+          ) -> tuple[dict[str, Any], dict[str, dict[str, list[float]]]]:
+    """Every figure as its maximum over the ranks (one all-reduce), so every rank predicts the same."""
+    labels = list(codecs)
+    keys = ("coding_s", "wire_s", "bytes")
+    flat = [measured["step_s"], measured["exposed_s"], *measured["ready_s"]]
+    flat += [v for label in labels for key in keys for v in codecs[label][key]]
+    counts = torch.tensor([len(measured["ready_s"]), -len(measured["ready_s"])], dtype=torch.float64)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)  # every rank the same number of buckets
+    if counts[0] != -counts[1]:
+        raise RuntimeError(f"ranks saw different numbers of buckets ({-counts[1]:.0f} to {counts[0]:.0f})")
+    values = torch.tensor(flat, dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    it = iter(values.tolist())
+    step_s, exposed_s = next(it), next(it)
+    ready = [next(it) for _ in measured["ready_s"]]
+    out = {label: {key: [next(it) for _ in codecs[label][key]] for key in keys} for label in labels}
+    agreed = {**measured, "step_s": step_s, "exposed_s": exposed_s, "ready_s": ready,
+              "compute_s": max(0.0, step_s - exposed_s)}
+    return agreed, out
+
+
+def _sync(tensor: torch.Tensor) -> None:
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)

@@ -1,0 +1,155 @@
+"""``sync="auto"``'s decision rule on recorded measurements (lightning_dist.sync.auto_rule), and its settings' checks:
+no rank is launched.
+
+The measurements are the shape of the sync benchmark's LM on 4 ranks (one 1.9 MB bucket of fp32 gradients, a 40 ms
+compute-only step), with each codec's bytes as the codecs send them and the wire time of a ring all-reduce at each link
+speed: what the fit would record on such links. Each link speed and optimizer maps to the choice a reader of the
+benchmark's tables expects.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_dist.sync import Auto, as_sync
+from lightning_dist.sync.auto_rule import (ADAM, ADAM_LOSS_BOUND, DENSE_MARGIN, MIN_SYNCS, SGD, Limits, Row,
+                                           candidate_rows, decide, predict_step, table)
+
+BUCKET = 1.9e6  # bytes of fp32 gradients
+RANKS = 4
+COMPUTE_S = 0.040
+# bytes each codec puts on the wire per byte of fp32 gradient, and its coding seconds per bucket
+CODECS = {"none": (1.0, 0.0), "fp16": (0.5, 0.001), "int8": (0.26, 0.006), "int4": (0.14, 0.007),
+          "powersgd": (0.03, 0.012), "topk": (0.02, 0.008), "sign": (0.035, 0.004)}
+RATES = {"10Mbit": 10e6, "100Mbit": 100e6, "1Gbit": 1e9, "unshaped": 40e9}
+
+
+def recorded(rate_bit_s: float) -> tuple[dict, dict]:
+    """The dense step and every codec's figures at this link speed: a ring all-reduce moves 2 (n-1)/n of the payload
+    through each rank's link."""
+    measured = {"compute_s": COMPUTE_S, "ready_s": [0.030]}
+    codecs = {}
+    for name, (ratio, coding) in CODECS.items():
+        sent = BUCKET * ratio * 2 * (RANKS - 1) / RANKS
+        codecs[name] = {"coding_s": [coding], "wire_s": [sent * 8 / rate_bit_s], "bytes": [sent]}
+    return measured, codecs
+
+
+def choice(rate: str, optimizer: str, limits: Limits = Limits(), **kwargs) -> str:
+    measured, codecs = recorded(RATES[rate])
+    rows = candidate_rows(measured, codecs, optimizer, compressors=("fp16", "int8", "powersgd", "topk"), **kwargs)
+    return decide(rows, limits).choice
+
+
+@pytest.mark.parametrize(("rate", "optimizer", "expected"), [
+    # dense spends ~2.3 s on the wire per step: int8 pseudo-gradients every 50 steps cost 12 ms a step, and even at
+    # 1.24 steps per dense step DiLoCo is 2x ahead of OneBitAdam's 1 bit of momentum every step
+    ("10Mbit", ADAM, "diloco50/int8"),
+    ("100Mbit", ADAM, "diloco50/int8"),  # 51 ms against OneBitAdam's 54: the closest call of the table
+    ("1Gbit", ADAM, "onebit_adam"),  # the wire no longer pays for DiLoCo's 1.23 steps; OneBitAdam's 5 ms does
+    ("unshaped", ADAM, "dense"),  # nothing pays on a local link
+    ("10Mbit", SGD, "diloco50/int8"),
+    ("100Mbit", SGD, "diloco50/int8"),
+    ("1Gbit", SGD, "diloco50"),
+    ("unshaped", SGD, "dense"),
+])
+def test_each_link_speed_and_optimizer_to_its_choice(rate, optimizer, expected):
+    assert choice(rate, optimizer) == expected
+
+
+@pytest.mark.parametrize("rate", RATES)
+def test_under_adam_never_a_per_step_compressor_above_the_bound(rate):
+    measured, codecs = recorded(RATES[rate])
+    # top-k sends the fewest bytes of all: it would win on bytes alone
+    rows = candidate_rows(measured, codecs, ADAM, compressors=("topk", "int8", "fp16", "powersgd"))
+    decision = decide(rows)
+    chosen = decision.row()
+    assert chosen.kind != "compressor"
+    topk = decision.row("topk")
+    assert topk.excluded is not None and "above the 1% bound" in topk.excluded
+    assert ADAM_LOSS_BOUND == 0.01
+    # an unmeasured compressor is excluded under Adam too
+    assert "never measured" in decision.row("int8").excluded
+
+
+def test_limits_narrow_the_candidates():
+    measured, codecs = recorded(RATES["10Mbit"])
+    rows = candidate_rows(measured, codecs, SGD, compressors=("fp16", "int8", "topk"))
+    assert decide(rows, Limits(exact=True)).choice == "fp16"  # the lossless cast, not DiLoCo
+    exact = decide(rows, Limits(exact=True))
+    assert exact.row("diloco50").excluded.startswith("exact=True")
+    # a bytes budget under dense's and int8's: what remains is under it
+    budget = 0.2 * BUCKET
+    decision = decide(rows, Limits(max_bytes_per_step=budget))
+    assert decision.row().bytes_per_step <= budget
+    assert decision.row("dense").excluded.startswith(f"{decision.row('dense').bytes_per_step:.0f} bytes per step")
+    assert "dense excluded" in decision.why
+    assert decide(rows, Limits(methods=("int8",))).choice == "int8"
+    with pytest.raises(ValueError, match="no candidate is allowed"):
+        decide(rows, Limits(max_bytes_per_step=1.0, exact=True))
+
+
+def test_dense_is_kept_within_the_margin():
+    rows = [Row("dense", "dense", 0.100, 1e6), Row("int8", "compressor", 0.100 / (1 + DENSE_MARGIN / 2), 2.5e5)]
+    decision = decide(rows)
+    assert decision.choice == "dense" and "margin" in decision.why
+    rows[1] = Row("int8", "compressor", 0.100 / (1 + 2 * DENSE_MARGIN), 2.5e5)
+    assert decide(rows).choice == "int8"
+
+
+def test_the_steps_factor_weighs_diloco():
+    # a DiLoCo step 20% faster than dense but needing 1.23 steps per dense step loses to dense
+    rows = [Row("dense", "dense", 0.100, 1e6), Row("diloco50", "diloco", 0.080, 2e4, factor=1.23, every=50)]
+    assert decide(rows).choice == "dense"
+    rows[1] = Row("diloco50", "diloco", 0.050, 2e4, factor=1.23, every=50)
+    decision = decide(rows)
+    assert decision.choice == "diloco50" and decision.row().score == pytest.approx(0.0615)
+
+
+def test_diloco_needs_enough_syncs_left():
+    measured, codecs = recorded(RATES["10Mbit"])
+    rows = candidate_rows(measured, codecs, SGD, remaining_steps=50 * MIN_SYNCS - 1)
+    assert "syncs" in next(r for r in rows if r.label == "diloco50").excluded
+    assert next(r for r in rows if r.label == "diloco10/int8").excluded is None
+    assert decide(rows).choice == "powersgd"  # (120 ms a step against diloco10/int8's 1.6 x 100 ms)
+
+
+def test_two_tier_uses_the_sync_across_hosts_and_the_host_factor():
+    measured, codecs = recorded(RATES["10Mbit"])
+    across = {n: {k: [v[0] / 2] for k, v in codecs[n].items()} for n in ("none", "int8")}  # half the buckets each
+    rows = candidate_rows(measured, codecs, SGD, workers="two_tier", across=across, bytes_scale=2.0)
+    diloco = next(r for r in rows if r.label == "diloco50")
+    assert diloco.factor == 1.0
+    assert diloco.bytes_per_step == pytest.approx(2.0 * across["none"]["bytes"][0] / 50)
+    assert diloco.predicted_step_s == pytest.approx(COMPUTE_S + (across["none"]["wire_s"][0]) / 50)
+
+
+def test_the_prediction_replays_the_queue():
+    assert predict_step(0.04, [0.01, 0.02], [0.005, 0.030]) == pytest.approx(0.04 + 0.030)
+    measured, codecs = recorded(RATES["1Gbit"])
+    rows = candidate_rows(measured, codecs, SGD)
+    dense = next(r for r in rows if r.kind == "dense")
+    assert dense.predicted_step_s == pytest.approx(COMPUTE_S + codecs["none"]["wire_s"][0])
+
+
+def test_the_table_names_the_choice_and_every_exclusion():
+    measured, codecs = recorded(RATES["1Gbit"])
+    decision = decide(candidate_rows(measured, codecs, ADAM, compressors=("topk",)))
+    text = table(decision)
+    assert text.splitlines()[-1].startswith("auto chose onebit_adam: ")
+    assert "*onebit_adam" in text and "excluded: +34.65% held-out loss" in text
+    assert decision.as_dict()["choice"] == "onebit_adam"
+
+
+def test_the_settings_check_their_values():
+    assert as_sync("auto") == Auto()
+    assert as_sync({"name": "auto", "drift": 3.0}).drift == 3.0
+    for bad, match in ((dict(steps=0), "steps=0"), (dict(compressors=["zip"]), "unknown"),
+                       (dict(methods=["diloco7"]), "diloco7"), (dict(drift=0.5), "drift=0.5"),
+                       (dict(max_bytes_per_step=-1), "max_bytes_per_step")):
+        with pytest.raises(ValueError, match=match):
+            Auto(**bad)
+    from lightning_dist.compression import build_compressor
+
+    with pytest.raises(ValueError, match="auto chooses the compressor itself"):
+        Auto().check(compressor=build_compressor("int8"), hetero=None, topology="auto")
