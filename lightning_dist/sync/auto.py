@@ -41,6 +41,7 @@ from lightning_dist.sync.auto_measure import (BucketRecorder, across_hosts, agre
                                               measure_codecs)
 from lightning_dist.sync.auto_rule import (DENSE, DILOCO_CANDIDATES, Decision, Limits, Row, candidate_rows, decide,
                                            family, table)
+from lightning_dist.sync.buckets import cut_buckets
 from lightning_dist.sync.context import SyncContext
 from lightning_dist.sync.diloco_driver import DiLoCo, DiLoCoDriver
 from lightning_dist.sync.driver import FitSettings, SyncDriver, SyncReport, SyncSettings
@@ -285,6 +286,10 @@ class AutoDriver(SyncDriver):
             local = dense_step(self._steps)
         else:
             local = self._measured
+        if not self._buckets:  # resumed: the parameters stand in for a gradient, cut as buckets of DDP's size
+            named = [(n, p) for n, p in context.module.named_parameters() if p.requires_grad]
+            self._buckets = [(b.layout, torch.cat([p.detach().reshape(-1) for p in b.params]))
+                             for b in cut_buckets(named, lambda numel, p: p.new_empty(0))]
         group = context.exchange_group
         candidates = self._candidates()
         with context.long_collective("sync='auto' measures every candidate over the links"):
@@ -337,8 +342,9 @@ class AutoDriver(SyncDriver):
             self._decide(global_step, f"the step took {ratio:.2f}x its prediction over {len(window)} steps")
 
     # -- switching ----------------------------------------------------------------------------------------------------
-    def _switch(self, row: Row, global_step: int) -> None:
-        """Hand over from the current driver to ``row``'s, on every rank in this step."""
+    def _switch(self, row: Row, global_step: int, in_step: bool = True) -> None:
+        """Hand over from the current driver to ``row``'s, on every rank in this step (``in_step``: from
+        ``after_step``, before the strategy commits the step's compressor state; else at a resume, between steps)."""
         context = self.context
         old = self.inner
         if isinstance(old, DiLoCoDriver):  # DiLoCo: what is in flight lands, every worker ends on the workers' mean
@@ -358,13 +364,12 @@ class AutoDriver(SyncDriver):
             # the compressor's warm-up counts from the fit's start: the dense steps so far were its first
             compressor = build_compressor(**{**kwargs, "start_step": max(int(kwargs.get("start_step", 0)),
                                                                           global_step)})
-            _set_steps(compressor, global_step)
+            _set_steps(compressor, global_step - 1 if in_step else global_step)  # (the step's commit counts it)
             context.set_compressor(compressor)
             self.compressor_kwargs = kwargs
         elif row.kind == "onebit_adam":
             self.inner = OneBitAdam().bind(context)
-            # its warm-up counts from the fit's start, and is at least the dense steps so far
-            self.inner.warmup_steps = max(self.inner.warmup_steps or 0, global_step)
+            self.inner.adopt_warmup(global_step)  # the dense steps so far were its warm-up
         elif row.kind == "diloco":
             self.inner = DiLoCo(every=row.every, compressor=None if row.codec == DENSE else row.codec).bind(context)
         context.regroup()
@@ -393,7 +398,7 @@ class AutoDriver(SyncDriver):
         decision = state["decision"]
         self.decision = Decision(decision["choice"], decision["why"], [Row(**r) for r in decision["rows"]])
         self._measured = state.get("measured")
-        self._switch(self.decision.row(), self.context.global_step)
+        self._switch(self.decision.row(), self.context.global_step, in_step=False)
         self.phase = self.RUNNING
         return self.inner.load_state_dict(state.get("inner"))
 

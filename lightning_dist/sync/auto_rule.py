@@ -248,9 +248,9 @@ def decide(rows: Sequence[Row], limits: Limits = Limits()) -> Decision:
         elif limits.methods is not None and r.kind != "dense" and r.label not in limits.methods:
             r.excluded = f"not among methods={list(limits.methods)}"
     allowed = [r for r in rows if r.excluded is None]
-    if not allowed:
-        raise ValueError(f"auto: no candidate is allowed ({'; '.join(f'{r.label}: {r.excluded}' for r in rows)}); "
-                         "raise max_bytes_per_step or widen methods=")
+    if not allowed:  # the fit goes on as it started: dense, and says why (raised, it would end a running fit)
+        return Decision("dense", "no candidate is allowed (" + "; ".join(f"{r.label}: {r.excluded}" for r in rows)
+                        + "): dense kept; raise max_bytes_per_step or widen methods=", rows)
     best = min(allowed, key=lambda r: (r.score, r.label))
     if best is dense:
         why = "dense is the fastest allowed"

@@ -110,6 +110,14 @@ class OneBitAdamDriver(SyncDriver):
         for optimizer in context.optimizers:
             self.adam.check(optimizer)
 
+    def adopt_warmup(self, steps: int) -> None:
+        """Bound after ``steps`` dense Adam steps of the fit (``sync="auto"`` switches to it there): they were its
+        warm-up, which lasts at least as long, and Adam's ``v`` of each parameter has had as many updates as Adam's own
+        step count says."""
+        self.warmup_steps = max(self.warmup_steps or 0, steps)
+        for optimizer in self.context.optimizers:
+            self.adam.adam_stepped(optimizer)
+
     def _check_warmup(self, total: float) -> None:
         if math.isfinite(total) and not self.warmup_steps < total:
             raise ValueError(f"OneBitAdam(warmup={self.warmup_steps}) with a fit of {int(total)} optimizer steps: the "
