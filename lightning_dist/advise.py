@@ -66,7 +66,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -84,8 +83,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from typing_extensions import override
 
 from lightning_dist._deprecation import renamed
-from lightning_dist.comm import CommStats
-from lightning_dist.compression import COMPRESSORS, BucketLayout, Transport, build_compressor
+from lightning_dist.compression import COMPRESSORS, BucketLayout, build_compressor
 from lightning_dist.compression.accuracy import ACCURACY_COST
 from lightning_dist.compression.registry import error_feedback_default
 from lightning_dist.config import StrategyConf, resolve_devices
@@ -93,7 +91,8 @@ from lightning_dist.strategy import RingDDPStrategy, features_of
 from lightning_dist.sync import DiLoCo, OneBitAdam
 from lightning_dist.sync.auto_measure import BucketRecorder, across_hosts, agree, dense_step, measure_codecs
 from lightning_dist.sync.auto_measure import conf_compressor as default_candidate
-from lightning_dist.sync.auto_rule import predict_step
+from lightning_dist.sync.auto_rule import Decision, Row, candidate_rows, decide, family, predict_step
+from lightning_dist.sync.auto_rule import table as auto_table
 from lightning_dist.train import build, hydra_command, hydra_main
 
 
@@ -274,6 +273,10 @@ def table(report: dict[str, Any]) -> str:
             mb = r["bytes_per_step"] / 1e6
             per_sync = f"sync {r['sync_bytes'] / 1e6:.3f} MB in {1e3 * r['sync_s']:.1f} ms"
             lines.append(row(label, r, f"{per_sync}; {r['quality']}", f"{mb:.3f}" if mb >= 0.01 else f"{mb:.1e}"))
+    if report.get("auto"):  # what sync="auto" would decide on these figures (docs/auto.md)
+        auto = report["auto"]
+        lines.append("sync='auto' would decide (DiLoCo at the settings whose quality is measured; docs/auto.md):")
+        lines.append(auto_table(Decision(auto["choice"], auto["why"], [Row(**r) for r in auto["rows"]])))
     return "\n".join(lines)
 
 
@@ -500,6 +503,11 @@ class Advisor(Callback):
                        "candidates": self.candidates, "measured": measured, "per_bucket": codecs,
                        "compressors": compressors,
                        "sync": {**asdict(self.sync), "workers": workers, "worker": worker, "rows": rows}}
+        # what sync="auto" would decide on these measurements (the same rule, the same figures)
+        auto = decide(candidate_rows(measured, codecs, family(trainer.optimizers), "two_tier" if across else "flat",
+                                     across, bytes_scale=topology.ranks_per_host if across is not None else 1.0,
+                                     compressors=[n for n in codecs if n != DENSE]))
+        self.report["auto"] = auto.as_dict()
         if trainer.is_global_zero:
             print(table(self.report), flush=True)
             if self.path is not None:

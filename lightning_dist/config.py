@@ -175,11 +175,25 @@ class OneBitAdamConf:  # sync=onebit_adam: lightning_dist.sync.OneBitAdam's argu
     bound: Optional[float] = MISSING  # the largest update per coordinate, in units of lr (null: none)
 
 
+@dataclass
+class AutoConf:  # sync=auto: lightning_dist.sync.Auto's arguments
+    name: str = "auto"
+    warmup_steps: int = MISSING  # dense steps first, not timed
+    steps: int = MISSING  # timed dense steps
+    rounds: int = MISSING  # timed rounds of every candidate codec
+    compressors: list[str] = MISSING  # the per-step compressors measured
+    max_bytes_per_step: Optional[float] = MISSING  # bytes a rank may send per step (null: any)
+    exact: bool = MISSING  # no change to the optimisation
+    methods: Optional[list[str]] = MISSING  # only these candidates (null: every one)
+    drift: float = MISSING  # pick again at this many times the prediction (0: never)
+    check_every: int = MISSING  # steps between the drift checks
+
+
 # group -> option -> its schema, stored in the group as "<option>_schema" (the option's YAML lists it in its defaults)
 OPTION_SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"cnn": DigitsCNNConf, "lm": ByteLMConf},
     "data": {"digits": DigitsDataConf, "stdlib": StdlibTextConf},
-    "sync": {"every_step": EveryStepConf, "diloco": DiLoCoConf, "onebit_adam": OneBitAdamConf},
+    "sync": {"every_step": EveryStepConf, "diloco": DiLoCoConf, "onebit_adam": OneBitAdamConf, "auto": AutoConf},
 }
 
 

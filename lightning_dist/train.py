@@ -150,6 +150,9 @@ class RunSummaryCallback(Callback):
             # callbacks that report on the run (MemoryMonitor: the estimate, the peaks, threshold events)
             **{_snake(type(cb).__name__): cb.run_summary() for cb in trainer.callbacks
                if callable(getattr(cb, "run_summary", None))},
+            # a sync driver that reports on the run does the same, under its settings' name (sync="auto": "auto")
+            **({strategy.sync.name: features.sync.run_summary()} if features is not None and features.sync is not None
+               and callable(getattr(features.sync, "run_summary", None)) else {}),
             "config": self.config,
         }
         tmp = self.path + ".tmp"

@@ -36,12 +36,12 @@ from lightning_dist.advise import (
     sync_predictions,
     table,
 )
-from lightning_dist.sync.auto_measure import host_parts
-from lightning_dist.sync.auto_rule import predict_step, replay
 from lightning_dist.benchmarks.compression import CONFIGS, TABLE_ROWS
 from lightning_dist.compression import COMPRESSORS, BucketLayout
 from lightning_dist.config import own_class_overrides
 from lightning_dist.sync import DiLoCo
+from lightning_dist.sync.auto_measure import host_parts
+from lightning_dist.sync.auto_rule import candidate_rows, decide, predict_step, replay
 from lightning_dist.testing import launched_externally, quiet_trainer, run_ranks
 
 CLI = [sys.executable, "-m", "lightning_dist.advise"]
@@ -426,5 +426,11 @@ def test_advisor_in_ones_own_trainer_times_the_first_steps_and_reports_at_the_en
     rows = report["sync"]["rows"]
     assert list(rows) == [f"diloco H={DiLoCo.every}", f"diloco H={DiLoCo.every} int8", f"diloco H={DiLoCo.every} topk"]
     assert rows[f"diloco H={DiLoCo.every}"]["bytes_per_step"] == 4 * params / DiLoCo.every
+    # what sync="auto" would decide: the same rule on the same agreed figures, its table printed below advise's
+    rows = candidate_rows(report["measured"], {n: {k: v for k, v in c.items() if k != "kwargs"} for n, c in
+                                               report["per_bucket"].items()}, "sgd",
+                          compressors=[n for n in report["per_bucket"] if n != "none"])
+    assert report["auto"] == decide(rows).as_dict()
+    assert "sync='auto' would decide" in table(report) and f"auto chose {report['auto']['choice']}:" in table(report)
     assert zero["printed"] == table(report) + f"\nadvise: {path}\n"  # the table, printed by rank zero alone
     assert one["printed"] == ""

@@ -116,7 +116,7 @@ def runs(tmp_path_factory):
 
 
 def _same(a, b):
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def test_switching_equals_the_method_from_the_start(runs):

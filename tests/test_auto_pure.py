@@ -12,8 +12,19 @@ from __future__ import annotations
 import pytest
 
 from lightning_dist.sync import Auto, as_sync
-from lightning_dist.sync.auto_rule import (ADAM, ADAM_LOSS_BOUND, DENSE_MARGIN, MIN_SYNCS, SGD, Limits, Row,
-                                           candidate_rows, decide, predict_step, table)
+from lightning_dist.sync.auto_rule import (
+    ADAM,
+    ADAM_LOSS_BOUND,
+    DENSE_MARGIN,
+    MIN_SYNCS,
+    SGD,
+    Limits,
+    Row,
+    candidate_rows,
+    decide,
+    predict_step,
+    table,
+)
 
 BUCKET = 1.9e6  # bytes of fp32 gradients
 RANKS = 4

@@ -298,7 +298,8 @@ class RingDDPStrategy(DDPBase):
         self._hook_groups = reduction.owned
         automatic = self.lightning_module.automatic_optimization
         state.bind(self.model.module, reduction.group, reduction.world, tiers=reduction.tiers,
-                   spans_hosts=reduction.spans_hosts, on_last_bucket=lambda: self._cycle.start_exchange_early(automatic))
+                   spans_hosts=reduction.spans_hosts,
+                   on_last_bucket=lambda: self._cycle.start_exchange_early(automatic))
         destroy_groups(old)
 
     def _stop_worker(self) -> None:

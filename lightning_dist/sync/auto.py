@@ -37,10 +37,25 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_dist.compression import COMPRESSORS, NoCompressor, build_compressor
-from lightning_dist.sync.auto_measure import (BucketRecorder, across_hosts, agree, conf_compressor, dense_step,
-                                              measure_codecs)
-from lightning_dist.sync.auto_rule import (DENSE, DILOCO_CANDIDATES, Decision, Limits, Row, candidate_rows, decide,
-                                           family, table)
+from lightning_dist.sync.auto_measure import (
+    BucketRecorder,
+    across_hosts,
+    agree,
+    conf_compressor,
+    dense_step,
+    measure_codecs,
+)
+from lightning_dist.sync.auto_rule import (
+    DENSE,
+    DILOCO_CANDIDATES,
+    Decision,
+    Limits,
+    Row,
+    candidate_rows,
+    decide,
+    family,
+    table,
+)
 from lightning_dist.sync.buckets import cut_buckets
 from lightning_dist.sync.context import SyncContext
 from lightning_dist.sync.diloco_driver import DiLoCo, DiLoCoDriver
@@ -105,7 +120,7 @@ class Auto(SyncSettings):
         if self.max_bytes_per_step is not None and not self.max_bytes_per_step >= 0:
             raise ValueError(f"Auto(max_bytes_per_step={self.max_bytes_per_step!r}): bytes, >= 0, or None for any")
         if not (self.drift == 0 or self.drift > 1):
-            raise ValueError(f"Auto(drift={self.drift!r}): a factor above 1 (2.0: twice the prediction), or 0 for never")
+            raise ValueError(f"Auto(drift={self.drift!r}): a factor above 1 (2.0: twice the prediction), 0 for never")
 
     @property
     def limits(self) -> Limits:
@@ -120,8 +135,8 @@ class Auto(SyncSettings):
 
     def check(self, *, compressor: Any, hetero: Any, topology: str) -> None:
         if compressor.name != DENSE:
-            raise ValueError(f"compressor={compressor.describe()} with sync='auto': auto chooses the compressor itself; "
-                             "drop compressor= (to try only it: Auto(methods=['" + compressor.name + "']))")
+            raise ValueError(f"compressor={compressor.describe()} with sync='auto': auto chooses the compressor "
+                             "itself; drop compressor= (to try only it: Auto(methods=['" + compressor.name + "']))")
 
     def refuses(self, fit: FitSettings) -> Optional[str]:
         """Nothing: dense runs under every setting. A candidate the fit's settings refuse is left out (the reason shows
@@ -247,8 +262,8 @@ class AutoDriver(SyncDriver):
         return SyncReport(syncs=inner.syncs + len(self.history), metrics=metrics, memory=inner.memory,
                           validation=inner.validation)
 
-    def summary(self) -> dict[str, Any]:
-        """The ``auto`` section of the run's summary: the current choice and every decision."""
+    def run_summary(self) -> dict[str, Any]:
+        """The ``auto`` section of the run's ``summary.json``: the current choice and every decision."""
         return {"choice": self.decision.choice if self.decision is not None else None, "decisions": list(self.history),
                 "cluster": asdict(self.cluster)}
 

@@ -244,7 +244,8 @@ def decide(rows: Sequence[Row], limits: Limits = Limits()) -> Decision:
         if limits.exact and r.kind != "dense" and r.label not in LOSSLESS:
             r.excluded = "exact=True: it changes the optimisation"
         elif limits.max_bytes_per_step is not None and r.bytes_per_step > limits.max_bytes_per_step:
-            r.excluded = f"{r.bytes_per_step:.0f} bytes per step, above max_bytes_per_step={limits.max_bytes_per_step:.0f}"
+            r.excluded = (f"{r.bytes_per_step:.0f} bytes per step, above "
+                          f"max_bytes_per_step={limits.max_bytes_per_step:.0f}")
         elif limits.methods is not None and r.kind != "dense" and r.label not in limits.methods:
             r.excluded = f"not among methods={list(limits.methods)}"
     allowed = [r for r in rows if r.excluded is None]
