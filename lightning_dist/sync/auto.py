@@ -52,6 +52,7 @@ from lightning_dist.sync.auto_rule import (
     Limits,
     Row,
     candidate_rows,
+    compressor_quality,
     decide,
     family,
     table,
@@ -283,8 +284,11 @@ class AutoDriver(SyncDriver):
 
     # -- deciding ---------------------------------------------------------------------------------------------------
     def _candidates(self) -> dict[str, dict[str, Any]]:
-        names = [DENSE, *self.settings.compressors]
-        if family(self.context.optimizers) == "adam":
+        """The codecs to measure: dense, the compressors the quality tables allow under this optimizer (the others
+        are shown excluded, unmeasured), OneBitAdam's under Adam, DiLoCo's pseudo-gradients'."""
+        optimizer = family(self.context.optimizers)
+        names = [DENSE, *(n for n in self.settings.compressors if compressor_quality(n, optimizer)[1] is None)]
+        if optimizer == "adam":
             names += [n for n in ONEBIT_CODECS if n not in names]
         names += [d.codec for d in DILOCO_CANDIDATES if d.codec not in names]
         return {n: conf_compressor(n) for n in names}

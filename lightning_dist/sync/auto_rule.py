@@ -134,8 +134,8 @@ class Row:
 
     label: str  # "dense", a compressor's name, "onebit_adam", "diloco50", "diloco50/int8"
     kind: str  # "dense", "compressor", "onebit_adam", "diloco"
-    predicted_step_s: float
-    bytes_per_step: float
+    predicted_step_s: Optional[float]  # None: not measured (excluded before any measurement)
+    bytes_per_step: Optional[float]
     factor: float = 1.0  # steps per dense step to dense's loss
     quality: str = ""  # the measured quality it is judged by
     excluded: Optional[str] = None  # why the rule may not take it (None: it may)
@@ -144,8 +144,8 @@ class Row:
 
     @property
     def score(self) -> float:
-        """Predicted seconds per dense-equivalent step."""
-        return self.predicted_step_s * self.factor
+        """Predicted seconds per dense-equivalent step (``inf``: not measured)."""
+        return float("inf") if self.predicted_step_s is None else self.predicted_step_s * self.factor
 
 
 @dataclass
@@ -192,8 +192,13 @@ def candidate_rows(measured: dict[str, Any], codecs: dict[str, dict[str, list[fl
             continue
         if compressors is not None and name not in compressors:
             continue
-        quality, excluded = _compressor_quality(name, optimizer)
+        quality, excluded = compressor_quality(name, optimizer)
         rows.append(Row(name, "compressor", step, sum(c["bytes"]), quality=quality, excluded=excluded, codec=name))
+    for name in compressors or ():  # excluded by quality before any measurement: shown, never timed
+        if name not in codecs:
+            quality, excluded = compressor_quality(name, optimizer)
+            rows.append(Row(name, "compressor", None, None, quality=quality,
+                            excluded=f"{excluded} (not measured)" if excluded else "not measured", codec=name))
     if optimizer == ADAM and "sign" in codecs and "int4" in codecs:
         sign, int4 = codecs["sign"], codecs["int4"]
         step = (compute + sum(sign["coding_s"]) + sum(sign["wire_s"])
@@ -215,7 +220,7 @@ def candidate_rows(measured: dict[str, Any], codecs: dict[str, dict[str, list[fl
     return rows
 
 
-def _compressor_quality(name: str, optimizer: str) -> tuple[str, Optional[str]]:
+def compressor_quality(name: str, optimizer: str) -> tuple[str, Optional[str]]:
     """A per-step compressor's measured quality under this optimizer family, and why it is excluded (None: it is
     not)."""
     measured = QUALITY.get((name, optimizer))
@@ -243,7 +248,7 @@ def decide(rows: Sequence[Row], limits: Limits = Limits()) -> Decision:
             continue
         if limits.exact and r.kind != "dense" and r.label not in LOSSLESS:
             r.excluded = "exact=True: it changes the optimisation"
-        elif limits.max_bytes_per_step is not None and r.bytes_per_step > limits.max_bytes_per_step:
+        elif limits.max_bytes_per_step is not None and (r.bytes_per_step or 0.0) > limits.max_bytes_per_step:
             r.excluded = (f"{r.bytes_per_step:.0f} bytes per step, above "
                           f"max_bytes_per_step={limits.max_bytes_per_step:.0f}")
         elif limits.methods is not None and r.kind != "dense" and r.label not in limits.methods:
@@ -273,9 +278,13 @@ def table(decision: Decision) -> str:
     lines = [f"{'candidate':<{width}}{'step ms':>9}{'x steps':>9}{'ms/dense':>10}{'MB/step':>10}  quality / excluded"]
     for r in sorted(decision.rows, key=lambda r: (r.excluded is not None, r.score)):
         mark = "*" if r.label == decision.choice else " "
-        mb = r.bytes_per_step / 1e6
-        lines.append(f"{mark}{r.label:<{width - 1}}{1e3 * r.predicted_step_s:>9.1f}{r.factor:>9.2f}"
-                     f"{1e3 * r.score:>10.1f}{mb if mb >= 0.01 else float(f'{mb:.1e}'):>10.3g}  "
+        if r.predicted_step_s is None:
+            figures = f"{'-':>9}{r.factor:>9.2f}{'-':>10}{'-':>10}"
+        else:
+            mb = r.bytes_per_step / 1e6
+            figures = (f"{1e3 * r.predicted_step_s:>9.1f}{r.factor:>9.2f}{1e3 * r.score:>10.1f}"
+                       f"{mb if mb >= 0.01 else float(f'{mb:.1e}'):>10.3g}")
+        lines.append(f"{mark}{r.label:<{width - 1}}{figures}  "
                      f"{r.quality if r.excluded is None else 'excluded: ' + r.excluded}")
     lines.append(f"auto chose {decision.choice}: {decision.why}")
     return "\n".join(lines)

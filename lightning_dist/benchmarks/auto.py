@@ -1,0 +1,442 @@
+"""``sync="auto"`` against every fixed way of syncing on the simulated cluster: ``python -m
+lightning_dist.benchmarks.auto``.
+
+The sync benchmark's LM under AdamW (:mod:`lightning_dist.benchmarks.sync`: ByteLM 0.47 M, 4 ranks, the same samples
+for every method), per cell (shape: ``flat``, 4 hosts of 1, and ``two_tier``, 2 hosts of 2; link: 10, 100 and
+1,000 Mbit/s and ``unshaped``, a 100 Gbit/s token bucket no step comes near):
+
+1. **auto's decision on the shaped cluster.** A real fit with ``sync="auto"`` under torchrun on the cell's hosts and
+   links, stopped a few steps after its decision: the choice, the table, and the seconds from the fit's first step to
+   the end of the decision's step (the dense measuring steps and the measurement of every candidate over the links).
+2. **Every fixed method's time per step on the same cluster**: the sync benchmark's timing jobs.
+3. **Curves on loopback ranks** (a method's loss against steps does not depend on the link): every fixed method, and
+   auto forced to each choice it made (``Auto(methods=[choice])`` with a bytes budget under dense's), so auto's curve is
+   its own: dense measuring steps, then the choice.
+4. **Time to the target loss**: the target is dense's final loss at equal samples or, where no other method reaches
+   it, the lowest final loss another method reaches (the loss dense and at least one other method both reach). A
+   fixed method's time is its first curve point at or below the target x its time per step; auto's is its measured
+   time to the decision plus the steps after it to the target x its choice's time per step.
+
+``--scenario slowdown``: on ``flat`` at 100 Mbit/s, every host's link drops to a tenth at step ``SLOW_AT``: auto (its
+drift check every 50 steps) against the fixed methods that were best before the change, in one job on the same hosts,
+each fit's wall time to the target (the loss every one of them reaches) and where auto decided again.
+
+Left out: the digits job under SGD (the rule's SGD tables are the digits job's; this benchmark runs the LM only), and
+fits of 1,600 steps (``--steps``: the default 800 keeps the full run near an hour here; DiLoCo at H=50 then leaves
+fewer syncs than auto's bound and is out of auto's candidates, while it still runs as a fixed method).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_dist.benchmarks import _common as bench
+from lightning_dist.benchmarks import sync as S
+from lightning_dist.simcluster import SimCluster, unavailable
+from lightning_dist.strategy import features_of
+from lightning_dist.sync import Auto, SyncSettings
+from lightning_dist.testing import free_port
+
+WORKER_MODULE = "lightning_dist.benchmarks.auto"
+UNSHAPED = 100_000.0  # Mbit/s: a token bucket far above anything a step sends (the "unshaped" link)
+FIXED = ("dense", "topk1%", "onebit-adam", "diloco10/int8", "diloco50", "diloco50/int8")
+AFTER = 4  # steps the decision job runs after auto's decision
+SLOW_AT, SLOW_FACTOR, SLOW_RATE, SLOW_SHAPE = 200, 10.0, 100.0, "flat"
+# targets: auto's time to the target within 15% of the best fixed method's, and within 5% of dense's
+VS_BEST, VS_DENSE = 1.15, 1.05
+REDECIDE_WITHIN = 50  # steps after the change
+
+
+@dataclass(frozen=True)
+class AutoMethod(S.Method):
+    """A way of training of the sync benchmark's kind whose sync is ``Auto(**auto)``."""
+
+    auto: Optional[dict] = None
+
+    def settings(self) -> Optional[SyncSettings]:
+        return Auto(**self.auto) if self.auto is not None else super().settings()
+
+
+def forced(choice: str, rows: Sequence[dict[str, Any]]) -> AutoMethod:
+    """auto that decides ``choice`` whatever the links say: only it among the candidates, dense excluded by a bytes
+    budget between the choice's bytes and dense's (from the decision's rows)."""
+    bytes_ = {r["label"]: r["bytes_per_step"] for r in rows}
+    return AutoMethod(f"auto:{choice}", auto={"methods": [choice],
+                                              "max_bytes_per_step": (bytes_[choice] + bytes_["dense"]) / 2})
+
+
+FULL = replace(S.FULL, steps=800, horizon=1200, rates=(10.0, 100.0, 1000.0, UNSHAPED), methods=FIXED)
+QUICK = replace(S.QUICK, rates=(100.0,), methods=("dense", "topk1%", "onebit-adam"))
+QUICK_SLOW = (16, 48)  # --quick slowdown: the change at step 16 of 48 (the drift check every 16 steps)
+
+
+# -- the workers (every rank, under torchrun in a simulated host) ------------------------------------------------------
+class StopAfterDecision(Callback):
+    """Stops the fit ``AFTER`` steps after auto's first decision (the fit's length stays the planned one, so auto's
+    candidates are those of the real fit)."""
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        driver = features_of(trainer.strategy).sync
+        if driver.history and trainer.global_step >= driver.history[0]["step"] + AFTER:
+            trainer.should_stop = True
+
+
+class LinkSwitch(Callback):
+    """Rank 0 asks the launcher to slow the links after step ``at`` and waits until it did (the peers wait in the next
+    step's collectives): files ``slow`` and ``slowed`` in ``folder``."""
+
+    def __init__(self, folder: Path, at: int, tag: str) -> None:
+        self.folder, self.at, self.tag = folder, at, tag
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.at and trainer.is_global_zero:
+            _ask(self.folder, f"slow_{self.tag}")
+
+
+def _ask(folder: Path, what: str, timeout_s: float = 120.0) -> None:
+    (folder / what).write_text("")
+    deadline = time.monotonic() + timeout_s
+    while not (folder / f"{what}.done").exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the launcher did not answer {what} in {timeout_s:.0f}s")
+        time.sleep(0.02)
+
+
+def _history(trainer: L.Trainer) -> list[dict[str, Any]]:
+    return list(features_of(trainer.strategy).sync.history)
+
+
+def _worker(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)  # hosts share the machine's cores
+    sizes, out, rank = args.sizes, Path(args.out), int(os.environ.get("RANK", "0"))
+    shape = S.SHAPES[args.shape]
+    if args.worker == "decide":
+        method = AutoMethod("auto", auto={})
+        record = S.FitRecord()
+        raw, trainer = _fit(method, shape, sizes, sizes.steps, record, [StopAfterDecision()])
+        if rank == 0:
+            (out / "decide.json").write_text(json.dumps({"history": _history(trainer), "starts": record.starts,
+                                                         "ends": record.ends}))
+        return
+    # slowdown: auto, then each fixed method, every fit slowed at SLOW_AT (the launcher restores between fits)
+    at, steps = args.slow_at, args.slow_steps
+    for i, label in enumerate(args.methods):
+        method = AutoMethod("auto", auto={"check_every": args.check_every}) if label == "auto" else S.METHODS[label]
+        record = S.FitRecord(S.eval_every(method, sizes), S.val_batch(sizes))
+        raw, trainer = _fit(method, shape, sizes, steps, record, [LinkSwitch(out, at, str(i))])
+        if rank == 0:
+            (out / f"slow_{i}.json").write_text(json.dumps({
+                "method": label, "curve": raw["curve"], "starts": record.starts, "ends": record.ends,
+                "history": _history(trainer) if label == "auto" else []}))
+            _ask(out, f"fast_{i}")
+
+
+def _fit(method: S.Method, shape: S.Shape, sizes: S.Sizes, steps: int, record: S.FitRecord,
+         callbacks: Sequence[Callback]) -> tuple[dict[str, Any], L.Trainer]:
+    trainers: list[L.Trainer] = []
+
+    class Keep(Callback):
+        @override
+        def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
+            trainers.append(trainer)
+
+    raw = S.fit(method, shape, sizes, steps, curve=record.every is not None, record=record,
+                callbacks=[*callbacks, Keep()])
+    return raw, trainers[0]
+
+
+# -- the launcher -----------------------------------------------------------------------------------------------------
+def cluster_job(args: argparse.Namespace, shape_name: str, rate: float, worker: list[str], log: Path,
+                answer: bool = False) -> tuple[Optional[dict[str, Any]], Optional[str], float]:
+    """One job on fresh hosts at ``rate`` running :func:`_worker`; with ``answer``, a thread answers the workers'
+    requests to slow the links (``slow_<i>``: to rate / SLOW_FACTOR) and restore them (``fast_<i>``). Returns what
+    rank 0 wrote (by file name), why the job failed, its wall time."""
+    shape = S.SHAPES[shape_name]
+    started = time.perf_counter()
+    with bench.scratch("auto") as out, SimCluster(shape.hosts, rate_mbit=rate) as cluster, open(log, "w") as fh:
+        stop = threading.Event()
+
+        def answer_requests() -> None:
+            while not stop.is_set():
+                for request in sorted(out.glob("slow_*")) + sorted(out.glob("fast_*")):
+                    if request.suffix or (out / f"{request.name}.done").exists():
+                        continue
+                    slow = request.name.startswith("slow_")
+                    cluster.shape(rate / SLOW_FACTOR if slow else rate, cluster.delay_ms)
+                    (out / f"{request.name}.done").write_text(f"{time.perf_counter()}")
+                time.sleep(0.02)
+
+        watcher = threading.Thread(target=answer_requests, daemon=True)
+        if answer:
+            watcher.start()
+        cmd = ["-m", WORKER_MODULE, *worker, "--out", str(out), *(["--quick"] * args.quick), "--steps",
+               str(args.sizes.steps), "--shape", shape_name, "--nodes", str(shape.hosts)]
+        env = {**cluster.env(), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        port = free_port()
+        procs = [cluster.popen(i, cluster.torchrun(i, cmd, port=port, nproc=shape.per_host), env=env, stdout=fh,
+                               stderr=subprocess.STDOUT) for i in range(shape.hosts)]
+        codes = cluster.wait(procs, args.run_timeout)
+        stop.set()
+        results = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+    wall = time.perf_counter() - started
+    error = None if codes == [0] * shape.hosts else (
+        f"{'timed out' if None in codes else f'exit codes {list(codes)}'}; see {log}")
+    return results or None, error, wall
+
+
+# -- pure: the cells' times and the targets ---------------------------------------------------------------------------
+def decision_record(shape: str, rate: float, raw: Optional[dict[str, Any]], error: Optional[str]) -> dict[str, Any]:
+    """auto's decision in a cell: the choice, its rows, the decision's step and the seconds from the first step's start
+    to the end of the decision's step."""
+    if raw is None or "decide" not in raw:
+        return {"shape": shape, "rate_mbit": rate, "error": error or "no result written"}
+    d = raw["decide"]
+    first = d["history"][0]
+    step = first["step"]
+    return {"shape": shape, "rate_mbit": rate, "choice": first["choice"], "why": first["why"], "rows": first["rows"],
+            "step": step, "decided_s": d["ends"][step - 1] - d["starts"][0], "error": None}
+
+
+def target_loss(curves: dict[str, dict[str, Any]]) -> Optional[float]:
+    """Dense's final loss, or where no other method reaches it, the lowest final loss another method reaches."""
+    dense = curves.get("dense")
+    if dense is None or dense.get("final_loss") is None:
+        return None
+    others = [c["final_loss"] for label, c in curves.items() if label != "dense" and c.get("final_loss") is not None]
+    return max(dense["final_loss"], min(others)) if others else dense["final_loss"]
+
+
+def cell_rows(decisions: Sequence[dict[str, Any]], curves: Sequence[dict[str, Any]],
+              timings: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per cell: every fixed method's time to the target, auto's, and the ratios the targets judge."""
+    rows = []
+    for d in decisions:
+        shape, rate = d["shape"], d["rate_mbit"]
+        mine = {c["method"]: c for c in curves if c["shape"] == shape and not c.get("error")}
+        per_step = {t["method"]: t.get("per_step_s") for t in timings
+                    if t["shape"] == shape and t["rate_mbit"] == rate}
+        fixed = {label: c for label, c in mine.items() if not label.startswith("auto:")}
+        target = target_loss(fixed)
+        times = {label: S.time_to_loss(c["curve_steps"], c["curve_loss"], target, per_step.get(label))
+                 for label, c in fixed.items()} if target is not None else {}
+        row = {"shape": shape, "rate_mbit": rate, "target_loss": target, "times_s": times, "choice": d.get("choice"),
+               "auto_s": None, "best": None, "best_s": None, "vs_best": None, "vs_dense": None, "error": d.get("error")}
+        if d.get("error") is None and target is not None:
+            choice = d["choice"]
+            curve = fixed.get("dense") if choice == "dense" else mine.get(f"auto:{choice}")
+            label = "dense" if choice == "dense" else {"onebit_adam": "onebit-adam"}.get(choice, choice)
+            step_s = per_step.get(label) if label in per_step else per_step.get(choice)
+            if curve is not None and step_s is not None:
+                at = next((s for s, loss in zip(curve["curve_steps"], curve["curve_loss"], strict=True)
+                           if loss <= target), None)
+                row["auto_s"] = None if at is None else d["decided_s"] + max(0, at - d["step"]) * step_s
+        reached = {k: v for k, v in times.items() if v is not None}
+        if reached:
+            row["best"], row["best_s"] = min(reached.items(), key=lambda kv: kv[1])
+        if row["auto_s"] is not None:
+            row["vs_best"] = row["auto_s"] / row["best_s"] if row["best_s"] else None
+            row["vs_dense"] = row["auto_s"] / times["dense"] if times.get("dense") else None
+        rows.append(row)
+    return rows
+
+
+def slowdown_record(raw: Optional[dict[str, Any]], at: int, error: Optional[str]) -> dict[str, Any]:
+    """The slowdown scenario: each fit's seconds to the loss every one reaches (evaluations left out), and where auto
+    decided again."""
+    if raw is None:
+        return {"error": error or "no result written"}
+    fits = [raw[k] for k in sorted(raw) if k.startswith("slow_")]
+    finals = [f["curve"][-1][1] for f in fits if f["curve"]]
+    target = max(finals) if finals else None
+    out = {"at": at, "target_loss": target, "fits": {}, "error": error}
+    for f in fits:
+        start, evals, seconds = f["starts"][0], 0.0, None
+        for step, loss, _, end, eval_s in f["curve"]:
+            if loss <= target:
+                seconds = end - start - evals
+                break
+            evals += eval_s
+        out["fits"][f["method"]] = {"seconds_to_target": seconds, "final_loss": f["curve"][-1][1] if f["curve"] else
+                                    None, "history": [{k: h[k] for k in ("step", "choice", "reason")}
+                                                      for h in f["history"]]}
+    auto = out["fits"].get("auto", {})
+    again = [h for h in auto.get("history", [])[1:] if h["step"] > at]
+    out["redecided_at"] = again[0]["step"] if again else None
+    out["choices"] = [h["choice"] for h in auto.get("history", [])]
+    return out
+
+
+def check_targets(rows: Sequence[dict[str, Any]], slow: Optional[dict[str, Any]]) -> list[str]:
+    lines = []
+    judged = [r for r in rows if r.get("vs_best") is not None]
+    worst = max(judged, key=lambda r: r["vs_best"], default=None)
+    lines.append(bench.verdict(f"auto within {VS_BEST - 1:.0%} of the best fixed method in every cell",
+                               bool(judged) and len(judged) == len(rows) and worst["vs_best"] <= VS_BEST,
+                               f"{len(judged)} of {len(rows)} cells judged; worst {worst['vs_best']:.2f}x in "
+                               f"{worst['shape']} @ {worst['rate_mbit']:g}" if worst else "no cell judged"))
+    vs_dense = [r for r in rows if r.get("vs_dense") is not None]
+    slowest = max(vs_dense, key=lambda r: r["vs_dense"], default=None)
+    lines.append(bench.verdict(f"auto never more than {VS_DENSE - 1:.0%} slower than dense",
+                               bool(vs_dense) and slowest["vs_dense"] <= VS_DENSE,
+                               f"worst {slowest['vs_dense']:.2f}x dense's time in {slowest['shape']} @ "
+                               f"{slowest['rate_mbit']:g}" if slowest else "no cell judged"))
+    if slow is not None and not slow.get("error"):
+        at, again = slow["at"], slow["redecided_at"]
+        lines.append(bench.verdict(f"auto decides again within {REDECIDE_WITHIN} steps of the link's change",
+                                   again is not None and again - at <= REDECIDE_WITHIN,
+                                   f"at step {again} (change after step {at}); choices {slow['choices']}"))
+        fits = slow["fits"]
+        auto_s = fits.get("auto", {}).get("seconds_to_target")
+        others = {k: v["seconds_to_target"] for k, v in fits.items() if k != "auto"}
+        beaten = auto_s is not None and all(v is None or auto_s < v for v in others.values())
+        lines.append(bench.verdict("auto beats every fixed method that was best before the change", beaten,
+                                   f"auto {bench.cell(auto_s, '.1f')} s; " + ", ".join(
+                                       f"{k} {bench.cell(v, '.1f')} s" for k, v in others.items())))
+    return lines
+
+
+def cells_table(rows: Sequence[dict[str, Any]]) -> str:
+    labels = list(FIXED)
+
+    def cells(r: dict[str, Any]) -> list[str]:
+        return [bench.cell(r["target_loss"], ".4f"), str(r["choice"]), bench.cell(r["auto_s"], ",.1f"),
+                *(bench.cell(r["times_s"].get(label), ",.1f") for label in labels), str(r["best"]),
+                bench.cell(r["vs_best"], ".2f", unit="x"), bench.cell(r["vs_dense"], ".2f", unit="x")]
+
+    headers = ["shape", "Mbit/s", "target loss", "auto chose", "auto s", *(f"{label} s" for label in labels),
+               "best fixed", "auto / best", "auto / dense"]
+    return ("seconds to the target loss (curve x time per step on the shaped cluster; auto: its measured time to the "
+            "decision, then its choice)\n" + bench.table(rows, headers, lambda r: [r["shape"], _rate(r["rate_mbit"])],
+                                                         cells))
+
+
+def _rate(rate: float) -> str:
+    return "unshaped" if rate >= UNSHAPED else f"{rate:g}"
+
+
+def plot(rows: Sequence[dict[str, Any]]) -> Any:
+    fig, axes = bench.figure_row(2, 12, 4.2)
+    for ax, shape in zip(axes, ("flat", "two_tier"), strict=True):
+        mine = [r for r in rows if r["shape"] == shape]
+        for label in (*FIXED, "auto"):
+            xs = [i for i, r in enumerate(mine) if (r["auto_s"] if label == "auto" else r["times_s"].get(label))]
+            ys = [mine[i]["auto_s"] if label == "auto" else mine[i]["times_s"][label] for i in xs]
+            ax.plot(xs, ys, marker="o" if label == "auto" else ".", lw=2.5 if label == "auto" else 1, label=label)
+        ax.set_xticks(range(len(mine)), [_rate(r["rate_mbit"]) for r in mine])
+        ax.set_yscale("log")
+        ax.set_xlabel("link, Mbit/s")
+        ax.set_ylabel("seconds to the target loss")
+        bench.style(ax, legend="small")
+        ax.set_title(shape)
+    return fig
+
+
+# -- the command ------------------------------------------------------------------------------------------------------
+def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    cli = bench.parser("auto", __doc__, "flat at 100 Mbit/s, dense, top-k and OneBitAdam, a tiny ByteLM, "
+                                        f"{QUICK.steps} steps; the slowdown at step {QUICK_SLOW[0]} of {QUICK_SLOW[1]}")
+    add = cli.add_argument
+    add("--scenario", choices=("cells", "slowdown", "all"), default="all")
+    add("--shapes", nargs="+", choices=list(S.SHAPES), help="default flat two_tier (--quick flat)")
+    add("--rates", type=float, nargs="+", help=f"Mbit/s (default 10 100 1000 and {UNSHAPED:g}: unshaped)")
+    add("--steps", type=int, help=f"steps of every curve (default {FULL.steps}, --quick {QUICK.steps})")
+    add("--run-timeout", type=float, help="one job's hard deadline, s (default 3600, --quick 150)")
+    add("--worker", choices=("decide", "slow"), help=argparse.SUPPRESS)
+    add("--shape", choices=list(S.SHAPES), default="flat", help=argparse.SUPPRESS)
+    add("--methods", nargs="+", help=argparse.SUPPRESS)
+    add("--slow-at", type=int, help=argparse.SUPPRESS)
+    add("--slow-steps", type=int, help=argparse.SUPPRESS)
+    add("--check-every", type=int, default=50, help=argparse.SUPPRESS)
+    add("--nodes", type=int, default=1, help=argparse.SUPPRESS)
+    args = cli.parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    if args.steps is not None:
+        sizes = replace(sizes, steps=args.steps, horizon=max(sizes.horizon, args.steps * 3 // 2))
+    args.sizes = sizes
+    args.shapes = tuple(args.shapes or (("flat",) if args.quick else ("flat", "two_tier")))
+    args.rates = tuple(args.rates or sizes.rates)
+    args.run_timeout = args.run_timeout or sizes.run_timeout
+    return args
+
+
+def run_cells(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    decisions = []
+    for shape, rate in itertools.product(args.shapes, args.rates):
+        raw, error, wall = cluster_job(args, shape, rate, ["--worker", "decide"], logs / f"decide_{shape}_{rate:g}.log")
+        d = decision_record(shape, rate, raw, error)
+        bench.progress(f"[auto] {shape} @ {_rate(rate)}: chose {d.get('choice')} at step {d.get('step')} after "
+                       f"{bench.cell(d.get('decided_s'), '.1f')} s ({wall:.0f}s job){'; ' + error if error else ''}")
+        decisions.append(d)
+    sync_args = argparse.Namespace(sizes=args.sizes, methods=args.sizes.methods, rates=args.rates, shapes=args.shapes,
+                                   no_validate=True, quick=args.quick, run_timeout=args.run_timeout)
+    timings, _ = S.run_cluster(sync_args, logs)
+    curves = []
+    for shape in args.shapes:
+        methods = {label: S.METHODS[label] for label in args.sizes.methods}
+        for d in decisions:
+            if d["shape"] == shape and not d.get("error") and d["choice"] != "dense":
+                method = forced(d["choice"], d["rows"])
+                methods[method.label] = method
+        curves += S.run_curves(sync_args, shape, methods, args.sizes.steps, args.sizes.horizon)
+    return {"decisions": decisions, "timings": timings, "curves": curves}
+
+
+def run_slowdown(args: argparse.Namespace, logs: Path, decisions: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    at, steps = QUICK_SLOW if args.quick else (SLOW_AT, 2 * SLOW_AT)
+    before = next((d["choice"] for d in decisions if (d["shape"], d["rate_mbit"]) == (SLOW_SHAPE, SLOW_RATE)
+                   and not d.get("error")), None)
+    best_before = [{"onebit_adam": "onebit-adam"}.get(before, before)] if before not in (None, "dense") else []
+    methods = ["auto", *dict.fromkeys([*best_before, "dense"])]
+    check = at if args.quick else 50
+    raw, error, wall = cluster_job(args, SLOW_SHAPE, SLOW_RATE,
+                                   ["--worker", "slow", "--methods", *methods, "--slow-at", str(at), "--slow-steps",
+                                    str(steps), "--check-every", str(check)], logs / "slowdown.log", answer=True)
+    record = slowdown_record(raw, at, error)
+    bench.progress(f"[auto] slowdown: {methods}, auto's choices {record.get('choices')}, again at "
+                   f"{record.get('redecided_at')} ({wall:.0f}s job)")
+    return {**record, "methods": methods, "steps": steps}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    args = _parse_args(argv)
+    if args.worker:
+        _worker(args)
+        return {}
+    started = time.perf_counter()
+    out = bench.output_dir(args.out, "auto")
+    (out / "logs").mkdir(exist_ok=True)
+    if (reason := unavailable()) is not None:
+        bench.progress(f"[auto] skipped: the simulated cluster cannot run here ({reason})")
+        return {"skipped": reason}
+    measured: dict[str, Any] = {"decisions": [], "timings": [], "curves": []}
+    if args.scenario in ("cells", "all"):
+        measured = run_cells(args, out / "logs")
+    slow = run_slowdown(args, out / "logs", measured["decisions"]) if args.scenario in ("slowdown", "all") else None
+    rows = cell_rows(measured["decisions"], measured["curves"], measured["timings"])
+    targets = check_targets(rows, slow)
+    blocks = [cells_table(rows), [f"decision in {d['shape']} @ {_rate(d['rate_mbit'])}: {d.get('choice')}: "
+                                  f"{d.get('why') or d.get('error')}" for d in measured["decisions"]], targets]
+    payload = {"sizes": asdict(args.sizes), **measured, "cells": rows, "slowdown": slow, "targets": targets}
+    return bench.finish("auto", args.out, started, blocks, payload, lambda: plot(rows), shapes=list(args.shapes),
+                        rates_mbit=list(args.rates), scenario=args.scenario)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

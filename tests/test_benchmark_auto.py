@@ -1,0 +1,102 @@
+"""The auto benchmark (issue 53): its target loss, cells, slowdown record and verdicts on hand-made records, and one
+quick run (the benchmark tier: ``pytest -m benchmark``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_dist.benchmarks import auto
+from lightning_dist.simcluster import unavailable
+
+
+def _curve(shape, method, losses, every=100, final=None):
+    steps = [every * (i + 1) for i in range(len(losses))]
+    return {"shape": shape, "method": method, "curve_steps": steps, "curve_loss": losses,
+            "final_loss": losses[-1] if final is None else final, "error": None}
+
+
+def test_the_target_is_what_dense_and_another_both_reach():
+    curves = {"dense": {"final_loss": 2.0}, "diloco50": {"final_loss": 2.1}, "topk1%": {"final_loss": 2.6}}
+    assert auto.target_loss(curves) == 2.1  # no other method reaches dense's 2.0: the lowest another reaches
+    curves["onebit-adam"] = {"final_loss": 1.99}
+    assert auto.target_loss(curves) == 2.0  # OneBitAdam reaches dense's own
+    assert auto.target_loss({"topk1%": {"final_loss": 2.0}}) is None
+
+
+def test_cells_time_auto_from_its_decision_and_its_choices_steps():
+    decisions = [{"shape": "flat", "rate_mbit": 10.0, "choice": "diloco10/int8", "step": 8, "decided_s": 30.0},
+                 {"shape": "flat", "rate_mbit": 100.0, "choice": "dense", "step": 8, "decided_s": 3.0}]
+    curves = [_curve("flat", "dense", [3.0, 2.5, 2.0]), _curve("flat", "diloco10/int8", [3.1, 2.6, 2.1]),
+              _curve("flat", "auto:diloco10/int8", [3.0, 2.6, 2.1])]
+    timings = [{"shape": "flat", "rate_mbit": 10.0, "method": "dense", "per_step_s": 2.0},
+               {"shape": "flat", "rate_mbit": 10.0, "method": "diloco10/int8", "per_step_s": 0.1},
+               {"shape": "flat", "rate_mbit": 100.0, "method": "dense", "per_step_s": 0.2},
+               {"shape": "flat", "rate_mbit": 100.0, "method": "diloco10/int8", "per_step_s": 0.1}]
+    slow, fast = auto.cell_rows(decisions, curves, timings)
+    assert slow["target_loss"] == 2.1  # dense's 2.0 reached by no other
+    assert slow["times_s"] == {"dense": 600.0, "diloco10/int8": 30.0}  # step 300 of diloco, 300 of dense (2.0 <= 2.1)
+    assert slow["auto_s"] == pytest.approx(30.0 + (300 - 8) * 0.1)  # its curve reaches 2.1 at step 300
+    assert slow["best"] == "diloco10/int8" and slow["vs_best"] == pytest.approx(59.2 / 30.0)
+    assert slow["vs_dense"] == pytest.approx(59.2 / 600.0)
+    assert fast["auto_s"] == pytest.approx(3.0 + (300 - 8) * 0.2)  # dense chosen: dense's own curve
+    assert fast["best"] == "diloco10/int8"  # 30 s against dense's 60
+
+
+def test_the_slowdown_record_and_the_verdicts():
+    def fit(method, losses, history=()):
+        # (step, loss, global, end, eval seconds): 1 s per 20 steps, 0.5 s of evaluation at each point
+        curve = [[20 * (i + 1), loss, None, 1.5 * (i + 1), 0.5] for i, loss in enumerate(losses)]
+        return {"method": method, "curve": curve, "starts": [0.0], "ends": [], "history": list(history)}
+
+    raw = {"slow_0": fit("auto", [3.0, 2.5, 2.2], [{"step": 8, "choice": "onebit_adam", "reason": "first"},
+                                                   {"step": 250, "choice": "diloco10/int8", "reason": "drift"}]),
+           "slow_1": fit("onebit-adam", [3.0, 2.6, 2.3, 2.2])}
+    record = auto.slowdown_record(raw, at=200, error=None)
+    assert record["target_loss"] == 2.2
+    assert record["fits"]["auto"]["seconds_to_target"] == pytest.approx(4.5 - 1.0)  # two evaluations before it
+    assert record["fits"]["onebit-adam"]["seconds_to_target"] == pytest.approx(6.0 - 1.5)
+    assert record["redecided_at"] == 250 and record["choices"] == ["onebit_adam", "diloco10/int8"]
+    rows = [{"shape": "flat", "rate_mbit": 10.0, "vs_best": 1.1, "vs_dense": 0.05},
+            {"shape": "flat", "rate_mbit": 100.0, "vs_best": 1.2, "vs_dense": 1.01}]
+    lines = auto.check_targets(rows, record)
+    assert lines[0].startswith("target auto within 15% of the best fixed method in every cell: MISSED")
+    assert "worst 1.20x in flat @ 100" in lines[0]
+    assert lines[1].startswith("target auto never more than 5% slower than dense: MET")
+    assert lines[2].startswith("target auto decides again within 50 steps of the link's change: MET")
+    assert lines[3].startswith("target auto beats every fixed method that was best before the change: MET")
+    record["redecided_at"] = 260
+    assert "MISSED" in auto.check_targets(rows, record)[2]
+
+
+def test_forced_auto_decides_the_choice_whatever_the_links():
+    rows = [{"label": "dense", "bytes_per_step": 1000.0}, {"label": "onebit_adam", "bytes_per_step": 40.0}]
+    method = auto.forced("onebit_adam", rows)
+    settings = method.settings()
+    assert settings.methods == ("onebit_adam",) and 40.0 < settings.max_bytes_per_step < 1000.0
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    if (reason := unavailable()) is not None:
+        pytest.skip(f"the simulated cluster cannot run here: {reason}")
+    out = tmp_path_factory.mktemp("auto")
+    return auto.main(["--quick", "--out", str(out)]), out
+
+
+@pytest.mark.slow
+@pytest.mark.benchmark
+def test_quick_run_decides_on_the_cluster_and_writes_its_outputs(quick):
+    payload, out = quick
+    for name in ("auto.json", "auto.txt", "auto.png"):
+        assert (out / name).stat().st_size > 0
+    assert json.loads((out / "auto.json").read_text())["cells"] == payload["cells"]
+    (decision,) = payload["decisions"]
+    assert decision["error"] is None and decision["step"] == 8 and decision["choice"] in {
+        r["label"] for r in decision["rows"]}
+    (cell,) = payload["cells"]
+    assert cell["auto_s"] is not None and cell["times_s"]["dense"] is not None
+    slow = payload["slowdown"]
+    assert slow["error"] is None and slow["fits"]["auto"]["history"][0]["step"] == 8
+    assert len(payload["targets"]) == 4
