@@ -162,7 +162,7 @@ class DiLoCoConf:  # sync=diloco: lightning_dist.sync.DiLoCo's arguments
     final_sync: bool = MISSING  # every worker meets once more when the fit ends (every rank ends with theta_global)
     validate: str = MISSING  # mean | global | worker: the model validation runs on
     warmup: int = MISSING  # the first optimizer steps average the workers after every step (0: none)
-    inner_rate: str = MISSING  # none | normalised | follow | anneal | rise: the outer step's answer to the inner rate
+    inner_rate: str = MISSING  # rise | none | normalised | follow | anneal: the outer step's answer to the inner rate
 
 
 @dataclass

@@ -18,6 +18,7 @@ import torch
 
 from lightning_dist.benchmarks import _streaming as stream
 from lightning_dist.benchmarks import sync
+from lightning_dist.sync import DiLoCo
 
 
 def _ends(every: int, cycles: int, local_s: float, sync_s: float, first_cycle_s: float) -> list[float]:
@@ -162,6 +163,14 @@ def test_argument_checks():
     with pytest.raises(SystemExit):
         sync._parse_args(["--quick", "--steps", "40", "--horizon", "20"])  # a fit shorter than the compared steps
     assert sync.METHODS["diloco50+anneal"].settings().inner_rate == "anneal"
+    # the plain labels run the default rule ("rise"); "+none" the rule before it, which issue 52's table compares
+    assert sync.METHODS["diloco50"].settings().inner_rate == sync.METHODS["diloco50/int8"].settings().inner_rate \
+        == DiLoCo().inner_rate == "rise"
+    assert "diloco50+rise" not in sync.METHODS  # it would be diloco50 under a second name
+    for label in ("diloco50+none", "diloco50/int8+none", "diloco50+warmup100+none"):
+        assert sync.METHODS[label].settings().inner_rate == "none", label
+    assert sync.METHODS["diloco50/int8+none"].settings().compressor.name == "int8"
+    assert sync.METHODS["diloco50+warmup100+none"].settings().warmup == 100
     assert sync.METHODS["diloco50+warmup100+outer1"].settings().outer_lr == 1.0
     assert sync.METHODS["onebit-adam+warmup30"].settings().warmup == 0.3
     args = sync._parse_args([])

@@ -7,6 +7,11 @@ of ``torch.optim.SGD([theta_global], lr, momentum, nesterov=True)``, and every w
 ``theta_global``. The launched runs must match it within float rounding, ranks of one worker bit-identical after
 every step, every rank bit-identical after every sync.
 
+Under a decaying inner learning rate (:class:`DecayingNet`: the rate at step ``k`` is ``decay(k)`` of its own) the
+replay decays each worker's inner rate alike and writes out the default ``DiLoCo(inner_rate="rise")``: at each outer
+step ``r`` = the mean inner rate of the steps the pseudo-gradient carries over the highest such mean so far, and the
+outer SGD's rate is ``max(outer_lr, min(1, outer_lr / r))`` (at a constant rate ``r`` = 1: the outer rate as set).
+
 A compressed pseudo-gradient (``DiLoCo(compressor=...)``) is checked exchange by exchange: :class:`Exchanges` records
 what each rank handed the reduction and what came back, which must be, bit for bit, what the codec written out
 (``tests/test_compression_ranks.py``'s ``ReferenceCodec``, with its error feedback and int8's noise) makes of it; the
@@ -27,6 +32,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from test_compression_ranks import ReferenceCodec
+from torch.optim.lr_scheduler import LambdaLR
 
 from lightning_dist import RingDDPStrategy
 from lightning_dist.callbacks import MemoryMonitor, NaNRecovery
@@ -46,6 +52,8 @@ TOLERANCE = 2e-5  # relative to the parameters' largest value: float rounding of
 CUTS = {1: [[0, 1, 2, 3]], 2: [[0], [1, 2, 3]]}
 SETTINGS = {"topk": {"ratio": 0.05}, "threshold": {"threshold": 1e-3, "max_ratio": 0.2}, "powersgd": {"rank": 2}}
 WRITTEN_OUT = ("int8", "int4", "topk", "threshold")  # compressors tests/test_compression_ranks.py writes out
+DECAY_STEPS = 18  # the decaying fits' optimizer steps (flat: 3 epochs of 6; 2 hosts: 6 of 3): outer steps after steps
+# 4 (r = 1), 8 (r = 0.725 / 0.925: the outer rate 0.7 / r = 0.89), 12 and 16 (r = 0.525 / 0.925 and below: capped at 1)
 
 
 class Net(ToyClassifier):
@@ -55,6 +63,21 @@ class Net(ToyClassifier):
         super().__init__(features=16, hidden=(32,), classes=5, samples=N_SAMPLES, batch_size=BATCH, momentum=0.9,
                          optimizer=optimizer, lr=0.1 if optimizer == "sgd" else 0.01, distributed_sampler=True,
                          seed=0, keep_batches=True, **kwargs)
+
+
+def decay(step):
+    """DecayingNet's inner rate at optimizer step ``step`` (from 0), a fraction of its own: linear, 5% of it a step
+    (not geometric: a mean rate read a step late, after the scheduler stepped, would change every ratio)."""
+    return 1.0 - 0.05 * step
+
+
+class DecayingNet(Net):
+    """Net whose inner learning rate decays every optimizer step: a ``LambdaLR`` that Lightning steps after each
+    (``interval="step"``), so step ``k`` (from 0) runs at ``decay(k)`` of the optimizer's rate."""
+
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": LambdaLR(optimizer, decay), "interval": "step"}}
 
 
 class NanLoss(Net):
@@ -99,13 +122,17 @@ class Validated(Callback):
 
 
 class Record(Callback):
-    """This rank's parameters after every optimizer step, and once more after the fit (what landed at its end)."""
+    """This rank's parameters after every optimizer step, and once more after the fit (what landed at its end); under
+    DiLoCo the outer SGD's learning rate after every step too."""
 
     def __init__(self):
-        self.params, self.end = [], None
+        self.params, self.end, self.outer_lrs = [], None, []
 
     def on_train_batch_end(self, trainer, pl_module, *args):
         self.params.append(_flat(pl_module))
+        sgd = getattr(getattr(getattr(trainer.strategy.features.sync, "loop", None), "outer", None), "sgd", None)
+        if sgd is not None:
+            self.outer_lrs.append(sgd.param_groups[0]["lr"])
 
     def teardown(self, trainer, pl_module, stage):
         self.end = _flat(pl_module)
@@ -235,7 +262,7 @@ def _fit(strategy, world, hosts=1, model=None, callbacks=(), epochs=EPOCHS, ckpt
 # -- the one-process replay -----------------------------------------------------------------------------------------
 def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=DiLoCo.outer_lr,
            outer_momentum=DiLoCo.outer_momentum, epochs=EPOCHS, batches=None, fragments=1, delay=0, mix=0.5, steps=None,
-           final_sync=True, warmup=0, means=None):
+           final_sync=True, warmup=0, means=None, decay=None, inner_rate=DiLoCo.inner_rate, outer_lrs=None):
     """Each worker's parameters after every step, and at the end of the fit, and the workers' ranks, by the contract
     alone (the module's docstring; streaming's, tests/test_sync_streaming.py: ``fragments`` cut by :data:`CUTS`,
     ``delay`` and ``mix``). ``hosts > 1``: workers of ``world // hosts`` ranks, whose gradient is the mean of their
@@ -250,7 +277,14 @@ def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=DiLoCo.outer_l
     ``warmup``: after each of the first ``warmup`` steps every fragment's ``theta_global`` becomes itself minus the mean
     pseudo-gradient (the workers' mean), with no outer momentum, and every worker takes it.
     ``means``: a list that gets, after every step, the workers' mean at each parameter's last sync (``theta_global``
-    before that sync minus the mean pseudo-gradient: what ``validate="mean"`` validates), flat."""
+    before that sync minus the mean pseudo-gradient: what ``validate="mean"`` validates), flat.
+    ``decay``: a function, the inner rate of training step ``k`` (from 0) is ``decay(k)`` of the optimizer's own, on
+    every worker (DecayingNet's schedule). ``inner_rate``: ``"rise"`` (DiLoCo's default) or ``"none"``: at each
+    outer step (not at an average: the warm-up's, the final sync's) ``rate`` = the mean inner rate of the training
+    steps since the fragment's last sync (read when its sync starts), ``peak`` = the highest such rate so far, this
+    one included, and the outer rate is ``max(outer_lr, min(1, outer_lr * peak / rate))`` (``"none"``: ``outer_lr``).
+    ``outer_lrs``: a list that gets the outer rate after every step."""
+    assert inner_rate in ("rise", "none"), inner_rate
     per = world // hosts if hosts > 1 else 1
     workers = [list(range(w * per, (w + 1) * per)) for w in range(world // per)]
     x, y = Net().data()
@@ -267,17 +301,22 @@ def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=DiLoCo.outer_l
         steps_per_epoch = len(batches[0]) // epochs
     history = [[] for _ in workers]
     samples = [[0] * len(workers) for _ in cut]  # per fragment, per worker, since the fragment's last sync
-    pending = []  # (lands, fragment, mean pseudo-gradient per parameter, each worker's parameters at the start)
+    rates = [[] for _ in cut]  # per fragment, the inner rate of each training step since the fragment's last sync
+    base_lrs = [[group["lr"] for group in optimizer.param_groups] for optimizer in inner]
+    peak = 0.0  # the highest mean inner rate of an outer step's pseudo-gradient so far
+    pending = []  # (lands, fragment, mean pseudo-gradient per parameter, each worker's parameters at the start, rate)
 
     def mean_of(fragment):
-        counts = samples[fragment]
+        """The fragment's mean pseudo-gradient since its last sync, and the mean inner rate of its steps."""
+        counts, steps_rates = samples[fragment], rates[fragment]
         weights = [1 / len(workers)] * len(workers) if batches is None else [c / sum(counts) for c in counts]
-        samples[fragment] = [0] * len(workers)
+        samples[fragment], rates[fragment] = [0] * len(workers), []
         with torch.no_grad():
             return {i: sum(m * (theta[i] - list(models[w].parameters())[i]) for w, m in enumerate(weights))
-                    for i in cut[fragment]}
+                    for i in cut[fragment]}, sum(steps_rates) / len(steps_rates)
 
-    def land(fragment, mean, snapshots, averages=False):
+    def land(fragment, mean, snapshots, rate=None, averages=False):
+        nonlocal peak
         with torch.no_grad():
             for i in cut[fragment]:
                 synced_mean[i] = theta[i] - mean[i]
@@ -286,6 +325,12 @@ def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=DiLoCo.outer_l
                 else:
                     theta[i].grad = mean[i]
             if not averages:
+                peak = max(peak, rate)
+                ratio = rate / peak
+                # "rise": the outer rate over outer_lr is the peak rate over this one, at most 1 in all, at least
+                # outer_lr (a rising rate: this one is the peak)
+                outer.param_groups[0]["lr"] = max(outer_lr, min(1.0, outer_lr / ratio)) if inner_rate == "rise" \
+                    else outer_lr
                 outer.step()
                 outer.zero_grad(set_to_none=True)
             for w, model in enumerate(models):
@@ -299,6 +344,12 @@ def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=DiLoCo.outer_l
     step = 0
     for _ in range(epochs):
         for k in range(steps_per_epoch):
+            factor = 1.0 if decay is None else decay(step)
+            for optimizer, lrs in zip(inner, base_lrs, strict=True):
+                for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+                    group["lr"] = lr * factor
+            for fragment_rates in rates:  # every worker steps at the same rate
+                fragment_rates.append(inner[0].param_groups[0]["lr"])
             for w, ranks in enumerate(workers):
                 model = models[w]
                 if steps is not None:  # flat: worker w is rank w
@@ -330,29 +381,36 @@ def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=DiLoCo.outer_l
                     land(*item[1:])
                 pending = []
                 for fragment in range(len(cut)):
-                    land(fragment, mean_of(fragment), None, averages=True)
+                    land(fragment, mean_of(fragment)[0], None, averages=True)
                 with torch.no_grad():
                     for model in models:
                         for p, g in zip(model.parameters(), theta, strict=True):
                             p.copy_(g)
             elif step <= warmup:
                 for fragment in range(len(cut)):
-                    land(fragment, mean_of(fragment), None, averages=True)
+                    land(fragment, mean_of(fragment)[0], None, averages=True)
             elif step % spacing == 0:
                 fragment = (step % every) // spacing
-                mean = mean_of(fragment)
+                mean, rate = mean_of(fragment)
                 snapshots = [[p.detach().clone() for p in model.parameters()] for model in models]
                 if delay:
-                    pending.append((step + delay, fragment, mean, snapshots))
+                    pending.append((step + delay, fragment, mean, snapshots, rate))
                 else:
-                    land(fragment, mean, None)
+                    land(fragment, mean, None, rate)
             for w in range(len(workers)):
                 history[w].append(_flat(models[w]))
+            if outer_lrs is not None:
+                outer_lrs.append(outer.param_groups[0]["lr"])
             if means is not None:
                 means.append(torch.cat([m.reshape(-1) for m in synced_mean]))
     for item in pending:  # final_sync=False: what is in flight lands as the fit ends
         land(*item[1:])
     return history, [_flat(m) for m in models], workers
+
+
+def _decay_epochs(world):
+    """The epochs of DECAY_STEPS optimizer steps at ``world`` ranks (each rank takes BATCH rows a step)."""
+    return DECAY_STEPS * world * BATCH // N_SAMPLES
 
 
 def _close(a, b):
@@ -371,6 +429,11 @@ def _run_flat(rank, world, ckpt_dir):
             return out
         _, record = _fit(_strategy(DiLoCo(every=EVERY, warmup=WARMUP)), world, model=Net("adamw"))
         out[("replay", "adamw", WARMUP)] = record.params
+        # a decaying inner rate: the default (inner_rate="rise") answers it, "none" (the rule before it) does not
+        for rule in ("rise", "none"):
+            _, record = _fit(_strategy(DiLoCo(every=EVERY, inner_rate=rule)), world, model=DecayingNet(),
+                             epochs=_decay_epochs(world))
+            out[("decay", rule)] = (record.params, record.outer_lrs)
         # every compressor on the pseudo-gradient: ranks identical after each sync, residuals carried
         for name in COMPRESSORS:
             compressor = {"name": name, **SETTINGS.get(name, {})}
@@ -453,6 +516,9 @@ def _run_hosts(rank, world, ckpt_dir):
         _, record = _fit(_strategy(DiLoCo(every=EVERY, warmup=WARMUP), topology="two_tier"), world, hosts=2,
                          model=Net("adamw"))
         out[("replay", "adamw", WARMUP)] = record.params
+        _, record = _fit(_strategy(DiLoCo(every=EVERY), topology="two_tier"), world, hosts=2, model=DecayingNet(),
+                         epochs=_decay_epochs(world))
+        out[("decay", "rise")] = (record.params, record.outer_lrs)
         for name in ("int8", "topk", "powersgd"):
             compressor = {"name": name, **SETTINGS.get(name, {})}
             with Exchanges() as exchanges:
@@ -532,6 +598,49 @@ def test_a_warm_up_that_averages_every_step_replays_flat_and_two_tier(flat2, hos
     _check_replay(hosts, 4, 2, "adamw", warmup=WARMUP)
     # the warm-up's steps are other steps than the plain run's: the runs part after the first step
     assert not torch.equal(flat2[0][("replay", "adamw", WARMUP)][0], flat2[0][("replay", "adamw")][0])
+
+
+def _check_decay(runs, world, hosts_, rule="rise"):
+    """The launched fit under DecayingNet's rate against the replay under the same decay and ``rule``, every rank
+    after every step; the outer SGD's rate after every step against the replay's arithmetic. Returns the replay's
+    workers' parameters after every step and its outer rates."""
+    lrs = []
+    expected, _, workers = replay(world, hosts_, decay=decay, inner_rate=rule, epochs=_decay_epochs(world),
+                                  outer_lrs=lrs)
+    for w, ranks in enumerate(workers):
+        for rank in ranks:
+            params, outer_lrs = runs[rank][("decay", rule)]
+            assert len(params) == len(expected[w]) == len(outer_lrs) == len(lrs) == DECAY_STEPS
+            for step, (a, b) in enumerate(zip(params, expected[w], strict=True), start=1):
+                assert _close(a, b), f"{rule}: rank {rank} step {step}: {(a - b).abs().max():.3g} from the replay"
+            assert outer_lrs == pytest.approx(lrs, rel=1e-12, abs=0), f"{rule}: rank {rank}'s outer rates"
+        for step in range(DECAY_STEPS):
+            assert all(torch.equal(runs[rank][("decay", rule)][0][step], runs[ranks[0]][("decay", rule)][0][step])
+                       for rank in ranks)
+    return expected, lrs
+
+
+def test_a_decaying_inner_rate_raises_the_outer_rate_as_the_replay_writes_it_out_flat_and_two_tier(flat2, hosts):
+    outer_lr = DiLoCo.outer_lr
+    assert DiLoCo().inner_rate == "rise"  # the default
+    for runs, world, hosts_ in ((flat2, 2, 1), (hosts, 4, 2)):
+        rise, lrs = _check_decay(runs, world, hosts_)
+        # the outer steps after steps 4 (the peak: the rate as set), 8 (0.7 x 0.925 / 0.725 = 0.89: the mean rates
+        # of steps 1-4 and 5-8) and 12 and 16 (at most 1); the final sync after step 18 averages and leaves the rate
+        after = [lrs[step - 1] for step in (4, 8, 12, 16, 18)]
+        assert after == pytest.approx([outer_lr, outer_lr * 0.925 / 0.725, 1.0, 1.0, 1.0], rel=1e-9), after
+        # the rule matters here: the same decay under "none" (the outer rate as set) ends elsewhere
+        none, _ = replay(world, hosts_, decay=decay, inner_rate="none", epochs=_decay_epochs(world))[:2]
+        assert not _close(rise[0][-1], none[0][-1]) and _close(rise[0][3], none[0][3])  # apart from step 8 on
+        assert not _close(runs[0][("decay", "rise")][0][-1], none[0][-1])
+    # and when the rate is read: a step's rate read after Lightning's scheduler stepped (the next step's) would give
+    # other outer rates (0.7 x 0.875 / 0.675 after step 8), which the launched runs' were compared with above
+    late = []
+    replay(2, decay=lambda k: decay(k + 1), epochs=_decay_epochs(2), outer_lrs=late)
+    assert late[7] == pytest.approx(outer_lr * 0.875 / 0.675) and late[7] != pytest.approx(lrs[7], rel=1e-3)
+    # the launched "none" (flat) is the replay's "none": the outer rate as set throughout
+    _, lrs = _check_decay(flat2, 2, 1, rule="none")
+    assert lrs == [outer_lr] * DECAY_STEPS
 
 
 def test_hetero_batches_weigh_ranks_and_workers_by_samples(hosts):

@@ -475,6 +475,13 @@ def test_the_inner_rate_is_read_from_the_optimizers_groups_weighted_by_their_ele
     assert inner_rate([optimizer]) == pytest.approx((72 * 0.5e-3 + 3 * 2e-3) / 75)
 
 
+def test_rise_is_the_default_and_the_settings_line_names_another_rule():
+    assert DiLoCo().inner_rate == "rise"
+    assert DiLoCo(every=50).describe() == DiLoCo(every=50, inner_rate="rise").describe()
+    assert "inner_rate" not in DiLoCo(every=50).describe()  # the default's line as before
+    assert DiLoCo(every=50, inner_rate="none").describe().endswith("compressor=none, inner_rate=none)")
+
+
 def _two_syncs(rule, rates=(2e-3, 1e-3)):
     """A worker of one rank moved by 0.25, then by 0.1, each cycle of 2 steps at ``rates``' rate; the outer
     optimizer's group after each sync and theta_global at the end."""

@@ -7,7 +7,10 @@ from the model's parameter names and sizes); fragment ``f`` starts a sync after 
 F``: the workers' mean pseudo-gradient ``theta_global - theta_worker`` over the fragment's parameters, and each
 worker's parameters at that step are kept. ``tau`` steps later it lands: the gradient of one outer Nesterov SGD step on
 the fragment's part of ``theta_global``, and each worker's fragment becomes ``p_now + mix (theta_global - p_at_s)``
-(without a delay: ``theta_global``). At the end of the fit what is still in flight lands.
+(without a delay: ``theta_global``). At the end of the fit what is still in flight lands. Under a decaying inner
+rate (``DecayingNet``) each fragment's outer step answers the mean inner rate of its own steps since its last sync,
+over the highest such mean of any fragment's outer step so far (the default ``inner_rate="rise"``, written out in the
+replay).
 
 Streamed int8 exchanges on 2 hosts of 2 are checked exchange by exchange against the codec written out
 (``tests/test_sync.py``'s :func:`check_exchanges`: each fragment's own residuals and noise, each host part's own).
@@ -22,7 +25,21 @@ import warnings
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from test_sync import CUTS, EVERY, Exchanges, Net, Poison, _close, _fit, _flat, _strategy, check_exchanges, replay
+from test_sync import (
+    CUTS,
+    EVERY,
+    DecayingNet,
+    Exchanges,
+    Net,
+    Poison,
+    _close,
+    _fit,
+    _flat,
+    _strategy,
+    check_exchanges,
+    decay,
+    replay,
+)
 
 from lightning_dist.callbacks import NaNRecovery
 from lightning_dist.hetero import HeteroBatching
@@ -33,6 +50,7 @@ pytestmark = pytest.mark.slow
 
 # (fragments, delay, mix): each replayed at 2 flat ranks
 CASES = ((2, 0, 0.5), (2, 1, 0.5), (1, 2, 1.0), (2, 3, 0.5))
+DECAYING = {"fragments": 2, "delay": 1, "mix": 0.5}  # the fit under DecayingNet's rate
 
 
 class LoggedNet(Net):
@@ -68,6 +86,10 @@ def _run_flat(rank, world, ckpt_dir):
                 out[("replay", fragments, delay, mix, optimizer)] = (record.params, record.end)
         sync = trainer.strategy.features.sync.loop
         out["counts"] = (sync.outer_steps, sync.skipped, len(sync.inflight))
+        # a decaying inner rate, answered by the default inner_rate="rise", fragment by fragment
+        _, record = _fit(_strategy(DiLoCo(every=EVERY, **DECAYING)), world, model=DecayingNet("adamw"))
+        out["decay"] = (record.params, record.end)
+        out["decay_outer_lrs"] = record.outer_lrs
         # delay=0 with one fragment is part 1's sync, bit for bit, whatever mix says
         for settings in ({"every": EVERY}, {"every": EVERY, "fragments": 1, "delay": 0, "mix": 0.3}):
             _, record = _fit(_strategy(DiLoCo(**settings)), world)
@@ -175,6 +197,24 @@ def test_workers_differ_between_syncs_and_the_final_sync_lands_what_is_in_flight
     a, b = flat2[0][("replay", 2, 3, 0.5, "adamw")][0], flat2[1][("replay", 2, 3, 0.5, "adamw")][0]
     assert not torch.equal(a[-2], b[-2])  # mixing keeps each worker's own progress
     assert torch.equal(a[-1], b[-1]) and torch.equal(flat2[0][("replay", 2, 3, 0.5, "adamw")][1], a[-1])
+
+
+def test_a_decaying_inner_rate_raises_each_fragments_outer_rate_as_the_replay_writes_it_out(flat2):
+    lrs = []
+    history, end, workers = replay(2, optimizer="adamw", decay=decay, outer_lrs=lrs, **DECAYING)
+    _check(flat2, (history, end), workers, "decay")
+    for rank in (0, 1):
+        assert flat2[rank]["decay_outer_lrs"] == pytest.approx(lrs, rel=1e-12, abs=0), f"rank {rank}'s outer rates"
+    # exchanges start after steps 2 (fragment 1: the peak so far), 4 (fragment 0), 6, 8 and 10 and land a step
+    # later; each carries the mean rate of its fragment's last steps (2 for the first, then 4): the outer rate
+    # 0.7 x the peak's mean over that mean, at most 1
+    outer_lr, rate = DiLoCo.outer_lr, [decay(k) for k in range(12)]
+    peak = (rate[0] + rate[1]) / 2
+    want = [outer_lr] + [min(1.0, outer_lr * peak / (sum(rate[s - 4:s]) / 4)) for s in (4, 6, 8, 10)]
+    assert [lrs[s] for s in (2, 4, 6, 8, 10)] == pytest.approx(want, rel=1e-9)
+    assert outer_lr < want[1] < want[2] < want[3] < 1.0 == want[4]
+    none = replay(2, optimizer="adamw", decay=decay, inner_rate="none", **DECAYING)[1]
+    assert not _close(end[0], none[0]) and not _close(flat2[0]["decay"][1], none[0])
 
 
 def test_no_delay_with_one_fragment_is_part_one_bit_for_bit(flat2):

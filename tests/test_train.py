@@ -648,7 +648,7 @@ def test_the_lm_trains_with_diloco_from_the_command(launched):
     assert summary["config"]["sync"] == {"name": "diloco", "every": 2, "outer_lr": 0.7, "outer_momentum": 0.8,
                                          "compressor": "int8", "fragments": 1, "delay": 0, "mix": 0.5,
                                          "balance": "batches", "final_sync": True, "validate": "mean", "warmup": 0,
-                                         "inner_rate": "none"}
+                                         "inner_rate": "rise"}
     assert summary["sync"].startswith("DiLoCo(every=2, ") and "int8" in summary["sync"]
 
 

@@ -118,7 +118,7 @@ class DiLoCoDriver(SyncDriver):
 
     def after_step(self, global_step: int) -> None:
         context = self.context
-        if self.settings.inner_rate != "none":
+        if self.settings.inner_rate != "none":  # the rate this step ran at (Lightning steps a scheduler after it)
             self.loop.count_rate(inner_rate(context.optimizers))
         if self.settings.final_sync and context.ends_fit(global_step):
             self._final_sync_once(global_step, "the fit's last step")  # in place of the sync due after it, if any

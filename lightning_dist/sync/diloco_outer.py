@@ -71,13 +71,13 @@ class OuterStep:
     def _answer_inner_rate(self, exchange: Exchange) -> None:
         """The outer step's answer to the inner learning rate (``settings.inner_rate``): from the mean inner rate of
         the steps the pseudo-gradient carries (``exchange.rate``), against the fragment's previous one and the highest
-        so far. ``"none"`` leaves the outer SGD as it is set (a pseudo-gradient shrinks with the inner rate by itself);
-        ``"normalised"`` scales the fragment's momentum by the ratio of this rate to the previous (the momentum then
-        holds LR-normalised pseudo-gradients at the current rate, as 0/1 Adam does); ``"follow"`` multiplies the outer
-        rate by this rate over the highest; ``"anneal"`` moves the outer step towards plain averaging as the rate
-        falls (outer rate ``1 - (1 - outer_lr) r``, momentum ``outer_momentum r``, ``r`` = this rate over the
-        highest); ``"rise"`` raises the outer rate as the inner rate falls, ``outer_lr / r``, up to 1 (never below
-        ``outer_lr``). docs/sync.md measures them."""
+        so far. ``"rise"`` (the default) raises the outer rate as the inner rate falls, ``outer_lr / r``, up to 1
+        (never below ``outer_lr``; ``r`` = this rate over the highest); ``"none"`` leaves the outer SGD as it is set
+        (a pseudo-gradient shrinks with the inner rate by itself); ``"normalised"`` scales the fragment's momentum by
+        the ratio of this rate to the previous (the momentum then holds LR-normalised pseudo-gradients at the current
+        rate, as 0/1 Adam does); ``"follow"`` multiplies the outer rate by ``r``; ``"anneal"`` moves the outer step
+        towards plain averaging as the rate falls (outer rate ``1 - (1 - outer_lr) r``, momentum
+        ``outer_momentum r``). docs/sync.md measures them."""
         rule, rate = self.settings.inner_rate, exchange.rate
         group = self.sgd.param_groups[0]
         group["lr"], group["momentum"] = self.settings.outer_lr, self.settings.outer_momentum

@@ -84,15 +84,18 @@ class DiLoCoSettings:
             ``sync/validated_global`` (1 or 0) name the model validated.
         inner_rate: how the outer step answers the inner optimizer's learning rate (its parameter groups' ``lr`` at
             each step, as the user's schedule sets it), read as the mean rate of the steps each pseudo-gradient
-            carries. ``"none"`` (the default): the outer SGD stays as set; the pseudo-gradient, a sum of inner steps,
-            shrinks with the inner rate by itself. ``"normalised"``: the outer momentum is rescaled by the ratio of
-            the rate to the previous sync's, so it holds pseudo-gradients as if taken at the current rate (0/1
-            Adam's learning-rate-normalised update). ``"follow"``: the outer rate is multiplied by the rate over its
-            highest. ``"anneal"``: as the rate falls to ``r`` of its highest, the outer rate moves to
-            ``1 - (1 - outer_lr) r`` and the momentum to ``outer_momentum r``, towards plain averaging. ``"rise"``:
-            the outer rate rises to ``outer_lr / r`` as the inner rate falls, up to 1 (and never below ``outer_lr``).
-            Under warm-up and cosine the first three ended further from dense than ``"none"``, and ``"rise"``
-            closer (docs/sync.md, "Under a decaying learning rate").
+            carries, ``r`` = that rate over the highest such rate so far. ``"rise"`` (the default): the outer rate
+            rises to ``outer_lr / r`` as the inner rate falls, up to 1 (plain averaging's rate; never below
+            ``outer_lr``), the momentum kept; under a constant rate (``r`` = 1, and during a warm-up, whose rate
+            rises) it is ``"none"``. ``"none"``: the outer SGD stays as set; the pseudo-gradient, a sum of inner
+            steps, shrinks with the inner rate by itself (the default before ``"rise"`` was measured).
+            ``"normalised"``: the outer momentum is rescaled by the ratio of the rate to the previous sync's, so it
+            holds pseudo-gradients as if taken at the current rate (0/1 Adam's learning-rate-normalised update).
+            ``"follow"``: the outer rate is multiplied by ``r``. ``"anneal"``: as the rate falls to ``r`` of its
+            highest, the outer rate moves to ``1 - (1 - outer_lr) r`` and the momentum to ``outer_momentum r``,
+            towards plain averaging. Under warm-up and cosine ``"rise"`` ended closest to dense and the other three
+            further than ``"none"``; under WSD, and with an int8 pseudo-gradient under cosine, ``"rise"`` ended
+            closer than ``"none"`` too (docs/sync.md, "Under a decaying learning rate").
     """
 
     every: int = 50
@@ -106,7 +109,7 @@ class DiLoCoSettings:
     final_sync: bool = True
     validate: str = "mean"
     warmup: int = 0
-    inner_rate: str = "none"
+    inner_rate: str = "rise"
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -149,9 +152,10 @@ class DiLoCoSettings:
                              "after every step must be an int >= 0 (0: none; e.g. warmup=100 with every=50); on the "
                              "command line sync.warmup=100")
         if self.inner_rate not in INNER_RATES:
-            raise ValueError(f"DiLoCo(inner_rate={self.inner_rate!r}); use 'none' (the default: the pseudo-gradient "
-                             "shrinks with the inner rate by itself), 'normalised', 'follow', 'anneal' or 'rise' "
-                             "(docs/sync.md measures each under a decaying rate); on the command line "
+            raise ValueError(f"DiLoCo(inner_rate={self.inner_rate!r}); use 'rise' (the default: the outer rate "
+                             "rises as the inner rate falls, up to 1), 'none' (the outer step as set: the "
+                             "pseudo-gradient shrinks with the inner rate by itself), 'normalised', 'follow' or "
+                             "'anneal' (docs/sync.md measures each under a decaying rate); on the command line "
                              "sync.inner_rate=none")
         # a name or a dict is built now, so a bad compressor fails here, before any process starts
         try:
@@ -183,7 +187,7 @@ class DiLoCoSettings:
             extra += f", balance={self.balance}"
         if self.warmup:
             extra += f", warmup={self.warmup}"
-        if self.inner_rate != "none":
+        if self.inner_rate != DiLoCoSettings.inner_rate:  # the default's line unchanged
             extra += f", inner_rate={self.inner_rate}"
         return (f"DiLoCo(every={self.every}, outer_lr={self.outer_lr:g}, outer_momentum={self.outer_momentum:g}, "
                 f"compressor={self.compressor.describe()}{extra})")
