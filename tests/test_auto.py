@@ -25,6 +25,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_dist import RingDDPStrategy
+from lightning_dist.callbacks import NaNRecovery
 from lightning_dist.compression import build_compressor
 from lightning_dist.sync import Auto, OneBitAdam
 from lightning_dist.testing import ToyClassifier, launched_externally, quiet_trainer, run_ranks
@@ -88,11 +89,14 @@ def _two(rank, world, ckpt_dir):
         _, out["onebit_reference"] = _fit(world, {"sync": OneBitAdam()}, "adamw")
 
         # DiLoCo at H=10 (24 syncs need 240 steps after the measuring ones); from step 100 every step sleeps
+        # NaNRecovery's replica drift check pauses while DiLoCo's workers hold their own parameters
         steps = MEASURE + 10 * 24 + 12
+        nan = NaNRecovery(drift_check_every=5, on_drift="stop")
         trainer, out["diloco"] = _fit(world, {"sync": Auto(methods=["diloco10/int8"], max_bytes_per_step=FEW_BYTES,
                                                            check_every=CHECK)}, "sgd", steps=steps,
-                                      callbacks=[Sleep()])
+                                      callbacks=[Sleep(), nan])
         out["diloco_history"] = _history(trainer)
+        out["drift"] = (nan.drift_checks, nan.drift_mismatches)
         path = os.path.join(ckpt_dir, "diloco.ckpt")
         trainer.save_checkpoint(path)
     return out
@@ -152,6 +156,11 @@ def test_diloco_after_the_switch_and_a_link_that_slows(runs):
     # fit goes on dense, DiLoCo handing over through its final sync
     assert again[0]["choice"] == "dense" and again[0]["why"].startswith("no candidate is allowed"), again
     assert _same(two[0]["diloco"], two[1]["diloco"])  # the final sync: every rank holds theta_global
+    checks, mismatches = two[0]["drift"]
+    # checked at step 5 (dense, measuring) and at every 5th step from the one where DiLoCo handed back to dense (a
+    # multiple of 5), never while DiLoCo's workers held their own parameters
+    end, back = MEASURE + 10 * 24 + 12, again[0]["step"]
+    assert mismatches == 0 and checks == 1 + len(range(back, end + 1, 5)), checks
 
 
 def test_a_resume_keeps_the_decision_unless_the_cluster_changed(runs):

@@ -35,7 +35,7 @@ from torch import nn
 from lightning_dist import FaultTolerance, LossScaler, MemoryMonitor, RingDDPStrategy
 from lightning_dist.callbacks import NaNRecovery
 from lightning_dist.compression import build_compressor
-from lightning_dist.sync import DiLoCo, OneBitAdam
+from lightning_dist.sync import Auto, DiLoCo, OneBitAdam
 from lightning_dist.testing import ToyClassifier, launched_externally, quiet_trainer, run_ranks
 
 pytestmark = pytest.mark.slow
@@ -69,8 +69,12 @@ WAYS = {
     "two_tier": (lambda a: {"topology": "two_tier", "compressor": "int8"}, EVERY_STEP, 2),
     "diloco_two_tier": (lambda a: {"topology": "two_tier", "sync": DiLoCo(every=3)}, (2, 5, 7), 2),
     "onebit_two_tier": (lambda a: {"topology": "two_tier", "sync": OneBitAdam(warmup=2, refresh=3)}, EVERY_STEP, 2),
+    # sync="auto" measuring 1 + 2 dense steps, then OneBitAdam whatever this machine measures (the only candidate under
+    # AdamW, and dense over the bytes budget: the Recipe's dense step sends 3,176 bytes, OneBitAdam's a few hundred)
+    "auto": (lambda a: {"sync": Auto(warmup_steps=1, steps=2, methods=["onebit_adam"], max_bytes_per_step=2000,
+                                     drift=0)}, EVERY_STEP, 1),
 }
-ONEBIT = ("onebit_warmup", "onebit", "onebit_two_tier")  # OneBitAdam refuses clipping (test below)
+ONEBIT = ("onebit_warmup", "onebit", "onebit_two_tier", "auto")  # OneBitAdam refuses clipping (test below)
 
 
 class Recipe(ToyClassifier):
@@ -172,8 +176,10 @@ def _fit(strategy, accumulate=1, clip=None, callbacks=(), model=None, ckpt_path=
     fit = quiet_trainer(devices=WORLD, num_nodes=hosts, accumulate_grad_batches=accumulate, gradient_clip_val=clip,
                         callbacks=[steps, *callbacks], strategy=strategy, use_distributed_sampler=False, **trainer)
     fit.fit(model, ckpt_path=ckpt_path)
+    decision = getattr(getattr(getattr(fit.strategy, "features", None), "sync", None), "decision", None)
     return {"params": steps.params, "lrs": steps.lrs, "final": _flat(model),
-            "frozen": _flat(model.frozen), "unused": _flat(model.unused)}
+            "frozen": _flat(model.frozen), "unused": _flat(model.unused),
+            "auto_choice": decision.choice if decision is not None else None}  # (sync="auto"'s)
 
 
 def _refused(strategy, **fit):
@@ -333,6 +339,14 @@ def test_fault_tolerance_and_memory_monitor_leave_the_fit_as_it_was(request, way
     for out in _group(request, way):
         got, expected = out[way, "callbacks"]["params"], out[way, "first"]["params"]
         assert len(got) == STEPS and all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), way
+
+
+def test_auto_switched_in_every_fit(ranks):
+    """The "auto" cells are OneBitAdam's after the measuring steps, not dense's all along."""
+    for out in ranks:
+        fits = [key for key in out if key[0] == "auto"]
+        assert len(fits) >= 12
+        assert all(out[key]["auto_choice"] == "onebit_adam" for key in fits), {k: out[k]["auto_choice"] for k in fits}
 
 
 # the ranks that skip a step whose loss is NaN on rank 1: every rank, or the ranks of rank 1's worker

@@ -166,7 +166,8 @@ class NaNRecovery(Callback):
                 self._on_skipped(trainer, pl_module, verdict)
             else:
                 self._on_good(trainer, pl_module, verdict)
-        if verdicts and self.drift_check_every and self._steps_seen % self.drift_check_every == 0:
+        if verdicts and self.drift_check_every and self._steps_seen % self.drift_check_every == 0 \
+                and _replicas(trainer):
             self._check_drift(trainer, pl_module)
         if verdicts and trainer.log_every_n_steps and trainer.global_step % trainer.log_every_n_steps == 0:
             self._log(trainer)
@@ -309,6 +310,14 @@ class NaNRecovery(Callback):
         self.drift_mismatches = int(state_dict.get("drift_mismatches", 0))
         self.first_bad = state_dict.get("first_bad")
         self.history = list(state_dict.get("history", []))
+
+
+def _replicas(trainer: pl.Trainer) -> bool:
+    """Whether every rank holds the same parameters between steps now: no sync driver with workers of its own (one
+    that took over mid-fit, as ``sync="auto"`` may hand the fit to DiLoCo, pauses the drift check while it runs; the
+    same answer on every rank)."""
+    sync = features_of(trainer.strategy).sync
+    return sync is None or sync.gradient_ranks is None
 
 
 def _copy(tree: Any, device: Optional[torch.device]) -> Any:
