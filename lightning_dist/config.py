@@ -181,6 +181,7 @@ class AutoConf:  # sync=auto: lightning_dist.sync.Auto's arguments
     warmup_steps: int = MISSING  # dense steps first, not timed
     steps: int = MISSING  # timed dense steps
     rounds: int = MISSING  # timed rounds of every candidate codec
+    long_s: float = MISSING  # a candidate whose first round takes longer is timed on it alone
     compressors: list[str] = MISSING  # the per-step compressors measured
     max_bytes_per_step: Optional[float] = MISSING  # bytes a rank may send per step (null: any)
     exact: bool = MISSING  # no change to the optimisation

@@ -9,6 +9,9 @@ import pytest
 
 from lightning_dist.benchmarks import auto
 from lightning_dist.simcluster import unavailable
+from lightning_dist.sync import Auto
+
+MEASURE = Auto().warmup_steps + Auto().steps
 
 
 def _curve(shape, method, losses, every=100, final=None):
@@ -93,10 +96,10 @@ def test_quick_run_decides_on_the_cluster_and_writes_its_outputs(quick):
         assert (out / name).stat().st_size > 0
     assert json.loads((out / "auto.json").read_text())["cells"] == payload["cells"]
     (decision,) = payload["decisions"]
-    assert decision["error"] is None and decision["step"] == 8 and decision["choice"] in {
+    assert decision["error"] is None and decision["step"] == MEASURE and decision["choice"] in {
         r["label"] for r in decision["rows"]}
     (cell,) = payload["cells"]
     assert cell["auto_s"] is not None and cell["times_s"]["dense"] is not None
     slow = payload["slowdown"]
-    assert slow["error"] is None and slow["fits"]["auto"]["history"][0]["step"] == 8
+    assert slow["error"] is None and slow["fits"]["auto"]["history"][0]["step"] == MEASURE
     assert len(payload["targets"]) == 4

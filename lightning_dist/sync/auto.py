@@ -77,7 +77,9 @@ class Auto(SyncSettings):
     Args:
         warmup_steps: dense steps first, not timed (DDP rebuilds its buckets after the first).
         steps: timed dense steps (their medians are the measurement).
-        rounds: timed rounds of every candidate codec over the kept buckets.
+        rounds: timed rounds of every candidate codec over the kept buckets (after one untimed round).
+        long_s: a candidate whose untimed round took longer than this many seconds (a slow link's wire, which no
+            warm-up changes) counts it as its one timed round: the measurement costs a few dense steps at most.
         compressors: the per-step compressors measured, by name (their conf/compression defaults).
         max_bytes_per_step: bytes this rank may send per step, at most (None: any): dense is excluded below its own.
         exact: no change to the optimisation: dense and the lossless casts only.
@@ -87,9 +89,10 @@ class Auto(SyncSettings):
         check_every: optimizer steps between the drift checks (for DiLoCo: whole cycles of H, at least one).
     """
 
-    warmup_steps: int = 2
-    steps: int = 6
+    warmup_steps: int = 1
+    steps: int = 3
     rounds: int = 3
+    long_s: float = 0.25
     compressors: Sequence[str] = COMPRESSOR_CANDIDATES
     max_bytes_per_step: Optional[float] = None
     exact: bool = False
@@ -118,6 +121,8 @@ class Auto(SyncSettings):
             if bad:
                 raise ValueError(f"Auto(methods={list(self.methods)}): unknown {bad}; choose from {sorted(known)}")
             self.methods = tuple(self.methods)
+        if not self.long_s > 0:
+            raise ValueError(f"Auto(long_s={self.long_s!r}): seconds, > 0")
         if self.max_bytes_per_step is not None and not self.max_bytes_per_step >= 0:
             raise ValueError(f"Auto(max_bytes_per_step={self.max_bytes_per_step!r}): bytes, >= 0, or None for any")
         if not (self.drift == 0 or self.drift > 1):
@@ -131,7 +136,8 @@ class Auto(SyncSettings):
         extra = "".join(f", {k}={v!r}" for k, v in (("max_bytes_per_step", self.max_bytes_per_step),
                                                      ("exact", self.exact), ("methods", self.methods))
                         if v not in (None, False))
-        return (f"Auto(measure={self.warmup_steps}+{self.steps}, compressors={list(self.compressors)}, "
+        return (f"Auto(measure={self.warmup_steps}+{self.steps}, rounds={self.rounds}, long_s={self.long_s}, "
+                f"compressors={list(self.compressors)}, "
                 f"drift={self.drift}, check_every={self.check_every}{extra})")
 
     def check(self, *, compressor: Any, hetero: Any, topology: str) -> None:
@@ -312,14 +318,15 @@ class AutoDriver(SyncDriver):
         group = context.exchange_group
         candidates = self._candidates()
         with context.long_collective("sync='auto' measures every candidate over the links"):
-            codecs = measure_codecs(candidates, self._buckets, context.algorithm, group, self.settings.rounds)
+            codecs = measure_codecs(candidates, self._buckets, context.algorithm, group, self.settings.rounds,
+                                    self.settings.long_s)
             measured, codecs = agree(local, codecs, group)
             topology = context.topology
             across = None
             if topology is not None and topology.kind == "two_tier":
                 diloco = {n: candidates[n] for n in {d.codec for d in DILOCO_CANDIDATES}}
                 across = across_hosts(diloco, self._buckets, topology, context.rank, context.algorithm,
-                                      self.settings.rounds, context.timeout)
+                                      self.settings.rounds, context.timeout, self.settings.long_s)
                 _, across = agree(measured, across, group)
         self._measured = measured
         workers = "two_tier" if across is not None else "flat"

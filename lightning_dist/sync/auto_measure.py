@@ -87,14 +87,29 @@ def dense_step(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def measure_codecs(candidates: dict[str, dict[str, Any]], buckets: Sequence[tuple[BucketLayout, torch.Tensor]],
-                   algorithm: str, group: Any, rounds: int) -> dict[str, dict[str, list[float]]]:
+                   algorithm: str, group: Any, rounds: int, long_s: Optional[float] = None
+                   ) -> dict[str, dict[str, list[float]]]:
     """Per candidate, per bucket: median coding and wire seconds and bytes of ``reduce`` on copies of the buckets,
-    round-robin over the candidates (the order rotated each round), after one untimed round."""
+    round-robin over the candidates (the order rotated each round), after one untimed round. ``long_s``: a candidate
+    whose untimed round took longer than this (every rank's longest: a slow link's wire, which no warm-up changes)
+    counts that round as its one timed sample and is not reduced again."""
     compressors = {label: build_compressor(**kwargs) for label, kwargs in candidates.items()}
     labels = list(compressors)
     samples: dict[str, list[list[tuple[float, float, int]]]] = {label: [[] for _ in buckets] for label in labels}
+    first: dict[str, list[tuple[float, float, int]]] = {label: [] for label in labels}  # the untimed round's
+    done: set[str] = set()
     for r in range(rounds + 1):
+        if r == 1 and long_s is not None:  # every rank the same verdict: the longest round of any rank decides
+            took = torch.tensor([sum(c + w for c, w, _ in first[label]) for label in labels], dtype=torch.float64)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
+            for label, seconds in zip(labels, took.tolist(), strict=True):
+                if seconds > long_s:
+                    done.add(label)
+                    for i, sample in enumerate(first[label]):
+                        samples[label][i].append(sample)
         for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            if label in done:
+                continue
             codec = compressors[label]
             for i, (layout, grad) in enumerate(buckets):
                 flat = grad.clone()
@@ -106,8 +121,8 @@ def measure_codecs(candidates: dict[str, dict[str, Any]], buckets: Sequence[tupl
                 codec.reduce(flat, layout, transport)
                 _sync(flat)
                 wall = time.perf_counter() - started
-                if r > 0:
-                    samples[label][i].append((max(0.0, wall - transport.seconds), transport.seconds, stats.bytes_sent))
+                sample = (max(0.0, wall - transport.seconds), transport.seconds, stats.bytes_sent)
+                (samples[label][i] if r > 0 else first[label]).append(sample)
             codec.commit()
     return {label: {key: [statistics.median(s[k] for s in per) for per in samples[label]]
                     for k, key in enumerate(("coding_s", "wire_s", "bytes"))} for label in labels}
@@ -126,8 +141,8 @@ def host_parts(buckets: Sequence[tuple[BucketLayout, torch.Tensor]], parts: int,
 
 
 def across_hosts(candidates: dict[str, dict[str, Any]], buckets: Sequence[tuple[BucketLayout, torch.Tensor]],
-                 topology: Any, rank: int, algorithm: str, rounds: int, timeout: Optional[timedelta]
-                 ) -> dict[str, dict[str, list[float]]]:
+                 topology: Any, rank: int, algorithm: str, rounds: int, timeout: Optional[timedelta],
+                 long_s: Optional[float] = None) -> dict[str, dict[str, list[float]]]:
     """A sync between hosts' workers: this rank's part of every bucket through each candidate, across hosts (the ranks
     of this local index, one per host), as the parts cross at a sync. Totals per codec, one entry each (ranks of
     different local indices may hold different numbers of non-empty parts). A collective of every rank."""
@@ -135,7 +150,7 @@ def across_hosts(candidates: dict[str, dict[str, Any]], buckets: Sequence[tuple[
     group = dist.new_subgroups_by_enumeration(topology.inter_groups(), timeout=timeout)[0]
     try:
         per_part = measure_codecs(candidates, host_parts(buckets, topology.ranks_per_host, topology.local_index(rank)),
-                                  algorithm, group, rounds)
+                                  algorithm, group, rounds, long_s)
     finally:
         dist.destroy_process_group(group)
     return {label: {key: [sum(values)] for key, values in figures.items()} for label, figures in per_part.items()}
