@@ -164,3 +164,18 @@ def test_the_settings_check_their_values():
 
     with pytest.raises(ValueError, match="auto chooses the compressor itself"):
         Auto().check(compressor=build_compressor("int8"), hetero=None, topology="auto")
+
+
+@pytest.mark.subprocess_ok
+def test_every_rank_measures_the_candidates_in_one_order():
+    """Each candidate's measurement is a collective: ranks that ordered them differently would wait on each other
+    forever (a set's order follows the process's hash seed, which differs between torchrun's processes)."""
+    import subprocess
+    import sys
+
+    code = ("from lightning_dist.sync.auto_rule import diloco_codecs; from lightning_dist.sync.auto import AutoDriver; "
+            "print(diloco_codecs())")
+    orders = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
+                             env={**__import__("os").environ, "PYTHONHASHSEED": str(seed)}).stdout
+              for seed in range(4)}
+    assert len(orders) == 1, orders

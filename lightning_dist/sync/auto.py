@@ -54,6 +54,7 @@ from lightning_dist.sync.auto_rule import (
     candidate_rows,
     compressor_quality,
     decide,
+    diloco_codecs,
     family,
     table,
 )
@@ -202,7 +203,8 @@ class AutoDriver(SyncDriver):
         self._steps: list[dict[str, Any]] = []  # the timed measuring steps
         self._buckets: list[Any] = []  # the last timed step's gradient buckets (kept for the re-decisions)
         self._measured: Optional[dict[str, Any]] = None  # the dense step, agreed
-        self._started = 0.0  # perf_counter at the step's before_forward
+        self._started = 0.0  # perf_counter at the step's first before_forward
+        self._in_step = False  # a step's first forward ran and its after_step has not yet
         self._window: list[float] = []  # step seconds since the last drift check
         context.observe(self._recorder, True)
 
@@ -218,20 +220,20 @@ class AutoDriver(SyncDriver):
         return self.inner.before_batch(sizes, micro)
 
     def before_forward(self) -> Optional[bool]:
-        self._started = time.perf_counter()
-        if self.phase == self.MEASURING:
-            rec = self._recorder
-            rec.clear()
-            done = self.context.global_step - self.measure_from
-            rec.active = True
-            rec.keep = done >= self.settings.warmup_steps
+        if not self._in_step:  # the step's first forward (under accumulation: its first micro-batch's)
+            self._in_step, self._started = True, time.perf_counter()
+            if self.phase == self.MEASURING:
+                rec = self._recorder
+                rec.clear()
+                rec.active = True
+                rec.keep = self.context.global_step - self.measure_from >= self.settings.warmup_steps
         return self.inner.before_forward()
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], step: Callable[..., Any]) -> Any:
         return self.inner.optimizer_step(optimizer, closure, step)
 
     def after_step(self, global_step: int) -> None:
-        ended = time.perf_counter()
+        ended, self._in_step = time.perf_counter(), False
         self.inner.after_step(global_step)
         if self.phase == self.MEASURING:
             if global_step - self.measure_from > self.settings.warmup_steps:
@@ -296,7 +298,7 @@ class AutoDriver(SyncDriver):
         names = [DENSE, *(n for n in self.settings.compressors if compressor_quality(n, optimizer)[1] is None)]
         if optimizer == "adam":
             names += [n for n in ONEBIT_CODECS if n not in names]
-        names += [d.codec for d in DILOCO_CANDIDATES if d.codec not in names]
+        names += [n for n in diloco_codecs() if n not in names]
         return {n: conf_compressor(n) for n in names}
 
     def _measure(self) -> list[Row]:
@@ -324,7 +326,7 @@ class AutoDriver(SyncDriver):
             topology = context.topology
             across = None
             if topology is not None and topology.kind == "two_tier":
-                diloco = {n: candidates[n] for n in {d.codec for d in DILOCO_CANDIDATES}}
+                diloco = {n: candidates[n] for n in diloco_codecs()}
                 across = across_hosts(diloco, self._buckets, topology, context.rank, context.algorithm,
                                       self.settings.rounds, context.timeout, self.settings.long_s)
                 _, across = agree(measured, across, group)

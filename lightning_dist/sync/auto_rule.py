@@ -82,6 +82,14 @@ DILOCO_CANDIDATES = (
     DiLoCoCandidate(50, "int8", 1.24, 1.0, "LM 1,600 steps: flat +1.10% at equal samples, 2 hosts -2.20%"),
     DiLoCoCandidate(10, "int8", 1.6, 1.0, "LM 1,600 steps: flat +4.59% at equal samples, 2 hosts +1.77%"),
 )
+
+
+def diloco_codecs() -> list[str]:
+    """DiLoCo's pseudo-gradient codecs among the candidates, in one order on every rank (each rank measures them in
+    this order: a collective each)."""
+    return list(dict.fromkeys(d.codec for d in DILOCO_CANDIDATES))
+
+
 # OneBitAdam's steps factor: within a percent of dense at equal samples under constant, cosine and WSD rates (measured
 # -0.44% to +1.39%), counted as dense's
 ONEBIT_FACTOR, ONEBIT_SOURCE = 1.0, "LM within 1% of dense AdamW at equal samples (docs/onebit-adam.md)"
