@@ -173,9 +173,29 @@ def launched(tmp_path_factory):
                                              "trainer.limit_train_batches=3", "trainer.limit_val_batches=1",
                                              "trainer.enable_progress_bar=false"], sweep=True),
         "own_sync": own_sync,
+        # sync=auto from the command line: 4 measuring steps, a decision, its section in summary.json
+        "auto": lambda: run("auto", ["sync=auto", "trainer.max_epochs=1", "trainer.limit_train_batches=8",
+                                     "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1",
+                                     "trainer.enable_progress_bar=false"]),
         "typo": lambda: run("typo", ["trainer.max_epoch=3"], timeout=120),
     }
     return dict(zip(jobs, side_by_side(*jobs.values()), strict=True))
+
+
+@pytest.mark.slow  # the command on 2 ranks
+def test_sync_auto_from_the_command_decides_and_reports_in_the_summary(launched):
+    proc, out = launched["auto"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["sync"].startswith("Auto(measure=1+3") and summary["global_step"] == 8
+    auto = summary["auto"]
+    (decision,) = auto["decisions"]  # one decision, after the measuring steps, on this unchanged cluster
+    assert decision["step"] == 4 and decision["choice"] == auto["choice"]
+    assert {row["label"] for row in decision["rows"]} >= {"dense", "onebit_adam", "diloco50"}
+    assert auto["cluster"] == {"world_size": 2, "hosts": 1}
+    logged = [float(row["sync/auto_decisions"]) for row in csv.DictReader(open(out / "csv" / "metrics.csv"))
+              if row.get("sync/auto_decisions")]
+    assert logged and set(logged) == {1.0}
 
 
 def _seam_example() -> str:
