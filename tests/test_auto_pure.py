@@ -119,10 +119,21 @@ def test_the_steps_factor_weighs_diloco():
 
 def test_diloco_needs_enough_syncs_left():
     measured, codecs = recorded(RATES["10Mbit"])
-    rows = candidate_rows(measured, codecs, SGD, remaining_steps=50 * MIN_SYNCS - 1)
+    rows = candidate_rows(measured, codecs, SGD, remaining_steps=50 * MIN_SYNCS["flat"] - 1)
     assert "syncs" in next(r for r in rows if r.label == "diloco50").excluded
     assert next(r for r in rows if r.label == "diloco10/int8").excluded is None
     assert decide(rows).choice == "powersgd"  # (120 ms a step against diloco10/int8's 1.6 x 100 ms)
+
+
+def test_hosts_workers_need_fewer_syncs_left_than_flat_ones():
+    measured, codecs = recorded(RATES["10Mbit"])
+    across = {n: {k: [v[0] / 2] for k, v in codecs[n].items()} for n in ("none", "int8")}
+    left = 50 * MIN_SYNCS["two_tier"]  # 16 syncs of H=50: enough for 2 hosts' workers, not for 4 flat ones
+    hosts = candidate_rows(measured, codecs, SGD, workers="two_tier", across=across, remaining_steps=left)
+    flat = candidate_rows(measured, codecs, SGD, remaining_steps=left)
+    assert next(r for r in hosts if r.label == "diloco50").excluded is None
+    assert "fewer than the 24" in next(r for r in flat if r.label == "diloco50").excluded
+    assert MIN_SYNCS["two_tier"] < MIN_SYNCS["flat"]
 
 
 def test_two_tier_uses_the_sync_across_hosts_and_the_host_factor():

@@ -34,9 +34,10 @@ ADAM, SGD, OTHER = "adam", "sgd", "other"  # optimizer families
 ADAM_LOSS_BOUND = 0.01  # Adam: a per-step compressor with a measured held-out loss cost above this is excluded
 SGD_ACCURACY_BOUND = 1.0  # SGD: ... with a measured accuracy cost above this many points is excluded
 DENSE_MARGIN = 0.05  # a method must beat dense's predicted time by more than this to be chosen
-# DiLoCo's quality was measured at 32 syncs (1,600 steps at H=50); at 8 (400 steps) it was +8.7%: a DiLoCo whose H
-# leaves fewer syncs than this in the rest of the fit is excluded
-MIN_SYNCS = 24
+# The fewest syncs left in the fit for a DiLoCo to be a candidate, by workers. 4 flat workers: its quality was measured
+# at 32 syncs (1,600 steps at H=50), and at 16 (800 steps) it ends +5.5% above dense, at 8 +8.7%. 2 workers of 2 ranks
+# (two_tier): at 16 syncs H=50 reaches dense's own final loss (the auto benchmark, 800 steps).
+MIN_SYNCS = {"flat": 24, "two_tier": 16}
 
 # What the product measured of each per-step compressor's quality, by optimizer family: (cost, unit, source).
 # Adam: the sync benchmark's LM (ByteLM 0.47 M, AdamW, 4 ranks, 1,600 steps), held-out loss above dense's, as a
@@ -187,7 +188,7 @@ def candidate_rows(measured: dict[str, Any], codecs: dict[str, dict[str, list[fl
         across: under ``two_tier``, per codec the sync's figures across hosts (this rank's part), else None.
         bytes_scale: a DiLoCo worker's bytes per byte measured in ``across`` (ranks per host).
         remaining_steps: the fit's steps after the decision (``inf``: unknown): a DiLoCo with fewer than
-            :data:`MIN_SYNCS` syncs in them is excluded.
+            :data:`MIN_SYNCS` (by ``workers``) syncs in them is excluded.
         compressors: the per-step compressors among ``codecs`` (None: every codec; the others are measured for
             OneBitAdam's and DiLoCo's rows only).
     """
@@ -221,11 +222,12 @@ def candidate_rows(measured: dict[str, Any], codecs: dict[str, dict[str, list[fl
         c = sync[d.codec]
         seconds = sum(c["coding_s"]) + sum(c["wire_s"])
         factor = d.factor_hosts if workers == "two_tier" else d.factor_flat
-        few = remaining_steps / d.every < MIN_SYNCS
+        least = MIN_SYNCS[workers]
+        few = remaining_steps / d.every < least
         rows.append(Row(d.label, "diloco", compute + seconds / d.every, bytes_scale * sum(c["bytes"]) / d.every,
                         factor=factor, quality=d.source, every=d.every, codec=d.codec,
                         excluded=(f"{remaining_steps:.0f} steps left hold {remaining_steps / d.every:.1f} syncs, fewer "
-                                  f"than the {MIN_SYNCS} its quality was measured near") if few else None))
+                                  f"than the {least} its quality was measured at") if few else None))
     return rows
 
 
