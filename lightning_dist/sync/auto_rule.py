@@ -26,6 +26,7 @@ the decision is the same on every rank.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -223,10 +224,12 @@ def candidate_rows(measured: dict[str, Any], codecs: dict[str, dict[str, list[fl
         seconds = sum(c["coding_s"]) + sum(c["wire_s"])
         factor = d.factor_hosts if workers == "two_tier" else d.factor_flat
         least = MIN_SYNCS[workers]
-        few = remaining_steps / d.every < least
+        # the last, partial cycle ends in the final sync (inf: the fit's length is unknown)
+        syncs = math.ceil(remaining_steps / d.every) if math.isfinite(remaining_steps) else math.inf
+        few = syncs < least
         rows.append(Row(d.label, "diloco", compute + seconds / d.every, bytes_scale * sum(c["bytes"]) / d.every,
                         factor=factor, quality=d.source, every=d.every, codec=d.codec,
-                        excluded=(f"{remaining_steps:.0f} steps left hold {remaining_steps / d.every:.1f} syncs, fewer "
+                        excluded=(f"{remaining_steps:.0f} steps left hold {syncs} syncs, fewer "
                                   f"than the {least} its quality was measured at") if few else None))
     return rows
 
