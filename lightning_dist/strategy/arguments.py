@@ -52,3 +52,16 @@ def as_timedelta(timeout: Union[float, int, timedelta, None]) -> timedelta:
     if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds <= 0:
         raise ValueError(f"timeout={timeout!r} must be a positive number of seconds (default {DEFAULT_TIMEOUT_S}).")
     return timedelta(seconds=float(seconds))
+
+
+def register_names(cls: Any, strategy_registry: Any) -> None:
+    """``cls`` in Lightning's strategy registry under ``ring_ddp`` and its start-method variants, each also with
+    ``find_unused_parameters=True`` (``Trainer(strategy="ring_ddp_fork")``)."""
+    for name, start_method in (("ring_ddp", "popen"), ("ring_ddp_spawn", "spawn"), ("ring_ddp_fork", "fork"),
+                               ("ring_ddp_notebook", "fork")):
+        strategy_registry.register(name, cls, description=f"Ring all-reduce DDP, start_method={start_method!r}",
+                                   override=True, start_method=start_method)
+        strategy_registry.register(
+            f"{name}_find_unused_parameters_true", cls, override=True, start_method=start_method,
+            description=f"Ring all-reduce DDP, find_unused_parameters=True, start_method={start_method!r}",
+            find_unused_parameters=True)

@@ -1,30 +1,22 @@
-"""``RingDDPStrategy``: Lightning's DDP with every gradient bucket routed through lightning_dist's hook.
+"""``RingDDPStrategy``: Lightning's DDP with every gradient bucket routed through lightning_dist's hook; like
+Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy`, overrides that delegate to mechanisms beside it:
 
-Like Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy`, the class is a set of overrides that
-delegate; each mechanism lives in a module beside it:
-
-- :mod:`.hook` (with :mod:`.comm_worker`): the DDP comm hook, registered on every device; with a two-tier
-  topology (:mod:`lightning_dist.comm.topology`) it reduces each bucket through :mod:`.tiers`. Lightning
-  registers hooks only on CUDA and drops them silently on CPU (a private hook of DDPStrategy, reached through
-  :class:`lightning_dist.upstream.DDPBase` as ``register_comm_hooks``). With ``overlap=True`` each bucket travels on
-  a communication thread while backward computes the next, on a process group of the strategy's own;
-- :mod:`.stepping`: the rank's share of the step applied in autograd, and step-or-skip on every rank together
-  (:mod:`.skip` holds the finiteness mechanism, :class:`~lightning_dist.callbacks.NaNRecovery` the policy);
-- :mod:`.schedule` (with :mod:`.exchange`, stepped by :mod:`.cycle`): the one small per-step exchange of
-  measurements and agreed values, on the steps features ask for, complete before the optimizer steps;
-- :mod:`.step_meter` and :mod:`.dist_metrics`: each rank's per-step measurements, logged from rank zero by
-  DistMetrics, which the strategy adds to the Trainer when the user has not;
+- :mod:`.hook` (with :mod:`.comm_worker`): the DDP comm hook, registered on every device (Lightning registers hooks
+  only on CUDA: :class:`lightning_dist.upstream.DDPBase`'s ``register_comm_hooks``), two-tier through :mod:`.tiers`;
+  with ``overlap=True`` each bucket travels on a communication thread while backward computes the next;
+- :mod:`.stepping`: the rank's share of the step in autograd, step-or-skip on every rank together (:mod:`.skip` the
+  mechanism, :class:`~lightning_dist.callbacks.NaNRecovery` the policy);
+- :mod:`.schedule` (with :mod:`.exchange`, stepped by :mod:`.cycle`): the one small per-step exchange, complete before
+  the optimizer steps; :mod:`.step_meter` and :mod:`.dist_metrics`: each rank's measurements, logged by DistMetrics;
 - :mod:`.checkpoint`: every rank's compressor state in checkpoints, and its restore;
-- :mod:`lightning_dist.hetero`: with ``hetero=``, the training loader rebuilt so each rank's share of the
-  global batch follows its speed, rebalanced from the exchange; :mod:`.micro` runs a share above the rank's memory
-  cap as several micro-batches inside the one training step;
-- :mod:`lightning_dist.sync` (with :mod:`.sync_seam`): ``sync=`` takes sync settings (such as ``DiLoCo(every=H)``)
-  bound at set-up to a :class:`~lightning_dist.sync.SyncDriver`, whose hooks the strategy calls around Lightning's
-  step without knowing which way of syncing it drives; the comm hook then reduces inside the driver's workers only;
+- :mod:`lightning_dist.hetero`: ``hetero=``'s loader, each rank's share following its speed; :mod:`.micro` runs a
+  share above the rank's memory cap as micro-batches inside the one training step;
+- :mod:`lightning_dist.sync` (with :mod:`.sync_seam`): ``sync=``'s settings bound at set-up to a
+  :class:`~lightning_dist.sync.SyncDriver`, whose hooks the strategy calls around Lightning's step without knowing
+  which way of syncing it drives; the comm hook then reduces inside the driver's workers only;
 - :mod:`lightning_dist.launch`: under torchrun, a view of the launcher's store private to the restart attempt.
 
-Features (callbacks, experiments, benchmarks) use the strategy only through :attr:`RingDDPStrategy.features`
-(:mod:`.features`).
+Features (callbacks, experiments, benchmarks) use the strategy only through :attr:`RingDDPStrategy.features`.
 """
 
 from __future__ import annotations
@@ -54,7 +46,7 @@ from lightning_dist.hetero import HeteroBatching
 from lightning_dist.hetero.batching import as_hetero
 from lightning_dist.launch import LaunchEnv, attempt_store
 from lightning_dist.strategy import stepping
-from lightning_dist.strategy.arguments import as_timedelta, check_arguments
+from lightning_dist.strategy.arguments import as_timedelta, check_arguments, register_names
 from lightning_dist.strategy.checkpoint import CHECKPOINT_KEY, compressor_entry, gather_states, restore_compressor
 from lightning_dist.strategy.cycle import StepCycle
 from lightning_dist.strategy.dist_metrics import DistMetrics
@@ -250,15 +242,9 @@ class RingDDPStrategy(DDPBase):
 
     def _register_hook(self, trainer: Any) -> None:
         assert isinstance(self.model, DistributedDataParallel)
-        reduction = gradient_groups(self.topology, self.global_rank, self.world_size, self._algorithm,
-                                    self._hook_state.stats, self.collective_timeout, workers=self._bind_driver(trainer))
-        self._hook_groups = reduction.owned
+        self._bind_hook_groups(self._bind_driver(trainer))
         self._schedule.every_step = bool(self._hetero is not None and self._hetero.rebalance)
         state = self._hook_state
-        automatic = self.lightning_module.automatic_optimization
-        state.bind(self.model.module, reduction.group, reduction.world, tiers=reduction.tiers,
-                   spans_hosts=reduction.spans_hosts,
-                   on_last_bucket=lambda: self._cycle.start_exchange_early(automatic))
         if self._overlap:
             state.start_worker(f"rank{self.global_rank}", self.root_device)
         self.model.register_comm_hook(state, ring_comm_hook)
@@ -276,23 +262,20 @@ class RingDDPStrategy(DDPBase):
             exchange_group=lambda: self._schedule.group, identities=lambda: features.identities,
             optimizer_states=lambda: [self.optimizer_state(optimizer) for optimizer in self.optimizers],
             agreeing_scaler=lambda: agreeing_scaler(self.precision_plugin),
-            observe=lambda observer, on: (features.add_bucket_observer if on else features.remove_bucket_observer)(
-                observer),
-            compressor=lambda: state.compressor, set_compressor=self._set_compressor, regroup=self._regroup)
+            observe=lambda o, on: (features.add_bucket_observer if on else features.remove_bucket_observer)(o),
+            compressor=lambda: state.compressor,
+            set_compressor=lambda c: setattr(state, "compressor", as_compressor(c)),
+            regroup=lambda: self._bind_hook_groups(self._seam.derive(self.global_rank, self.model,
+                                                                     self.collective_timeout)))
         # the share among the worker's ranks, the DDP flags, the verdict's group: lightning_dist.strategy.sync_seam
         workers = self._seam.bind(context, self.model, trainer, self.collective_timeout)
         features.sync = self._seam.driver if self._sync is not None else None
         return workers
 
-    def _set_compressor(self, compressor: Optional[Compressor]) -> None:
-        """The comm hook's compressor from the next step on (a sync driver's choice between steps: ``sync="auto"``)."""
-        self._hook_state.compressor = compressor if compressor is not None else as_compressor(None)
-
-    def _regroup(self) -> None:
-        """The sync driver's workers changed between steps (``SyncContext.regroup``): the seam derives DDP's flags and
-        the verdict's group again, and the comm hook reduces over the new workers' groups (every rank, in order)."""
+    def _bind_hook_groups(self, workers: Optional[Sequence[Sequence[int]]]) -> None:
+        """The comm hook on the groups of the sync driver's ``workers`` (every rank, in order): at set-up, and again
+        when a driver hands the fit to another between steps (``SyncContext.regroup``), the old groups destroyed."""
         state, old = self._hook_state, self._hook_groups
-        workers = self._seam.derive(self.global_rank, self.model, self.collective_timeout)
         reduction = gradient_groups(self.topology, self.global_rank, self.world_size, self._algorithm, state.stats,
                                     self.collective_timeout, workers=workers)
         self._hook_groups = reduction.owned
@@ -513,15 +496,4 @@ class RingDDPStrategy(DDPBase):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, start_method in (
-            ("ring_ddp", "popen"),
-            ("ring_ddp_spawn", "spawn"),
-            ("ring_ddp_fork", "fork"),
-            ("ring_ddp_notebook", "fork"),
-        ):
-            strategy_registry.register(name, cls, description=f"Ring all-reduce DDP, start_method={start_method!r}",
-                                       override=True, start_method=start_method)
-            strategy_registry.register(
-                f"{name}_find_unused_parameters_true", cls, override=True, start_method=start_method,
-                description=f"Ring all-reduce DDP, find_unused_parameters=True, start_method={start_method!r}",
-                find_unused_parameters=True)
+        register_names(cls, strategy_registry)
