@@ -47,6 +47,25 @@ def test_cells_time_auto_from_its_decision_and_its_choices_steps():
     assert fast["best"] == "diloco10/int8"  # 30 s against dense's 60
 
 
+def test_auto_switched_to_diloco_is_validated_on_the_model_diloco_validates(monkeypatch):
+    """The curve of a fit that auto handed to DiLoCo holds the workers' mean, as DiLoCo's own fits' do (it held rank
+    0's own worker mid-cycle before: 1.5% higher on two_tier)."""
+    from types import SimpleNamespace
+
+    from lightning_dist.benchmarks import sync as S
+
+    calls = []
+    loop = SimpleNamespace(swap_in_validated=lambda: calls.append("in"), swap_back=lambda: calls.append("back"))
+    monkeypatch.setattr(S, "val_loss", lambda module, batch: 2.0 if calls[-1:] == ["in"] else 3.0)
+    monkeypatch.setattr(S, "global_model", lambda module, loop_: module)
+    for sync in (SimpleNamespace(loop=loop), SimpleNamespace(inner=SimpleNamespace(loop=loop))):  # DiLoCo, auto
+        calls.clear()
+        assert S.validated_losses(None, SimpleNamespace(sync=sync), None)[0] == 2.0 and calls == ["in", "back"]
+    for sync in (None, SimpleNamespace(inner=SimpleNamespace())):  # every step; auto on a per-step method
+        calls.clear()
+        assert S.validated_losses(None, SimpleNamespace(sync=sync), None) == (3.0, None) and calls == []
+
+
 def test_the_slowdown_record_and_the_verdicts():
     def fit(method, losses, history=()):
         # (step, loss, global, end, eval seconds): 1 s per 20 steps, 0.5 s of evaluation at each point

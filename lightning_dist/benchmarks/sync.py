@@ -358,8 +358,10 @@ def validated_losses(module: ByteLM, features: Any, batch: tuple[torch.Tensor, t
                      ) -> tuple[float, Optional[float]]:
     """``module``'s loss on ``batch`` as validation sees it, and under DiLoCo ``theta_global``'s beside it (else None):
     DiLoCo swaps in the model its ``validate`` setting names (by default the workers' mean at the last sync) and puts
-    the worker's own back afterwards."""
-    loop = getattr(features.sync, "loop", None) if features is not None and features.sync is not None else None
+    the worker's own back afterwards; under ``sync="auto"`` the DiLoCo it chose does (before the fix of this, auto's
+    curves after a switch to DiLoCo held rank 0's own worker mid-cycle: docs/benchmarks.md, the auto section)."""
+    driver = features.sync if features is not None else None
+    loop = getattr(getattr(driver, "inner", driver), "loop", None)  # (auto's inner: the driver it handed the fit to)
     if loop is None:
         return val_loss(module, batch), None
     loop.swap_in_validated()
