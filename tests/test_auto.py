@@ -10,7 +10,9 @@
   of 2 measures and decides again.
 
 A decision is forced where the test needs one: ``Auto(methods=[...], max_bytes_per_step=...)`` below dense's bytes
-leaves one candidate, whatever this machine measures.
+leaves one candidate, whatever this machine measures; and ``long_s=LONG`` keeps all the measuring steps, however
+loaded the machine, where the test needs the decision at step ``MEASURE`` (one fit ends them early on purpose:
+``long_s=EARLY``, every step longer, the decision after the first timed step).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from lightning_dist.testing import ToyClassifier, launched_externally, quiet_tra
 pytestmark = pytest.mark.slow
 
 MEASURE = 1 + 3  # Auto's default measuring steps
+LONG, EARLY = 3600.0, 1e-9  # long_s: no step is longer (all the measuring steps); every step is (1 + 1)
 STEPS = 40
 FEW_BYTES = 1500  # below dense's 1,928 bytes of the toy's gradients per step, above int8's 1,032 and OneBitAdam's
 SLOW_FROM, SLOW_S = 100, 0.02  # the drift fit: every step from here sleeps this long
@@ -70,7 +73,7 @@ def _two(rank, world, ckpt_dir):
     with launched_externally(rank, world), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # drift=0: no re-decision from a loaded machine's noise where the test is about the switch
-        auto = Auto(methods=["int8"], max_bytes_per_step=FEW_BYTES, drift=0)
+        auto = Auto(methods=["int8"], max_bytes_per_step=FEW_BYTES, drift=0, long_s=LONG)
         trainer, out["int8"] = _fit(world, {"sync": auto}, "sgd")
         out["int8_history"] = _history(trainer)
         out["int8_compressor"] = trainer.strategy.features.compressor.describe()
@@ -78,22 +81,27 @@ def _two(rank, world, ckpt_dir):
         trainer.save_checkpoint(path)
         _, out["int8_reference"] = _fit(world, {"compressor": build_compressor("int8", start_step=MEASURE)}, "sgd")
         # the same cluster: the decision is kept, no step measures, the compressor's state comes back
-        trainer, _ = _fit(world, {"sync": Auto(methods=["int8"], max_bytes_per_step=FEW_BYTES, drift=0)}, "sgd",
-                          steps=STEPS + 10, ckpt_path=path)
+        resumed = Auto(methods=["int8"], max_bytes_per_step=FEW_BYTES, drift=0, long_s=LONG)
+        trainer, _ = _fit(world, {"sync": resumed}, "sgd", steps=STEPS + 10, ckpt_path=path)
         out["resumed_history"] = _history(trainer)
         out["resumed_steps"] = trainer.strategy.features.compressor.steps
 
         trainer, out["onebit"] = _fit(world, {"sync": Auto(methods=["onebit_adam"], max_bytes_per_step=FEW_BYTES,
-                                                           drift=0)}, "adamw")
+                                                           drift=0, long_s=LONG)}, "adamw")
         out["onebit_history"] = _history(trainer)
         _, out["onebit_reference"] = _fit(world, {"sync": OneBitAdam()}, "adamw")
+        # a first timed step longer than long_s ends the measuring steps: the switch after step 2, as int8 from there
+        trainer, out["early"] = _fit(world, {"sync": Auto(methods=["int8"], max_bytes_per_step=FEW_BYTES, drift=0,
+                                                          long_s=EARLY)}, "sgd")
+        out["early_history"] = _history(trainer)
+        _, out["early_reference"] = _fit(world, {"compressor": build_compressor("int8", start_step=2)}, "sgd")
 
         # DiLoCo at H=10 (24 syncs need 240 steps after the measuring ones); from step 100 every step sleeps
         # NaNRecovery's replica drift check pauses while DiLoCo's workers hold their own parameters
         steps = MEASURE + 10 * 24 + 12
         nan = NaNRecovery(drift_check_every=5, on_drift="stop")
         trainer, out["diloco"] = _fit(world, {"sync": Auto(methods=["diloco10/int8"], max_bytes_per_step=FEW_BYTES,
-                                                           check_every=CHECK)}, "sgd", steps=steps,
+                                                           check_every=CHECK, long_s=LONG)}, "sgd", steps=steps,
                                       callbacks=[Sleep(), nan])
         out["diloco_history"] = _history(trainer)
         out["drift"] = (nan.drift_checks, nan.drift_mismatches)
@@ -105,7 +113,8 @@ def _two(rank, world, ckpt_dir):
 def _three(rank, world, ckpt_dir):
     with launched_externally(rank, world), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer, params = _fit(world, {"sync": Auto(methods=["diloco10/int8"], max_bytes_per_step=FEW_BYTES)}, "sgd",
+        trainer, params = _fit(world, {"sync": Auto(methods=["diloco10/int8"], max_bytes_per_step=FEW_BYTES,
+                                                            long_s=LONG)}, "sgd",
                                steps=MEASURE + 10 * 24 + 12 + MEASURE + 10 * 25,
                                ckpt_path=os.path.join(ckpt_dir, "diloco.ckpt"))
         return {"history": _history(trainer), "params": params}
@@ -132,6 +141,9 @@ def test_switching_equals_the_method_from_the_start(runs):
         assert _same(out["int8"], out["int8_reference"])
         assert [h["choice"] for h in out["onebit_history"]] == ["onebit_adam"]
         assert _same(out["onebit"], out["onebit_reference"])
+        (early,) = out["early_history"]
+        assert early["step"] == 2 and early["reason"].startswith("the first timed step took longer than long_s")
+        assert _same(out["early"], out["early_reference"])
     assert _same(two[0]["int8"], two[1]["int8"])  # dense, then int8 every step: every rank the same model
 
 

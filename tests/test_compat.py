@@ -69,10 +69,11 @@ WAYS = {
     "two_tier": (lambda a: {"topology": "two_tier", "compressor": "int8"}, EVERY_STEP, 2),
     "diloco_two_tier": (lambda a: {"topology": "two_tier", "sync": DiLoCo(every=3)}, (2, 5, 7), 2),
     "onebit_two_tier": (lambda a: {"topology": "two_tier", "sync": OneBitAdam(warmup=2, refresh=3)}, EVERY_STEP, 2),
-    # sync="auto" measuring 1 + 2 dense steps, then OneBitAdam whatever this machine measures (the only candidate under
+    # sync="auto" measuring 1 + 2 dense steps (long_s: however slow a loaded machine's step), then OneBitAdam whatever
+    # this machine measures (the only candidate under
     # AdamW, and dense over the bytes budget: the Recipe's dense step sends 3,176 bytes, OneBitAdam's a few hundred)
     "auto": (lambda a: {"sync": Auto(warmup_steps=1, steps=2, methods=["onebit_adam"], max_bytes_per_step=2000,
-                                     drift=0)}, EVERY_STEP, 1),
+                                     drift=0, long_s=3600.0)}, EVERY_STEP, 1),
 }
 ONEBIT = ("onebit_warmup", "onebit", "onebit_two_tier", "auto")  # OneBitAdam refuses clipping (test below)
 

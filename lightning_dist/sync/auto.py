@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_dist.compression import NoCompressor, build_compressor
@@ -116,6 +117,10 @@ class Cluster:
         return cls(context.world_size, len(context.topology.hosts) if context.topology is not None else 1)
 
 
+# a decision's reason after the measuring steps: all of them, or the first timed one, longer than long_s
+MEASURED, MEASURED_ONCE = "the measuring steps are over", "the first timed step took longer than long_s"
+
+
 class AutoDriver(SyncDriver):
     """One rank's ``auto``: the measuring steps, the decision and the driver it chose (every hook delegates to it)."""
 
@@ -173,8 +178,13 @@ class AutoDriver(SyncDriver):
                     self._steps.append(measured)
                     self._buckets = list(self._recorder.buckets)
             if self._decides(global_step):
-                self._recorder.active = False
-                self._decide(global_step, "the measuring steps are over")
+                reason = MEASURED
+            elif self._long_step(global_step):
+                reason = f"{MEASURED_ONCE} ({self.settings.long_s:g} s)"
+            else:
+                return
+            self._recorder.active = False
+            self._decide(global_step, reason)
             return
         self._window.append(ended - self._started)
         if self._checks(global_step):
@@ -211,6 +221,17 @@ class AutoDriver(SyncDriver):
     def _decides(self, global_step: int) -> bool:
         return (self.phase == self.MEASURING
                 and global_step - self.measure_from == self.settings.warmup_steps + self.settings.steps)
+
+    def _long_step(self, global_step: int) -> bool:
+        """After the first timed step: whether it took longer than ``long_s`` on some rank (agreed: every rank ends
+        the measuring in the same step). A slow link's dense step, which more steps would not change: the measuring
+        ends with it, rather than pay for ``steps`` of them."""
+        if self.phase != self.MEASURING or global_step - self.measure_from != self.settings.warmup_steps + 1:
+            return False
+        seconds = torch.tensor([self._steps[-1]["step_s"] if self._steps else 0.0], dtype=torch.float64)
+        if self.context.world_size > 1:
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=self.context.exchange_group)
+        return float(seconds.item()) > self.settings.long_s
 
     def _window_steps(self) -> int:
         every = self.decision.row().every if self.decision is not None else 1
@@ -293,8 +314,6 @@ class AutoDriver(SyncDriver):
         ratio = (sum(window) / len(window)) / predicted if predicted > 0 else 0.0
         agreed = torch.tensor([ratio], dtype=torch.float64)
         if self.context.world_size > 1:
-            import torch.distributed as dist
-
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.context.exchange_group)
         ratio = float(agreed.item())
         if ratio > self.settings.drift:
