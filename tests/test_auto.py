@@ -29,6 +29,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_dist import RingDDPStrategy
 from lightning_dist.callbacks import NaNRecovery
 from lightning_dist.compression import build_compressor
+from lightning_dist.strategy.hook import BucketObserver
 from lightning_dist.sync import Auto, OneBitAdam
 from lightning_dist.testing import ToyClassifier, launched_externally, quiet_trainer, run_ranks
 
@@ -48,6 +49,41 @@ class Sleep(Callback):
     def on_before_backward(self, trainer, *args):
         if trainer.global_step >= SLOW_FROM:
             time.sleep(SLOW_S)
+
+
+class FlushProbe(Callback, BucketObserver):
+    """Switches int8 to dense at the check at step ``CHECK`` (only dense allowed and a prediction every step exceeds)
+    and records, per rank: the int8 compressor's residuals as the switch step finished, and in the step after it the
+    reduced gradient as the comm hook left it (its buckets when reduced) and as the optimizer is handed it."""
+
+    def __init__(self):
+        self.compressor, self.owed, self.reduced, self.handed, self._buffers = None, None, {}, None, {}
+
+    def on_train_batch_end(self, trainer, *args):
+        step, features = trainer.global_step, trainer.strategy.features
+        if step == CHECK - 1:
+            driver = features.sync
+            self.compressor = features.compressor  # the int8 compressor auto chose at step MEASURE
+            driver.settings.methods, driver.settings.max_bytes_per_step = (), None  # only dense allowed now
+            driver.decision.row().predicted_step_s = 1e-9  # the check at CHECK sees a drift and decides again
+        elif step == CHECK:
+            features.sync.settings.drift = 0  # no later check: one switch
+            residuals = self.compressor.residuals  # as the switch step finished (the strategy committed them)
+            self.owed = {n: residuals.get(n).clone() for n, _ in trainer.lightning_module.named_parameters()}
+            features.add_bucket_observer(self)
+        elif step == CHECK + 1:
+            features.remove_bucket_observer(self)
+
+    def bucket_handed(self, index, layout, buffer):
+        self._buffers[index] = (layout, buffer)
+
+    def bucket_done(self, index):
+        layout, buffer = self._buffers[index]
+        self.reduced.update({n: v.clone().view(-1) for n, v in zip(layout.names, layout.views(buffer), strict=True)})
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == CHECK:  # (the step that makes global_step CHECK + 1)
+            self.handed = {n: p.grad.detach().clone().view(-1) for n, p in pl_module.named_parameters()}
 
 
 def _model(optimizer):
@@ -90,6 +126,12 @@ def _two(rank, world, ckpt_dir):
                                                            drift=0, long_s=LONG)}, "adamw")
         out["onebit_history"] = _history(trainer)
         _, out["onebit_reference"] = _fit(world, {"sync": OneBitAdam()}, "adamw")
+        # int8 then dense at the check at step CHECK: int8's residuals flushed into the next step's gradient
+        probe = FlushProbe()
+        trainer, _ = _fit(world, {"sync": Auto(methods=["int8"], max_bytes_per_step=FEW_BYTES, check_every=CHECK,
+                                               long_s=LONG)}, "sgd", callbacks=[probe])
+        out["flush_history"] = _history(trainer)
+        out["flush"] = {"owed": probe.owed, "reduced": probe.reduced, "handed": probe.handed}
         # a first timed step longer than long_s ends the measuring steps: the switch after step 2, as int8 from there
         trainer, out["early"] = _fit(world, {"sync": Auto(methods=["int8"], max_bytes_per_step=FEW_BYTES, drift=0,
                                                           long_s=EARLY)}, "sgd")
@@ -145,6 +187,21 @@ def test_switching_equals_the_method_from_the_start(runs):
         assert early["step"] == 2 and early["reason"].startswith("the first timed step took longer than long_s")
         assert _same(out["early"], out["early_reference"])
     assert _same(two[0]["int8"], two[1]["int8"])  # dense, then int8 every step: every rank the same model
+
+
+def test_a_switch_away_from_a_compressor_flushes_its_residuals_into_the_next_step(runs):
+    two, _ = runs
+    for out in two:
+        assert [(h["step"], h["choice"]) for h in out["flush_history"]] == [(MEASURE, "int8"), (CHECK, "dense")]
+    owed = {n: sum(out["flush"]["owed"][n] for out in two) for n in two[0]["flush"]["owed"]}  # every rank's, summed
+    assert sum(float(v.norm()) for v in owed.values()) > 0
+    for out in two:
+        flush = out["flush"]
+        for name, summed in owed.items():  # the optimizer is handed dense's reduced gradient plus the residuals
+            handed, reduced = flush["handed"][name], flush["reduced"][name]
+            assert not torch.equal(handed, reduced), name
+            torch.testing.assert_close(handed - reduced, summed, rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(two[0]["flush"]["handed"][n], two[1]["flush"]["handed"][n]) for n in owed)
 
 
 def test_the_decision_is_identical_on_every_rank(runs):

@@ -6,7 +6,8 @@
    completes, so every rank holds every rank's measurements of the previous step (:mod:`.step_meter`); heterogeneous
    batching may rebalance from them (every rank alike: they are the same values);
 3. :meth:`StepCycle.finish`, after the optimizer stepped or skipped on every rank together: the compressor's staged
-   state kept or dropped, this step's own measurements recorded for the next exchange.
+   state kept or dropped (a compressor a sync driver replaced during the step too: :meth:`StepCycle.set_compressor`),
+   this step's own measurements recorded for the next exchange.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Optional
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_dist.compression import Compressor
 from lightning_dist.hetero import HeteroBatching
 from lightning_dist.hetero.batching import describe_event
 from lightning_dist.strategy.hook import RingHookState
@@ -28,9 +30,18 @@ class StepCycle:
     def __init__(self, meter: StepMeter, schedule: ExchangeSchedule, hook_state: RingHookState,
                  hetero: Optional[HeteroBatching]) -> None:
         self.meter, self.schedule, self.hook_state, self.hetero = meter, schedule, hook_state, hetero
+        self.replaced: list[Compressor] = []  # compressors replaced since the last finish: they finish this step too
+
+    def set_compressor(self, compressor: Compressor) -> None:
+        """The comm hook's compressor from the next bucket on (``SyncContext.set_compressor``); the one it replaces
+        keeps or drops what it staged in this step with the step's verdict, at :meth:`finish`, so the state its holder
+        reads afterwards (a driver flushing its residuals) is the state of a finished step."""
+        self.replaced.append(self.hook_state.compressor)
+        self.hook_state.compressor = compressor
 
     def restart(self) -> None:
         """A new fit counts afresh (the same strategy object may fit twice)."""
+        self.replaced.clear()
         self.meter.reset()
         self.schedule.step_finished()
         self.hook_state.reset_step()
@@ -57,10 +68,12 @@ class StepCycle:
 
     def finish(self, skipped: bool) -> None:
         state = self.hook_state
-        if skipped:
-            state.compressor.discard()
-        else:
-            state.compressor.commit()
+        for compressor in (*self.replaced, state.compressor):
+            if skipped:
+                compressor.discard()
+            else:
+                compressor.commit()
+        self.replaced.clear()
         self.meter.step_finished(state.stats, state.exposed_s)
         state.reset_step()
         self.schedule.step_finished()

@@ -264,7 +264,7 @@ class RingDDPStrategy(DDPBase):
             agreeing_scaler=lambda: agreeing_scaler(self.precision_plugin),
             observe=lambda o, on: (features.add_bucket_observer if on else features.remove_bucket_observer)(o),
             compressor=lambda: state.compressor,
-            set_compressor=lambda c: setattr(state, "compressor", as_compressor(c)),
+            set_compressor=lambda c: self._cycle.set_compressor(as_compressor(c)),
             regroup=lambda: self._bind_hook_groups(self._seam.derive(self.global_rank, self.model,
                                                                      self.collective_timeout)))
         # the share among the worker's ranks, the DDP flags, the verdict's group: lightning_dist.strategy.sync_seam

@@ -18,8 +18,8 @@ How a fit goes:
 4. **Watching.** Every ``check_every`` steps (for DiLoCo, whole cycles), the mean step time since the last check is
    agreed across ranks; above ``drift`` times the prediction (a link that degraded), every candidate is measured again
    on the kept buckets and the rule decides again. A different choice switches: DiLoCo lands what is in flight and
-   ends on the workers' mean (its final sync), OneBitAdam's compressed momentum and a compressor's residuals are dropped
-   with a message.
+   ends on the workers' mean (its final sync), a compressor's residuals are flushed into the next step's gradient
+   (:mod:`~lightning_dist.sync.auto_flush`), OneBitAdam's compressed momentum is dropped with a message.
 5. **Resuming.** A checkpoint keeps the decision, its history and the cluster it was made on (world size, hosts). A
    resume on the same cluster binds the chosen method at once and restores its state; on a changed one (an elastic
    restart with another world size, a host joined or left) the fit measures and decides again.
@@ -38,6 +38,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_dist.compression import NoCompressor, build_compressor
+from lightning_dist.sync.auto_flush import OwedResiduals
 from lightning_dist.sync.auto_measure import (
     BucketRecorder,
     across_hosts,
@@ -142,6 +143,7 @@ class AutoDriver(SyncDriver):
         self._started = 0.0  # perf_counter at the step's first before_forward
         self._in_step = False  # a step's first forward ran and its after_step has not yet
         self._window: list[float] = []  # step seconds since the last drift check
+        self._owed = OwedResiduals(context)  # a replaced compressor's residuals, flushed at the next step
         context.observe(self._recorder, True)
 
     # -- delegation -------------------------------------------------------------------------------------------------
@@ -158,6 +160,7 @@ class AutoDriver(SyncDriver):
     def before_forward(self) -> Optional[bool]:
         if not self._in_step:  # the step's first forward (under accumulation: its first micro-batch's)
             self._in_step, self._started = True, time.perf_counter()
+            self._owed.gather()  # a compressor replaced in the last step: its residuals, every rank's summed
             if self.phase == self.MEASURING:
                 rec = self._recorder
                 rec.clear()
@@ -166,6 +169,8 @@ class AutoDriver(SyncDriver):
         return self.inner.before_forward()
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], step: Callable[..., Any]) -> Any:
+        if self._owed.pending:  # the residuals join the reduced gradient before the optimizer (and clipping) see it
+            closure = self._owed.after(closure)
         return self.inner.optimizer_step(optimizer, closure, step)
 
     def after_step(self, global_step: int) -> None:
@@ -331,9 +336,8 @@ class AutoDriver(SyncDriver):
             warnings.warn("sync='auto': switching away from OneBitAdam drops its compressed momentum's error feedback "
                           "(Adam's own moments stay)", stacklevel=2)
         if self.compressor_kwargs is not None and self.compressor_kwargs.get("name") != DENSE:
-            if getattr(context.compressor(), "residuals", None) is not None:
-                warnings.warn(f"sync='auto': switching away from {self.compressor_kwargs['name']} drops its error "
-                              "feedback's residuals", stacklevel=2)
+            if getattr(context.compressor(), "residuals", None) is not None:  # flushed at the next step
+                self._owed.hold(context.compressor(), self.compressor_kwargs["name"])
         old.close()
         self.inner, self.compressor_kwargs = SyncDriver(), None
         context.set_compressor(None)

@@ -47,7 +47,8 @@ class SyncContext:
         observe: ``(observer, True)`` tells a bucket observer (the comm hook's ``BucketObserver`` protocol) about every
             gradient bucket from now on, ``(observer, False)`` stops.
         compressor: the comm hook's per-step compressor, now.
-        set_compressor: the comm hook's per-step compressor from the next step on (None: dense), between steps.
+        set_compressor: the comm hook's per-step compressor from the next bucket on (None: dense); the one it
+            replaces keeps or drops what it staged in this step with the step's verdict, as the comm hook's does.
         regroup: the driver's :attr:`~lightning_dist.sync.SyncDriver.gradient_ranks` changed (a driver that hands the
             fit to another, as ``sync="auto"`` does): the strategy derives again what follows from them (the hook's
             groups, DDP's flags, the verdict's group). A collective: every rank, at the same point between steps.
