@@ -191,3 +191,37 @@ def test_every_rank_measures_the_candidates_in_one_order():
                              env={**__import__("os").environ, "PYTHONHASHSEED": str(seed)}).stdout
               for seed in range(4)}
     assert len(orders) == 1, orders
+
+
+def test_a_flush_adds_whole_parameters_residuals_and_drops_two_tiers_parts():
+    """OwedResiduals on one process: residuals keyed by parameter go into the gradient in the step's loss scale;
+    two_tier's, keyed by parts of parameters, are dropped with a message (not flushed as zeros)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lightning_dist.compression import build_compressor
+    from lightning_dist.sync.auto_flush import OwedResiduals
+
+    module = torch.nn.Linear(3, 2)
+    step_scale = SimpleNamespace(grad_scale=4.0)  # the step's compressor: loss scale 4
+    context = SimpleNamespace(module=module, world_size=1, exchange_group=None, compressor=lambda: step_scale)
+    for key, flushed in (("weight", True), ("weight#0/2", False)):
+        compressor = build_compressor("int8")
+        compressor.grad_scale = 2.0  # its residuals' units
+        owed = torch.arange(6.0).view(2, 3) if flushed else torch.arange(3.0)
+        compressor.residuals.load_state_dict({key: owed})
+        flush = OwedResiduals(context)
+        flush.hold(compressor, "int8")
+        assert flush.pending
+        for p in module.parameters():
+            p.grad = torch.ones_like(p)
+        if flushed:
+            flush.gather()
+        else:
+            with pytest.warns(UserWarning, match="drops its error feedback's residuals"):
+                flush.gather()
+        flush.add_to_grads()
+        assert not flush.pending
+        expected = 1 + 2 * owed if flushed else torch.ones(2, 3)  # x 4 / 2: from its scale to the step's
+        assert torch.equal(module.weight.grad, expected) and torch.equal(module.bias.grad, torch.ones(2))

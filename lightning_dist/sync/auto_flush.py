@@ -59,12 +59,14 @@ class OwedResiduals:
         if compressor is None:
             return
         residuals = compressor.residuals
-        parts, whole = [], True
+        parts, whole, matched = [], True, 0
         for name, p in self._params():
             r = residuals.get(name)
+            matched += r is not None
             whole = whole and (r is None or r.numel() == p.numel())
             parts.append(r.detach().reshape(-1).to("cpu", torch.float32) if r is not None and whole
                          else torch.zeros(p.numel()))
+        whole = whole and matched == len(residuals)  # (two_tier's are keyed by parts: "name#i/parts")
         flag = torch.tensor([0.0 if whole else 1.0])
         group = self.context.exchange_group
         if self.context.world_size > 1:
