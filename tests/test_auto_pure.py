@@ -205,7 +205,8 @@ def test_a_flush_adds_whole_parameters_residuals_and_drops_two_tiers_parts():
 
     module = torch.nn.Linear(3, 2)
     step_scale = SimpleNamespace(grad_scale=4.0)  # the step's compressor: loss scale 4
-    context = SimpleNamespace(module=module, world_size=1, exchange_group=None, compressor=lambda: step_scale)
+    context = SimpleNamespace(module=module, world_size=1, exchange_group=None, compressor=lambda: step_scale,
+                              agree=lambda flag: flag)  # (SyncContext.agree without peers)
     for key, flushed in (("weight", True), ("weight#0/2", False)):
         compressor = build_compressor("int8")
         compressor.grad_scale = 2.0  # its residuals' units

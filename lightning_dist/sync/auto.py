@@ -233,10 +233,7 @@ class AutoDriver(SyncDriver):
         ends with it, rather than pay for ``steps`` of them."""
         if self.phase != self.MEASURING or global_step - self.measure_from != self.settings.warmup_steps + 1:
             return False
-        seconds = torch.tensor([self._steps[-1]["step_s"] if self._steps else 0.0], dtype=torch.float64)
-        if self.context.world_size > 1:
-            dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=self.context.exchange_group)
-        return float(seconds.item()) > self.settings.long_s
+        return self.context.agree(bool(self._steps) and self._steps[-1]["step_s"] > self.settings.long_s)
 
     def _window_steps(self) -> int:
         every = self.decision.row().every if self.decision is not None else 1

@@ -67,17 +67,13 @@ class OwedResiduals:
             parts.append(r.detach().reshape(-1).to("cpu", torch.float32) if r is not None and whole
                          else torch.zeros(p.numel()))
         whole = whole and matched == len(residuals)  # (two_tier's are keyed by parts: "name#i/parts")
-        flag = torch.tensor([0.0 if whole else 1.0])
-        group = self.context.exchange_group
-        if self.context.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        if flag.item():
+        if self.context.agree(not whole):  # every rank drops, or every rank flushes
             warnings.warn(f"sync='auto': switching away from {self.name} drops its error feedback's residuals (each "
                           "rank's part of a bucket across hosts, under two_tier)", stacklevel=2)
             return
         flat = torch.cat(parts) if parts else torch.zeros(0)
         if self.context.world_size > 1:
-            dist.all_reduce(flat, group=group)
+            dist.all_reduce(flat, group=self.context.exchange_group)
         self.flat, self.scale = flat, compressor.grad_scale
         rank_zero_info(f"sync='auto': {self.name}'s error-feedback residuals (norm {float(flat.norm()):.3g}, every "
                        "rank's summed) are added to this step's gradient")
