@@ -47,6 +47,31 @@ def test_cells_time_auto_from_its_decision_and_its_choices_steps():
     assert fast["best"] == "diloco10/int8"  # 30 s against dense's 60
 
 
+def test_diloco_times_per_step_share_their_cells_one_local_step():
+    def timing(method, every, cycle, sync, rate=10.0):
+        return {"shape": "two_tier", "rate_mbit": rate, "method": method, "every": every, "cycle_s": cycle,
+                "sync_step_s": sync, "per_step_s": cycle / every}
+
+    # local steps (cycle - sync) / (H - 1): 0.1, 0.08 and 0.09 (the machine's drift between fits): the median 0.09
+    timings = [timing("diloco50", 50, 0.1 * 49 + 0.3, 0.3), timing("diloco50/int8", 50, 0.08 * 49 + 0.5, 0.5),
+               timing("diloco10/int8", 10, 0.09 * 9 + 0.2, 0.2), timing("diloco50", 50, 4.0, 0.2, rate=100.0),
+               {"shape": "two_tier", "rate_mbit": 10.0, "method": "dense", "per_step_s": 0.5, "every": 1,
+                "cycle_s": 0.5, "sync_step_s": 0.5}]
+    out = {(t["method"], t["rate_mbit"]): t for t in auto.pooled_local_steps(timings)}
+    assert out[("diloco50", 10.0)]["per_step_s"] == pytest.approx((49 * 0.09 + 0.3) / 50)
+    assert out[("diloco50", 10.0)]["measured_per_step_s"] == pytest.approx((0.1 * 49 + 0.3) / 50)
+    assert out[("diloco50/int8", 10.0)]["per_step_s"] == pytest.approx((49 * 0.09 + 0.5) / 50)  # its own sync
+    assert out[("diloco10/int8", 10.0)]["per_step_s"] == pytest.approx((9 * 0.09 + 0.2) / 10)
+    assert out[("diloco50", 100.0)]["per_step_s"] == pytest.approx(4.0 / 50)  # alone in its cell: as measured
+    assert out[("dense", 10.0)]["per_step_s"] == 0.5 and "measured_per_step_s" not in out[("dense", 10.0)]
+    # the cells use them: the int8 twin no faster than its sync makes it
+    curves = [_curve("two_tier", label, [3.0, 2.0]) for label in ("dense", "diloco50", "diloco50/int8")]
+    decisions = [{"shape": "two_tier", "rate_mbit": 10.0, "choice": "diloco50", "step": 4, "decided_s": 2.0}]
+    row, = auto.cell_rows(decisions, curves, timings[:3] + timings[4:])
+    assert row["times_s"]["diloco50"] == pytest.approx(200 * (49 * 0.09 + 0.3) / 50)
+    assert row["best"] == "diloco50"
+
+
 def test_auto_switched_to_diloco_is_validated_on_the_model_diloco_validates(monkeypatch):
     """The curve of a fit that auto handed to DiLoCo holds the workers' mean, as DiLoCo's own fits' do (it held rank
     0's own worker mid-cycle before: 1.5% higher on two_tier)."""

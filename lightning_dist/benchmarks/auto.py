@@ -8,7 +8,9 @@ for every method), per cell (shape: ``flat``, 4 hosts of 1, and ``two_tier``, 2 
 1. **auto's decision on the shaped cluster.** A real fit with ``sync="auto"`` under torchrun on the cell's hosts and
    links, stopped a few steps after its decision: the choice, the table, and the seconds from the fit's first step to
    the end of the decision's step (the dense measuring steps and the measurement of every candidate over the links).
-2. **Every fixed method's time per step on the same cluster**: the sync benchmark's timing jobs.
+2. **Every fixed method's time per step on the same cluster**: the sync benchmark's timing jobs. DiLoCo's local steps,
+   the same computation under every H and codec, are timed once per cell (:func:`pooled_local_steps`): each DiLoCo
+   method differs from its twins by its sync step only, not by the machine's drift between two fits.
 3. **Curves on loopback ranks** (a method's loss against steps does not depend on the link): every fixed method, and
    auto forced to each choice it made (``Auto(methods=[choice])`` with a bytes budget under dense's), so auto's curve is
    its own: dense measuring steps, then the choice.
@@ -227,10 +229,39 @@ def target_loss(curves: dict[str, dict[str, Any]]) -> Optional[float]:
     return max(dense["final_loss"], min(others)) if others else dense["final_loss"]
 
 
+def pooled_local_steps(timings: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The timings with every DiLoCo method's ``per_step_s`` rebuilt on its cell's one local step.
+
+    A DiLoCo fit's H - 1 local steps are the same computation whatever its H and codec (no communication), so
+    differences between the fits' local steps are the machine's drift from fit to fit, not the methods' (on this
+    machine up to 12% between two fits of one job). Per cell, the local step is the median over its DiLoCo fits of
+    ``(cycle_s - sync_step_s) / (H - 1)``; a fit's ``per_step_s`` becomes ``((H - 1) local + its own sync step) / H``,
+    its measured one kept as ``measured_per_step_s``. Records without a cycle (dense, per-step methods) are unchanged.
+    """
+    def pooled(t: dict[str, Any]) -> bool:
+        return (t.get("every") or 1) > 1 and t.get("cycle_s") is not None and t.get("sync_step_s") is not None
+
+    local: dict[tuple[str, float], list[float]] = {}
+    for t in timings:
+        if pooled(t):
+            local.setdefault((t["shape"], t["rate_mbit"]), []).append(
+                (t["cycle_s"] - t["sync_step_s"]) / (t["every"] - 1))
+    out = []
+    for t in timings:
+        if pooled(t):
+            step = bench.median(local[(t["shape"], t["rate_mbit"])])
+            t = {**t, "measured_per_step_s": t["per_step_s"],
+                 "per_step_s": ((t["every"] - 1) * step + t["sync_step_s"]) / t["every"]}
+        out.append(t)
+    return out
+
+
 def cell_rows(decisions: Sequence[dict[str, Any]], curves: Sequence[dict[str, Any]],
               timings: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per cell: every fixed method's time to the target, auto's, and the ratios the targets judge."""
+    """Per cell: every fixed method's time to the target, auto's, and the ratios the targets judge (DiLoCo's times per
+    step on its cell's one local step: :func:`pooled_local_steps`)."""
     rows = []
+    timings = pooled_local_steps(timings)
     for d in decisions:
         shape, rate = d["shape"], d["rate_mbit"]
         mine = {c["method"]: c for c in curves if c["shape"] == shape and not c.get("error")}
