@@ -3,6 +3,8 @@
 - a fit that switches to int8 after its measuring steps equals a fit with int8 from the start whose ``start_step`` is
   the measuring steps (SGD), bit for bit; one that switches to OneBitAdam equals OneBitAdam from the start with the same
   warm-up (AdamW), bit for bit: the measuring steps are exactly the method's own warm-up;
+- a switch away from int8 flushes its residuals into the next step's gradient, and a checkpoint written in the switch
+  step carries them into a resumed fit's first step;
 - the decision, its table and its history are identical on every rank;
 - a fit switched to DiLoCo ends with every rank's parameters identical, and a link that slows (every step sleeps) makes
   it decide again at its next check;
@@ -54,13 +56,21 @@ class Sleep(Callback):
 class FlushProbe(Callback, BucketObserver):
     """Switches int8 to dense at the check at step ``CHECK`` (only dense allowed and a prediction every step exceeds)
     and records, per rank: the int8 compressor's residuals as the switch step finished, and in the step after it the
-    reduced gradient as the comm hook left it (its buckets when reduced) and as the optimizer is handed it."""
+    reduced gradient as the comm hook left it (its buckets when reduced) and as the optimizer is handed it. With
+    ``save``, a checkpoint written in the switch step; ``resumed``: a fit resumed from it, its first step recorded."""
 
-    def __init__(self):
+    def __init__(self, save=None, resumed=False):
         self.compressor, self.owed, self.reduced, self.handed, self._buffers = None, None, {}, None, {}
+        self.save, self.resumed = save, resumed
+
+    def on_train_start(self, trainer, *args):
+        if self.resumed:
+            trainer.strategy.features.add_bucket_observer(self)
 
     def on_train_batch_end(self, trainer, *args):
         step, features = trainer.global_step, trainer.strategy.features
+        if self.resumed:
+            return
         if step == CHECK - 1:
             driver = features.sync
             self.compressor = features.compressor  # the int8 compressor auto chose at step MEASURE
@@ -70,6 +80,8 @@ class FlushProbe(Callback, BucketObserver):
             features.sync.settings.drift = 0  # no later check: one switch
             residuals = self.compressor.residuals  # as the switch step finished (the strategy committed them)
             self.owed = {n: residuals.get(n).clone() for n, _ in trainer.lightning_module.named_parameters()}
+            if self.save:
+                trainer.save_checkpoint(self.save)
             features.add_bucket_observer(self)
         elif step == CHECK + 1:
             features.remove_bucket_observer(self)
@@ -132,6 +144,15 @@ def _two(rank, world, ckpt_dir):
                                                long_s=LONG)}, "sgd", callbacks=[probe])
         out["flush_history"] = _history(trainer)
         out["flush"] = {"owed": probe.owed, "reduced": probe.reduced, "handed": probe.handed}
+        # the same fit to the flushed step, a checkpoint written in the switch step; then a fit resumed from it
+        path, probe = os.path.join(ckpt_dir, "switch.ckpt"), FlushProbe(save=os.path.join(ckpt_dir, "switch.ckpt"))
+        flush = Auto(methods=["int8"], max_bytes_per_step=FEW_BYTES, check_every=CHECK, long_s=LONG)
+        _fit(world, {"sync": flush}, "sgd", steps=CHECK + 1, callbacks=[probe])
+        out["flush_saved"] = probe.handed
+        probe = FlushProbe(resumed=True)
+        trainer, _ = _fit(world, {"sync": Auto(drift=0)}, "sgd", steps=CHECK + 1, callbacks=[probe], ckpt_path=path)
+        out["flush_resumed"] = {"reduced": probe.reduced, "handed": probe.handed,
+                                "history": _history(trainer)}
         # a first timed step longer than long_s ends the measuring steps: the switch after step 2, as int8 from there
         trainer, out["early"] = _fit(world, {"sync": Auto(methods=["int8"], max_bytes_per_step=FEW_BYTES, drift=0,
                                                           long_s=EARLY)}, "sgd")
@@ -202,6 +223,15 @@ def test_a_switch_away_from_a_compressor_flushes_its_residuals_into_the_next_ste
             assert not torch.equal(handed, reduced), name
             torch.testing.assert_close(handed - reduced, summed, rtol=1e-5, atol=1e-6)
     assert all(torch.equal(two[0]["flush"]["handed"][n], two[1]["flush"]["handed"][n]) for n in owed)
+    for out in two:
+        # a checkpoint written in the switch step changes nothing in the fit, and carries the flush: the resumed fit's
+        # first step hands the optimizer its reduced gradient plus the same residuals
+        assert all(torch.equal(out["flush_saved"][n], out["flush"]["handed"][n]) for n in owed)
+        resumed = out["flush_resumed"]
+        assert [h["choice"] for h in resumed["history"]] == ["int8", "dense"]
+        for name, summed in owed.items():
+            torch.testing.assert_close(resumed["handed"][name] - resumed["reduced"][name], summed, rtol=1e-5,
+                                       atol=1e-6)
 
 
 def test_the_decision_is_identical_on_every_rank(runs):

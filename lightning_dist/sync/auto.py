@@ -358,12 +358,13 @@ class AutoDriver(SyncDriver):
         return {"settings": self.settings.describe(), "phase": self.phase, "cluster": asdict(self.cluster),
                 "decision": self.decision.as_dict() if self.decision is not None else None,
                 "history": list(self.history), "measured": self._measured,
-                "inner": self.inner.state_dict(local)}
+                "owed": None if local else self._owed.state_dict(), "inner": self.inner.state_dict(local)}
 
     def load_state_dict(self, state: Optional[dict[str, Any]]) -> Optional[list[Any]]:
         if state is None:
             return None
         self.history = list(state.get("history", []))
+        self._owed.load_state_dict(state.get("owed"))  # a switch step's residuals: flushed in the first step
         if state.get("decision") is None:  # saved while measuring: measure again from here
             self.measure_from = self.context.global_step
             return None

@@ -6,6 +6,8 @@ gradient left out; its next step sends ``C(g + e)``. A switch to another way of 
 :class:`OwedResiduals` ends it as the compressor would have without compressing: at the next step every rank sums
 every rank's residuals (one dense all-reduce of one model's worth, at the step's start, every rank together) and adds
 the sum to the gradient that step reduced, after its backward and before the optimizer (and any clipping) sees it.
+A checkpoint written in the switch step gathers them at its save and carries the sum, so a fit resumed from it
+flushes them into its first step alike (an emergency checkpoint, written without collectives, does not).
 After the flush the sum of the gradients the optimizer was handed equals the sum of the true mean gradients, as it
 would after a compressor that owes nothing (the EF invariant; ``tests/test_auto.py`` checks the flushed step).
 
@@ -77,6 +79,18 @@ class OwedResiduals:
         self.flat, self.scale = flat, compressor.grad_scale
         rank_zero_info(f"sync='auto': {self.name}'s error-feedback residuals (norm {float(flat.norm()):.3g}, every "
                        "rank's summed) are added to this step's gradient")
+
+    # -- checkpoints: a checkpoint written in the switch step carries the flush to the resumed fit --------------------
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        """Every rank (a checkpoint's save, a collective): the held residuals gathered now, instead of at the next
+        step's start (the same sum), and kept as the checkpoint's; None when nothing is owed."""
+        self.gather()
+        return None if self.flat is None else {"flat": self.flat, "scale": self.scale, "name": self.name}
+
+    def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
+        """The summed residuals a checkpoint carried: added to the resumed fit's first step's gradient."""
+        if state is not None:
+            self.flat, self.scale, self.name = state["flat"], float(state["scale"]), state["name"]
 
     def after(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         """``closure`` (forward, whose start gathers the residuals, and backward, the gradient reduced), then
