@@ -226,3 +226,21 @@ def test_a_flush_adds_whole_parameters_residuals_and_drops_two_tiers_parts():
         assert not flush.pending
         expected = 1 + 2 * owed if flushed else torch.ones(2, 3)  # x 4 / 2: from its scale to the step's
         assert torch.equal(module.weight.grad, expected) and torch.equal(module.bias.grad, torch.ones(2))
+
+
+def test_the_measuring_ends_early_on_a_slow_links_wire_not_on_a_slow_compute():
+    """After the first timed step, the measuring ends when the communication left exposed after backward took longer
+    than ``long_s`` on some rank; a step slow by its compute (a big model, a loaded machine) measures on."""
+    from types import SimpleNamespace
+
+    from lightning_dist.sync.auto import AutoDriver
+
+    driver = object.__new__(AutoDriver)  # the rule's state only: no context to bind
+    driver.settings, driver.phase, driver.measure_from = Auto(long_s=0.25), AutoDriver.MEASURING, 0
+    driver.context = SimpleNamespace(agree=lambda flag: flag)  # (SyncContext.agree without peers)
+    first = driver.settings.warmup_steps + 1
+    driver._steps = [{"step_s": 2.0, "exposed_s": 0.01}]  # 2 s of compute, 10 ms exposed
+    assert not driver._long_step(first)
+    driver._steps = [{"step_s": 0.5, "exposed_s": 0.3}]  # 300 ms of wire past backward
+    assert driver._long_step(first)
+    assert not driver._long_step(first + 1)  # only the first timed step decides it

@@ -119,7 +119,8 @@ class Cluster:
 
 
 # a decision's reason after the measuring steps: all of them, or the first timed one, longer than long_s
-MEASURED, MEASURED_ONCE = "the measuring steps are over", "the first timed step took longer than long_s"
+MEASURED = "the measuring steps are over"
+MEASURED_ONCE = "the first timed step's exposed communication took longer than long_s"
 
 
 class AutoDriver(SyncDriver):
@@ -228,12 +229,13 @@ class AutoDriver(SyncDriver):
                 and global_step - self.measure_from == self.settings.warmup_steps + self.settings.steps)
 
     def _long_step(self, global_step: int) -> bool:
-        """After the first timed step: whether it took longer than ``long_s`` on some rank (agreed: every rank ends
-        the measuring in the same step). A slow link's dense step, which more steps would not change: the measuring
-        ends with it, rather than pay for ``steps`` of them."""
+        """After the first timed step: whether the communication it left exposed after backward took longer than
+        ``long_s`` on some rank (agreed: every rank ends the measuring in the same step). A slow link's wire, which
+        more steps would not change: the measuring ends with it, rather than pay for ``steps`` of them (a step slow by
+        its compute, a big model or a loaded machine, measures on)."""
         if self.phase != self.MEASURING or global_step - self.measure_from != self.settings.warmup_steps + 1:
             return False
-        return self.context.agree(bool(self._steps) and self._steps[-1]["step_s"] > self.settings.long_s)
+        return self.context.agree(bool(self._steps) and self._steps[-1]["exposed_s"] > self.settings.long_s)
 
     def _window_steps(self) -> int:
         every = self.decision.row().every if self.decision is not None else 1

@@ -25,8 +25,8 @@ class AutoSettings:
         rounds: timed rounds of every candidate codec over the kept buckets (after one untimed round).
         long_s: a candidate whose untimed round took longer than this many seconds (a slow link's wire, which no
             warm-up changes) counts it as its one timed round: the measurement costs a few dense steps at most; and a
-            first timed step longer than this on some rank ends the measuring steps there (one timed step, not
-            ``steps``: on a slow link each dense step costs seconds).
+            first timed step whose communication left exposed after backward took longer than this on some rank ends
+            the measuring steps there (one timed step, not ``steps``: on a slow link each dense step costs seconds).
         compressors: the per-step compressors measured, by name (their conf/compression defaults).
         max_bytes_per_step: bytes this rank may send per step, at most (None: any): dense is excluded below its own.
         exact: no change to the optimisation: dense and the lossless casts only.
