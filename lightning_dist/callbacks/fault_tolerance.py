@@ -11,7 +11,9 @@ With ``FaultTolerance()`` (any strategy; every rank):
    (``<dirpath>/emergency/emergency-rank{r}-step={N}.ckpt``: a temporary file in the same directory, fsync,
    ``os.replace``, a SHA-256 sidecar; :mod:`lightning_dist.fault.emergency`), and the exception goes on to
    Lightning and the launcher with its traceback. If the process has not ended ``exit_grace_s`` seconds later
-   (a teardown or ``atexit`` handler stuck on a dead peer), it is ended with exit code 1.
+   (a teardown or ``atexit`` handler stuck on a dead peer), it is ended with exit code 1. Under Lightning's popen
+   launcher, whose rank 0 kills every rank within 5 s of one failing, that kill waits for the ranks' own ends
+   (:mod:`lightning_dist.fault.launcher`).
 2. **A stall or a vanished peer**: the progress watchdog (:mod:`lightning_dist.fault.watchdog`) sees that no
    rank has made progress for ``timeout_s`` seconds (or that the store or the launcher is gone), logs which
    rank stopped first and at which step, writes this rank's emergency checkpoint and exits with code
@@ -81,6 +83,7 @@ from lightning_dist.fault.emergency import (
     peer_gone,
     unguard_fit_loop,
 )
+from lightning_dist.fault.launcher import defer_kill, process_observer
 from lightning_dist.fault.leave import Notice, StopDecision, decide, exit_when_main_ends, signal_agent
 from lightning_dist.fault.signals import StopSignals, requeue_signal, requeue_slurm_job
 from lightning_dist.fault.watchdog import Fault, Watchdog, open_store
@@ -139,6 +142,7 @@ class FaultTolerance(Callback):
         self.settle_s = float(settle_s)
         self._node = 0  # this rank's host (node rank), set up per fit
         self._requeue_on: Optional[int] = None  # the signal on which Lightning would requeue this SLURM job, if any
+        self._undo_defer: Optional[Callable[[], None]] = None  # gives the popen launcher's observer its kill back
         self._requested_at: Optional[float] = None  # when this rank first saw a stop request on the exchange
         self.decision: Optional[StopDecision] = None  # who left at the agreed stop, once there was one
 
@@ -158,6 +162,9 @@ class FaultTolerance(Callback):
         self._signals.remember()
         self._values.setup(trainer, self.agree_every_n_steps or 1, when_workers_meet=self.agree_every_n_steps is None)
         self._requeue_on = requeue_signal(trainer.strategy)  # the signal Lightning would requeue a SLURM job on
+        observer = process_observer()  # rank 0 of a popen launch: its kill of every rank waits for their saves
+        if observer is not None:
+            self._undo_defer = defer_kill(observer, self.timeout_s + 3 * self.poll_s + self.exit_grace_s)
         features = features_of(trainer.strategy)
         if features is not None:
             features.collective_guard = self._collective_paused  # a sync driver's long sync is not a stall
@@ -203,6 +210,9 @@ class FaultTolerance(Callback):
             if features is not None and features.collective_guard == self._collective_paused:
                 features.collective_guard = None
             unguard_fit_loop(trainer)
+            if self._undo_defer is not None:
+                self._undo_defer()
+                self._undo_defer = None
             self._trainer = None
 
     # -- progress ---------------------------------------------------------------------------------------------
