@@ -187,9 +187,14 @@ def test_every_rank_measures_the_candidates_in_one_order():
 
     code = ("from lightning_dist.sync.auto_rule import diloco_codecs; from lightning_dist.sync.auto import AutoDriver; "
             "print(diloco_codecs())")
-    orders = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
-                             env={**__import__("os").environ, "PYTHONHASHSEED": str(seed)}).stdout
-              for seed in range(4)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env={**__import__("os").environ, "PYTHONHASHSEED": str(seed)}) for seed in range(4)]
+    try:  # side by side: each interpreter's seconds are its imports
+        orders = {proc.communicate(timeout=120)[0] for proc in procs}
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert [proc.returncode for proc in procs] == [0] * 4
     assert len(orders) == 1, orders
 
 
