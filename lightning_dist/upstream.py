@@ -2,20 +2,24 @@
 
 The package builds on hooks Lightning keeps private: the strategy's DDP hook registration and launcher choice, the
 profiler's construction, the name of the hook running, the training loop's SIGTERM broadcast, the trainer's results
-and checkpoint connector. A Lightning release may move any of them, hence the ``lightning>=2.6,<2.7`` pin
-(``pyproject.toml``; docs/strategy.md lists these names). Everything else in the package reaches them here, under
-names of its own: :class:`DDPBase` and :class:`ProfilerBase` turn the private methods a subclass overrides into public
-ones, the functions below read and set the private attributes. ``tests/test_upstream.py`` checks that every name this
-module reaches still exists where it looks, so an upgrade fails that test, by name, before it fails a fit.
+and checkpoint connector, the popen launcher's kill of every rank. A Lightning release may move any of them, hence the
+``lightning>=2.6,<2.7`` pin (``pyproject.toml``; docs/strategy.md lists these names). Everything else in the package
+reaches them here, under names of its own: :class:`DDPBase` and :class:`ProfilerBase` turn the private methods a
+subclass overrides into public ones, the functions below read and set the private attributes.
+``tests/test_upstream.py`` checks that every name this module reaches still exists where it looks, so an upgrade fails
+that test, by name, before it fails a fit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.pytorch.profilers import PyTorchProfiler
 from lightning.pytorch.strategies import DDPStrategy
@@ -32,6 +36,8 @@ REACHED: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.strategies.DDPStrategy", "_start_method"),
     ("lightning.pytorch.strategies.DDPStrategy", "_launcher"),
     ("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher"),
+    ("lightning.fabric.strategies.launchers.subprocess_script", "_ChildProcessObserver"),
+    ("lightning.fabric.strategies.launchers.subprocess_script._ChildProcessObserver", "_terminate_all"),
     ("lightning.fabric.utilities.distributed", "_init_dist_connection"),
     ("lightning.pytorch.profilers.PyTorchProfiler", "_create_profiler"),
     ("lightning.pytorch.profilers.PyTorchProfiler", "_profiler_kwargs"),
@@ -161,3 +167,28 @@ def all_threads_profiler_config() -> Any:
 def profiler_enabled() -> bool:
     """Whether torch's profiler is recording (its record_function ranges cost nothing otherwise)."""
     return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
+def launcher_observer() -> Optional[Any]:
+    """The popen launcher's observer in this process (rank 0 of a ``start_method="popen"`` launch), or None: a thread
+    that polls the ranks it started every 5 s and, once one has exited non-zero, SIGKILLs every other rank and rank 0
+    itself."""
+    return next((t for t in threading.enumerate() if isinstance(t, _ChildProcessObserver) and t.is_alive()), None)
+
+
+def defer_observer_kill(observer: Any, grace_s: float) -> Callable[[], None]:
+    """Hold ``observer``'s kill of every rank for ``grace_s`` seconds after it decided on it, then let it run (what is
+    left, rank 0 among them, as Lightning would have at once); rank 0 ending on its own ends the wait, the observer
+    being one of its threads. Returns what gives the observer its kill back."""
+    terminate = observer._terminate_all
+
+    def terminate_after_grace() -> None:
+        time.sleep(grace_s)
+        terminate()
+
+    observer._terminate_all = terminate_after_grace
+
+    def undo() -> None:
+        observer._terminate_all = terminate
+
+    return undo

@@ -1,5 +1,6 @@
-"""The popen launcher's kill held for the ranks' own ends (``lightning_dist.fault.launcher``), on Lightning's own
-observer with stand-in processes: a "rank" that failed (exit 1) and a "rank 0" that is still saving (a sleep)."""
+"""The popen launcher's kill held for the ranks' own ends (``lightning_dist.upstream.defer_observer_kill``), on
+Lightning's own observer with stand-in processes: a "rank" that failed (exit 1) and a "rank 0" that is still saving
+(a sleep)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 import pytest
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 
-from lightning_dist.fault.launcher import defer_kill, process_observer
+from lightning_dist.upstream import defer_observer_kill, launcher_observer
 
 pytestmark = pytest.mark.subprocess_ok
 
@@ -40,8 +41,7 @@ def test_lightnings_observer_kills_at_once_and_the_deferred_one_after_its_grace(
         main.kill()
     observer, main = _observer()
     try:
-        undo = defer_kill(observer, grace_s=1.5)
-        assert undo is not None
+        defer_observer_kill(observer, grace_s=1.5)
         started = time.monotonic()
         observer.start()
         assert not _gone_after(main, 1.0)  # held: rank 0 still saving
@@ -54,11 +54,10 @@ def test_lightnings_observer_kills_at_once_and_the_deferred_one_after_its_grace(
 def test_undo_gives_the_observer_its_kill_back_and_only_a_live_observer_is_found():
     observer, main = _observer()
     try:
-        undo = defer_kill(observer, grace_s=60)
+        undo = defer_observer_kill(observer, grace_s=60)
         undo()
-        assert process_observer() is None  # none of this process's threads (the stand-in is not started)
+        assert launcher_observer() is None  # none of this process's threads (the stand-in is not started)
         observer.start()
         assert _gone_after(main, 10) and main.returncode == -9
     finally:
         main.kill()
-    assert defer_kill(object(), grace_s=1) is None  # no kill of the expected shape: nothing changed

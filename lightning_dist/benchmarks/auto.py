@@ -234,7 +234,7 @@ def pooled_local_steps(timings: Sequence[dict[str, Any]]) -> list[dict[str, Any]
 
     A DiLoCo fit's H - 1 local steps are the same computation whatever its H and codec (no communication), so
     differences between the fits' local steps are the machine's drift from fit to fit, not the methods' (on this
-    machine up to 12% between two fits of one job). Per cell, the local step is the median over its DiLoCo fits of
+    machine up to 24% between two fits of one job). Per cell, the local step is the median over its DiLoCo fits of
     ``(cycle_s - sync_step_s) / (H - 1)``; a fit's ``per_step_s`` becomes ``((H - 1) local + its own sync step) / H``,
     its measured one kept as ``measured_per_step_s``. Records without a cycle (dense, per-step methods) are unchanged.
     """

@@ -13,7 +13,7 @@ With ``FaultTolerance()`` (any strategy; every rank):
    Lightning and the launcher with its traceback. If the process has not ended ``exit_grace_s`` seconds later
    (a teardown or ``atexit`` handler stuck on a dead peer), it is ended with exit code 1. Under Lightning's popen
    launcher, whose rank 0 kills every rank within 5 s of one failing, that kill waits for the ranks' own ends
-   (:mod:`lightning_dist.fault.launcher`).
+   (:func:`lightning_dist.upstream.defer_observer_kill`).
 2. **A stall or a vanished peer**: the progress watchdog (:mod:`lightning_dist.fault.watchdog`) sees that no
    rank has made progress for ``timeout_s`` seconds (or that the store or the launcher is gone), logs which
    rank stopped first and at which step, writes this rank's emergency checkpoint and exits with code
@@ -83,12 +83,12 @@ from lightning_dist.fault.emergency import (
     peer_gone,
     unguard_fit_loop,
 )
-from lightning_dist.fault.launcher import defer_kill, process_observer
 from lightning_dist.fault.leave import Notice, StopDecision, decide, exit_when_main_ends, signal_agent
 from lightning_dist.fault.signals import StopSignals, requeue_signal, requeue_slurm_job
 from lightning_dist.fault.watchdog import Fault, Watchdog, open_store
 from lightning_dist.launch import LaunchEnv
 from lightning_dist.strategy import features_of
+from lightning_dist.upstream import defer_observer_kill, launcher_observer
 
 
 class FaultTolerance(Callback):
@@ -162,9 +162,12 @@ class FaultTolerance(Callback):
         self._signals.remember()
         self._values.setup(trainer, self.agree_every_n_steps or 1, when_workers_meet=self.agree_every_n_steps is None)
         self._requeue_on = requeue_signal(trainer.strategy)  # the signal Lightning would requeue a SLURM job on
-        observer = process_observer()  # rank 0 of a popen launch: its kill of every rank waits for their saves
+        # rank 0 of a popen launch: Lightning kills every rank within 5 s of one failing, which would cut the
+        # survivors' emergency saves short (once, on a loaded machine, rank 0 -9 right after its save instead of 1):
+        # the kill waits for the bound within which every rank ends itself
+        observer = launcher_observer()
         if observer is not None:
-            self._undo_defer = defer_kill(observer, self.timeout_s + 3 * self.poll_s + self.exit_grace_s)
+            self._undo_defer = defer_observer_kill(observer, self.timeout_s + 3 * self.poll_s + self.exit_grace_s)
         features = features_of(trainer.strategy)
         if features is not None:
             features.collective_guard = self._collective_paused  # a sync driver's long sync is not a stall
