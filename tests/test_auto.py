@@ -145,14 +145,14 @@ def _two(rank, world, ckpt_dir):
         out["flush_history"] = _history(trainer)
         out["flush"] = {"owed": probe.owed, "reduced": probe.reduced, "handed": probe.handed}
         # the same fit to the flushed step, a checkpoint written in the switch step; then a fit resumed from it
-        path, probe = os.path.join(ckpt_dir, "switch.ckpt"), FlushProbe(save=os.path.join(ckpt_dir, "switch.ckpt"))
+        path = os.path.join(ckpt_dir, "switch.ckpt")
+        probe = FlushProbe(save=path)
         flush = Auto(methods=["int8"], max_bytes_per_step=FEW_BYTES, check_every=CHECK, long_s=LONG)
         _fit(world, {"sync": flush}, "sgd", steps=CHECK + 1, callbacks=[probe])
         out["flush_saved"] = probe.handed
         probe = FlushProbe(resumed=True)
         trainer, _ = _fit(world, {"sync": Auto(drift=0)}, "sgd", steps=CHECK + 1, callbacks=[probe], ckpt_path=path)
-        out["flush_resumed"] = {"reduced": probe.reduced, "handed": probe.handed,
-                                "history": _history(trainer)}
+        out["flush_resumed"] = {"reduced": probe.reduced, "handed": probe.handed, "history": _history(trainer)}
         # a first timed step longer than long_s ends the measuring steps: the switch after step 2, as int8 from there
         trainer, out["early"] = _fit(world, {"sync": Auto(methods=["int8"], max_bytes_per_step=FEW_BYTES, drift=0,
                                                           long_s=EARLY)}, "sgd")
