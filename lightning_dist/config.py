@@ -29,6 +29,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from lightning_dist.comm.dispatch import ALGORITHMS
 from lightning_dist.comm.topology import TOPOLOGIES
+from lightning_dist.examples.cnn import OPTIMIZERS as DIGITS_OPTIMIZERS
 from lightning_dist.examples.schedules import SCHEDULES
 from lightning_dist.launch import LaunchEnv, connect_store
 from lightning_dist.strategy.arguments import START_METHODS
@@ -51,6 +52,7 @@ Algorithm = _choices("Algorithm", ALGORITHMS)  # lightning_dist.comm.dispatch
 TopologyKind = _choices("TopologyKind", TOPOLOGIES)  # lightning_dist.comm.topology
 StartMethod = _choices("StartMethod", START_METHODS)  # lightning_dist.strategy.arguments
 Schedule = _choices("Schedule", SCHEDULES)  # lightning_dist.examples.schedules: model.schedule
+DigitsOptimizer = _choices("DigitsOptimizer", DIGITS_OPTIMIZERS)  # lightning_dist.examples.cnn: model.optimizer
 
 
 @dataclass
@@ -106,6 +108,7 @@ class DigitsCNNConf:  # model=cnn
     weight_decay: float = MISSING
     schedule: Schedule = MISSING  # type: ignore[valid-type]
     warmup_steps: int = MISSING
+    optimizer: DigitsOptimizer = MISSING  # type: ignore[valid-type]
 
 
 @dataclass

@@ -47,6 +47,31 @@ def test_cells_time_auto_from_its_decision_and_its_choices_steps():
     assert fast["best"] == "diloco10/int8"  # 30 s against dense's 60
 
 
+def test_the_two_jobs_cells_keep_apart_and_a_choice_is_timed_as_its_fixed_method():
+    """The LM and the digits job share shapes and links, not curves or times; auto's ``powersgd`` is timed as the fixed
+    ``powersgd-r2`` (the codec it builds from its defaults)."""
+    decisions = [{"workload": "lm", "shape": "flat", "rate_mbit": 10.0, "choice": "dense", "step": 4,
+                  "decided_s": 4.0},
+                 {"workload": "digits", "shape": "flat", "rate_mbit": 10.0, "choice": "powersgd", "step": 4,
+                  "decided_s": 1.0}]
+    curves = [{**_curve("flat", "dense", [3.0, 2.0]), "workload": "lm"},
+              {**_curve("flat", "dense", [0.5, 0.1]), "workload": "digits"},
+              {**_curve("flat", "powersgd-r2", [0.4, 0.1]), "workload": "digits"},
+              {**_curve("flat", "auto:powersgd", [0.5, 0.1]), "workload": "digits"}]
+    timings = [{"workload": "lm", "shape": "flat", "rate_mbit": 10.0, "method": "dense", "per_step_s": 1.0},
+               {"workload": "digits", "shape": "flat", "rate_mbit": 10.0, "method": "dense", "per_step_s": 0.1},
+               {"workload": "digits", "shape": "flat", "rate_mbit": 10.0, "method": "powersgd-r2", "per_step_s": 0.02}]
+    lm, digits = auto.cell_rows(decisions, curves, timings)
+    assert (lm["workload"], lm["target_loss"], lm["times_s"]) == ("lm", 2.0, {"dense": 200.0})
+    assert lm["auto_s"] == pytest.approx(4.0 + 196 * 1.0)
+    assert digits["target_loss"] == 0.1 and digits["times_s"] == {"dense": 20.0, "powersgd-r2": pytest.approx(4.0)}
+    assert digits["auto_s"] == pytest.approx(1.0 + 196 * 0.02) and digits["best"] == "powersgd-r2"
+    assert "digits flat @ 10" in auto.check_targets([lm, digits], None)[0]
+    assert "powersgd-r2 s" in auto.cells_table([lm, digits], "digits")
+    assert "powersgd-r2 s" not in auto.cells_table([lm, digits], "lm")
+    assert auto.plot([lm, digits]) is not None
+
+
 def test_diloco_times_per_step_share_their_cells_one_local_step():
     def timing(method, every, cycle, sync, rate=10.0):
         return {"shape": "two_tier", "rate_mbit": rate, "method": method, "every": every, "cycle_s": cycle,
@@ -109,7 +134,7 @@ def test_the_slowdown_record_and_the_verdicts():
             {"shape": "flat", "rate_mbit": 100.0, "vs_best": 1.2, "vs_dense": 1.01}]
     lines = auto.check_targets(rows, record)
     assert lines[0].startswith("target auto within 15% of the best fixed method in every cell: MISSED")
-    assert "worst 1.20x in flat @ 100" in lines[0]
+    assert "worst 1.20x in lm flat @ 100" in lines[0]
     assert lines[1].startswith("target auto never more than 5% slower than dense: MET")
     assert lines[2].startswith("target auto decides again within 50 steps of the link's change: MET")
     assert lines[3].startswith("target auto beats every fixed method that was best before the change: MET")
@@ -139,12 +164,15 @@ def test_quick_run_decides_on_the_cluster_and_writes_its_outputs(quick):
     for name in ("auto.json", "auto.txt", "auto.png"):
         assert (out / name).stat().st_size > 0
     assert json.loads((out / "auto.json").read_text())["cells"] == payload["cells"]
-    (decision,) = payload["decisions"]
-    measured = 2 if decision["reason"].startswith("the first timed") else MEASURE  # past long_s: 1 + 1
-    assert decision["error"] is None and decision["step"] == measured and decision["choice"] in {
-        r["label"] for r in decision["rows"]}
-    (cell,) = payload["cells"]
-    assert cell["auto_s"] is not None and cell["times_s"]["dense"] is not None
+    assert [d["workload"] for d in payload["decisions"]] == ["lm", "digits"]
+    for decision in payload["decisions"]:
+        measured = 2 if decision["reason"].startswith("the first timed") else MEASURE  # past long_s: 1 + 1
+        assert decision["error"] is None and decision["step"] == measured and decision["choice"] in {
+            r["label"] for r in decision["rows"]}
+    labels = {d["workload"]: {r["label"] for r in d["rows"]} for d in payload["decisions"]}
+    assert "onebit_adam" in labels["lm"] and "onebit_adam" not in labels["digits"]  # an Adam method, not under SGD
+    for cell in payload["cells"]:
+        assert cell["auto_s"] is not None and cell["times_s"]["dense"] is not None
     slow = payload["slowdown"]
     first = slow["fits"]["auto"]["history"][0]  # all the measuring steps, or 1 + 1 past long_s (its reason says)
     assert slow["error"] is None and first["step"] == (2 if first["reason"].startswith("the first timed") else MEASURE)

@@ -54,6 +54,7 @@ def test_timing_fits_cover_two_cycles_after_a_warm_up_and_curves_sample_synced_m
             assert steps - warm * method.every >= sync.FULL.min_timed_steps
         else:
             assert (steps, warm) == (2 + sync.TIMED_STEPS, 2)
+            assert sync.timing_steps(method, sync.DIGITS) == (2 + sync.DIGITS.timed_steps, 2)  # its steps are short
         every = sync.eval_every(method, sync.FULL)
         assert every % method.every == 0 and sync.FULL.steps % every == 0, label
     assert sync.timing_steps(sync.METHODS["diloco50"], sync.FULL) == (150, 1)
@@ -179,6 +180,23 @@ def test_argument_checks():
         sync._parse_args(["--methods", "diloco10"])  # no dense to compare with
     with pytest.raises(SystemExit):
         sync._parse_args(["--nosync-rounds", "0"])
+
+
+def test_the_digits_job_is_the_cnn_under_sgd_on_its_held_out_split():
+    args = sync._parse_args(["--workload", "digits"])
+    assert args.sizes == sync.DIGITS and args.methods == sync.DIGITS_METHODS and "onebit-adam" not in args.methods
+    assert sync._parse_args(["--workload", "digits", "--quick"]).sizes == sync.DIGITS_QUICK
+    model, data = sync.workload(sync.DIGITS)
+    optimizer = model.configure_optimizers()
+    assert type(optimizer) is torch.optim.SGD and optimizer.defaults["lr"] == sync.DIGITS_LR
+    assert data.batch_size == sync.DIGITS.batch_size == 32
+    images, labels = sync.val_batch(sync.DIGITS)
+    assert images.shape == (360, 1, 8, 8) and sorted(set(labels.tolist())) == list(range(10))
+    loss = sync.val_loss(model, (images, labels), chunk=100)  # in chunks: the mean over all 360
+    with torch.no_grad():
+        assert loss == pytest.approx(torch.nn.functional.cross_entropy(model(images), labels).item(), rel=1e-5)
+    # the per-step compressors auto may take under SGD are fixed methods, each the codec auto would build
+    assert sync.METHODS["int8"].compressor == {"name": "int8"} and sync.METHODS["fp16"].compressor == {"name": "fp16"}
 
 
 @pytest.fixture(scope="module")

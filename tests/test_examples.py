@@ -102,18 +102,28 @@ def test_model_has_no_batchnorm_or_dropout():
 def test_hyperparameters_are_plain_types():
     model = DigitsCNN(lr=1e-3, channels=8, hidden=16, weight_decay=1e-4)
     assert dict(model.hparams) == {"lr": 1e-3, "channels": 8, "hidden": 16, "weight_decay": 1e-4,
-                                   "schedule": "constant", "warmup_steps": 0}
+                                   "schedule": "constant", "warmup_steps": 0, "optimizer": "adam"}
     assert all(type(value) in (int, float, str) for value in model.hparams.values())
 
 
 @pytest.mark.parametrize(
     "kwargs, match",
     [({"lr": 0.0}, "lr"), ({"lr": float("nan")}, "lr"), ({"channels": 0}, "channels"),
-     ({"hidden": 1.5}, "hidden"), ({"weight_decay": -1.0}, "weight_decay")],
+     ({"hidden": 1.5}, "hidden"), ({"weight_decay": -1.0}, "weight_decay"), ({"optimizer": "SGD"}, "optimizer")],
 )
 def test_model_bad_args(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DigitsCNN(**kwargs)
+
+
+def test_the_optimizer_is_adam_or_sgd_with_momentum_and_the_loss_is_the_training_steps():
+    model = DigitsCNN(lr=2e-3, weight_decay=1e-4, optimizer="sgd")
+    sgd = model.configure_optimizers()
+    assert type(sgd) is torch.optim.SGD and sgd.defaults["momentum"] == 0.9 and sgd.defaults["lr"] == 2e-3
+    assert sgd.defaults["weight_decay"] == 1e-4
+    assert type(DigitsCNN().configure_optimizers()) is torch.optim.Adam
+    x, y = torch.rand(6, 1, 8, 8), torch.arange(6)
+    assert torch.equal(model.loss((x, y)), torch.nn.functional.cross_entropy(model(x), y))
 
 
 @pytest.mark.slow  # a Lightning run

@@ -683,3 +683,12 @@ def test_the_schedule_comes_from_the_command_and_a_bad_one_fails_at_composition(
     assert built.hparams["schedule"] == "cosine" and built.hparams["warmup_steps"] == 3
     with pytest.raises(ConfigCompositionException, match="cosin"):
         _compose(f"model={model}", "model.schedule=cosin", *extra)
+
+
+def test_the_digits_cnn_trains_under_sgd_from_the_command_and_a_bad_optimizer_fails_at_composition(tmp_path):
+    cfg = _compose("model.optimizer=sgd", "model.lr=2e-3")
+    validate(cfg)
+    _, built, _ = build(cfg, str(tmp_path), 0.0)
+    assert built.hparams["optimizer"] == "sgd" and type(built.configure_optimizers()) is torch.optim.SGD
+    with pytest.raises(ConfigCompositionException, match="adamw"):
+        _compose("model.optimizer=adamw")

@@ -1,9 +1,11 @@
 """``sync="auto"`` against every fixed way of syncing on the simulated cluster: ``python -m
 lightning_dist.benchmarks.auto``.
 
-The sync benchmark's LM under AdamW (:mod:`lightning_dist.benchmarks.sync`: ByteLM 0.47 M, 4 ranks, the same samples
-for every method), per cell (shape: ``flat``, 4 hosts of 1, and ``two_tier``, 2 hosts of 2; link: 10, 100 and
-1,000 Mbit/s and ``unshaped``, a 100 Gbit/s token bucket no step comes near):
+Two jobs of the sync benchmark (:mod:`lightning_dist.benchmarks.sync`, 4 ranks, the same samples for every method):
+``lm``, ByteLM 0.47 M under AdamW, and ``digits``, the digits CNN (22 k parameters) under SGD with momentum, whose
+fixed methods are the per-step compressors auto may take under SGD (fp16, int8, PowerSGD rank 2) beside top-k and
+DiLoCo, and no OneBitAdam (an Adam method). Per job and cell (shape: ``flat``, 4 hosts of 1, and ``two_tier``, 2 hosts
+of 2; link: 10, 100 and 1,000 Mbit/s and ``unshaped``, a 100 Gbit/s token bucket no step comes near):
 
 1. **auto's decision on the shaped cluster.** A real fit with ``sync="auto"`` under torchrun on the cell's hosts and
    links, stopped a few steps after its decision: the choice, the table, and the seconds from the fit's first step to
@@ -19,14 +21,15 @@ for every method), per cell (shape: ``flat``, 4 hosts of 1, and ``two_tier``, 2 
    fixed method's time is its first curve point at or below the target x its time per step; auto's is its measured
    time to the decision plus the steps after it to the target x its choice's time per step.
 
-``--scenario slowdown``: on ``flat`` at 1 Gbit/s, where dense is the best fixed method, every host's link drops to a
-tenth (100 Mbit/s) after step ``SLOW_AT`` of ``SLOW_STEPS``: auto (its drift check every 50 steps) against the fixed
-methods that were best before the change (the cell's best and auto's choice there), in one job on the same hosts, each
-fit's wall time to the target (the loss every one of them reaches, evaluations left out) and where auto decided again.
+``--scenario slowdown`` (the LM): on ``flat`` at 1 Gbit/s, where dense is the best fixed method, every host's link
+drops to a tenth (100 Mbit/s) after step ``SLOW_AT`` of ``SLOW_STEPS``: auto (its drift check every 50 steps) against
+the fixed methods that were best before the change (the cell's best and auto's choice there), in one job on the same
+hosts, each fit's wall time to the target (the loss every one of them reaches, evaluations left out) and where auto
+decided again.
 
-Left out: the digits job under SGD (the rule's SGD tables are the digits job's; this benchmark runs the LM only), and
-fits of 1,600 steps (``--steps``: the default 800 keeps the full run near an hour here; DiLoCo at H=50 then leaves
-fewer syncs than auto's bound and is out of auto's candidates, while it still runs as a fixed method).
+Left out: fits of 1,600 steps (``--steps``: the default 800 keeps each job's run near an hour here; DiLoCo at H=50 then
+leaves fewer syncs than auto's bound on flat workers and is out of auto's candidates there, while it still runs as a
+fixed method).
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ from lightning_dist.testing import free_port
 
 WORKER_MODULE = "lightning_dist.benchmarks.auto"
 UNSHAPED = 100_000.0  # Mbit/s: a token bucket far above anything a step sends (the "unshaped" link)
-FIXED = ("dense", "topk1%", "onebit-adam", "diloco10/int8", "diloco50", "diloco50/int8")
+FIXED = ("dense", "topk1%", "onebit-adam", "diloco10/int8", "diloco50", "diloco50/int8")  # the LM's
+FIXED_LABEL = {"onebit_adam": "onebit-adam", "powersgd": "powersgd-r2"}  # auto's label -> the fixed method's
 AFTER = 4  # steps the decision job runs after auto's decision
 # the slowdown: 1,600 steps from 1 Gbit/s (dense the best there), the links at a tenth after step 200 (1,400 steps
 # left: DiLoCo at H=50 is a candidate again). From 100 Mbit/s (the first measurement, docs/benchmarks.md) auto starts on
@@ -88,6 +92,10 @@ def forced(choice: str, rows: Sequence[dict[str, Any]]) -> AutoMethod:
 
 FULL = replace(S.FULL, steps=800, horizon=1200, rates=(10.0, 100.0, 1000.0, UNSHAPED), methods=FIXED)
 QUICK = replace(S.QUICK, rates=(100.0,), methods=("dense", "topk1%", "onebit-adam"))
+# the digits job: 800 steps as the LM's (DiLoCo at H=50 a candidate on two_tier only, as there)
+DIGITS = replace(S.DIGITS, rates=FULL.rates)
+DIGITS_QUICK = replace(S.DIGITS_QUICK, rates=(100.0,), methods=("dense", "int8", "topk1%"))
+WORKLOADS = {"lm": (FULL, QUICK), "digits": (DIGITS, DIGITS_QUICK)}  # (sizes, --quick's)
 QUICK_SLOW = (16, 48)  # --quick slowdown: the change at step 16 of 48 (the drift check every 16 steps)
 
 
@@ -193,7 +201,8 @@ def cluster_job(args: argparse.Namespace, shape_name: str, rate: float, worker: 
         if answer:
             watcher.start()
         cmd = ["-m", WORKER_MODULE, *worker, "--out", str(out), *(["--quick"] * args.quick), "--steps",
-               str(args.sizes.steps), "--shape", shape_name, "--nodes", str(shape.hosts)]
+               str(args.sizes.steps), "--workload", args.sizes.workload, "--shape", shape_name, "--nodes",
+               str(shape.hosts)]
         env = {**cluster.env(), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         port = free_port()
         procs = [cluster.popen(i, cluster.torchrun(i, cmd, port=port, nproc=shape.per_host), env=env, stdout=fh,
@@ -208,15 +217,17 @@ def cluster_job(args: argparse.Namespace, shape_name: str, rate: float, worker: 
 
 
 # -- pure: the cells' times and the targets ---------------------------------------------------------------------------
-def decision_record(shape: str, rate: float, raw: Optional[dict[str, Any]], error: Optional[str]) -> dict[str, Any]:
+def decision_record(shape: str, rate: float, raw: Optional[dict[str, Any]], error: Optional[str],
+                    workload: str = "lm") -> dict[str, Any]:
     """auto's decision in a cell: the choice, its rows, the decision's step and the seconds from the first step's start
     to the end of the decision's step."""
     if raw is None or "decide" not in raw:
-        return {"shape": shape, "rate_mbit": rate, "error": error or "no result written"}
+        return {"workload": workload, "shape": shape, "rate_mbit": rate, "error": error or "no result written"}
     d = raw["decide"]
     first = d["history"][0]
     step = first["step"]
-    return {"shape": shape, "rate_mbit": rate, "choice": first["choice"], "why": first["why"], "rows": first["rows"],
+    return {"workload": workload, "shape": shape, "rate_mbit": rate, "choice": first["choice"], "why": first["why"],
+            "rows": first["rows"],
             "step": step, "reason": first["reason"], "decided_s": d["ends"][step - 1] - d["starts"][0], "error": None}
 
 
@@ -241,15 +252,17 @@ def pooled_local_steps(timings: Sequence[dict[str, Any]]) -> list[dict[str, Any]
     def pooled(t: dict[str, Any]) -> bool:
         return (t.get("every") or 1) > 1 and t.get("cycle_s") is not None and t.get("sync_step_s") is not None
 
-    local: dict[tuple[str, float], list[float]] = {}
+    def cell(t: dict[str, Any]) -> tuple[str, str, float]:
+        return _workload(t), t["shape"], t["rate_mbit"]
+
+    local: dict[tuple[str, str, float], list[float]] = {}
     for t in timings:
         if pooled(t):
-            local.setdefault((t["shape"], t["rate_mbit"]), []).append(
-                (t["cycle_s"] - t["sync_step_s"]) / (t["every"] - 1))
+            local.setdefault(cell(t), []).append((t["cycle_s"] - t["sync_step_s"]) / (t["every"] - 1))
     out = []
     for t in timings:
         if pooled(t):
-            step = bench.median(local[(t["shape"], t["rate_mbit"])])
+            step = bench.median(local[cell(t)])
             t = {**t, "measured_per_step_s": t["per_step_s"],
                  "per_step_s": ((t["every"] - 1) * step + t["sync_step_s"]) / t["every"]}
         out.append(t)
@@ -263,20 +276,21 @@ def cell_rows(decisions: Sequence[dict[str, Any]], curves: Sequence[dict[str, An
     rows = []
     timings = pooled_local_steps(timings)
     for d in decisions:
-        shape, rate = d["shape"], d["rate_mbit"]
-        mine = {c["method"]: c for c in curves if c["shape"] == shape and not c.get("error")}
+        job, shape, rate = _workload(d), d["shape"], d["rate_mbit"]
+        mine = {c["method"]: c for c in curves if (_workload(c), c["shape"]) == (job, shape) and not c.get("error")}
         per_step = {t["method"]: t.get("per_step_s") for t in timings
-                    if t["shape"] == shape and t["rate_mbit"] == rate}
+                    if (_workload(t), t["shape"], t["rate_mbit"]) == (job, shape, rate)}
         fixed = {label: c for label, c in mine.items() if not label.startswith("auto:")}
         target = target_loss(fixed)
         times = {label: S.time_to_loss(c["curve_steps"], c["curve_loss"], target, per_step.get(label))
                  for label, c in fixed.items()} if target is not None else {}
-        row = {"shape": shape, "rate_mbit": rate, "target_loss": target, "times_s": times, "choice": d.get("choice"),
-               "auto_s": None, "best": None, "best_s": None, "vs_best": None, "vs_dense": None, "error": d.get("error")}
+        row = {"workload": job, "shape": shape, "rate_mbit": rate, "target_loss": target, "times_s": times,
+               "choice": d.get("choice"), "auto_s": None, "best": None, "best_s": None, "vs_best": None,
+               "vs_dense": None, "error": d.get("error")}
         if d.get("error") is None and target is not None:
             choice = d["choice"]
             curve = fixed.get("dense") if choice == "dense" else mine.get(f"auto:{choice}")
-            label = "dense" if choice == "dense" else {"onebit_adam": "onebit-adam"}.get(choice, choice)
+            label = FIXED_LABEL.get(choice, choice)
             step_s = per_step.get(label) if label in per_step else per_step.get(choice)
             if curve is not None and step_s is not None:
                 at = next((s for s, loss in zip(curve["curve_steps"], curve["curve_loss"], strict=True)
@@ -290,6 +304,15 @@ def cell_rows(decisions: Sequence[dict[str, Any]], curves: Sequence[dict[str, An
             row["vs_dense"] = row["auto_s"] / times["dense"] if times.get("dense") else None
         rows.append(row)
     return rows
+
+
+def _workload(record: dict[str, Any]) -> str:
+    """A record's job (one written before the digits job ran is the LM's)."""
+    return record.get("workload", "lm")
+
+
+def _where(row: dict[str, Any]) -> str:
+    return f"{_workload(row)} {row['shape']} @ {_rate(row['rate_mbit'])}"
 
 
 def slowdown_record(raw: Optional[dict[str, Any]], at: int, error: Optional[str]) -> dict[str, Any]:
@@ -325,13 +348,13 @@ def check_targets(rows: Sequence[dict[str, Any]], slow: Optional[dict[str, Any]]
     lines.append(bench.verdict(f"auto within {VS_BEST - 1:.0%} of the best fixed method in every cell",
                                bool(judged) and len(judged) == len(rows) and worst["vs_best"] <= VS_BEST,
                                f"{len(judged)} of {len(rows)} cells judged; worst {worst['vs_best']:.2f}x in "
-                               f"{worst['shape']} @ {worst['rate_mbit']:g}" if worst else "no cell judged"))
+                               f"{_where(worst)}" if worst else "no cell judged"))
     vs_dense = [r for r in rows if r.get("vs_dense") is not None]
     slowest = max(vs_dense, key=lambda r: r["vs_dense"], default=None)
     lines.append(bench.verdict(f"auto never more than {VS_DENSE - 1:.0%} slower than dense",
                                bool(vs_dense) and slowest["vs_dense"] <= VS_DENSE,
-                               f"worst {slowest['vs_dense']:.2f}x dense's time in {slowest['shape']} @ "
-                               f"{slowest['rate_mbit']:g}" if slowest else "no cell judged"))
+                               f"worst {slowest['vs_dense']:.2f}x dense's time in {_where(slowest)}" if slowest
+                               else "no cell judged"))
     if slow is not None and not slow.get("error"):
         at, again = slow["at"], slow["redecided_at"]
         lines.append(bench.verdict(f"auto decides again within {REDECIDE_WITHIN} steps of the link's change",
@@ -347,8 +370,10 @@ def check_targets(rows: Sequence[dict[str, Any]], slow: Optional[dict[str, Any]]
     return lines
 
 
-def cells_table(rows: Sequence[dict[str, Any]]) -> str:
-    labels = list(FIXED)
+def cells_table(rows: Sequence[dict[str, Any]], workload: str = "lm") -> str:
+    """One job's cells: its fixed methods' times (every method timed in one of its cells), auto's and the ratios."""
+    rows = [r for r in rows if _workload(r) == workload]
+    labels = list(dict.fromkeys(label for r in rows for label in r["times_s"]))
 
     def cells(r: dict[str, Any]) -> list[str]:
         return [bench.cell(r["target_loss"], ".4f"), str(r["choice"]), bench.cell(r["auto_s"], ",.1f"),
@@ -357,9 +382,9 @@ def cells_table(rows: Sequence[dict[str, Any]]) -> str:
 
     headers = ["shape", "Mbit/s", "target loss", "auto chose", "auto s", *(f"{label} s" for label in labels),
                "best fixed", "auto / best", "auto / dense"]
-    return ("seconds to the target loss (curve x time per step on the shaped cluster; auto: its measured time to the "
-            "decision, then its choice)\n" + bench.table(rows, headers, lambda r: [r["shape"], _rate(r["rate_mbit"])],
-                                                         cells))
+    return (f"{workload}: seconds to the target loss (curve x time per step on the shaped cluster; auto: its measured "
+            "time to the decision, then its choice)\n"
+            + bench.table(rows, headers, lambda r: [r["shape"], _rate(r["rate_mbit"])], cells))
 
 
 def _rate(rate: float) -> str:
@@ -367,10 +392,14 @@ def _rate(rate: float) -> str:
 
 
 def plot(rows: Sequence[dict[str, Any]]) -> Any:
-    fig, axes = bench.figure_row(2, 12, 4.2)
-    for ax, shape in zip(axes, ("flat", "two_tier"), strict=True):
-        mine = [r for r in rows if r["shape"] == shape]
-        for label in (*FIXED, "auto"):
+    """Seconds to the target against the link, a panel per job (rows) and shape (columns)."""
+    jobs = list(dict.fromkeys(_workload(r) for r in rows)) or ["lm"]
+    fig, grid = bench.figure_grid(len(jobs), 2, 12, 4.2 * len(jobs))
+    for (job, shape), ax in zip(itertools.product(jobs, ("flat", "two_tier")), [ax for row in grid for ax in row],
+                                  strict=True):
+        mine = [r for r in rows if (_workload(r), r["shape"]) == (job, shape)]
+        fixed = dict.fromkeys(label for r in mine for label in r["times_s"])
+        for label in (*fixed, "auto"):
             xs = [i for i, r in enumerate(mine) if (r["auto_s"] if label == "auto" else r["times_s"].get(label))]
             ys = [mine[i]["auto_s"] if label == "auto" else mine[i]["times_s"][label] for i in xs]
             ax.plot(xs, ys, marker="o" if label == "auto" else ".", lw=2.5 if label == "auto" else 1, label=label)
@@ -379,16 +408,19 @@ def plot(rows: Sequence[dict[str, Any]]) -> Any:
         ax.set_xlabel("link, Mbit/s")
         ax.set_ylabel("seconds to the target loss")
         bench.style(ax, legend="small")
-        ax.set_title(shape)
+        ax.set_title(f"{job}, {shape}")
     return fig
 
 
 # -- the command ------------------------------------------------------------------------------------------------------
 def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    cli = bench.parser("auto", __doc__, "flat at 100 Mbit/s, dense, top-k and OneBitAdam, a tiny ByteLM, "
-                                        f"{QUICK.steps} steps; the slowdown at step {QUICK_SLOW[0]} of {QUICK_SLOW[1]}")
+    cli = bench.parser("auto", __doc__, "flat at 100 Mbit/s, a tiny ByteLM (dense, top-k, OneBitAdam) and the digits "
+                                        f"CNN (dense, int8, top-k), {QUICK.steps} steps; the slowdown at step "
+                                        f"{QUICK_SLOW[0]} of {QUICK_SLOW[1]}")
     add = cli.add_argument
     add("--scenario", choices=("cells", "slowdown", "all"), default="all")
+    add("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS),
+        help="the cells' jobs: lm (AdamW) and digits (SGD), default both (the slowdown runs the LM)")
     add("--shapes", nargs="+", choices=list(S.SHAPES), help="default flat two_tier (--quick flat)")
     add("--rates", type=float, nargs="+", help=f"Mbit/s (default 10 100 1000 and {UNSHAPED:g}: unshaped)")
     add("--steps", type=int, help=f"steps of every curve (default {FULL.steps}, --quick {QUICK.steps})")
@@ -400,48 +432,66 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     add("--slow-steps", type=int, help=argparse.SUPPRESS)
     add("--check-every", type=int, default=50, help=argparse.SUPPRESS)
     add("--nodes", type=int, default=1, help=argparse.SUPPRESS)
+    add("--workload", choices=list(WORKLOADS), default="lm", help=argparse.SUPPRESS)  # a worker's job
     args = cli.parse_args(argv)
-    sizes = QUICK if args.quick else FULL
-    if args.steps is not None:
-        sizes = replace(sizes, steps=args.steps, horizon=max(sizes.horizon, args.steps * 3 // 2))
-    args.sizes = sizes
+    args.sizes = _sizes(args, args.workload)
     args.shapes = tuple(args.shapes or (("flat",) if args.quick else ("flat", "two_tier")))
-    args.rates = tuple(args.rates or sizes.rates)
-    args.run_timeout = args.run_timeout or sizes.run_timeout
+    args.rates = tuple(args.rates or args.sizes.rates)
+    args.run_timeout = args.run_timeout or args.sizes.run_timeout
     return args
 
 
+def _sizes(args: argparse.Namespace, workload: str) -> S.Sizes:
+    """A job's sizes, ``--steps`` where given."""
+    sizes = WORKLOADS[workload][bool(args.quick)]
+    if args.steps is not None:
+        sizes = replace(sizes, steps=args.steps, horizon=max(sizes.horizon, args.steps * 3 // 2))
+    return sizes
+
+
 def run_cells(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
-    decisions = []
-    for shape, rate in itertools.product(args.shapes, args.rates):
-        raw, error, wall = cluster_job(args, shape, rate, ["--worker", "decide"], logs / f"decide_{shape}_{rate:g}.log")
-        d = decision_record(shape, rate, raw, error)
-        bench.progress(f"[auto] {shape} @ {_rate(rate)}: chose {d.get('choice')} at step {d.get('step')} after "
-                       f"{bench.cell(d.get('decided_s'), '.1f')} s ({wall:.0f}s job){'; ' + error if error else ''}")
-        decisions.append(d)
-    sync_args = argparse.Namespace(sizes=args.sizes, methods=args.sizes.methods, rates=args.rates, shapes=args.shapes,
-                                   no_validate=True, quick=args.quick, run_timeout=args.run_timeout)
-    timings, _ = S.run_cluster(sync_args, logs)
-    curves = []
-    for shape in args.shapes:
-        methods = {label: S.METHODS[label] for label in args.sizes.methods}
-        for d in decisions:
-            if d["shape"] == shape and not d.get("error") and d["choice"] != "dense":
-                method = forced(d["choice"], d["rows"])
-                methods[method.label] = method
-        curves += S.run_curves(sync_args, shape, methods, args.sizes.steps, args.sizes.horizon)
-    return {"decisions": decisions, "timings": timings, "curves": curves}
+    """Per job: auto's decision in every cell, every fixed method's timing jobs, the curves (each record names its
+    job)."""
+    measured: dict[str, list[dict[str, Any]]] = {"decisions": [], "timings": [], "curves": []}
+    for workload in args.workloads:
+        job = argparse.Namespace(**{**vars(args), "sizes": _sizes(args, workload)})
+        decisions = []
+        for shape, rate in itertools.product(args.shapes, args.rates):
+            raw, error, wall = cluster_job(job, shape, rate, ["--worker", "decide"],
+                                           logs / f"decide_{workload}_{shape}_{rate:g}.log")
+            d = decision_record(shape, rate, raw, error, workload)
+            bench.progress(f"[auto] {_where(d)}: chose {d.get('choice')} at step {d.get('step')} after "
+                           f"{bench.cell(d.get('decided_s'), '.1f')} s ({wall:.0f}s job)"
+                           + (f"; {error}" if error else ""))
+            decisions.append(d)
+        sync_args = argparse.Namespace(sizes=job.sizes, methods=job.sizes.methods, rates=args.rates, shapes=args.shapes,
+                                       no_validate=True, quick=args.quick, run_timeout=args.run_timeout)
+        (logs / workload).mkdir(exist_ok=True)
+        timings, _ = S.run_cluster(sync_args, logs / workload)
+        curves = []
+        for shape in args.shapes:
+            methods = {label: S.METHODS[label] for label in job.sizes.methods}
+            for d in decisions:
+                if d["shape"] == shape and not d.get("error") and d["choice"] != "dense":
+                    method = forced(d["choice"], d["rows"])
+                    methods[method.label] = method
+            curves += S.run_curves(sync_args, shape, methods, job.sizes.steps, job.sizes.horizon)
+        measured["decisions"] += decisions
+        measured["timings"] += [{**t, "workload": workload} for t in timings]
+        measured["curves"] += [{**c, "workload": workload} for c in curves]
+    return measured
 
 
 def run_slowdown(args: argparse.Namespace, logs: Path, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """auto against the fixed methods that were best before the change: the cells' best at the scenario's link and
     auto's own choice there (dense where the cells did not run)."""
     at, steps = QUICK_SLOW if args.quick else (SLOW_AT, SLOW_STEPS)
-    cell = next((r for r in rows if (r["shape"], r["rate_mbit"]) == (SLOW_SHAPE, SLOW_RATE)), {})
-    before = [cell.get("best"), {"onebit_adam": "onebit-adam"}.get(cell.get("choice"), cell.get("choice"))]
+    cell = next((r for r in rows if (_workload(r), r["shape"], r["rate_mbit"]) == ("lm", SLOW_SHAPE, SLOW_RATE)), {})
+    before = [cell.get("best"), FIXED_LABEL.get(cell.get("choice"), cell.get("choice"))]
     methods = ["auto", *dict.fromkeys(m for m in before if m in S.METHODS)] if cell else ["auto", "dense"]
     check = at if args.quick else 50
-    raw, error, wall = cluster_job(args, SLOW_SHAPE, SLOW_RATE,
+    lm = argparse.Namespace(**{**vars(args), "sizes": _sizes(args, "lm")})
+    raw, error, wall = cluster_job(lm, SLOW_SHAPE, SLOW_RATE,
                                    ["--worker", "slow", "--methods", *methods, "--slow-at", str(at), "--slow-steps",
                                     str(steps), "--check-every", str(check)], logs / "slowdown.log", answer=True)
     record = slowdown_record(raw, at, error)
@@ -467,11 +517,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     rows = cell_rows(measured["decisions"], measured["curves"], measured["timings"])
     slow = run_slowdown(args, out / "logs", rows) if args.scenario in ("slowdown", "all") else None
     targets = check_targets(rows, slow)
-    blocks = [cells_table(rows), [f"decision in {d['shape']} @ {_rate(d['rate_mbit'])}: {d.get('choice')}: "
-                                  f"{d.get('why') or d.get('error')}" for d in measured["decisions"]], targets]
-    payload = {"sizes": asdict(args.sizes), **measured, "cells": rows, "slowdown": slow, "targets": targets}
+    blocks = [*(cells_table(rows, job) for job in args.workloads),
+              [f"decision in {_where(d)}: {d.get('choice')}: {d.get('why') or d.get('error')}"
+               for d in measured["decisions"]], targets]
+    sizes = {job: asdict(_sizes(args, job)) for job in args.workloads}
+    payload = {"sizes": sizes, **measured, "cells": rows, "slowdown": slow, "targets": targets}
     return bench.finish("auto", args.out, started, blocks, payload, lambda: plot(rows), shapes=list(args.shapes),
-                        rates_mbit=list(args.rates), scenario=args.scenario)
+                        rates_mbit=list(args.rates), scenario=args.scenario, workloads=list(args.workloads))
 
 
 if __name__ == "__main__":

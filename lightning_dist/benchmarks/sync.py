@@ -1,5 +1,8 @@
 """Syncing every H steps against syncing every step, on the LM workload: ``python -m lightning_dist.benchmarks.sync``.
 
+``--workload digits`` trains the digits CNN under SGD instead (:data:`DIGITS`; the auto benchmark's second job): the
+same methods, curves and timing jobs, the targets still judged as the LM's.
+
 Curves on loopback ranks (:func:`run_curves`) times the step timed on a shaped SimCluster (:func:`run_cluster`) give
 loss against wall time (:func:`combine`); ``--scenario streaming`` and ``hetero``: issue 32's (:mod:`._streaming`).
 Methods, targets and results: docs/benchmarks.md (``sync``).
@@ -32,7 +35,7 @@ from lightning_dist.benchmarks import _common as bench
 from lightning_dist.benchmarks import _streaming as stream
 from lightning_dist.benchmarks._cluster import launch_job
 from lightning_dist.compression import COMPRESSORS
-from lightning_dist.examples import ByteLM, StdlibText
+from lightning_dist.examples import ByteLM, DigitsCNN, DigitsDataModule, StdlibText
 from lightning_dist.examples.schedules import SCHEDULES
 from lightning_dist.hetero import HeteroBatching
 from lightning_dist.simcluster import link_bytes_sent, unavailable
@@ -45,7 +48,7 @@ WORKER_MODULE = "lightning_dist.benchmarks.sync"
 # gloo's own all-reduce, what "auto" picks for the full model's 1.9 MB bucket (for --quick's, auto's tree: ~15x slower)
 ALGORITHM = "native"
 COLLECTIVE_TIMEOUT_S = 300.0  # a dense step at 10 Mbit/s takes seconds; a hang still fails the run
-TIMED_STEPS = 6  # a per-step method's timed steps after 2 of warm-up (dense at 10 Mbit/s: ~2.5 s each)
+TIMED_STEPS = 6  # the LM's per-step method's timed steps after 2 of warm-up (dense at 10 Mbit/s: ~2.5 s each)
 NOSYNC_WARMUP = 5  # steps left out of a no-sync fit's step times (and of the hetero scenario's own speeds)
 NOSYNC_EVERY = 10**9  # H beyond any run: no step of it syncs
 QUALITY_BOUNDS = {"diloco50": 0.02, "diloco50/int8": 0.025, "onebit-adam": 0.01}  # loss above dense's (issue 43)
@@ -116,6 +119,8 @@ TOPK = {"name": "topk", "ratio": 0.01}
 INT8 = {"name": "int8"}
 METHODS = {m.label: m for m in (
     Method("dense"),
+    Method("fp16", compressor={"name": "fp16"}),
+    Method("int8", compressor=INT8),
     Method("topk1%", compressor=TOPK),
     Method("powersgd-r2", compressor={"name": "powersgd", "rank": 2}),
     Method("onebit-adam", onebit=True),
@@ -156,7 +161,8 @@ HETERO_DEADLINE_S = 600.0  # one heterogeneous fit's (a fit takes about a minute
 
 @dataclass(frozen=True)
 class Sizes:
-    """The model, its data, the run lengths and the command line's defaults (:data:`FULL`'s and ``--quick``'s)."""
+    """The model, its data, the run lengths and the command line's defaults (:data:`FULL`'s and ``--quick``'s; the
+    digits job's: :data:`DIGITS` and :data:`DIGITS_QUICK`, whose LM fields nothing reads)."""
 
     width: int  # ByteLM's d_model
     depth: int  # transformer blocks
@@ -191,6 +197,8 @@ class Sizes:
     # (a curve that goes on past them stays at the schedule's last rate): every method at equal samples sees the same
     schedule: str = "constant"
     seed: int = 0  # --seed: the model's initial weights, the samples' order and the held-out windows
+    workload: str = "lm"  # --workload: "lm" (ByteLM under AdamW) or "digits" (DigitsCNN under SGD, :func:`workload`)
+    timed_steps: int = TIMED_STEPS  # a per-step method's timed steps (after 2 of warm-up)
 
     def stream_steps(self, every: int) -> int:
         """A streaming timing fit's steps: one warm-up cycle of H = ``every``, then ``stream_timed_cycles``."""
@@ -217,11 +225,22 @@ QUICK = Sizes(width=32, depth=1, heads=2, context=32, batch_size=8, train_bytes=
               hetero_batch=8, hetero_epoch_steps=15, hetero_epochs=2, own_speed_steps=40)
 
 
+# The digits job under SGD (the auto benchmark's second workload): DigitsCNN (22 k parameters, one bucket) at
+# DIGITS_LR, SGD with momentum 0.9, 32 images per rank; its held-out loss still falls at step 800 (at 5e-3 it is flat
+# from step ~550). A step is ~1/10 of the LM's: its per-step methods are timed over 30 steps, not 6.
+DIGITS_LR = 2e-3
+DIGITS_METHODS = ("dense", "fp16", "int8", "powersgd-r2", "topk1%", "diloco10/int8", "diloco50", "diloco50/int8")
+DIGITS = replace(FULL, workload="digits", batch_size=32, warmup_steps=0, steps=800, horizon=1200, rates=(10.0, 100.0),
+                 methods=DIGITS_METHODS, timed_steps=30)
+DIGITS_QUICK = replace(QUICK, workload="digits", batch_size=32, warmup_steps=0, methods=("dense", "int8", "diloco10"))
+WORKLOADS = {"lm": (FULL, QUICK), "digits": (DIGITS, DIGITS_QUICK)}  # --workload: (its sizes, --quick's)
+
+
 def timing_steps(method: Method, sizes: Sizes) -> tuple[int, int]:
-    """``(steps, warm-up cycles)`` of a method's timing fit: per-step methods 2 warm-up and :data:`TIMED_STEPS` timed
+    """``(steps, warm-up cycles)`` of a method's timing fit: per-step methods 2 warm-up and ``sizes.timed_steps`` timed
     steps; DiLoCo one warm-up cycle, then whole cycles, at least 2 and at least ``sizes.min_timed_steps`` steps."""
     if not method.diloco:
-        return 2 + TIMED_STEPS, 2
+        return 2 + sizes.timed_steps, 2
     cycles = max(2, math.ceil(sizes.min_timed_steps / method.every))
     return method.every * (1 + cycles), 1
 
@@ -234,7 +253,12 @@ def eval_every(method: Method, sizes: Sizes) -> int:
 # -- one fit (every rank, in a loopback group or under torchrun) -------------------------------------------------------
 @functools.cache
 def val_batch(sizes: Sizes) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sizes.val_windows`` windows of the held-out stream (all of it, every held-out file), evenly spaced."""
+    """``sizes.val_windows`` windows of the held-out stream (all of it, every held-out file), evenly spaced; the digits
+    job's: its whole held-out split (360 images)."""
+    if sizes.workload == "digits":
+        digits = DigitsDataModule(batch_size=sizes.batch_size, seed=sizes.seed)
+        digits.setup("fit")
+        return digits.val_set.tensors
     data = StdlibText(context=sizes.context, batch_size=sizes.batch_size, max_train_bytes=sizes.context + 1,
                       max_val_bytes=None, seed=sizes.seed)
     data.setup("fit")
@@ -243,8 +267,8 @@ def val_batch(sizes: Sizes) -> tuple[torch.Tensor, torch.Tensor]:
     return picked[:, :-1].contiguous(), picked[:, 1:].contiguous()
 
 
-def val_loss(module: ByteLM, batch: tuple[torch.Tensor, torch.Tensor], chunk: int = 128) -> float:
-    """Mean next-byte cross-entropy (nats per byte) of ``module`` over ``batch``, in chunks, in eval mode."""
+def val_loss(module: ByteLM | DigitsCNN, batch: tuple[torch.Tensor, torch.Tensor], chunk: int = 128) -> float:
+    """Mean cross-entropy of ``module`` over ``batch`` (the LM's: nats per byte), in chunks, in eval mode."""
     inputs, targets = batch
     was_training = module.training
     module.eval()
@@ -313,9 +337,13 @@ class FitRecord(Callback):
             self.sampler.stop()  # a fit shorter than the sampled steps
 
 
-def workload(sizes: Sizes) -> tuple[ByteLM, StdlibText]:
-    """The LM and its data at ``sizes``, seeded: every fit of the benchmark starts from the same weights and samples."""
+def workload(sizes: Sizes) -> tuple[L.LightningModule, L.LightningDataModule]:
+    """The LM and its data at ``sizes`` (the digits job's: DigitsCNN under SGD at :data:`DIGITS_LR`), seeded: every fit
+    of the benchmark starts from the same weights and samples."""
     L.seed_everything(sizes.seed, verbose=False)
+    if sizes.workload == "digits":
+        return (DigitsCNN(lr=DIGITS_LR, optimizer="sgd", schedule=sizes.schedule, warmup_steps=sizes.warmup_steps),
+                DigitsDataModule(batch_size=sizes.batch_size, seed=sizes.seed))
     model = ByteLM(width=sizes.width, depth=sizes.depth, heads=sizes.heads, context=sizes.context,
                    warmup_steps=sizes.warmup_steps, schedule=sizes.schedule, schedule_steps=sizes.steps)
     data = StdlibText(context=sizes.context, batch_size=sizes.batch_size, max_train_bytes=sizes.train_bytes,
@@ -326,8 +354,9 @@ def workload(sizes: Sizes) -> tuple[ByteLM, StdlibText]:
 def fit(method: Method, shape: Shape, sizes: Sizes, steps: int, curve: bool, link: bool = False,
         record: Optional[FitRecord] = None, callbacks: Sequence[Callback] = (),
         hetero: Optional[HeteroBatching] = None, epochs: Optional[int] = None) -> dict[str, Any]:
-    """One fit of ByteLM under ``method`` on this rank (the launcher's process group); this rank's record. ``record``:
-    the :class:`FitRecord` (default the curve's, with ``link``); ``epochs``: that many (``steps`` then -1)."""
+    """One fit of the workload under ``method`` on this rank (the launcher's process group); this rank's record.
+    ``record``: the :class:`FitRecord` (default the curve's, with ``link``); ``epochs``: that many (``steps`` then
+    -1)."""
     model, data = workload(sizes)
     if record is None:
         record = FitRecord(eval_every(method, sizes) if curve else None, val_batch(sizes) if curve else None, link,
@@ -463,7 +492,8 @@ def cluster_job(args: argparse.Namespace, shape: Shape, rate: float, worker: lis
     not written), why the job failed, its wall time."""
     with bench.scratch("sync") as out:
         worker = ["--worker", "--out", str(out), "--steps", str(args.sizes.steps), *(["--quick"] * args.quick),
-                  "--schedule", args.sizes.schedule, "--seed", str(args.sizes.seed), *worker]
+                  "--schedule", args.sizes.schedule, "--seed", str(args.sizes.seed), "--workload",
+                  args.sizes.workload, *worker]
         error, wall = launch_job(shape.hosts, rate, worker, free_port(), args.run_timeout, log,
                                  per_host=shape.per_host, module=WORKER_MODULE)
         files = {label: [_rank_file(out, label, r) for r in range(world)] for label in labels}
@@ -964,6 +994,8 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                                     "a user's fit of that length (OneBitAdam's warm-up is a fraction of it)")
     add("--seed", type=int, default=0, help="the model's initial weights, the samples' order and the held-out windows "
                                             "(default 0, the tables' runs)")
+    add("--workload", choices=list(WORKLOADS), default="lm",
+        help="lm (ByteLM under AdamW, the default) or digits (DigitsCNN under SGD; its own sizes and methods)")
     add("--steps", type=int, help=f"steps of every curve, a multiple of {FULL.eval_every} and of every H (default "
                                   f"{FULL.steps}, --quick {QUICK.steps})")
     # worker mode (what each host runs under torchrun)
@@ -972,7 +1004,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     add("--validate", help=argparse.SUPPRESS)
     add("--nodes", type=int, default=1, help=argparse.SUPPRESS)
     args = cli.parse_args(argv)
-    args.sizes = QUICK if args.quick else FULL
+    args.sizes = WORKLOADS[args.workload][bool(args.quick)]
     for key, field in (("shapes",) * 2, ("rates",) * 2, ("methods",) * 2, ("nosync_rounds",) * 2, ("run_timeout",) * 2,
                        ("every", "stream_every"), ("fragments", "stream_fragments"), ("delays", "stream_delays")):
         value = getattr(args, key)  # what the command line leaves out comes from the sizes
