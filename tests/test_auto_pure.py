@@ -16,7 +16,9 @@ from lightning_dist.sync.auto_rule import (
     ADAM,
     ADAM_LOSS_BOUND,
     DENSE_MARGIN,
+    DILOCO_CANDIDATES,
     MIN_SYNCS,
+    OTHER,
     SGD,
     Limits,
     Row,
@@ -59,10 +61,12 @@ def choice(rate: str, optimizer: str, limits: Limits = Limits(), **kwargs) -> st
     ("100Mbit", ADAM, "diloco50/int8"),  # 51 ms against OneBitAdam's 54: the closest call of the table
     ("1Gbit", ADAM, "onebit_adam"),  # the wire no longer pays for DiLoCo's 1.23 steps; OneBitAdam's 5 ms does
     ("unshaped", ADAM, "dense"),  # nothing pays on a local link
+    # under SGD the digits job's factors: DiLoCo reaches dense's loss in fewer steps (0.43 at H=10, 0.69 at H=50), so
+    # it pays even on a local link; at 10 Mbit/s H=10's sync every 10 steps (60 ms a step) tips it to H=50
     ("10Mbit", SGD, "diloco50/int8"),
-    ("100Mbit", SGD, "diloco50/int8"),
-    ("1Gbit", SGD, "diloco50"),
-    ("unshaped", SGD, "dense"),
+    ("100Mbit", SGD, "diloco10/int8"),
+    ("1Gbit", SGD, "diloco10/int8"),
+    ("unshaped", SGD, "diloco10/int8"),
 ])
 def test_each_link_speed_and_optimizer_to_its_choice(rate, optimizer, expected):
     assert choice(rate, optimizer) == expected
@@ -119,32 +123,48 @@ def test_the_steps_factor_weighs_diloco():
 
 def test_diloco_needs_enough_syncs_left():
     measured, codecs = recorded(RATES["10Mbit"])
-    rows = candidate_rows(measured, codecs, SGD, remaining_steps=50 * (MIN_SYNCS["flat"] - 1))
+    rows = candidate_rows(measured, codecs, ADAM, remaining_steps=50 * (MIN_SYNCS[ADAM]["flat"] - 1))
     assert "syncs" in next(r for r in rows if r.label == "diloco50").excluded
     assert next(r for r in rows if r.label == "diloco10/int8").excluded is None
-    assert decide(rows).choice == "powersgd"  # (120 ms a step against diloco10/int8's 1.6 x 100 ms)
+    assert decide(rows).choice == "onebit_adam"  # (133 ms a step against diloco10/int8's 1.6 x 100 ms)
+    # the digits job's H=50 reached dense's loss at 16 syncs: under SGD the bound is 16 on flat workers too
+    for syncs, excluded in ((MIN_SYNCS[SGD]["flat"] - 1, True), (MIN_SYNCS[SGD]["flat"], False)):
+        rows = candidate_rows(measured, codecs, SGD, remaining_steps=50 * syncs)
+        assert (next(r for r in rows if r.label == "diloco50").excluded is not None) == excluded, syncs
 
 
 def test_hosts_workers_need_fewer_syncs_left_than_flat_ones():
     measured, codecs = recorded(RATES["10Mbit"])
     across = {n: {k: [v[0] / 2] for k, v in codecs[n].items()} for n in ("none", "int8")}
-    left = 50 * MIN_SYNCS["two_tier"] - 4  # 16 syncs of H=50 (the last at the fit's end): enough for 2 hosts'
-    # workers, not for 4 flat ones
-    hosts = candidate_rows(measured, codecs, SGD, workers="two_tier", across=across, remaining_steps=left)
-    flat = candidate_rows(measured, codecs, SGD, remaining_steps=left)
+    left = 50 * MIN_SYNCS[ADAM]["two_tier"] - 4  # 16 syncs of H=50 (the last at the fit's end): enough for 2 hosts'
+    # workers, not for 4 flat ones (under Adam: the LM's)
+    hosts = candidate_rows(measured, codecs, ADAM, workers="two_tier", across=across, remaining_steps=left)
+    flat = candidate_rows(measured, codecs, ADAM, remaining_steps=left)
     assert next(r for r in hosts if r.label == "diloco50").excluded is None
     assert "fewer than the 24" in next(r for r in flat if r.label == "diloco50").excluded
-    assert MIN_SYNCS["two_tier"] < MIN_SYNCS["flat"]
+    assert MIN_SYNCS[ADAM]["two_tier"] < MIN_SYNCS[ADAM]["flat"]
 
 
 def test_two_tier_uses_the_sync_across_hosts_and_the_host_factor():
     measured, codecs = recorded(RATES["10Mbit"])
     across = {n: {k: [v[0] / 2] for k, v in codecs[n].items()} for n in ("none", "int8")}  # half the buckets each
-    rows = candidate_rows(measured, codecs, SGD, workers="two_tier", across=across, bytes_scale=2.0)
+    rows = candidate_rows(measured, codecs, ADAM, workers="two_tier", across=across, bytes_scale=2.0)
     diloco = next(r for r in rows if r.label == "diloco50")
-    assert diloco.factor == 1.0
+    assert diloco.factor == 1.0  # the LM's on 2 hosts' workers (1.23 on 4 flat ones)
     assert diloco.bytes_per_step == pytest.approx(2.0 * across["none"]["bytes"][0] / 50)
     assert diloco.predicted_step_s == pytest.approx(COMPUTE_S + (across["none"]["wire_s"][0]) / 50)
+
+
+def test_the_steps_factor_is_the_optimizer_familys_own_job():
+    """Under SGD DiLoCo's factors are the digits job's, under Adam the LM's, and another family counts as Adam."""
+    measured, codecs = recorded(RATES["1Gbit"])
+    factors = {family: {r.label: (r.factor, r.quality) for r in candidate_rows(measured, codecs, family)
+                        if r.kind == "diloco"} for family in (ADAM, SGD, OTHER)}
+    assert factors[SGD]["diloco10/int8"][0] == 0.43 and factors[SGD]["diloco10/int8"][1].startswith("digits")
+    assert factors[ADAM]["diloco10/int8"][0] == 1.6 and factors[ADAM]["diloco10/int8"][1].startswith("LM")
+    assert factors[OTHER] == factors[ADAM]
+    assert {d.label: d.factor(SGD).of("two_tier") for d in DILOCO_CANDIDATES} == {
+        "diloco50": 0.69, "diloco50/int8": 0.69, "diloco10/int8": 0.43}
 
 
 def test_the_prediction_replays_the_queue():

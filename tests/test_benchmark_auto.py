@@ -45,6 +45,10 @@ def test_cells_time_auto_from_its_decision_and_its_choices_steps():
     assert slow["vs_dense"] == pytest.approx(59.2 / 600.0)
     assert fast["auto_s"] == pytest.approx(3.0 + (300 - 8) * 0.2)  # dense chosen: dense's own curve
     assert fast["best"] == "diloco10/int8"  # 30 s against dense's 60
+    # a record with its first step's time: that step counts as a steady dense step (no fixed method's first is counted)
+    decisions[0]["first_step_s"] = 5.0
+    slow, _ = auto.cell_rows(decisions, curves, timings)
+    assert slow["auto_s"] == pytest.approx(30.0 - 5.0 + 2.0 + (300 - 8) * 0.1)
 
 
 def test_the_two_jobs_cells_keep_apart_and_a_choice_is_timed_as_its_fixed_method():

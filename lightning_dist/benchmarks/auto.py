@@ -19,7 +19,8 @@ of 2; link: 10, 100 and 1,000 Mbit/s and ``unshaped``, a 100 Gbit/s token bucket
 4. **Time to the target loss**: the target is dense's final loss at equal samples or, where no other method reaches
    it, the lowest final loss another method reaches (the loss dense and at least one other method both reach). A
    fixed method's time is its first curve point at or below the target x its time per step; auto's is its measured
-   time to the decision plus the steps after it to the target x its choice's time per step.
+   time to the decision (its first step counted as a steady dense step, as no fixed method's first step is counted)
+   plus the steps after it to the target x its choice's time per step.
 
 ``--scenario slowdown`` (the LM): on ``flat`` at 1 Gbit/s, where dense is the best fixed method, every host's link
 drops to a tenth (100 Mbit/s) after step ``SLOW_AT`` of ``SLOW_STEPS``: auto (its drift check every 50 steps) against
@@ -219,16 +220,17 @@ def cluster_job(args: argparse.Namespace, shape_name: str, rate: float, worker: 
 # -- pure: the cells' times and the targets ---------------------------------------------------------------------------
 def decision_record(shape: str, rate: float, raw: Optional[dict[str, Any]], error: Optional[str],
                     workload: str = "lm") -> dict[str, Any]:
-    """auto's decision in a cell: the choice, its rows, the decision's step and the seconds from the first step's start
-    to the end of the decision's step."""
+    """auto's decision in a cell: the choice, its rows, the decision's step, the seconds from the first step's start
+    to the end of the decision's step and the first step's own."""
     if raw is None or "decide" not in raw:
         return {"workload": workload, "shape": shape, "rate_mbit": rate, "error": error or "no result written"}
     d = raw["decide"]
     first = d["history"][0]
     step = first["step"]
     return {"workload": workload, "shape": shape, "rate_mbit": rate, "choice": first["choice"], "why": first["why"],
-            "rows": first["rows"],
-            "step": step, "reason": first["reason"], "decided_s": d["ends"][step - 1] - d["starts"][0], "error": None}
+            "rows": first["rows"], "step": step, "reason": first["reason"],
+            "decided_s": d["ends"][step - 1] - d["starts"][0], "first_step_s": d["ends"][0] - d["starts"][0],
+            "error": None}
 
 
 def target_loss(curves: dict[str, dict[str, Any]]) -> Optional[float]:
@@ -295,7 +297,8 @@ def cell_rows(decisions: Sequence[dict[str, Any]], curves: Sequence[dict[str, An
             if curve is not None and step_s is not None:
                 at = next((s for s, loss in zip(curve["curve_steps"], curve["curve_loss"], strict=True)
                            if loss <= target), None)
-                row["auto_s"] = None if at is None else d["decided_s"] + max(0, at - d["step"]) * step_s
+                row["auto_s"] = None if at is None else _decision_s(d, per_step.get("dense")) + max(
+                    0, at - d["step"]) * step_s
         reached = {k: v for k, v in times.items() if v is not None}
         if reached:
             row["best"], row["best_s"] = min(reached.items(), key=lambda kv: kv[1])
@@ -304,6 +307,16 @@ def cell_rows(decisions: Sequence[dict[str, Any]], curves: Sequence[dict[str, An
             row["vs_dense"] = row["auto_s"] / times["dense"] if times.get("dense") else None
         rows.append(row)
     return rows
+
+
+def _decision_s(decision: dict[str, Any], dense_step_s: Optional[float]) -> float:
+    """auto's seconds to the end of its decision's step, its first step counted as a steady dense step: a fixed
+    method's time is its steady step x its steps, its own first step (DDP's first backward, the gloo pairs' first
+    exchange) not counted either. A record without the first step's time (the LM cells' runs) counts all of it."""
+    first = decision.get("first_step_s")
+    if first is None or dense_step_s is None:
+        return decision["decided_s"]
+    return decision["decided_s"] - first + dense_step_s
 
 
 def _workload(record: dict[str, Any]) -> str:

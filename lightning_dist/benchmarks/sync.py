@@ -227,11 +227,12 @@ QUICK = Sizes(width=32, depth=1, heads=2, context=32, batch_size=8, train_bytes=
 
 # The digits job under SGD (the auto benchmark's second workload): DigitsCNN (22 k parameters, one bucket) at
 # DIGITS_LR, SGD with momentum 0.9, 32 images per rank; its held-out loss still falls at step 800 (at 5e-3 it is flat
-# from step ~550). A step is ~1/10 of the LM's: its per-step methods are timed over 30 steps, not 6.
+# from step ~550). A step is ~1/10 of the LM's: its per-step methods are timed over 30 steps, not 6, and its curves
+# read every 10 steps (an evaluation of its 360 held-out images costs milliseconds).
 DIGITS_LR = 2e-3
 DIGITS_METHODS = ("dense", "fp16", "int8", "powersgd-r2", "topk1%", "diloco10/int8", "diloco50", "diloco50/int8")
-DIGITS = replace(FULL, workload="digits", batch_size=32, warmup_steps=0, steps=800, horizon=1200, rates=(10.0, 100.0),
-                 methods=DIGITS_METHODS, timed_steps=30)
+DIGITS = replace(FULL, workload="digits", batch_size=32, warmup_steps=0, steps=800, horizon=1200, eval_every=10,
+                 rates=(10.0, 100.0), methods=DIGITS_METHODS, timed_steps=30)
 DIGITS_QUICK = replace(QUICK, workload="digits", batch_size=32, warmup_steps=0, methods=("dense", "int8", "diloco10"))
 WORKLOADS = {"lm": (FULL, QUICK), "digits": (DIGITS, DIGITS_QUICK)}  # --workload: (its sizes, --quick's)
 

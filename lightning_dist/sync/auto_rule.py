@@ -14,7 +14,7 @@ The rule (docs/auto.md):
    measured cost must be within the bound for the optimizer family (Adam: the LM's held-out loss, at most
    :data:`ADAM_LOSS_BOUND`; SGD: the digits job's accuracy, at most :data:`SGD_ACCURACY_BOUND` points; a cost never
    measured excludes it); DiLoCo and OneBitAdam carry a *steps factor*, the steps they need to reach the loss dense
-   reaches in one (measured on the sync benchmark's LM).
+   reaches in one (DiLoCo's by optimizer family: Adam's measured on the sync benchmark's LM, SGD's on the digits job).
 4. **Limits** the user sets narrow the candidates: bytes per step, or no change to the optimisation (dense and the
    lossless casts only).
 5. **Choice.** The least predicted seconds per dense-equivalent step (predicted step x steps factor), unless dense is
@@ -35,10 +35,12 @@ ADAM, SGD, OTHER = "adam", "sgd", "other"  # optimizer families
 ADAM_LOSS_BOUND = 0.01  # Adam: a per-step compressor with a measured held-out loss cost above this is excluded
 SGD_ACCURACY_BOUND = 1.0  # SGD: ... with a measured accuracy cost above this many points is excluded
 DENSE_MARGIN = 0.05  # a method must beat dense's predicted time by more than this to be chosen
-# The fewest syncs left in the fit for a DiLoCo to be a candidate, by workers. 4 flat workers: its quality was measured
-# at 32 syncs (1,600 steps at H=50), and at 16 (800 steps) it ends +5.5% above dense, at 8 +8.7%. 2 workers of 2 ranks
-# (two_tier): at 16 syncs H=50 reaches dense's own final loss (the auto benchmark, 800 steps).
-MIN_SYNCS = {"flat": 24, "two_tier": 16}
+# The fewest syncs left in the fit for a DiLoCo to be a candidate, by optimizer family and workers. Adam (the LM), 4
+# flat workers: its quality was measured at 32 syncs (1,600 steps at H=50), and at 16 (800 steps) it ends +5.5% above
+# dense, at 8 +8.7%; 2 workers of 2 ranks (two_tier): at 16 syncs H=50 reaches dense's own final loss (the auto
+# benchmark, 800 steps). SGD (the digits job, 800 steps): at 16 syncs H=50 reaches dense's final loss by step 550 on
+# both. Another family counts as Adam.
+MIN_SYNCS = {ADAM: {"flat": 24, "two_tier": 16}, SGD: {"flat": 16, "two_tier": 16}}
 
 # What the product measured of each per-step compressor's quality, by optimizer family: (cost, unit, source).
 # Adam: the sync benchmark's LM (ByteLM 0.47 M, AdamW, 4 ranks, 1,600 steps), held-out loss above dense's, as a
@@ -60,30 +62,53 @@ LOSSLESS = ("fp16", "bf16")  # casts: what "no change to the optimisation" still
 
 
 @dataclass(frozen=True)
+class StepsFactor:
+    """The steps a DiLoCo needs per dense step to reach the loss dense reaches, measured on one job: by workers
+    (``flat``: a worker per rank; ``two_tier``: a worker per host), and where it was measured."""
+
+    flat: float
+    hosts: float
+    source: str
+
+    def of(self, workers: str) -> float:
+        return self.hosts if workers == "two_tier" else self.flat
+
+
+@dataclass(frozen=True)
 class DiLoCoCandidate:
-    """A DiLoCo the product measured: H, its pseudo-gradient codec, and the steps it needs per dense step to reach
-    the loss dense reaches, by workers per rank (``flat``: a worker per rank; ``two_tier``: a worker per host)."""
+    """A DiLoCo the product measured: H, its pseudo-gradient codec, and its steps factor per optimizer family (Adam's
+    on the LM, SGD's on the digits job; another family counts as Adam)."""
 
     every: int
     codec: str  # DENSE or a codec name
-    factor_flat: float
-    factor_hosts: float
-    source: str
+    adam: StepsFactor
+    sgd: StepsFactor
 
     @property
     def label(self) -> str:
         return f"diloco{self.every}" + ("" if self.codec == DENSE else f"/{self.codec}")
 
+    def factor(self, optimizer: str) -> StepsFactor:
+        return self.sgd if optimizer == SGD else self.adam
 
-# From the sync benchmark's LM at a constant rate (docs/benchmarks.md, the tables of commits f0f7c1b and a46a766): dense
-# DDP's time to the method's final loss over its steps' time gives the dense steps to that loss; the factor is the
+
+# Adam: from the sync benchmark's LM at a constant rate (docs/benchmarks.md, the tables of commits f0f7c1b and a46a766):
+# dense DDP's time to the method's final loss over its steps' time gives the dense steps to that loss; the factor is the
 # method's 1,600 steps over them. Flat (4 workers of one rank): H=50 1,600 / 1,306; H=50 int8 1,600 / 1,294; H=10 int8
 # 1,600 / 1,000. Two workers of 2 ranks: H=50 reaches dense's own final loss at about its step count (1.0); H=10 int8
 # ends above it, dense reaching its loss at step 1,195 (1.34).
+# SGD: from the auto benchmark's digits job (DigitsCNN, SGD with momentum 0.9 at 2e-3, 800 steps, docs/benchmarks.md):
+# the step where the method's held-out loss first reaches dense's final loss over dense's 800. DiLoCo is faster than
+# dense there (its outer Nesterov step adds the momentum a low SGD rate lacks): H=10 int8 at step 340 (0.43), H=50 at
+# step 550 (0.69), on 4 flat workers and on 2 of 2 ranks alike.
 DILOCO_CANDIDATES = (
-    DiLoCoCandidate(50, DENSE, 1.23, 1.0, "LM 1,600 steps: flat +1.13% at equal samples, 2 hosts -2.41%"),
-    DiLoCoCandidate(50, "int8", 1.24, 1.0, "LM 1,600 steps: flat +1.10% at equal samples, 2 hosts -2.20%"),
-    DiLoCoCandidate(10, "int8", 1.6, 1.34, "LM 1,600 steps: flat +4.59% at equal samples, 2 hosts +1.77%"),
+    DiLoCoCandidate(50, DENSE, StepsFactor(1.23, 1.0, "LM 1,600 steps: flat +1.13% at equal samples, 2 hosts -2.41%"),
+                    StepsFactor(0.69, 0.69, "digits 800 steps: dense's final loss at step 550, flat and 2 hosts")),
+    DiLoCoCandidate(50, "int8", StepsFactor(1.24, 1.0, "LM 1,600 steps: flat +1.10% at equal samples, 2 hosts "
+                                                       "-2.20%"),
+                    StepsFactor(0.69, 0.69, "digits 800 steps: dense's final loss at step 550, flat and 2 hosts")),
+    DiLoCoCandidate(10, "int8", StepsFactor(1.6, 1.34, "LM 1,600 steps: flat +4.59% at equal samples, 2 hosts +1.77%"),
+                    StepsFactor(0.43, 0.43, "digits 800 steps: dense's final loss at step 340, flat and 2 hosts")),
 )
 
 
@@ -189,7 +214,7 @@ def candidate_rows(measured: dict[str, Any], codecs: dict[str, dict[str, list[fl
         across: under ``two_tier``, per codec the sync's figures across hosts (this rank's part), else None.
         bytes_scale: a DiLoCo worker's bytes per byte measured in ``across`` (ranks per host).
         remaining_steps: the fit's steps after the decision (``inf``: unknown): a DiLoCo with fewer than
-            :data:`MIN_SYNCS` (by ``workers``) syncs in them is excluded.
+            :data:`MIN_SYNCS` (by family and ``workers``) syncs in them is excluded.
         compressors: the per-step compressors among ``codecs`` (None: every codec; the others are measured for
             OneBitAdam's and DiLoCo's rows only).
     """
@@ -222,13 +247,13 @@ def candidate_rows(measured: dict[str, Any], codecs: dict[str, dict[str, list[fl
             continue
         c = sync[d.codec]
         seconds = sum(c["coding_s"]) + sum(c["wire_s"])
-        factor = d.factor_hosts if workers == "two_tier" else d.factor_flat
-        least = MIN_SYNCS[workers]
+        quality = d.factor(optimizer)
+        least = MIN_SYNCS[SGD if optimizer == SGD else ADAM][workers]
         # the last, partial cycle ends in the final sync (inf: the fit's length is unknown)
         syncs = math.ceil(remaining_steps / d.every) if math.isfinite(remaining_steps) else math.inf
         few = syncs < least
         rows.append(Row(d.label, "diloco", compute + seconds / d.every, bytes_scale * sum(c["bytes"]) / d.every,
-                        factor=factor, quality=d.source, every=d.every, codec=d.codec,
+                        factor=quality.of(workers), quality=quality.source, every=d.every, codec=d.codec,
                         excluded=(f"{remaining_steps:.0f} steps left hold {syncs} syncs, fewer "
                                   f"than the {least} its quality was measured at") if few else None))
     return rows
