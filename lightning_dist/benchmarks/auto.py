@@ -75,29 +75,20 @@ REDECIDE_WITHIN = 50  # steps after the change
 
 @dataclass(frozen=True)
 class AutoMethod(S.Method):
-    """A way of training of the sync benchmark's kind whose sync is ``Auto(**auto)``; its curve reads the model
-    ``after`` steps past each multiple of its interval (a DiLoCo that auto switched to after step ``after`` syncs
-    there: read elsewhere, it would be up to H - 1 steps older than a fixed DiLoCo's at the same step)."""
+    """A way of training of the sync benchmark's kind whose sync is ``Auto(**auto)``."""
 
     auto: Optional[dict] = None
-    after: int = 0
 
     def settings(self) -> Optional[SyncSettings]:
         return Auto(**self.auto) if self.auto is not None else super().settings()
 
-    @property
-    def eval_offset(self) -> int:
-        return self.after
 
-
-def forced(choice: str, rows: Sequence[dict[str, Any]], after: int = 0) -> AutoMethod:
+def forced(choice: str, rows: Sequence[dict[str, Any]]) -> AutoMethod:
     """auto that decides ``choice`` whatever the links say: only it among the candidates, dense excluded by a bytes
-    budget between the choice's bytes and dense's (from the decision's rows); its curve read where it syncs if it
-    decides after step ``after``, as the decision it stands for did."""
+    budget between the choice's bytes and dense's (from the decision's rows)."""
     bytes_ = {r["label"]: r["bytes_per_step"] for r in rows}
     return AutoMethod(f"auto:{choice}", auto={"methods": [choice],
-                                              "max_bytes_per_step": (bytes_[choice] + bytes_["dense"]) / 2},
-                      after=after)
+                                              "max_bytes_per_step": (bytes_[choice] + bytes_["dense"]) / 2})
 
 
 FULL = replace(S.FULL, steps=800, horizon=1200, rates=(10.0, 100.0, 1000.0, UNSHAPED), methods=FIXED)
@@ -495,7 +486,7 @@ def run_cells(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
             methods = {label: S.METHODS[label] for label in job.sizes.methods}
             for d in decisions:
                 if d["shape"] == shape and not d.get("error") and d["choice"] != "dense":
-                    method = forced(d["choice"], d["rows"], d["step"])
+                    method = forced(d["choice"], d["rows"])
                     methods[method.label] = method
             curves += S.run_curves(sync_args, shape, methods, job.sizes.steps, job.sizes.horizon)
         measured["decisions"] += decisions

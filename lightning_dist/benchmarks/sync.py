@@ -88,12 +88,6 @@ class Method:
         return self.every > 1
 
     @property
-    def eval_offset(self) -> int:
-        """Steps past each multiple of the curve's interval where the curve reads the model: where a sync has landed
-        (a delayed one lands ``delay`` steps after its step)."""
-        return self.delay or 0
-
-    @property
     def steady(self) -> bool:
         """Every step alike, so one time and one byte count per step hold for the run: no warm-up, whose steps each
         sync (such a method is not timed, and DiLoCo's 1/H bytes bound is not judged on it)."""
@@ -367,7 +361,7 @@ def fit(method: Method, shape: Shape, sizes: Sizes, steps: int, curve: bool, lin
     model, data = workload(sizes)
     if record is None:
         record = FitRecord(eval_every(method, sizes) if curve else None, val_batch(sizes) if curve else None, link,
-                           offset=method.eval_offset)
+                           offset=method.delay or 0)
     trainer = quiet_trainer(devices=shape.per_host, num_nodes=shape.hosts, strategy=method.strategy(shape.topology,
                             hetero), max_steps=steps, max_epochs=epochs if epochs is not None else -1,
                             limit_val_batches=0, callbacks=[record, *callbacks])
