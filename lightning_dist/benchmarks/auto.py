@@ -408,6 +408,8 @@ def plot(rows: Sequence[dict[str, Any]]) -> Any:
     """Seconds to the target against the link, a panel per job (rows) and shape (columns)."""
     jobs = list(dict.fromkeys(_workload(r) for r in rows)) or ["lm"]
     fig, grid = bench.figure_grid(len(jobs), 2, 12, 4.2 * len(jobs))
+    labels = dict.fromkeys(label for r in rows for label in r["times_s"])
+    colors = {**{label: f"C{i % 10}" for i, label in enumerate(labels)}, "auto": "black"}  # one per method, every panel
     for (job, shape), ax in zip(itertools.product(jobs, ("flat", "two_tier")), [ax for row in grid for ax in row],
                                   strict=True):
         mine = [r for r in rows if (_workload(r), r["shape"]) == (job, shape)]
@@ -415,7 +417,8 @@ def plot(rows: Sequence[dict[str, Any]]) -> Any:
         for label in (*fixed, "auto"):
             xs = [i for i, r in enumerate(mine) if (r["auto_s"] if label == "auto" else r["times_s"].get(label))]
             ys = [mine[i]["auto_s"] if label == "auto" else mine[i]["times_s"][label] for i in xs]
-            ax.plot(xs, ys, marker="o" if label == "auto" else ".", lw=2.5 if label == "auto" else 1, label=label)
+            ax.plot(xs, ys, marker="o" if label == "auto" else ".", lw=2.5 if label == "auto" else 1, label=label,
+                    color=colors[label])
         ax.set_xticks(range(len(mine)), [_rate(r["rate_mbit"]) for r in mine])
         ax.set_yscale("log")
         ax.set_xlabel("link, Mbit/s")
