@@ -60,8 +60,9 @@ def lost_state_message(what: str, old: Sequence[str], new: Sequence[str], states
     """What of one per-rank state did not survive a change of world, for the restart's warning (None: nothing).
 
     ``old`` and ``new`` are the two worlds' node identities in rank order; ``states[r]`` is old rank ``r``'s saved
-    state (None: in no checkpoint, its host ended before writing one); ``with_norm`` adds what a lost state weighed
-    (error-feedback residuals; a generator's norm means nothing)."""
+    state (None: in no checkpoint of the step resumed from: its process ended before writing one, or wrote its own
+    emergency checkpoint at another step, as a rank a local step behind under DiLoCo does); ``with_norm`` adds what a
+    lost state weighed (error-feedback residuals; a generator's norm means nothing)."""
     staying = set(new)
     lost = []
     for rank, identity in enumerate(old):
@@ -70,7 +71,8 @@ def lost_state_message(what: str, old: Sequence[str], new: Sequence[str], states
             continue
         where = "left the run" if identity not in staying else "still here"
         if state is None:
-            weight = "never saved (its process ended first)"
+            weight = ("not in a checkpoint of the step resumed from (its process ended first, or saved at another "
+                      "step: a rank a local step behind under DiLoCo)")
         else:
             weight = f"norm {state_norm(state):.4g}" if with_norm else "saved, but its host is gone"
         lost.append(f"old rank {rank} ({identity}, {where}): {weight}")

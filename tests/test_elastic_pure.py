@@ -142,7 +142,8 @@ def test_ranks_map_by_identity_and_lost_state_is_named_with_its_norm():
     assert state_norm(residual) == pytest.approx(5.0)
     message = lost_state_message("residuals", ["a/0", "b/0", "c/0"], ["a/0", "b/0"], [residual, None, residual])
     assert "old rank 2 (c/0, left the run): norm 5" in message
-    assert "old rank 1 (b/0, still here): never saved" in message and "old rank 0" not in message
+    assert "old rank 1 (b/0, still here): not in a checkpoint of the step resumed from" in message
+    assert "old rank 0" not in message
     assert lost_state_message("residuals", ["a/0"], ["a/0", "b/0"], [residual]) is None  # only a newcomer
 
 
