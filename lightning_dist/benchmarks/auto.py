@@ -465,12 +465,17 @@ def _sizes(args: argparse.Namespace, workload: str) -> S.Sizes:
     return sizes
 
 
+def _job(args: argparse.Namespace, workload: str) -> argparse.Namespace:
+    """The command's arguments with one job's sizes (what its cluster jobs pass to their workers)."""
+    return argparse.Namespace(**{**vars(args), "sizes": _sizes(args, workload)})
+
+
 def run_cells(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     """Per job: auto's decision in every cell, every fixed method's timing jobs, the curves (each record names its
     job)."""
     measured: dict[str, list[dict[str, Any]]] = {"decisions": [], "timings": [], "curves": []}
     for workload in args.workloads:
-        job = argparse.Namespace(**{**vars(args), "sizes": _sizes(args, workload)})
+        job = _job(args, workload)
         decisions = []
         for shape, rate in itertools.product(args.shapes, args.rates):
             raw, error, wall = cluster_job(job, shape, rate, ["--worker", "decide"],
@@ -506,7 +511,7 @@ def run_slowdown(args: argparse.Namespace, logs: Path, rows: Sequence[dict[str, 
     before = [cell.get("best"), FIXED_LABEL.get(cell.get("choice"), cell.get("choice"))]
     methods = ["auto", *dict.fromkeys(m for m in before if m in S.METHODS)] if cell else ["auto", "dense"]
     check = at if args.quick else 50
-    lm = argparse.Namespace(**{**vars(args), "sizes": _sizes(args, "lm")})
+    lm = _job(args, "lm")
     raw, error, wall = cluster_job(lm, SLOW_SHAPE, SLOW_RATE,
                                    ["--worker", "slow", "--methods", *methods, "--slow-at", str(at), "--slow-steps",
                                     str(steps), "--check-every", str(check)], logs / "slowdown.log", answer=True)

@@ -45,7 +45,7 @@ class DigitsCNN(L.LightningModule):
     """Two conv blocks and a two-layer head, trained with Adam (or SGD) and cross-entropy.
 
     Args:
-        lr: Adam learning rate. 3e-3 reaches 97% validation accuracy in a few epochs at a global batch of
+        lr: the learning rate. Under Adam 3e-3 reaches 97% validation accuracy in a few epochs at a global batch of
             32-64.
         channels: output channels of the first conv; the second has twice as many.
         hidden: width of the hidden linear layer.
