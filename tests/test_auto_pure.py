@@ -24,6 +24,7 @@ from lightning_dist.sync.auto_rule import (
     Row,
     candidate_rows,
     decide,
+    measure_what_can_win,
     predict_step,
     table,
 )
@@ -165,6 +166,78 @@ def test_the_steps_factor_is_the_optimizer_familys_own_job():
     assert factors[OTHER] == factors[ADAM]
     assert {d.label: d.factor(SGD).of("two_tier") for d in DILOCO_CANDIDATES} == {
         "diloco50": 0.69, "diloco50/int8": 0.69, "diloco10/int8": 0.43}
+
+
+COMPRESSORS = ("fp16", "int8", "powersgd", "topk")
+
+
+def bounded(rate: str, optimizer: str, workers: str = "flat", limits: Limits = Limits()):
+    """The rows :func:`measure_what_can_win` leaves, and the measurements it made in order, on the recorded figures
+    (across hosts: half of every codec's, a host's part), beside the rows of every candidate measured."""
+    measured, codecs = recorded(RATES[rate])
+    across = {n: {k: [v[0] / 2] for k, v in codecs[n].items()} for n in ("none", "int8")}
+    figures = {**{("flat", c): f for c, f in codecs.items()},
+               **({("across", c): f for c, f in across.items()} if workers == "two_tier" else {})}
+    made = []
+
+    def rows_of(known):
+        flat = {c: f for (where, c), f in known.items() if where == "flat"}
+        hosts = {c: f for (where, c), f in known.items() if where == "across"} if workers == "two_tier" else None
+        return candidate_rows(measured, flat, optimizer, workers, hosts, compressors=COMPRESSORS)
+
+    def measure(unit):
+        made.append(unit)
+        return figures[unit]
+
+    zeros = {u: {k: [0.0] * len(v) for k, v in f.items()} for u, f in figures.items()}
+    rows, known = measure_what_can_win(rows_of, zeros, measure, workers, limits)
+    assert list(known) == made and len(set(made)) == len(made)  # each measurement once
+    return rows, made, rows_of(figures)
+
+
+LIMITS = (Limits(), Limits(exact=True), Limits(max_bytes_per_step=0.2 * BUCKET), Limits(methods=("int8",)),
+          Limits(methods=("diloco50",)))
+
+
+@pytest.mark.parametrize("workers", ["flat", "two_tier"])
+@pytest.mark.parametrize("optimizer", [ADAM, SGD, OTHER])
+@pytest.mark.parametrize("rate", RATES)
+def test_measuring_only_what_can_win_makes_every_measured_choice(rate, optimizer, workers):
+    """The pruned measurement's choice, and its row, are those of every candidate measured, under every limit; what
+    it left out is excluded with its bound."""
+    for limits in LIMITS:
+        rows, made, full = bounded(rate, optimizer, workers, limits)
+        ours, every = decide(rows, limits), decide(full, limits)
+        assert ours.choice == every.choice, (limits, made)
+        assert ours.row().predicted_step_s == every.row().predicted_step_s
+        for r in rows:
+            if r.predicted_step_s is None and r.kind != "compressor":  # (compressors unmeasured by quality, as ever)
+                assert "not measured" in r.excluded, r
+
+
+def test_under_sgd_diloco_rules_out_every_per_step_method_unmeasured():
+    """DiLoCo's steps factor under SGD (0.43 at H=10) puts its bound below every per-step method's: once its own sync
+    is measured, nothing else can win, dense included."""
+    rows, made, _ = bounded("100Mbit", SGD)
+    assert made == [("flat", "int8")]
+    decision = decide(rows)
+    assert decision.choice == "diloco10/int8"
+    assert decision.row("dense").excluded.startswith("not measured: at least 40.0 ms per dense step, above "
+                                                     "diloco10/int8's")
+    assert "dense excluded (not measured" in decision.why
+    _, made, _ = bounded("100Mbit", SGD, "two_tier")  # hosts' workers: their sync across hosts alone
+    assert made == [("across", "int8")]
+
+
+def test_on_a_local_link_dense_alone_is_measured_under_adam():
+    """Every Adam candidate's bound is the compute-only step (factor 1 or more): with dense within the margin of it,
+    nothing else can pay for its risk."""
+    rows, made, _ = bounded("unshaped", ADAM)
+    assert made == [("flat", "none")]
+    assert decide(rows).choice == "dense"
+    assert "within the 5% margin of dense's" in decide(rows).row("onebit_adam").excluded
+    _, made, _ = bounded("10Mbit", ADAM)  # a slow link: every candidate that could beat dense is measured
+    assert ("flat", "none") in made and ("flat", "sign") in made
 
 
 def test_the_prediction_replays_the_queue():

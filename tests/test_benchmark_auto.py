@@ -8,6 +8,7 @@ import json
 import pytest
 
 from lightning_dist.benchmarks import auto
+from lightning_dist.benchmarks import sync as S
 from lightning_dist.simcluster import unavailable
 from lightning_dist.sync import Auto
 
@@ -106,8 +107,6 @@ def test_auto_switched_to_diloco_is_validated_on_the_model_diloco_validates(monk
     0's own worker mid-cycle before: 1.5% higher on two_tier)."""
     from types import SimpleNamespace
 
-    from lightning_dist.benchmarks import sync as S
-
     calls = []
     loop = SimpleNamespace(swap_in_validated=lambda: calls.append("in"), swap_back=lambda: calls.append("back"))
     monkeypatch.setattr(S, "val_loss", lambda module, batch: 2.0 if calls[-1:] == ["in"] else 3.0)
@@ -147,10 +146,18 @@ def test_the_slowdown_record_and_the_verdicts():
 
 
 def test_forced_auto_decides_the_choice_whatever_the_links():
-    rows = [{"label": "dense", "bytes_per_step": 1000.0}, {"label": "onebit_adam", "bytes_per_step": 40.0}]
+    rows = [{"label": "dense", "kind": "dense", "bytes_per_step": 1000.0, "every": 1},
+            {"label": "onebit_adam", "kind": "onebit_adam", "bytes_per_step": 40.0, "every": 1},
+            {"label": "diloco50", "kind": "diloco", "bytes_per_step": 20.0, "every": 50}]
     method = auto.forced("onebit_adam", rows)
     settings = method.settings()
     assert settings.methods == ("onebit_adam",) and 40.0 < settings.max_bytes_per_step < 1000.0
+    assert method.cycle == 1 and S.eval_every(method, S.DIGITS) == S.DIGITS.eval_every
+    # a DiLoCo choice: its curve read at its synced models (multiples of H), to the fit's steps
+    method = auto.forced("diloco50", rows)
+    assert method.cycle == 50 and S.eval_every(method, S.DIGITS) == 50
+    rows[0]["bytes_per_step"] = None  # dense not measured (ruled out by its bound): twice the choice's bytes
+    assert auto.forced("diloco50", rows).settings().max_bytes_per_step == 40.0
 
 
 @pytest.fixture(scope="module")

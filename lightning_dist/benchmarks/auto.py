@@ -75,9 +75,15 @@ REDECIDE_WITHIN = 50  # steps after the change
 
 @dataclass(frozen=True)
 class AutoMethod(S.Method):
-    """A way of training of the sync benchmark's kind whose sync is ``Auto(**auto)``."""
+    """A way of training of the sync benchmark's kind whose sync is ``Auto(**auto)``; ``cycle_steps``: the H of the
+    DiLoCo it is forced to (its curve read at synced models, and ended at the fit's steps), else 1."""
 
     auto: Optional[dict] = None
+    cycle_steps: int = 1
+
+    @property
+    def cycle(self) -> int:
+        return self.cycle_steps
 
     def settings(self) -> Optional[SyncSettings]:
         return Auto(**self.auto) if self.auto is not None else super().settings()
@@ -85,10 +91,14 @@ class AutoMethod(S.Method):
 
 def forced(choice: str, rows: Sequence[dict[str, Any]]) -> AutoMethod:
     """auto that decides ``choice`` whatever the links say: only it among the candidates, dense excluded by a bytes
-    budget between the choice's bytes and dense's (from the decision's rows)."""
-    bytes_ = {r["label"]: r["bytes_per_step"] for r in rows}
-    return AutoMethod(f"auto:{choice}", auto={"methods": [choice],
-                                              "max_bytes_per_step": (bytes_[choice] + bytes_["dense"]) / 2})
+    budget under dense's bytes (from the decision's rows: between the choice's and dense's; where dense was not
+    measured, the choice beat every per-step method by its steps factor, so it is a DiLoCo, whose bytes per step are a
+    tenth of its codec's at most: twice its own)."""
+    row = next(r for r in rows if r["label"] == choice)
+    dense = next(r["bytes_per_step"] for r in rows if r["kind"] == "dense")
+    budget = (row["bytes_per_step"] + dense) / 2 if dense is not None else 2 * row["bytes_per_step"]
+    return AutoMethod(f"auto:{choice}", auto={"methods": [choice], "max_bytes_per_step": budget},
+                      cycle_steps=row["every"] if row["kind"] == "diloco" else 1)
 
 
 FULL = replace(S.FULL, steps=800, horizon=1200, rates=(10.0, 100.0, 1000.0, UNSHAPED), methods=FIXED)

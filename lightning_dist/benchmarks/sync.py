@@ -88,6 +88,12 @@ class Method:
         return self.every > 1
 
     @property
+    def cycle(self) -> int:
+        """Steps between two models every worker agrees on (H under DiLoCo, else 1): a curve is read at multiples of
+        it, and a fit with cycles ends at its steps (its final sync), not at the horizon."""
+        return self.every
+
+    @property
     def steady(self) -> bool:
         """Every step alike, so one time and one byte count per step hold for the run: no warm-up, whose steps each
         sync (such a method is not timed, and DiLoCo's 1/H bytes bound is not judged on it)."""
@@ -248,7 +254,7 @@ def timing_steps(method: Method, sizes: Sizes) -> tuple[int, int]:
 
 def eval_every(method: Method, sizes: Sizes) -> int:
     """Steps between curve points: ``sizes.eval_every``, under DiLoCo rounded up to a multiple of H (a synced model)."""
-    return method.every * math.ceil(sizes.eval_every / method.every)
+    return method.cycle * math.ceil(sizes.eval_every / method.cycle)
 
 
 # -- one fit (every rank, in a loopback group or under torchrun) -------------------------------------------------------
@@ -1064,7 +1070,7 @@ def run_curves(args: argparse.Namespace, shape: str, methods: dict[str, Method],
         started = time.perf_counter()
         try:
             outs = run_ranks(_loopback_rank, SHAPES[shape].world, method, shape, args.sizes,
-                             steps if label == DENSE or method.diloco else horizon or steps,
+                             steps if label == DENSE or method.cycle > 1 else horizon or steps,
                              deadline_s=args.run_timeout)
             rec = curve_record(outs, shape, args.sizes.steps)
             bench.progress(f"[sync] curve {shape:<8} {label:<15} final val loss "

@@ -6,20 +6,22 @@ How a fit goes:
 1. **Measuring.** The first ``warmup_steps + steps`` optimizer steps run dense (every step's all-reduce through the comm
    hook, exactly as ``sync=None``). The timed steps record the step time, each bucket's ready time and the exposed
    communication (:class:`~lightning_dist.sync.auto_measure.BucketRecorder`), and keep a copy of the gradient buckets.
-2. **Deciding**, after the last measuring step, on every rank: each candidate codec reduces copies of the real buckets
-   over the real links (:func:`~lightning_dist.sync.auto_measure.measure_codecs`; under ``two_tier`` also this rank's
-   part across hosts, as DiLoCo's workers sync), every figure is agreed (its maximum over the ranks) and the pure rule
-   (:func:`~lightning_dist.sync.auto_rule.decide`) picks. The table goes to the log.
+2. **Deciding**, after the last measuring step, on every rank: candidate codecs reduce copies of the real buckets over
+   the real links (:func:`~lightning_dist.sync.auto_measure.measure_codecs`; under ``two_tier`` DiLoCo's also this
+   rank's part across hosts, as its workers sync), each figure agreed (its maximum over the ranks), one codec at a
+   time from the candidate with the least bound up, until no unmeasured candidate can change the decision
+   (:func:`~lightning_dist.sync.auto_rule.measure_what_can_win`). The pure rule
+   (:func:`~lightning_dist.sync.auto_rule.decide`) picks; the table, what was measured and its seconds go to the log.
 3. **Switching**, in the same step on every rank: to a per-step compressor (the comm hook's, its ``start_step`` counted
    from the fit's start, so the measuring steps are its warm-up), to OneBitAdam (bound with its warm-up counted from
    the fit's start: the measuring steps were dense Adam steps) or to DiLoCo (bound from the parameters every rank
    holds, the measuring steps its dense start). The strategy re-derives what follows from the new driver's workers
    (:meth:`~lightning_dist.sync.SyncContext.regroup`).
 4. **Watching.** Every ``check_every`` steps (for DiLoCo, whole cycles), the mean step time since the last check is
-   agreed across ranks; above ``drift`` times the prediction (a link that degraded), every candidate is measured again
-   on the kept buckets and the rule decides again. A different choice switches: DiLoCo lands what is in flight and
-   ends on the workers' mean (its final sync), a compressor's residuals are flushed into the next step's gradient
-   (:mod:`~lightning_dist.sync.auto_flush`), OneBitAdam's compressed momentum is dropped with a message.
+   agreed across ranks; above ``drift`` times the prediction (a link that degraded), the candidates are measured
+   again on the kept buckets (as in 2) and the rule decides again. A different choice switches: DiLoCo lands what is
+   in flight and ends on the workers' mean (its final sync), a compressor's residuals are flushed into the next step's
+   gradient (:mod:`~lightning_dist.sync.auto_flush`), OneBitAdam's compressed momentum is dropped with a message.
 5. **Resuming.** A checkpoint keeps the decision, its history and the cluster it was made on (world size, hosts). A
    resume on the same cluster binds the chosen method at once and restores its state; on a changed one (an elastic
    restart with another world size, a host joined or left) the fit measures and decides again.
@@ -27,6 +29,7 @@ How a fit goes:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -41,22 +44,27 @@ from lightning_dist.compression import NoCompressor, build_compressor
 from lightning_dist.sync.auto_flush import OwedResiduals
 from lightning_dist.sync.auto_measure import (
     BucketRecorder,
-    across_hosts,
-    agree,
+    agree_codecs,
+    agree_step,
     conf_compressor,
     dense_step,
+    host_group,
+    measure_across,
     measure_codecs,
 )
 from lightning_dist.sync.auto_rule import (
     DENSE,
     DILOCO_CANDIDATES,
     Decision,
+    Figures,
     Row,
+    Unit,
     candidate_rows,
     compressor_quality,
     decide,
     diloco_codecs,
     family,
+    measure_what_can_win,
     table,
 )
 from lightning_dist.sync.auto_settings import AutoSettings
@@ -141,6 +149,7 @@ class AutoDriver(SyncDriver):
         self._steps: list[dict[str, Any]] = []  # the timed measuring steps
         self._buckets: list[Any] = []  # the last timed step's gradient buckets (kept for the re-decisions)
         self._measured: Optional[dict[str, Any]] = None  # the dense step, agreed
+        self._units: dict[Unit, Figures] = {}  # what the last decision measured
         self._started = 0.0  # perf_counter at the step's first before_forward
         self._in_step = False  # a step's first forward ran and its after_step has not yet
         self._window: list[float] = []  # step seconds since the last drift check
@@ -258,7 +267,9 @@ class AutoDriver(SyncDriver):
         return {n: conf_compressor(n) for n in names}
 
     def _measure(self) -> list[Row]:
-        """Every candidate's row from the kept buckets over the links as they are now (a collective of every rank)."""
+        """Every candidate's row, from the kept buckets over the links as they are now, each measured only where it
+        can change the decision (:func:`~lightning_dist.sync.auto_rule.measure_what_can_win`; a collective of every
+        rank, whose every branch follows agreed figures)."""
         context = self.context
         if self._measured is None:
             if not self._steps:
@@ -273,37 +284,60 @@ class AutoDriver(SyncDriver):
             named = [(n, p) for n, p in context.module.named_parameters() if p.requires_grad]
             self._buckets = [(b.layout, torch.cat([p.detach().reshape(-1) for p in b.params]))
                              for b in cut_buckets(named, lambda numel, p: p.new_empty(0))]
-        group = context.exchange_group
+        group, topology = context.exchange_group, context.topology
         candidates = self._candidates()
-        with context.long_collective("sync='auto' measures every candidate over the links"):
-            codecs = measure_codecs(candidates, self._buckets, context.algorithm, group, self.settings.rounds,
-                                    self.settings.long_s)
-            measured, codecs = agree(local, codecs, group)
-            topology = context.topology
-            across = None
-            if topology is not None and topology.kind == "two_tier":
-                diloco = {n: candidates[n] for n in diloco_codecs()}
-                across = across_hosts(diloco, self._buckets, topology, context.rank, context.algorithm,
-                                      self.settings.rounds, context.timeout, self.settings.long_s)
-                _, across = agree(measured, across, group)
-        self._measured = measured
-        workers = "two_tier" if across is not None else "flat"
-        rows = candidate_rows(measured, codecs, family(context.optimizers), workers, across,
-                              bytes_scale=topology.ranks_per_host if across is not None else 1.0,
-                              remaining_steps=context.estimated_steps - context.global_step,
-                              compressors=self.settings.compressors)
-        for r in rows:
-            if r.excluded is None and r.label in self.refused:
-                r.excluded = f"this fit refuses it: {self.refused[r.label]}"
+        two_tier = topology is not None and topology.kind == "two_tier"
+        workers = "two_tier" if two_tier else "flat"
+        optimizer = family(context.optimizers)
+        rounds, long_s = self.settings.rounds, self.settings.long_s
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(context.long_collective("sync='auto' measures the candidates over the links"))
+            measured = self._measured = agree_step(local, group)
+            hosts: list[Any] = []  # the group across hosts, made at the first measurement across them
+
+            def measure(unit: Unit) -> Figures:
+                where, codec = unit
+                if where == "flat":
+                    figures = measure_codecs({codec: candidates[codec]}, self._buckets, context.algorithm, group,
+                                             rounds, long_s)
+                else:
+                    if not hosts:
+                        hosts.append(stack.enter_context(host_group(topology, context.rank, context.timeout)))
+                    figures = measure_across({codec: candidates[codec]}, self._buckets, topology, context.rank,
+                                             context.algorithm, hosts[0], rounds, long_s)
+                return agree_codecs(figures, group)[codec]
+
+            def rows_of(figures: dict[Unit, Figures]) -> list[Row]:
+                flat = {codec: f for (where, codec), f in figures.items() if where == "flat"}
+                across = {codec: f for (where, codec), f in figures.items() if where == "across"} if two_tier else None
+                rows = candidate_rows(measured, flat, optimizer, workers, across,
+                                      bytes_scale=topology.ranks_per_host if two_tier else 1.0,
+                                      remaining_steps=context.estimated_steps - context.global_step,
+                                      compressors=self.settings.compressors)
+                for r in rows:
+                    if r.excluded is None and r.label in self.refused:
+                        r.excluded = f"this fit refuses it: {self.refused[r.label]}"
+                return rows
+
+            n = len(measured["ready_s"])
+            zeros = {("flat", c): {k: [0.0] * n for k in ("coding_s", "wire_s", "bytes")} for c in candidates}
+            if two_tier:
+                zeros.update({("across", c): {k: [0.0] for k in ("coding_s", "wire_s", "bytes")}
+                              for c in diloco_codecs()})
+            rows, self._units = measure_what_can_win(rows_of, zeros, measure, workers, self.settings.limits)
         return rows
 
     def _decide(self, global_step: int, reason: str) -> None:
+        started = time.perf_counter()
         rows = self._measure()
         decision = decide(rows, self.settings.limits)
+        measure_s = self._longest(time.perf_counter() - started)  # (the history is the same on every rank)
         previous = self.decision.choice if self.decision is not None else None
+        units = sorted(f"{codec} across hosts" if where == "across" else codec for where, codec in self._units)
         self.history.append({"step": global_step, "choice": decision.choice, "why": decision.why, "reason": reason,
-                             "rows": decision.as_dict()["rows"]})
-        rank_zero_info(f"sync='auto' at step {global_step} ({reason}):\n{table(decision)}")
+                             "measured": units, "measure_s": measure_s, "rows": decision.as_dict()["rows"]})
+        rank_zero_info(f"sync='auto' at step {global_step} ({reason}; measured {', '.join(units)} in "
+                       f"{measure_s:.2f} s):\n{table(decision)}")
         self.decision = decision
         if decision.choice != previous:
             self._switch(decision.row(), global_step)
@@ -315,13 +349,17 @@ class AutoDriver(SyncDriver):
         if not window:
             return
         predicted = self.decision.row().predicted_step_s
-        ratio = (sum(window) / len(window)) / predicted if predicted > 0 else 0.0
-        agreed = torch.tensor([ratio], dtype=torch.float64)
-        if self.context.world_size > 1:
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.context.exchange_group)
-        ratio = float(agreed.item())
+        ratio = self._longest((sum(window) / len(window)) / predicted if predicted > 0 else 0.0)
         if ratio > self.settings.drift:
             self._decide(global_step, f"the step took {ratio:.2f}x its prediction over {len(window)} steps")
+
+    def _longest(self, value: float) -> float:
+        """``value``'s maximum over the ranks (one all-reduce)."""
+        if self.context.world_size == 1:
+            return value
+        agreed = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.context.exchange_group)
+        return float(agreed.item())
 
     # -- switching ----------------------------------------------------------------------------------------------------
     def _switch(self, row: Row, global_step: int, in_step: bool = True) -> None:

@@ -7,17 +7,20 @@ Advisor`) and ``sync="auto"`` (:mod:`lightning_dist.sync.auto`) alike: one home 
 - :func:`dense_step`: the medians of the timed dense steps (step, exposed communication, compute-only, ready times).
 - :func:`measure_codecs`: every candidate codec's ``reduce`` on copies of the real buckets over a group of its own:
   coding seconds, wire seconds and bytes, per bucket.
-- :func:`across_hosts`: the same for this rank's part of every bucket across hosts (a sync between hosts' workers).
-- :func:`agree`: every figure as its maximum over the ranks, so every rank predicts, and decides, the same.
+- :func:`measure_across` (over a :func:`host_group`; :func:`across_hosts` makes its own): the same for this rank's part
+  of every bucket across hosts (a sync between hosts' workers).
+- :func:`agree` (:func:`agree_step`, :func:`agree_codecs`): every figure as its maximum over the ranks, so every rank
+  predicts, and decides, the same.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.resources
 import statistics
 import time
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -140,42 +143,64 @@ def host_parts(buckets: Sequence[tuple[BucketLayout, torch.Tensor]], parts: int,
     return out
 
 
-def across_hosts(candidates: dict[str, dict[str, Any]], buckets: Sequence[tuple[BucketLayout, torch.Tensor]],
-                 topology: Any, rank: int, algorithm: str, rounds: int, timeout: Optional[timedelta],
-                 long_s: Optional[float] = None) -> dict[str, dict[str, list[float]]]:
-    """A sync between hosts' workers: this rank's part of every bucket through each candidate, across hosts (the ranks
-    of this local index, one per host), as the parts cross at a sync. Totals per codec, one entry each (ranks of
-    different local indices may hold different numbers of non-empty parts). A collective of every rank."""
-    # a collective call (every rank makes every group, in order); this rank's own comes back
+@contextlib.contextmanager
+def host_group(topology: Any, rank: int, timeout: Optional[timedelta]) -> Iterator[Any]:
+    """The group of this rank's local index across hosts (one rank per host: the ranks that carry a part between
+    hosts), destroyed on leaving. A collective call: every rank makes every group, in order."""
     group = dist.new_subgroups_by_enumeration(topology.inter_groups(), timeout=timeout)[0]
     try:
-        per_part = measure_codecs(candidates, host_parts(buckets, topology.ranks_per_host, topology.local_index(rank)),
-                                  algorithm, group, rounds, long_s)
+        yield group
     finally:
         dist.destroy_process_group(group)
+
+
+def measure_across(candidates: dict[str, dict[str, Any]], buckets: Sequence[tuple[BucketLayout, torch.Tensor]],
+                   topology: Any, rank: int, algorithm: str, group: Any, rounds: int, long_s: Optional[float] = None
+                   ) -> dict[str, dict[str, list[float]]]:
+    """A sync between hosts' workers: this rank's part of every bucket through each candidate over ``group``
+    (:func:`host_group`), as the parts cross at a sync. Totals per codec, one entry each (ranks of different local
+    indices may hold different numbers of non-empty parts)."""
+    per_part = measure_codecs(candidates, host_parts(buckets, topology.ranks_per_host, topology.local_index(rank)),
+                              algorithm, group, rounds, long_s)
     return {label: {key: [sum(values)] for key, values in figures.items()} for label, figures in per_part.items()}
 
 
-def agree(measured: dict[str, Any], codecs: dict[str, dict[str, list[float]]], group: Any
-          ) -> tuple[dict[str, Any], dict[str, dict[str, list[float]]]]:
-    """Every figure as its maximum over the ranks (one all-reduce), so every rank predicts the same."""
-    labels = list(codecs)
-    keys = ("coding_s", "wire_s", "bytes")
-    flat = [measured["step_s"], measured["exposed_s"], *measured["ready_s"]]
-    flat += [v for label in labels for key in keys for v in codecs[label][key]]
+def across_hosts(candidates: dict[str, dict[str, Any]], buckets: Sequence[tuple[BucketLayout, torch.Tensor]],
+                 topology: Any, rank: int, algorithm: str, rounds: int, timeout: Optional[timedelta],
+                 long_s: Optional[float] = None) -> dict[str, dict[str, list[float]]]:
+    """:func:`measure_across` over a :func:`host_group` of its own. A collective of every rank."""
+    with host_group(topology, rank, timeout) as group:
+        return measure_across(candidates, buckets, topology, rank, algorithm, group, rounds, long_s)
+
+
+def agree_step(measured: dict[str, Any], group: Any) -> dict[str, Any]:
+    """The dense step's figures as their maximum over the ranks (every rank the same number of buckets, or an
+    error)."""
     counts = torch.tensor([len(measured["ready_s"]), -len(measured["ready_s"])], dtype=torch.float64)
     dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)  # every rank the same number of buckets
     if counts[0] != -counts[1]:
         raise RuntimeError(f"ranks saw different numbers of buckets ({-counts[1]:.0f} to {counts[0]:.0f})")
-    values = torch.tensor(flat, dtype=torch.float64)
+    values = torch.tensor([measured["step_s"], measured["exposed_s"], *measured["ready_s"]], dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    step_s, exposed_s, *ready = values.tolist()
+    return {**measured, "step_s": step_s, "exposed_s": exposed_s, "ready_s": ready,
+            "compute_s": max(0.0, step_s - exposed_s)}
+
+
+def agree_codecs(codecs: dict[str, dict[str, list[float]]], group: Any) -> dict[str, dict[str, list[float]]]:
+    """Every codec's figures as their maximum over the ranks (one all-reduce; every rank measured the same codecs on
+    the same number of entries)."""
+    keys = ("coding_s", "wire_s", "bytes")
+    values = torch.tensor([v for label in codecs for key in keys for v in codecs[label][key]], dtype=torch.float64)
     dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
     it = iter(values.tolist())
-    step_s, exposed_s = next(it), next(it)
-    ready = [next(it) for _ in measured["ready_s"]]
-    out = {label: {key: [next(it) for _ in codecs[label][key]] for key in keys} for label in labels}
-    agreed = {**measured, "step_s": step_s, "exposed_s": exposed_s, "ready_s": ready,
-              "compute_s": max(0.0, step_s - exposed_s)}
-    return agreed, out
+    return {label: {key: [next(it) for _ in codecs[label][key]] for key in keys} for label in codecs}
+
+
+def agree(measured: dict[str, Any], codecs: dict[str, dict[str, list[float]]], group: Any
+          ) -> tuple[dict[str, Any], dict[str, dict[str, list[float]]]]:
+    """Every figure as its maximum over the ranks, so every rank predicts the same."""
+    return agree_step(measured, group), agree_codecs(codecs, group)
 
 
 def _sync(tensor: torch.Tensor) -> None:

@@ -20,6 +20,13 @@ The rule (docs/auto.md):
 5. **Choice.** The least predicted seconds per dense-equivalent step (predicted step x steps factor), unless dense is
    within :data:`DENSE_MARGIN` of it: then dense (what cannot pay for its risk is not taken).
 
+Not every candidate is measured (:func:`measure_what_can_win`): a candidate's predicted step is at least the
+compute-only step (its communication costing nothing), so its seconds per dense-equivalent step are at least the
+compute-only step x its steps factor. Candidates are measured from the least such bound up, and one whose bound cannot
+beat what is already measured (nor keep dense within its margin) is shown as not measured: the choice is the one
+measuring every candidate would make, for a part of the measurement (under SGD, DiLoCo's factor below 1 rules out
+every per-step method once its own sync is measured).
+
 Every input is the same on every rank (the measurements are agreed first, each figure its maximum over the ranks), so
 the decision is the same on every rank.
 """
@@ -28,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 DENSE = "none"  # the dense codec's name (build_compressor's)
 ADAM, SGD, OTHER = "adam", "sgd", "other"  # optimizer families
@@ -275,23 +282,28 @@ def compressor_quality(name: str, optimizer: str) -> tuple[str, Optional[str]]:
                   else None)
 
 
+def limited(row: Row, limits: Limits) -> Optional[str]:
+    """Why ``limits`` exclude ``row`` (None: they do not); a row whose bytes are not known yet is not excluded by
+    bytes."""
+    if limits.exact and row.kind != "dense" and row.label not in LOSSLESS:
+        return "exact=True: it changes the optimisation"
+    if limits.max_bytes_per_step is not None and (row.bytes_per_step or 0.0) > limits.max_bytes_per_step:
+        return f"{row.bytes_per_step:.0f} bytes per step, above max_bytes_per_step={limits.max_bytes_per_step:.0f}"
+    if limits.methods is not None and row.kind != "dense" and row.label not in limits.methods:
+        return f"not among methods={list(limits.methods)}"
+    return None
+
+
 def decide(rows: Sequence[Row], limits: Limits = Limits()) -> Decision:
     """The choice among ``rows`` (with ``dense`` among them) under ``limits``: the least predicted seconds per
     dense-equivalent step, unless dense is within :data:`DENSE_MARGIN` of it."""
     rows = [Row(**asdict(r)) for r in rows]  # copies: the limits' exclusions are this decision's
     dense = next((r for r in rows if r.kind == "dense"), None)
     if dense is None:
-        raise ValueError("auto: the dense row is missing (dense is always measured: the base of every comparison)")
+        raise ValueError("auto: the dense row is missing (the base of every comparison)")
     for r in rows:
-        if r.excluded is not None:
-            continue
-        if limits.exact and r.kind != "dense" and r.label not in LOSSLESS:
-            r.excluded = "exact=True: it changes the optimisation"
-        elif limits.max_bytes_per_step is not None and (r.bytes_per_step or 0.0) > limits.max_bytes_per_step:
-            r.excluded = (f"{r.bytes_per_step:.0f} bytes per step, above "
-                          f"max_bytes_per_step={limits.max_bytes_per_step:.0f}")
-        elif limits.methods is not None and r.kind != "dense" and r.label not in limits.methods:
-            r.excluded = f"not among methods={list(limits.methods)}"
+        if r.excluded is None:
+            r.excluded = limited(r, limits)
     allowed = [r for r in rows if r.excluded is None]
     if not allowed:  # the fit goes on as it started: dense, and says why (raised, it would end a running fit)
         return Decision("dense", "no candidate is allowed (" + "; ".join(f"{r.label}: {r.excluded}" for r in rows)
@@ -309,6 +321,77 @@ def decide(rows: Sequence[Row], limits: Limits = Limits()) -> Decision:
         why = (f"{best.label}: {1e3 * best.predicted_step_s:.1f} ms per step x {best.factor:.2f} steps per dense "
                f"step = {1e3 * best.score:.1f} ms, {base}")
     return Decision(best.label, why, rows)
+
+
+Figures = dict[str, list[float]]  # one codec's per bucket ``coding_s``, ``wire_s``, ``bytes``
+Unit = tuple[str, str]  # what one measurement covers: (``flat``: every bucket over every rank, or ``across``: this
+# rank's part across hosts, DiLoCo's sync under two_tier; a codec name)
+
+
+def units_of(row: Row, workers: str) -> set[Unit]:
+    """The measurements ``row``'s prediction reads."""
+    if row.kind == "onebit_adam":
+        return {("flat", "sign"), ("flat", "int4")}
+    if row.kind == "diloco" and workers == "two_tier":
+        return {("across", row.codec)}
+    return {("flat", row.codec)}
+
+
+def worth_measuring(rows: Sequence[Row], pending: dict[str, set[Unit]], limits: Limits) -> Optional[Unit]:
+    """The measurement to make next, or None when no unmeasured candidate can change the decision.
+
+    ``rows``: every candidate, each predicted with its unmeasured units at no cost (a lower bound on its score: the
+    predicted step only grows with a codec's seconds); ``pending``: per label, its units not measured yet. A candidate
+    can change the decision when its bound is at most the best measured score and, beside a measured dense, its bound
+    within :data:`DENSE_MARGIN` would not leave dense kept (dense: when its bound is within the margin of the best).
+    Of those, the one with the least bound goes first (dense first on a tie)."""
+    allowed = [r for r in rows if r.excluded is None and limited(r, limits) is None]
+    known = [r for r in allowed if not pending[r.label]]
+    best = min((r.score for r in known), default=math.inf)
+    dense = next((r for r in known if r.kind == "dense"), None)
+
+    def can_win(r: Row) -> bool:
+        if r.kind == "dense":
+            return r.score <= best * (1 + DENSE_MARGIN)
+        return r.score <= best and (dense is None or r.score * (1 + DENSE_MARGIN) < dense.score)
+
+    open_ = sorted((r for r in allowed if pending[r.label] and can_win(r)),
+                   key=lambda r: (r.score, r.kind != "dense", r.label))
+    return min(pending[open_[0].label]) if open_ else None
+
+
+def measure_what_can_win(rows_of: Callable[[dict[Unit, Figures]], list[Row]], zeros: dict[Unit, Figures],
+                         measure: Callable[[Unit], Figures], workers: str, limits: Limits
+                         ) -> tuple[list[Row], dict[Unit, Figures]]:
+    """Every candidate's row, measuring only what can change the decision (:func:`worth_measuring`, until it has
+    nothing left): ``rows_of`` builds the rows from per-unit figures, ``zeros`` holds every unit at no cost,
+    ``measure`` makes one measurement (on every rank alike: a collective, its figures agreed). A candidate left
+    unmeasured is excluded, with its bound and what it could not beat; the choice is the one measuring every candidate
+    would make. Returns the rows and the figures measured."""
+    known: dict[Unit, Figures] = {}
+    while True:
+        rows = rows_of({**zeros, **known})
+        pending = {r.label: units_of(r, workers) - known.keys() for r in rows}
+        unit = worth_measuring(rows, pending, limits)
+        if unit is None:
+            break
+        known[unit] = measure(unit)
+    measured = [r for r in rows if not pending[r.label] and r.excluded is None and limited(r, limits) is None]
+    best = min(measured, key=lambda r: (r.score, r.label), default=None)
+    dense = next((r for r in measured if r.kind == "dense"), None)
+    for r in rows:
+        if not pending[r.label] or r.excluded is not None:
+            continue
+        bound = f"at least {1e3 * r.score:.1f} ms per dense step"
+        if limited(r, limits) is not None:
+            r.excluded = f"{limited(r, limits)} (not measured)"
+        elif r.kind != "dense" and dense is not None and r.score * (1 + DENSE_MARGIN) >= dense.score:
+            r.excluded = (f"not measured: {bound}, within the {DENSE_MARGIN:.0%} margin of dense's "
+                          f"{1e3 * dense.score:.1f} ms")
+        else:
+            r.excluded = f"not measured: {bound}, above {best.label}'s {1e3 * best.score:.1f} ms"
+        r.predicted_step_s = r.bytes_per_step = None
+    return rows, known
 
 
 def table(decision: Decision) -> str:
