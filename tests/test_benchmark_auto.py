@@ -77,6 +77,37 @@ def test_the_two_jobs_cells_keep_apart_and_a_choice_is_timed_as_its_fixed_method
     assert auto.plot([lm, digits]) is not None
 
 
+def test_seeds_are_judged_each_against_its_own_target_and_paired():
+    """Curves of three seeds: each seed's times against its own dense's target, a method's time the median over its
+    seeds, auto's ratios the medians of its per-seed ratios; a method that ran the first seed alone keeps its time."""
+    decisions = [{"workload": "digits", "shape": "flat", "rate_mbit": 10.0, "choice": "diloco10/int8", "step": 4,
+                  "decided_s": 1.0}]
+    timings = [{"workload": "digits", "shape": "flat", "rate_mbit": 10.0, "method": m, "per_step_s": t}
+               for m, t in (("dense", 0.1), ("diloco10/int8", 0.01), ("int8", 0.05))]
+    # auto reaches the target a curve point after DiLoCo at seed 0, a point before it at seed 2
+    reach = {0: (3, 4), 1: (3, 3), 2: (4, 3)}  # seed: (diloco's point, auto's)
+    curves = []
+    for seed, (fixed, mine) in reach.items():
+        target = 1.0 + seed / 10  # each seed's dense ends elsewhere
+        for label, at in (("dense", 8), ("diloco10/int8", fixed), ("auto:diloco10/int8", mine), ("int8", 6)):
+            if label == "int8" and seed:
+                continue  # far from the best at the first seed: the other seeds run without it
+            losses = [target + 1.0] * (at - 1) + [target] * (9 - at)
+            curves.append({**_curve("flat", label, losses, every=10), "workload": "digits", "seed": seed})
+    row, = auto.cell_rows(decisions, curves, timings)
+    assert [c["target_loss"] for c in row["seeds"]] == [1.0, 1.1, 1.2]
+    assert row["times_s"]["diloco10/int8"] == pytest.approx(30 * 0.01)  # points 3, 3, 4: the median step 30
+    assert row["times_s"]["int8"] == pytest.approx(60 * 0.05)  # the first seed's alone
+    auto_s = {seed: 1.0 + (10 * mine - 4) * 0.01 for seed, (_, mine) in reach.items()}
+    assert row["auto_s"] == pytest.approx(auto_s[0 if auto_s[0] < auto_s[2] else 2])  # the median of three
+    ratios = sorted(auto_s[seed] / (10 * fixed * 0.01) for seed, (fixed, _) in reach.items())
+    assert row["vs_best"] == pytest.approx(ratios[1])  # paired by seed, not a ratio of medians
+    assert "medians over 3 seeds" in auto.cells_table([row], "digits")
+    assert auto.contenders([row], "flat") == {"dense", "diloco10/int8"}  # int8 at 10x the best: its ranking clear
+    assert auto.contenders([row], "two_tier") == {"dense"}
+    assert auto._median_reached([1.0, None, 3.0]) == 3.0 and auto._median_reached([None, None, 3.0]) is None
+
+
 def test_diloco_times_per_step_share_their_cells_one_local_step():
     def timing(method, every, cycle, sync, rate=10.0):
         return {"shape": "two_tier", "rate_mbit": rate, "method": method, "every": every, "cycle_s": cycle,
