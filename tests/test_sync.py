@@ -38,7 +38,7 @@ from lightning_dist import RingDDPStrategy
 from lightning_dist.callbacks import MemoryMonitor, NaNRecovery
 from lightning_dist.compression import COMPRESSORS
 from lightning_dist.hetero import HeteroBatching
-from lightning_dist.sync import DiLoCo
+from lightning_dist.sync import Auto, DiLoCo, auto_rule
 from lightning_dist.sync.diloco_exchange import Exchanges as DiLoCoExchanges
 from lightning_dist.testing import RecordingLogger, ToyClassifier, launched_externally, quiet_trainer, run_ranks
 
@@ -46,6 +46,8 @@ N_SAMPLES, BATCH = 96, 8
 EVERY = 4
 WARMUP = 3  # DiLoCo(warmup=...)'s fits: steps 1-3 average, then the first cycle is partial (one step, to step 4)
 EPOCHS = 2
+AUTO_EPOCHS, AUTO_BYTES = 19, 1000  # sync='auto''s fit: 114 steps on 2 ranks (syncs at 50 and 100, the final at 114);
+# a bytes budget under dense's (Net's 709 float32 gradients a step) and over DiLoCo H=50's
 TOLERANCE = 2e-5  # relative to the parameters' largest value: float rounding of other summation orders
 # Net's parameters in the module's order: net.0.weight (512), net.0.bias (32), net.2.weight (160), net.2.bias (5);
 # the cut into about equal runs of whole parameters (streaming's fragments, tests/test_sync_streaming.py)
@@ -262,7 +264,7 @@ def _fit(strategy, world, hosts=1, model=None, callbacks=(), epochs=EPOCHS, ckpt
 # -- the one-process replay -----------------------------------------------------------------------------------------
 def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=DiLoCo.outer_lr,
            outer_momentum=DiLoCo.outer_momentum, epochs=EPOCHS, batches=None, fragments=1, delay=0, mix=0.5, steps=None,
-           final_sync=True, warmup=0, means=None, decay=None, inner_rate=DiLoCo.inner_rate, outer_lrs=None):
+           final_sync=True, warmup=0, means=None, decay=None, inner_rate=DiLoCo.inner_rate, outer_lrs=None, dense=0):
     """Each worker's parameters after every step, and at the end of the fit, and the workers' ranks, by the contract
     alone (the module's docstring; streaming's, tests/test_sync_streaming.py: ``fragments`` cut by :data:`CUTS`,
     ``delay`` and ``mix``). ``hosts > 1``: workers of ``world // hosts`` ranks, whose gradient is the mean of their
@@ -283,8 +285,12 @@ def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=DiLoCo.outer_l
     outer step (not at an average: the warm-up's, the final sync's) ``rate`` = the mean inner rate of the training
     steps since the fragment's last sync (read when its sync starts), ``peak`` = the highest such rate so far, this
     one included, and the outer rate is ``max(outer_lr, min(1, outer_lr * peak / rate))`` (``"none"``: ``outer_lr``).
-    ``outer_lrs``: a list that gets the outer rate after every step."""
+    ``outer_lrs``: a list that gets the outer rate after every step.
+    ``dense`` (flat): the first ``dense`` steps are dense DDP steps (every worker steps on the workers' mean gradient,
+    so all stay one model with one optimizer state), then DiLoCo is bound from that model: ``sync="auto"`` switching to
+    DiLoCo after its measuring steps."""
     assert inner_rate in ("rise", "none"), inner_rate
+    assert not dense or hosts == 1, "dense steps first: flat workers"
     per = world // hosts if hosts > 1 else 1
     workers = [list(range(w * per, (w + 1) * per)) for w in range(world // per)]
     x, y = Net().data()
@@ -371,8 +377,23 @@ def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=DiLoCo.outer_l
                     counts[w] += total
                 loss = sum(len(by) / total * torch.nn.functional.cross_entropy(model.net(bx), by) for bx, by in data)
                 loss.backward()
-                inner[w].step()
+                if step >= dense:
+                    inner[w].step()
+            if step < dense:  # a dense step: the workers' mean gradient, the same step on every worker
+                with torch.no_grad():
+                    grads = [torch.stack([list(m.parameters())[i].grad for m in models]).mean(0)
+                             for i in range(len(theta))]
+                for w, model in enumerate(models):
+                    for p, g in zip(model.parameters(), grads, strict=True):
+                        p.grad = g.clone()
+                    inner[w].step()
             step += 1
+            if step == dense:  # DiLoCo bound from the model every worker holds, counting from here
+                with torch.no_grad():
+                    for t, p in zip(theta, models[0].parameters(), strict=True):
+                        t.copy_(p)
+                samples = [[0] * len(workers) for _ in cut]
+                rates = [[] for _ in cut]
             for item in [p for p in pending if p[0] == step]:
                 pending.remove(item)
                 land(*item[1:])
@@ -389,7 +410,7 @@ def replay(world, hosts=1, optimizer="sgd", every=EVERY, outer_lr=DiLoCo.outer_l
             elif step <= warmup:
                 for fragment in range(len(cut)):
                     land(fragment, mean_of(fragment)[0], None, averages=True)
-            elif step % spacing == 0:
+            elif step % spacing == 0 and step > dense:
                 fragment = (step % every) // spacing
                 mean, rate = mean_of(fragment)
                 snapshots = [[p.detach().clone() for p in model.parameters()] for model in models]
@@ -429,6 +450,16 @@ def _run_flat(rank, world, ckpt_dir):
             return out
         _, record = _fit(_strategy(DiLoCo(every=EVERY, warmup=WARMUP)), world, model=Net("adamw"))
         out[("replay", "adamw", WARMUP)] = record.params
+        # sync='auto' held to DiLoCo H=50 (dense excluded by its bytes): its measuring steps dense, then DiLoCo. A
+        # short fit: the bound on syncs left (the quality tables' business, not this test's) lowered to one
+        saved = auto_rule.MIN_SYNCS
+        auto_rule.MIN_SYNCS = {family: dict.fromkeys(bounds, 1) for family, bounds in saved.items()}
+        try:
+            trainer, record = _fit(_strategy(Auto(methods=["diloco50"], max_bytes_per_step=AUTO_BYTES, long_s=60.0)),
+                                   world, epochs=AUTO_EPOCHS)
+        finally:
+            auto_rule.MIN_SYNCS = saved
+        out["auto"] = (record.params, [(h["step"], h["choice"]) for h in trainer.strategy.features.sync.history])
         # a decaying inner rate: the default (inner_rate="rise") answers it, "none" (the rule before it) does not
         for rule in ("rise", "none"):
             _, record = _fit(_strategy(DiLoCo(every=EVERY, inner_rate=rule)), world, model=DecayingNet(),
@@ -591,6 +622,27 @@ def test_three_flat_ranks_replay_diloco(flat3, optimizer):
 @pytest.mark.parametrize("optimizer", ("sgd", "adamw"))
 def test_two_hosts_of_two_replay_diloco(hosts, optimizer):
     _check_replay(hosts, 4, 2, optimizer)
+
+
+def test_auto_switched_to_diloco_replays_its_dense_steps_then_diloco_from_them(flat2):
+    """``sync="auto"`` that picks DiLoCo after its measuring steps: the one-process replay of that many dense steps
+    (one model, the workers' mean gradient), then DiLoCo H=50 bound from the model they left, its first outer step at
+    step 50 (a multiple of H), the final sync at the end."""
+    measuring = Auto().warmup_steps + Auto().steps
+    params, history = flat2[0]["auto"]
+    assert history == [(measuring, "diloco50")]
+    expected, _, _ = replay(2, every=50, epochs=AUTO_EPOCHS, dense=measuring)
+    for rank in range(2):
+        got = flat2[rank]["auto"][0]
+        assert len(got) == len(expected[rank]) == AUTO_EPOCHS * N_SAMPLES // (2 * BATCH)
+        for step, (a, b) in enumerate(zip(got, expected[rank], strict=True), start=1):
+            assert _close(a, b), f"rank {rank} step {step}: {(a - b).abs().max():.3g} from the replay"
+    for step in (*range(measuring), 49, 99, len(params) - 1):  # one model: the dense steps, the syncs, the final
+        assert torch.equal(flat2[0]["auto"][0][step], flat2[1]["auto"][0][step]), step
+    assert not torch.equal(flat2[0]["auto"][0][measuring + 1], flat2[1]["auto"][0][measuring + 1])  # local steps
+    # the replay is not DiLoCo's from the start: the dense steps are what tell them apart
+    plain, _, _ = replay(2, every=50, epochs=AUTO_EPOCHS)
+    assert not _close(plain[0][measuring - 1], expected[0][measuring - 1])
 
 
 def test_a_warm_up_that_averages_every_step_replays_flat_and_two_tier(flat2, hosts):
