@@ -380,17 +380,18 @@ def measure_what_can_win(rows_of: Callable[[dict[Unit, Figures]], list[Row]], ze
     best = min(measured, key=lambda r: (r.score, r.label), default=None)
     dense = next((r for r in measured if r.kind == "dense"), None)
     for r in rows:
-        if not pending[r.label] or r.excluded is not None:
+        if not pending[r.label]:
             continue
-        bound = f"at least {1e3 * r.score:.1f} ms per dense step"
-        if limited(r, limits) is not None:
-            r.excluded = f"{limited(r, limits)} (not measured)"
-        elif r.kind != "dense" and dense is not None and r.score * (1 + DENSE_MARGIN) >= dense.score:
+        score, r.predicted_step_s, r.bytes_per_step = r.score, None, None
+        bound = f"at least {1e3 * score:.1f} ms per dense step"
+        if r.excluded is not None or limited(r, limits) is not None:
+            why = r.excluded or limited(r, limits)
+            r.excluded = why if why.endswith("(not measured)") else f"{why} (not measured)"
+        elif r.kind != "dense" and dense is not None and score * (1 + DENSE_MARGIN) >= dense.score:
             r.excluded = (f"not measured: {bound}, within the {DENSE_MARGIN:.0%} margin of dense's "
                           f"{1e3 * dense.score:.1f} ms")
         else:
             r.excluded = f"not measured: {bound}, above {best.label}'s {1e3 * best.score:.1f} ms"
-        r.predicted_step_s = r.bytes_per_step = None
     return rows, known
 
 
