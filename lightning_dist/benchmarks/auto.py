@@ -98,9 +98,9 @@ class AutoMethod(S.Method):
 
 def forced(choice: str, rows: Sequence[dict[str, Any]]) -> AutoMethod:
     """auto that decides ``choice`` whatever the links say: only it among the candidates, dense excluded by a bytes
-    budget under dense's bytes (from the decision's rows: between the choice's and dense's; where dense was not
-    measured, the choice beat every per-step method by its steps factor, so it is a DiLoCo, whose bytes per step are a
-    tenth of its codec's at most: twice its own)."""
+    budget under dense's bytes (from the decision's rows: between the choice's and dense's). Where dense was not
+    measured, the choice beat dense by its steps factor, so it is a DiLoCo, which sends 1/H of its sync's bytes per
+    step (H >= 10): twice its own bytes are far below dense's."""
     row = next(r for r in rows if r["label"] == choice)
     dense = next(r["bytes_per_step"] for r in rows if r["kind"] == "dense")
     budget = (row["bytes_per_step"] + dense) / 2 if dense is not None else 2 * row["bytes_per_step"]
