@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_dist.sync import Auto, as_sync
+from lightning_dist.sync.auto_bound import measure_what_can_win
 from lightning_dist.sync.auto_rule import (
     ADAM,
     ADAM_LOSS_BOUND,
@@ -24,7 +25,6 @@ from lightning_dist.sync.auto_rule import (
     Row,
     candidate_rows,
     decide,
-    measure_what_can_win,
     predict_step,
     table,
 )

@@ -10,7 +10,7 @@ How a fit goes:
    the real links (:func:`~lightning_dist.sync.auto_measure.measure_codecs`; under ``two_tier`` DiLoCo's also this
    rank's part across hosts, as its workers sync), each figure agreed (its maximum over the ranks), one codec at a
    time from the candidate with the least bound up, until no unmeasured candidate can change the decision
-   (:func:`~lightning_dist.sync.auto_rule.measure_what_can_win`). The pure rule
+   (:func:`~lightning_dist.sync.auto_bound.measure_what_can_win`). The pure rule
    (:func:`~lightning_dist.sync.auto_rule.decide`) picks; the table, what was measured and its seconds go to the log.
 3. **Switching**, in the same step on every rank: to a per-step compressor (the comm hook's, its ``start_step`` counted
    from the fit's start, so the measuring steps are its warm-up), to OneBitAdam (bound with its warm-up counted from
@@ -29,7 +29,6 @@ How a fit goes:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 import warnings
@@ -41,30 +40,19 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_dist.compression import NoCompressor, build_compressor
+from lightning_dist.sync.auto_bound import Figures, Unit, measure_what_can_win, no_cost
 from lightning_dist.sync.auto_flush import OwedResiduals
-from lightning_dist.sync.auto_measure import (
-    BucketRecorder,
-    agree_codecs,
-    agree_step,
-    conf_compressor,
-    dense_step,
-    host_group,
-    measure_across,
-    measure_codecs,
-)
+from lightning_dist.sync.auto_measure import BucketRecorder, agree_step, conf_compressor, dense_step, unit_measurer
 from lightning_dist.sync.auto_rule import (
     DENSE,
     DILOCO_CANDIDATES,
     Decision,
-    Figures,
     Row,
-    Unit,
+    candidate_codecs,
     candidate_rows,
-    compressor_quality,
     decide,
     diloco_codecs,
     family,
-    measure_what_can_win,
     table,
 )
 from lightning_dist.sync.auto_settings import AutoSettings
@@ -73,8 +61,6 @@ from lightning_dist.sync.context import SyncContext
 from lightning_dist.sync.diloco_driver import DiLoCo, DiLoCoDriver
 from lightning_dist.sync.driver import FitSettings, SyncDriver, SyncReport, SyncSettings
 from lightning_dist.sync.onebit_adam import OneBitAdam, OneBitAdamDriver
-
-ONEBIT_CODECS = ("sign", "int4")  # OneBitAdam's two codecs, measured under Adam
 
 
 class Auto(AutoSettings, SyncSettings):
@@ -256,19 +242,9 @@ class AutoDriver(SyncDriver):
         return global_step % self._window_steps() == 0
 
     # -- deciding ---------------------------------------------------------------------------------------------------
-    def _candidates(self) -> dict[str, dict[str, Any]]:
-        """The codecs to measure: dense, the compressors the quality tables allow under this optimizer (the others
-        are shown excluded, unmeasured), OneBitAdam's under Adam, DiLoCo's pseudo-gradients'."""
-        optimizer = family(self.context.optimizers)
-        names = [DENSE, *(n for n in self.settings.compressors if compressor_quality(n, optimizer)[1] is None)]
-        if optimizer == "adam":
-            names += [n for n in ONEBIT_CODECS if n not in names]
-        names += [n for n in diloco_codecs() if n not in names]
-        return {n: conf_compressor(n) for n in names}
-
     def _measure(self) -> list[Row]:
         """Every candidate's row, from the kept buckets over the links as they are now, each measured only where it
-        can change the decision (:func:`~lightning_dist.sync.auto_rule.measure_what_can_win`; a collective of every
+        can change the decision (:func:`~lightning_dist.sync.auto_bound.measure_what_can_win`; a collective of every
         rank, whose every branch follows agreed figures)."""
         context = self.context
         if self._measured is None:
@@ -285,27 +261,14 @@ class AutoDriver(SyncDriver):
             self._buckets = [(b.layout, torch.cat([p.detach().reshape(-1) for p in b.params]))
                              for b in cut_buckets(named, lambda numel, p: p.new_empty(0))]
         group, topology = context.exchange_group, context.topology
-        candidates = self._candidates()
+        optimizer = family(context.optimizers)
+        candidates = {n: conf_compressor(n) for n in candidate_codecs(optimizer, self.settings.compressors)}
         two_tier = topology is not None and topology.kind == "two_tier"
         workers = "two_tier" if two_tier else "flat"
-        optimizer = family(context.optimizers)
-        rounds, long_s = self.settings.rounds, self.settings.long_s
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(context.long_collective("sync='auto' measures the candidates over the links"))
+        with context.long_collective("sync='auto' measures the candidates over the links"), unit_measurer(
+                candidates, self._buckets, context.algorithm, group, topology, context.rank, context.timeout,
+                self.settings.rounds, self.settings.long_s) as measure:
             measured = self._measured = agree_step(local, group)
-            hosts: list[Any] = []  # the group across hosts, made at the first measurement across them
-
-            def measure(unit: Unit) -> Figures:
-                where, codec = unit
-                if where == "flat":
-                    figures = measure_codecs({codec: candidates[codec]}, self._buckets, context.algorithm, group,
-                                             rounds, long_s)
-                else:
-                    if not hosts:
-                        hosts.append(stack.enter_context(host_group(topology, context.rank, context.timeout)))
-                    figures = measure_across({codec: candidates[codec]}, self._buckets, topology, context.rank,
-                                             context.algorithm, hosts[0], rounds, long_s)
-                return agree_codecs(figures, group)[codec]
 
             def rows_of(figures: dict[Unit, Figures]) -> list[Row]:
                 flat = {codec: f for (where, codec), f in figures.items() if where == "flat"}
@@ -319,11 +282,7 @@ class AutoDriver(SyncDriver):
                         r.excluded = f"this fit refuses it: {self.refused[r.label]}"
                 return rows
 
-            n = len(measured["ready_s"])
-            zeros = {("flat", c): {k: [0.0] * n for k in ("coding_s", "wire_s", "bytes")} for c in candidates}
-            if two_tier:
-                zeros.update({("across", c): {k: [0.0] for k in ("coding_s", "wire_s", "bytes")}
-                              for c in diloco_codecs()})
+            zeros = no_cost(candidates, len(measured["ready_s"]), diloco_codecs() if two_tier else ())
             rows, self._units = measure_what_can_win(rows_of, zeros, measure, workers, self.settings.limits)
         return rows
 

@@ -9,6 +9,7 @@ Advisor`) and ``sync="auto"`` (:mod:`lightning_dist.sync.auto`) alike: one home 
   coding seconds, wire seconds and bytes, per bucket.
 - :func:`measure_across` (over a :func:`host_group`; :func:`across_hosts` makes its own): the same for this rank's part
   of every bucket across hosts (a sync between hosts' workers).
+- :func:`unit_measurer`: one codec at a time, either way, for ``sync="auto"``'s bounded measurement.
 - :func:`agree` (:func:`agree_step`, :func:`agree_codecs`): every figure as its maximum over the ranks, so every rank
   predicts, and decides, the same.
 """
@@ -20,13 +21,14 @@ import importlib.resources
 import statistics
 import time
 from datetime import timedelta
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from lightning_dist.comm import CommStats
 from lightning_dist.compression import BucketLayout, Transport, build_compressor
+from lightning_dist.sync.auto_bound import Figures, Unit
 
 
 def conf_compressor(name: str) -> dict[str, Any]:
@@ -171,6 +173,30 @@ def across_hosts(candidates: dict[str, dict[str, Any]], buckets: Sequence[tuple[
     """:func:`measure_across` over a :func:`host_group` of its own. A collective of every rank."""
     with host_group(topology, rank, timeout) as group:
         return measure_across(candidates, buckets, topology, rank, algorithm, group, rounds, long_s)
+
+
+@contextlib.contextmanager
+def unit_measurer(candidates: dict[str, dict[str, Any]], buckets: Sequence[tuple[BucketLayout, torch.Tensor]],
+                  algorithm: str, group: Any, topology: Any, rank: int, timeout: Optional[timedelta], rounds: int,
+                  long_s: Optional[float]) -> Iterator[Callable[[Unit], Figures]]:
+    """The ``measure`` of :func:`~lightning_dist.sync.auto_bound.measure_what_can_win`: one codec's figures, agreed
+    over ``group``, on every bucket (``flat``) or this rank's part across hosts (``across``: over a :func:`host_group`
+    made at the first such measurement and destroyed on leaving). A collective of every rank."""
+    with contextlib.ExitStack() as stack:
+        hosts: list[Any] = []
+
+        def measure(unit: Unit) -> Figures:
+            where, codec = unit
+            if where == "flat":
+                figures = measure_codecs({codec: candidates[codec]}, buckets, algorithm, group, rounds, long_s)
+            else:
+                if not hosts:
+                    hosts.append(stack.enter_context(host_group(topology, rank, timeout)))
+                figures = measure_across({codec: candidates[codec]}, buckets, topology, rank, algorithm, hosts[0],
+                                         rounds, long_s)
+            return agree_codecs(figures, group)[codec]
+
+        yield measure
 
 
 def agree_step(measured: dict[str, Any], group: Any) -> dict[str, Any]:
