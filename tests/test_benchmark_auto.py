@@ -176,6 +176,19 @@ def test_the_slowdown_record_and_the_verdicts():
     assert "MISSED" in auto.check_targets(rows, record)[2]
 
 
+def test_every_choice_auto_can_make_is_a_timed_fixed_method():
+    """auto's time in a cell is its choice's time per step: each job's fixed methods, --quick's too, hold every
+    per-step compressor the family's quality table allows (DiLoCo and OneBitAdam where the job runs them)."""
+    from lightning_dist.sync.auto_rule import ADAM, SGD, compressor_quality
+    from lightning_dist.sync.auto_settings import COMPRESSOR_CANDIDATES
+
+    for job, optimizer in (("lm", ADAM), ("digits", SGD)):
+        allowed = [n for n in COMPRESSOR_CANDIDATES if compressor_quality(n, optimizer)[1] is None]
+        for sizes in auto.WORKLOADS[job]:
+            missing = [n for n in allowed if auto.FIXED_LABEL.get(n, n) not in sizes.methods]
+            assert not missing, (job, sizes.steps, missing)
+
+
 def test_forced_auto_decides_the_choice_whatever_the_links():
     rows = [{"label": "dense", "kind": "dense", "bytes_per_step": 1000.0, "every": 1},
             {"label": "onebit_adam", "kind": "onebit_adam", "bytes_per_step": 40.0, "every": 1},

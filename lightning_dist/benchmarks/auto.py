@@ -112,7 +112,9 @@ FULL = replace(S.FULL, steps=800, horizon=1200, rates=(10.0, 100.0, 1000.0, UNSH
 QUICK = replace(S.QUICK, rates=(100.0,), methods=("dense", "topk1%", "onebit-adam"))
 # the digits job: 800 steps as the LM's (DiLoCo at H=50 a candidate on two_tier only, as there)
 DIGITS = replace(S.DIGITS, rates=FULL.rates)
-DIGITS_QUICK = replace(S.DIGITS_QUICK, rates=(100.0,), methods=("dense", "int8", "topk1%"))
+# --quick: every per-step method auto may take under SGD is timed (a choice needs its time per step: a quick run once
+# chose fp16 when only int8 was)
+DIGITS_QUICK = replace(S.DIGITS_QUICK, rates=(100.0,), methods=("dense", "fp16", "int8", "powersgd-r2", "topk1%"))
 WORKLOADS = {"lm": (FULL, QUICK), "digits": (DIGITS, DIGITS_QUICK)}  # (sizes, --quick's)
 QUICK_SLOW = (16, 48)  # --quick slowdown: the change at step 16 of 48 (the drift check every 16 steps)
 
@@ -569,8 +571,9 @@ def run_cells(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
             if seed == 1:  # the first seed's ranking: who runs the others
                 first = cell_rows(decisions, curves, timings)
             for shape in args.shapes:
+                keep = contenders(first, shape) if seed else set()
                 run = {label: m for label, m in methods[shape].items()
-                       if not seed or label.startswith("auto:") or label in contenders(first, shape)}
+                       if not seed or label.startswith("auto:") or label in keep}
                 curves += [{**c, "workload": workload, "seed": seed}
                            for c in S.run_curves(sync_args, shape, run, job.sizes.steps, job.sizes.horizon)]
         measured["decisions"] += decisions
