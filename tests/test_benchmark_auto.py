@@ -3,6 +3,7 @@ quick run (the benchmark tier: ``pytest -m benchmark``)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -22,11 +23,52 @@ def _curve(shape, method, losses, every=100, final=None):
 
 
 def test_the_target_is_what_dense_and_another_both_reach():
-    curves = {"dense": {"final_loss": 2.0}, "diloco50": {"final_loss": 2.1}, "topk1%": {"final_loss": 2.6}}
+    curves = {"dense": {"final_loss": 2.0}, "diloco50": {"final_loss": 2.1, "curve_loss": [2.5, 2.1, 2.15]},
+              "topk1%": {"final_loss": None, "curve_loss": [2.6]}}  # (top-k stopped before equal samples)
     assert auto.target_loss(curves) == 2.1  # no other method reaches dense's 2.0: the lowest another reaches
-    curves["onebit-adam"] = {"final_loss": 1.99}
-    assert auto.target_loss(curves) == 2.0  # OneBitAdam reaches dense's own
-    assert auto.target_loss({"topk1%": {"final_loss": 2.0}}) is None
+    curves["onebit-adam"] = {"final_loss": 2.01, "curve_loss": [2.2, 1.99, 2.01]}
+    assert auto.target_loss(curves) == 2.0  # OneBitAdam's curve reaches dense's own (then rises above it)
+    assert auto.target_loss({"topk1%": {"final_loss": 2.0, "curve_loss": [2.0]}}) is None
+
+
+def test_a_curve_stops_where_it_can_no_longer_come_near_the_best():
+    """A fixed method's curve may stop at the step where reaching the target would take CONTENDER x the best time so
+    far in every cell: a method that reaches it later is no contender anywhere (its ranking clear)."""
+    step_s = {10.0: {"dense": 1.0, "int8": 0.5, "diloco10/int8": 0.1}, 100.0: {"dense": 0.2, "int8": 0.25}}
+    best = {10.0: 30.0, 100.0: 100.0}  # s: DiLoCo's at 10 Mbit/s, dense's at 100
+    # int8: 1.5 x 30 / 0.5 = 90 steps at 10 Mbit/s, 1.5 x 100 / 0.25 = 600 at 100: the larger, on its grid of 20
+    assert auto.curve_cap("int8", step_s, best, 20) == 600
+    assert auto.curve_cap("int8", step_s, {10.0: 31.0, 100.0: None}, 20) == 100  # 93 steps, on the grid
+    assert auto.curve_cap("topk1%", step_s, best, 20) is None  # no time per step: no bound
+    curves = [{"method": "dense", "curve_steps": [100, 200], "curve_loss": [2.5, 2.0]},
+              {"method": "diloco10/int8", "curve_steps": [100, 200], "curve_loss": [2.1, 1.9]},
+              {"method": "auto:diloco10/int8", "curve_steps": [100], "curve_loss": [1.0]}]  # not a fixed method
+    assert auto.best_times(curves, 2.0, step_s) == {10.0: 20.0, 100.0: 40.0}  # dense at 100 Mbit/s: 200 x 0.2
+
+
+def test_shape_curves_stop_every_curve_at_the_target_and_cap_the_far_ones(monkeypatch):
+    calls = []
+
+    def run_curves(args, shape, methods, steps, horizon, stop_below=None, cap=None):
+        (label, _), = methods.items()
+        calls.append((label, stop_below, cap))
+        losses = {"dense": [3.0, 2.0], "diloco10/int8": [2.5, 1.9], "int8": [2.9, 2.5], "auto:diloco10/int8": [2.0]}
+        return [{"method": label, "curve_steps": [100, 200][:len(losses[label])], "curve_loss": losses[label],
+                 "final_loss": losses[label][-1] if len(losses[label]) == 2 else None}]
+
+    monkeypatch.setattr(S, "run_curves", run_curves)
+    args = argparse.Namespace(sizes=auto.DIGITS)
+    methods = {label: S.METHODS[label] for label in ("dense", "int8", "diloco10/int8")}
+    methods["auto:diloco10/int8"] = auto.forced("diloco10/int8", [
+        {"label": "diloco10/int8", "kind": "diloco", "every": 10, "bytes_per_step": 10.0},
+        {"label": "dense", "kind": "dense", "bytes_per_step": 100.0}])
+    step_s = {10.0: {"dense": 1.0, "int8": 0.5, "diloco10/int8": 0.1}}
+    curves = auto.shape_curves(args, "flat", methods, step_s)
+    assert [c["method"] for c in curves] == ["dense", "diloco10/int8", "int8", "auto:diloco10/int8"]
+    # dense whole; DiLoCo capped by dense's 200 s (1.5 x 200 / 0.1 = 3,000 steps), int8 by DiLoCo's 20 s (60 steps,
+    # on its grid of 10), auto not capped; every other stops at dense's final loss
+    assert calls == [("dense", None, None), ("diloco10/int8", 2.0, 3000), ("int8", 2.0, 60),
+                     ("auto:diloco10/int8", 2.0, None)]
 
 
 def test_cells_time_auto_from_its_decision_and_its_choices_steps():

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -144,8 +145,10 @@ class LinkSwitch(Callback):
             _ask(self.folder, f"slow_{self.tag}")
 
 
-def _ask(folder: Path, what: str, timeout_s: float = 120.0) -> None:
-    (folder / what).write_text("")
+def _ask(folder: Path, what: str, rate: str = "", timeout_s: float = 120.0) -> None:
+    """Writes the request ``what`` (``rate``: the link's Mbit/s it asks for, else the scenario's) and waits until the
+    launcher answered it."""
+    (folder / what).write_text(rate)
     deadline = time.monotonic() + timeout_s
     while not (folder / f"{what}.done").exists():
         if time.monotonic() > deadline:
@@ -161,13 +164,15 @@ def _worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # hosts share the machine's cores
     sizes, out, rank = args.sizes, Path(args.out), int(os.environ.get("RANK", "0"))
     shape = S.SHAPES[args.shape]
-    if args.worker == "decide":
-        method = AutoMethod("auto", auto={})
-        record = S.FitRecord()
-        raw, trainer = _fit(method, shape, sizes, sizes.steps, record, [StopAfterDecision()])
-        if rank == 0:
-            (out / "decide.json").write_text(json.dumps({"history": _history(trainer), "starts": record.starts,
-                                                         "ends": record.ends}))
+    if args.worker == "decide":  # a fit per link, in turn: rank 0 has the launcher set each before its fit
+        for i, rate in enumerate(args.rates):
+            if rank == 0 and i:
+                _ask(out, f"rate_{i}", str(rate))
+            record = S.FitRecord()
+            raw, trainer = _fit(AutoMethod("auto", auto={}), shape, sizes, sizes.steps, record, [StopAfterDecision()])
+            if rank == 0:
+                (out / f"decide_{i}.json").write_text(json.dumps({"history": _history(trainer),
+                                                                  "starts": record.starts, "ends": record.ends}))
         return
     # slowdown: auto, then each fixed method, every fit slowed at SLOW_AT (the launcher restores between fits)
     at, steps = args.slow_at, args.slow_steps
@@ -200,8 +205,8 @@ def _fit(method: S.Method, shape: S.Shape, sizes: S.Sizes, steps: int, record: S
 def cluster_job(args: argparse.Namespace, shape_name: str, rate: float, worker: list[str], log: Path,
                 answer: bool = False) -> tuple[Optional[dict[str, Any]], Optional[str], float]:
     """One job on fresh hosts at ``rate`` running :func:`_worker`; with ``answer``, a thread answers the workers'
-    requests to slow the links (``slow_<i>``: to rate / SLOW_FACTOR) and restore them (``fast_<i>``). Returns what
-    rank 0 wrote (by file name), why the job failed, its wall time."""
+    requests to set the links: ``slow_<i>`` to rate / SLOW_FACTOR, ``fast_<i>`` back to ``rate``, ``rate_<i>`` to the
+    Mbit/s the request holds. Returns what rank 0 wrote (by file name), why the job failed, its wall time."""
     shape = S.SHAPES[shape_name]
     started = time.perf_counter()
     with bench.scratch("auto") as out, SimCluster(shape.hosts, rate_mbit=rate) as cluster, open(log, "w") as fh:
@@ -209,11 +214,12 @@ def cluster_job(args: argparse.Namespace, shape_name: str, rate: float, worker: 
 
         def answer_requests() -> None:
             while not stop.is_set():
-                for request in sorted(out.glob("slow_*")) + sorted(out.glob("fast_*")):
+                for request in [p for kind in ("slow", "fast", "rate") for p in sorted(out.glob(f"{kind}_*"))]:
                     if request.suffix or (out / f"{request.name}.done").exists():
                         continue
-                    slow = request.name.startswith("slow_")
-                    cluster.shape(rate / SLOW_FACTOR if slow else rate, cluster.delay_ms)
+                    kind = request.name.split("_")[0]
+                    asked = float(request.read_text()) if kind == "rate" else rate
+                    cluster.shape(asked / SLOW_FACTOR if kind == "slow" else asked, cluster.delay_ms)
                     (out / f"{request.name}.done").write_text(f"{time.perf_counter()}")
                 time.sleep(0.02)
 
@@ -237,13 +243,12 @@ def cluster_job(args: argparse.Namespace, shape_name: str, rate: float, worker: 
 
 
 # -- pure: the cells' times and the targets ---------------------------------------------------------------------------
-def decision_record(shape: str, rate: float, raw: Optional[dict[str, Any]], error: Optional[str],
+def decision_record(shape: str, rate: float, d: Optional[dict[str, Any]], error: Optional[str],
                     workload: str = "lm") -> dict[str, Any]:
-    """auto's decision in a cell: the choice, its rows, the decision's step, the seconds from the first step's start
-    to the end of the decision's step and the first step's own."""
-    if raw is None or "decide" not in raw:
+    """auto's decision in a cell (``d``: what its fit's rank 0 wrote): the choice, its rows, the decision's step, the
+    seconds from the first step's start to the end of the decision's step and the first step's own."""
+    if d is None:
         return {"workload": workload, "shape": shape, "rate_mbit": rate, "error": error or "no result written"}
-    d = raw["decide"]
     first = d["history"][0]
     step = first["step"]
     return {"workload": workload, "shape": shape, "rate_mbit": rate, "choice": first["choice"], "why": first["why"],
@@ -253,12 +258,55 @@ def decision_record(shape: str, rate: float, raw: Optional[dict[str, Any]], erro
 
 
 def target_loss(curves: dict[str, dict[str, Any]]) -> Optional[float]:
-    """Dense's final loss, or where no other method reaches it, the lowest final loss another method reaches."""
+    """Dense's final loss, or where no other method's curve reaches it, the lowest loss another method's reaches."""
     dense = curves.get("dense")
     if dense is None or dense.get("final_loss") is None:
         return None
-    others = [c["final_loss"] for label, c in curves.items() if label != "dense" and c.get("final_loss") is not None]
+    others = [min(c["curve_loss"]) for label, c in curves.items() if label != "dense" and c.get("curve_loss")]
     return max(dense["final_loss"], min(others)) if others else dense["final_loss"]
+
+
+def curve_cap(label: str, step_s: dict[float, dict[str, float]], best_s: dict[float, float], every: int
+              ) -> Optional[int]:
+    """The step after which ``label``'s curve can no longer reach the target within :data:`CONTENDER` x the best time
+    so far in any of its shape's cells (``step_s``: per link, every method's time per step; ``best_s``: per link, the
+    best fixed method's time so far), on its evaluation grid ``every``; None where it has no time per step."""
+    bounds = [CONTENDER * best_s[rate] / mine[label] for rate, mine in step_s.items()
+              if mine.get(label) and best_s.get(rate) is not None]
+    return every * math.ceil(max(bounds) / every) if bounds else None
+
+
+def best_times(curves: Sequence[dict[str, Any]], target: float, step_s: dict[float, dict[str, float]]
+               ) -> dict[float, float]:
+    """Per link, the least time to ``target`` of the fixed methods' ``curves`` (None where none reached it)."""
+    out = {}
+    for rate, mine in step_s.items():
+        times = [S.time_to_loss(c["curve_steps"], c["curve_loss"], target, mine.get(c["method"])) for c in curves
+                 if not c.get("error") and not c["method"].startswith("auto:")]
+        reached = [t for t in times if t is not None]
+        out[rate] = min(reached) if reached else None
+    return out
+
+
+def shape_curves(args: argparse.Namespace, shape: str, methods: dict[str, S.Method],
+                 step_s: dict[float, dict[str, float]]) -> list[dict[str, Any]]:
+    """One seed's curves on ``shape``, only as long as the cells need them: dense's whole (its final loss the target),
+    every other ending at its first point at or below that target, and a fixed one stopped where it could no longer
+    come within :data:`CONTENDER` of the best fixed method so far in any cell (:func:`curve_cap`; a ranking already
+    clear). Dense first, then DiLoCo (the best so far sooner), the per-step methods, auto's."""
+    def order(label: str) -> int:
+        return 0 if label == "dense" else 3 if label.startswith("auto:") else 1 if methods[label].cycle > 1 else 2
+
+    sizes, done = args.sizes, []
+    for label in sorted(methods, key=order):
+        dense = next((c for c in done if c["method"] == "dense" and not c.get("error")), None)
+        target = dense["final_loss"] if dense is not None else None
+        cap = None
+        if target is not None and not label.startswith("auto:"):
+            cap = curve_cap(label, step_s, best_times(done, target, step_s), S.eval_every(methods[label], sizes))
+        done += S.run_curves(args, shape, {label: methods[label]}, sizes.steps, sizes.horizon,
+                             stop_below=None if label == "dense" else target, cap=cap)
+    return done
 
 
 def pooled_local_steps(timings: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -543,14 +591,16 @@ def run_cells(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     for workload in args.workloads:
         job = _job(args, workload)
         decisions = []
-        for shape, rate in itertools.product(args.shapes, args.rates):
-            raw, error, wall = cluster_job(job, shape, rate, ["--worker", "decide"],
-                                           logs / f"decide_{workload}_{shape}_{rate:g}.log")
-            d = decision_record(shape, rate, raw, error, workload)
-            bench.progress(f"[auto] {_where(d)}: chose {d.get('choice')} at step {d.get('step')} after "
-                           f"{bench.cell(d.get('decided_s'), '.1f')} s ({wall:.0f}s job)"
-                           + (f"; {error}" if error else ""))
-            decisions.append(d)
+        for shape in args.shapes:  # one job a shape: a fit per link, the launcher setting each in turn
+            raw, error, wall = cluster_job(job, shape, args.rates[0],
+                                           ["--worker", "decide", "--rates", *map(str, args.rates)],
+                                           logs / f"decide_{workload}_{shape}.log", answer=True)
+            for i, rate in enumerate(args.rates):
+                d = decision_record(shape, rate, (raw or {}).get(f"decide_{i}"), error, workload)
+                bench.progress(f"[auto] {_where(d)}: chose {d.get('choice')} at step {d.get('step')} after "
+                               f"{bench.cell(d.get('decided_s'), '.1f')} s" + (f"; {error}" if error else ""))
+                decisions.append(d)
+            bench.progress(f"[auto] {workload} {shape}: decisions' job {wall:.0f}s")
         sync_args = argparse.Namespace(sizes=job.sizes, methods=job.sizes.methods, rates=args.rates, shapes=args.shapes,
                                        no_validate=True, quick=args.quick, run_timeout=args.run_timeout)
         (logs / workload).mkdir(exist_ok=True)
@@ -563,6 +613,10 @@ def run_cells(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
                 if d["shape"] == shape and not d.get("error") and d["choice"] != "dense":
                     method = forced(d["choice"], d["rows"])
                     methods[shape][method.label] = method
+        step_s: dict[str, dict[float, dict[str, float]]] = {}  # per shape and link, every method's time per step
+        for t in pooled_local_steps(timings):
+            if t.get("per_step_s") is not None:
+                step_s.setdefault(t["shape"], {}).setdefault(t["rate_mbit"], {})[t["method"]] = t["per_step_s"]
         curves: list[dict[str, Any]] = []
         first: list[dict[str, Any]] = []
         seeds = SEEDS[workload] if not args.quick else min(2, SEEDS[workload])
@@ -575,7 +629,7 @@ def run_cells(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
                 run = {label: m for label, m in methods[shape].items()
                        if not seed or label.startswith("auto:") or label in keep}
                 curves += [{**c, "workload": workload, "seed": seed}
-                           for c in S.run_curves(sync_args, shape, run, job.sizes.steps, job.sizes.horizon)]
+                           for c in shape_curves(sync_args, shape, run, step_s.get(shape, {}))]
         measured["decisions"] += decisions
         measured["timings"] += timings
         measured["curves"] += curves

@@ -293,12 +293,14 @@ class FitRecord(Callback):
     :class:`~._common.StepRecorder`, no per-step reads of the loss or the strategy in the timed steps). With
     ``every``, rank 0 evaluates ``batch``'s loss after every ``k every + offset``-th step, timed, the others waiting;
     ``trace``: DiLoCo's ``sync/*`` metrics at each change; ``sample=(first, last)``: a :class:`~._streaming.LinkSampler`
-    over those steps."""
+    over those steps; ``stop_below``: every rank stops after the first evaluation at or below this loss (rank 0's)."""
 
     def __init__(self, every: Optional[int] = None, batch: Optional[tuple] = None, link: bool = False,
-                 trace: bool = False, sample: Optional[tuple[int, int]] = None, offset: int = 0) -> None:
+                 trace: bool = False, sample: Optional[tuple[int, int]] = None, offset: int = 0,
+                 stop_below: Optional[float] = None) -> None:
         self.every, self.batch, self.link, self.trace, self.sample = every, batch, link, trace, sample
         self.offset = offset  # a delayed sync lands ``offset`` steps after its step
+        self.stop_below = stop_below
         self.starts: list[float] = []
         self.ends: list[float] = []
         self.epochs: list[int] = []
@@ -333,10 +335,16 @@ class FitRecord(Callback):
             started = time.perf_counter()
             if trainer.is_global_zero:
                 self.curve.append((step, *validated_losses(pl_module, features, self.batch), self.ends[-1], 0.0))
-            if features is not None and features.exchange_group is not None:
-                dist.barrier(group=features.exchange_group)
+            group = features.exchange_group if features is not None else None
+            if group is not None:
+                dist.barrier(group=group)
             if trainer.is_global_zero:
                 self.curve[-1] = (*self.curve[-1][:4], time.perf_counter() - started)
+            if self.stop_below is not None:  # rank 0's verdict, so that every rank stops after the same step
+                reached = torch.tensor([float(trainer.is_global_zero and self.curve[-1][1] <= self.stop_below)])
+                if group is not None:
+                    dist.broadcast(reached, src=0, group=group)
+                trainer.should_stop = trainer.should_stop or bool(reached.item())
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -360,14 +368,15 @@ def workload(sizes: Sizes) -> tuple[L.LightningModule, L.LightningDataModule]:
 
 def fit(method: Method, shape: Shape, sizes: Sizes, steps: int, curve: bool, link: bool = False,
         record: Optional[FitRecord] = None, callbacks: Sequence[Callback] = (),
-        hetero: Optional[HeteroBatching] = None, epochs: Optional[int] = None) -> dict[str, Any]:
+        hetero: Optional[HeteroBatching] = None, epochs: Optional[int] = None,
+        stop_below: Optional[float] = None) -> dict[str, Any]:
     """One fit of the workload under ``method`` on this rank (the launcher's process group); this rank's record.
-    ``record``: the :class:`FitRecord` (default the curve's, with ``link``); ``epochs``: that many (``steps`` then
-    -1)."""
+    ``record``: the :class:`FitRecord` (default the curve's, with ``link`` and ``stop_below``); ``epochs``: that many
+    (``steps`` then -1)."""
     model, data = workload(sizes)
     if record is None:
         record = FitRecord(eval_every(method, sizes) if curve else None, val_batch(sizes) if curve else None, link,
-                           offset=method.delay or 0)
+                           offset=method.delay or 0, stop_below=stop_below)
     trainer = quiet_trainer(devices=shape.per_host, num_nodes=shape.hosts, strategy=method.strategy(shape.topology,
                             hetero), max_steps=steps, max_epochs=epochs if epochs is not None else -1,
                             limit_val_batches=0, callbacks=[record, *callbacks])
@@ -1059,22 +1068,26 @@ def _logs(out: Path) -> Path:
 
 
 def run_curves(args: argparse.Namespace, shape: str, methods: dict[str, Method], steps: int,
-               horizon: Optional[int] = None) -> list[dict[str, Any]]:
+               horizon: Optional[int] = None, stop_below: Optional[float] = None,
+               cap: Optional[int] = None) -> list[dict[str, Any]]:
     """Every method's curve on ``shape``'s loopback ranks, to ``steps`` (dense, DiLoCo) or ``horizon`` (per-step
-    compressors; default ``steps``); quality at ``args.sizes.steps``. A DiLoCo fit ends there: its last point is the
-    model its final sync leaves (the workers' mean), where one going on holds the outer step's ``theta_global``. A
-    failed fit is a record with its error."""
+    compressors; default ``steps``), at most ``cap`` steps, ending after the first point at or below ``stop_below``;
+    quality at ``args.sizes.steps``. A DiLoCo fit ends there: its last point is the model its final sync leaves (the
+    workers' mean), where one going on holds the outer step's ``theta_global``. A failed fit is a record with its
+    error."""
     val_batch(args.sizes)  # read the library once, before the ranks fork
     records = []
+    rank_fn = functools.partial(_loopback_rank, stop_below=stop_below)
     for label, method in methods.items():
         started = time.perf_counter()
+        length = steps if label == DENSE or method.cycle > 1 else horizon or steps
         try:
-            outs = run_ranks(_loopback_rank, SHAPES[shape].world, method, shape, args.sizes,
-                             steps if label == DENSE or method.cycle > 1 else horizon or steps,
-                             deadline_s=args.run_timeout)
+            outs = run_ranks(rank_fn, SHAPES[shape].world, method, shape, args.sizes,
+                             length if cap is None else min(length, cap), deadline_s=args.run_timeout)
             rec = curve_record(outs, shape, args.sizes.steps)
+            ended = "" if rec["steps"] == length else f" (stopped at step {rec['steps']} of {length})"
             bench.progress(f"[sync] curve {shape:<8} {label:<15} final val loss "
-                           f"{bench.cell(rec['final_loss'], '.4f')}, "
+                           f"{bench.cell(rec['final_loss'], '.4f')}{ended}, "
                            f"{bench.cell(rec['bytes_across_per_step'], ',.1f', 1e-3)} KB across workers/step "
                            f"({time.perf_counter() - started:.0f}s)")
         except RanksFailed as exc:
