@@ -156,6 +156,10 @@ def _ask(folder: Path, what: str, rate: str = "", timeout_s: float = 120.0) -> N
         time.sleep(0.02)
 
 
+def _file_name(label: str) -> str:
+    return label.replace("/", "_").replace("%", "pct")
+
+
 def _history(trainer: L.Trainer) -> list[dict[str, Any]]:
     return list(features_of(trainer.strategy).sync.history)
 
@@ -164,7 +168,7 @@ def _worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # hosts share the machine's cores
     sizes, out, rank = args.sizes, Path(args.out), int(os.environ.get("RANK", "0"))
     shape = S.SHAPES[args.shape]
-    if args.worker == "decide":  # a fit per link, in turn: rank 0 has the launcher set each before its fit
+    if args.worker == "cells":  # per link in turn (rank 0 has the launcher set it): auto's decision, the timing fits
         for i, rate in enumerate(args.rates):
             if rank == 0 and i:
                 _ask(out, f"rate_{i}", str(rate))
@@ -173,14 +177,24 @@ def _worker(args: argparse.Namespace) -> None:
             if rank == 0:
                 (out / f"decide_{i}.json").write_text(json.dumps({"history": _history(trainer),
                                                                   "starts": record.starts, "ends": record.ends}))
+            for label in args.methods:
+                timing = S.timing_fit(S.METHODS[label], shape, sizes)
+                if rank == 0:
+                    (out / f"timing_{i}_{_file_name(label)}.json").write_text(json.dumps(timing))
         return
-    # slowdown: auto, then each fixed method, every fit slowed at SLOW_AT (the launcher restores between fits)
+    # slowdown: each fixed method, then auto, every fit slowed at SLOW_AT (the launcher restores between fits); auto
+    # ends at its first point at or below the loss every fixed method reaches (a later point moves no figure)
     at, steps = args.slow_at, args.slow_steps
+    finals: list[float] = []
     for i, label in enumerate(args.methods):
         method = AutoMethod("auto", auto={"check_every": args.check_every}) if label == "auto" else S.METHODS[label]
-        record = S.FitRecord(S.eval_every(method, sizes), S.val_batch(sizes))
+        target = [max(finals) if finals else None]
+        if label == "auto":
+            torch.distributed.broadcast_object_list(target, src=0)  # (rank 0's curves)
+        record = S.FitRecord(S.eval_every(method, sizes), S.val_batch(sizes), stop_below=target[0])
         raw, trainer = _fit(method, shape, sizes, steps, record, [LinkSwitch(out, at, str(i))])
         if rank == 0:
+            finals += [raw["curve"][-1][1]] if label != "auto" and raw["curve"] else []
             (out / f"slow_{i}.json").write_text(json.dumps({
                 "method": label, "curve": raw["curve"], "starts": record.starts, "ends": record.ends,
                 "history": _history(trainer) if label == "auto" else []}))
@@ -289,16 +303,19 @@ def best_times(curves: Sequence[dict[str, Any]], target: float, step_s: dict[flo
 
 
 def shape_curves(args: argparse.Namespace, shape: str, methods: dict[str, S.Method],
-                 step_s: dict[float, dict[str, float]]) -> list[dict[str, Any]]:
-    """One seed's curves on ``shape``, only as long as the cells need them: dense's whole (its final loss the target),
-    every other ending at its first point at or below that target, and a fixed one stopped where it could no longer
-    come within :data:`CONTENDER` of the best fixed method so far in any cell (:func:`curve_cap`; a ranking already
-    clear). Dense first, then DiLoCo (the best so far sooner), the per-step methods, auto's."""
+                 step_s: dict[float, dict[str, float]], dense: Optional[dict[str, Any]] = None
+                 ) -> list[dict[str, Any]]:
+    """One seed's curves on ``shape``, only as long as the cells need them: dense's whole (its final loss the target;
+    ``dense``: another shape's, taken as this one's), every other ending at its first point at or below that target,
+    and a fixed one stopped where it could no longer come within :data:`CONTENDER` of the best fixed method so far in
+    any cell (:func:`curve_cap`; a ranking already clear). Dense first, then DiLoCo (the best so far sooner), the
+    per-step methods, auto's."""
     def order(label: str) -> int:
         return 0 if label == "dense" else 3 if label.startswith("auto:") else 1 if methods[label].cycle > 1 else 2
 
-    sizes, done = args.sizes, []
-    for label in sorted(methods, key=order):
+    sizes = args.sizes
+    done = [{**dense, "shape": shape, "run_on": dense["shape"]}] if dense is not None and "dense" in methods else []
+    for label in sorted((label for label in methods if not (done and label == "dense")), key=order):
         dense = next((c for c in done if c["method"] == "dense" and not c.get("error")), None)
         target = dense["final_loss"] if dense is not None else None
         cap = None
@@ -555,7 +572,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     add("--rates", type=float, nargs="+", help=f"Mbit/s (default 10 100 1000 and {UNSHAPED:g}: unshaped)")
     add("--steps", type=int, help=f"steps of every curve (default {FULL.steps}, --quick {QUICK.steps})")
     add("--run-timeout", type=float, help="one job's hard deadline, s (default 3600, --quick 150)")
-    add("--worker", choices=("decide", "slow"), help=argparse.SUPPRESS)
+    add("--worker", choices=("cells", "slow"), help=argparse.SUPPRESS)
     add("--shape", choices=list(S.SHAPES), default="flat", help=argparse.SUPPRESS)
     add("--methods", nargs="+", help=argparse.SUPPRESS)
     add("--slow-at", type=int, help=argparse.SUPPRESS)
@@ -591,21 +608,22 @@ def run_cells(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     for workload in args.workloads:
         job = _job(args, workload)
         decisions = []
-        for shape in args.shapes:  # one job a shape: a fit per link, the launcher setting each in turn
+        timings = []
+        timed = [label for label in job.sizes.methods if S.METHODS[label].steady]
+        for shape in args.shapes:  # one job a shape: per link in turn, auto's decision and every fixed method's time
             raw, error, wall = cluster_job(job, shape, args.rates[0],
-                                           ["--worker", "decide", "--rates", *map(str, args.rates)],
-                                           logs / f"decide_{workload}_{shape}.log", answer=True)
+                                           ["--worker", "cells", "--rates", *map(str, args.rates), "--methods", *timed],
+                                           logs / f"cells_{workload}_{shape}.log", answer=True)
+            raw = raw or {}
             for i, rate in enumerate(args.rates):
-                d = decision_record(shape, rate, (raw or {}).get(f"decide_{i}"), error, workload)
+                d = decision_record(shape, rate, raw.get(f"decide_{i}"), error, workload)
                 bench.progress(f"[auto] {_where(d)}: chose {d.get('choice')} at step {d.get('step')} after "
                                f"{bench.cell(d.get('decided_s'), '.1f')} s" + (f"; {error}" if error else ""))
                 decisions.append(d)
-            bench.progress(f"[auto] {workload} {shape}: decisions' job {wall:.0f}s")
-        sync_args = argparse.Namespace(sizes=job.sizes, methods=job.sizes.methods, rates=args.rates, shapes=args.shapes,
-                                       no_validate=True, quick=args.quick, run_timeout=args.run_timeout)
-        (logs / workload).mkdir(exist_ok=True)
-        timings, _ = S.run_cluster(sync_args, logs / workload)
-        timings = [{**t, "workload": workload} for t in timings]
+                timings += [{**S.timing_record(label, raw.get(f"timing_{i}_{_file_name(label)}"), shape, rate,
+                                               job.sizes, error), "workload": workload} for label in timed]
+            bench.progress(f"[auto] {workload} {shape}: the cells' job {wall:.0f}s")
+        sync_args = argparse.Namespace(sizes=job.sizes, run_timeout=args.run_timeout)
         methods = {}
         for shape in args.shapes:
             methods[shape] = {label: S.METHODS[label] for label in job.sizes.methods}
@@ -624,12 +642,14 @@ def run_cells(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
             sync_args.sizes = replace(job.sizes, seed=seed)
             if seed == 1:  # the first seed's ranking: who runs the others
                 first = cell_rows(decisions, curves, timings)
+            dense = None  # dense's curve, run on the first shape: the same mean gradient on every shape
             for shape in args.shapes:
                 keep = contenders(first, shape) if seed else set()
                 run = {label: m for label, m in methods[shape].items()
                        if not seed or label.startswith("auto:") or label in keep}
-                curves += [{**c, "workload": workload, "seed": seed}
-                           for c in shape_curves(sync_args, shape, run, step_s.get(shape, {}))]
+                mine = shape_curves(sync_args, shape, run, step_s.get(shape, {}), dense)
+                dense = dense or next((c for c in mine if c["method"] == "dense" and not c.get("error")), None)
+                curves += [{**c, "workload": workload, "seed": seed} for c in mine]
         measured["decisions"] += decisions
         measured["timings"] += timings
         measured["curves"] += curves
@@ -642,7 +662,7 @@ def run_slowdown(args: argparse.Namespace, logs: Path, rows: Sequence[dict[str, 
     at, steps = QUICK_SLOW if args.quick else (SLOW_AT, SLOW_STEPS)
     cell = next((r for r in rows if (_workload(r), r["shape"], r["rate_mbit"]) == ("lm", SLOW_SHAPE, SLOW_RATE)), {})
     before = [cell.get("best"), FIXED_LABEL.get(cell.get("choice"), cell.get("choice"))]
-    methods = ["auto", *dict.fromkeys(m for m in before if m in S.METHODS)] if cell else ["auto", "dense"]
+    methods = [*dict.fromkeys(m for m in before if m in S.METHODS), "auto"] if cell else ["dense", "auto"]
     check = at if args.quick else 50
     lm = _job(args, "lm")
     raw, error, wall = cluster_job(lm, SLOW_SHAPE, SLOW_RATE,

@@ -483,18 +483,25 @@ def _worker(args: argparse.Namespace) -> None:
     else:
         methods = {label: METHODS[label] for label in args.methods}
     for label, method in methods.items():
-        if streaming:
-            steps = sizes.stream_steps(args.every)
-            sample = (args.every, steps) if rank == 0 and label != "nosync" else None  # after the warm-up cycle
-            record = FitRecord(link=rank == 0, trace=True, sample=sample)
-        else:
-            steps, record = timing_steps(method, sizes)[0], FitRecord(link=True)
+        if not streaming:
+            _rank_file(out, label, rank).write_text(json.dumps(timing_fit(method, SHAPES[args.shape], sizes)))
+            continue
+        steps = sizes.stream_steps(args.every)
+        sample = (args.every, steps) if rank == 0 and label != "nosync" else None  # after the warm-up cycle
+        record = FitRecord(link=rank == 0, trace=True, sample=sample)
         raw = fit(replace(method, final_sync=False), SHAPES[args.shape], sizes, steps, curve=False, record=record)
         _rank_file(out, label, rank).write_text(json.dumps({k: raw[k] for k in TIMING_KEYS}))
     if args.validate:
         raw = fit(METHODS[args.validate], SHAPES[args.shape], sizes, sizes.steps, curve=True, link=True)
         if rank == 0:
             (out / "validate.json").write_text(json.dumps(raw))
+
+
+def timing_fit(method: Method, shape: Shape, sizes: Sizes) -> dict[str, Any]:
+    """``method``'s timing fit on this rank (:func:`timing_steps`, no final sync): what :func:`timing_record` reads."""
+    raw = fit(replace(method, final_sync=False), shape, sizes, timing_steps(method, sizes)[0], curve=False,
+              record=FitRecord(link=True))
+    return {k: raw[k] for k in TIMING_KEYS}
 
 
 def _rank_file(out: Path, label: str, rank: int) -> Path:
@@ -1127,22 +1134,31 @@ def run_cluster(args: argparse.Namespace, logs: Path) -> tuple[list[dict[str, An
         worker = ["--shape", shape_name, "--methods", *methods, *(["--validate", VALIDATE_METHOD] * here)]
         ranks, validation, error, wall = cluster_job(args, shape, rate, worker, logs / f"{shape_name}_r{rate:g}.log",
                                                      methods)
-        for label, mine in ranks.items():
-            rec: dict[str, Any] = {"shape": shape_name, "rate_mbit": rate, "method": label}
-            if mine:  # rank 0's
-                rec.update(cycle_timing(mine[0]["ends"], METHODS[label].every, timing_steps(METHODS[label],
-                           args.sizes)[1], mine[0]["link_sent"]), timed_steps=len(mine[0]["ends"]), error=None)
-                bench.progress(f"[sync] {where} {label:<15} {1e3 * rec['per_step_s']:9,.1f} ms/step "
-                               f"(local {bench.cell(rec['local_step_s'], ',.1f', 1e3)} ms, sync "
-                               f"{bench.cell(rec['sync_step_s'], ',.1f', 1e3)} ms)")
-            else:
-                rec.update(per_step_s=None, error=error or "no result written")
-                bench.progress(f"[sync] {where} {label:<15} FAILED: {rec['error']}")
-            timings.append(rec)
+        timings += [timing_record(label, mine[0] if mine else None, shape_name, rate, args.sizes, error)
+                    for label, mine in ranks.items()]
         if here:
             validation_raw = validation or {"error": error or "no result written"}
         bench.progress(f"[sync] {where}: job {wall:.0f}s")
     return timings, validation_raw
+
+
+def timing_record(label: str, raw: Optional[dict[str, Any]], shape: str, rate: float, sizes: Sizes,
+                  error: Optional[str]) -> dict[str, Any]:
+    """A method's time per step in a cell from its timing fit's rank 0 (``raw``, from :func:`timing_fit`; None: it
+    wrote nothing, ``error`` says why), printed as it comes."""
+    where = f"{shape} ({SHAPES[shape].hosts}x{SHAPES[shape].per_host}) @ {rate:g} Mbit/s"
+    rec: dict[str, Any] = {"shape": shape, "rate_mbit": rate, "method": label}
+    if raw is None:
+        rec.update(per_step_s=None, error=error or "no result written")
+        bench.progress(f"[sync] {where} {label:<15} FAILED: {rec['error']}")
+        return rec
+    method = METHODS[label]
+    rec.update(cycle_timing(raw["ends"], method.every, timing_steps(method, sizes)[1], raw["link_sent"]),
+               timed_steps=len(raw["ends"]), error=None)
+    bench.progress(f"[sync] {where} {label:<15} {1e3 * rec['per_step_s']:9,.1f} ms/step "
+                   f"(local {bench.cell(rec['local_step_s'], ',.1f', 1e3)} ms, sync "
+                   f"{bench.cell(rec['sync_step_s'], ',.1f', 1e3)} ms)")
+    return rec
 
 
 def validation_record(raw: Optional[dict[str, Any]], curves: Sequence[dict[str, Any]],
