@@ -46,6 +46,18 @@ def test_cycle_timing_splits_local_and_sync_steps_and_drops_the_warm_up():
         sync.cycle_timing(ends[:9], every=5, warm_cycles=1)
 
 
+def test_a_timing_record_reads_rank_0s_fit_or_says_why_there_is_none():
+    """One home for a timing fit's figures, the sync benchmark's jobs and the auto benchmark's cells job alike."""
+    sizes = sync.QUICK  # diloco10: a warm-up cycle of 10 steps, then 2 timed
+    ends = _ends(every=10, cycles=3, local_s=0.1, sync_s=0.6, first_cycle_s=3.0)
+    rec = sync.timing_record("diloco10", {"ends": ends, "link_sent": []}, "two_tier", 10.0, sizes, None)
+    assert (rec["shape"], rec["rate_mbit"], rec["method"], rec["error"]) == ("two_tier", 10.0, "diloco10", None)
+    assert rec["per_step_s"] == pytest.approx(0.15) and rec["timed_steps"] == 30
+    failed = sync.timing_record("dense", None, "flat", 10.0, sizes, "exit codes [1, 0]")
+    assert failed["per_step_s"] is None and failed["error"] == "exit codes [1, 0]"
+    assert sync.timing_record("dense", None, "flat", 10.0, sizes, None)["error"] == "no result written"
+
+
 def test_timing_fits_cover_two_cycles_after_a_warm_up_and_curves_sample_synced_models():
     for label, method in sync.METHODS.items():
         steps, warm = sync.timing_steps(method, sync.FULL)

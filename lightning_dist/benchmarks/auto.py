@@ -7,20 +7,24 @@ fixed methods are the per-step compressors auto may take under SGD (fp16, int8, 
 DiLoCo, and no OneBitAdam (an Adam method). Per job and cell (shape: ``flat``, 4 hosts of 1, and ``two_tier``, 2 hosts
 of 2; link: 10, 100 and 1,000 Mbit/s and ``unshaped``, a 100 Gbit/s token bucket no step comes near):
 
-1. **auto's decision on the shaped cluster.** A real fit with ``sync="auto"`` under torchrun on the cell's hosts and
-   links, stopped a few steps after its decision: the choice, the table, and the seconds from the fit's first step to
-   the end of the decision's step (the dense measuring steps and the measurement of every candidate over the links).
-2. **Every fixed method's time per step on the same cluster**: the sync benchmark's timing jobs. DiLoCo's local steps,
-   the same computation under every H and codec, are timed once per cell (:func:`pooled_local_steps`): each DiLoCo
-   method differs from its twins by its sync step only, not by the machine's drift between two fits.
-3. **Curves on loopback ranks** (a method's loss against steps does not depend on the link): every fixed method, and
+1. **auto's decision and every fixed method's time per step on the shaped cluster**, in one job per shape whose hosts
+   run, per link in turn (the launcher sets it between fits): a real fit with ``sync="auto"`` under torchrun, stopped a
+   few steps after its decision (the choice, the table, and the seconds from the fit's first step to the end of the
+   decision's step: the dense measuring steps and the measurement over the links), then the sync benchmark's timing fit
+   of every fixed method (:func:`~lightning_dist.benchmarks.sync.timing_fit`). DiLoCo's local steps, the same
+   computation under every H and codec, are timed once per cell (:func:`pooled_local_steps`): each DiLoCo method
+   differs from its twins by its sync step only, not by the machine's drift between two fits.
+2. **Curves on loopback ranks** (a method's loss against steps does not depend on the link): every fixed method, and
    auto forced to each choice it made (``Auto(methods=[choice])`` with a bytes budget under dense's), so auto's curve is
-   its own: dense measuring steps, then the choice.
-4. **Time to the target loss**: the target is dense's final loss at equal samples or, where no other method reaches
-   it, the lowest final loss another method reaches (the loss dense and at least one other method both reach). A
-   fixed method's time is its first curve point at or below the target x its time per step; auto's is its measured
-   time to the decision (its first step counted as a steady dense step, as no fixed method's first step is counted)
-   plus the steps after it to the target x its choice's time per step. The digits job's curves run at 3 seeds
+   its own: dense measuring steps, then the choice. Each is only as long as the cells need (:func:`shape_curves`):
+   dense's runs whole, once per seed (the same mean gradient on both shapes); every other ends at its first point at
+   or below dense's final loss, and a fixed method's also where it could no longer come within :data:`CONTENDER` of
+   the best fixed method so far in any cell (:func:`curve_cap`: its ranking is clear).
+3. **Time to the target loss**: the target is dense's final loss at equal samples or, where no other method's curve
+   reaches it, the lowest loss another method's curve reaches (the loss dense and at least one other method both
+   reach). A fixed method's time is its first curve point at or below the target x its time per step; auto's is its
+   measured time to the decision (its first step counted as a steady dense step, as no fixed method's first step is
+   counted) plus the steps after it to the target x its choice's time per step. The digits job's curves run at 3 seeds
    (:data:`SEEDS`; the fixed methods far from a cell's best at the first seed run it alone): per seed its own target
    and times; a method's time is its median over the seeds, auto's ratios the medians of its per-seed ratios.
 
@@ -28,9 +32,9 @@ of 2; link: 10, 100 and 1,000 Mbit/s and ``unshaped``, a 100 Gbit/s token bucket
 drops to a tenth (100 Mbit/s) after step ``SLOW_AT`` of ``SLOW_STEPS``: auto (its drift check every 50 steps) against
 the fixed methods that were best before the change (the cell's best and auto's choice there), in one job on the same
 hosts, each fit's wall time to the target (the loss every one of them reaches, evaluations left out) and where auto
-decided again.
+decided again. The fixed methods run first; auto's fit ends at its first point at or below the loss they all reach.
 
-Left out: fits of 1,600 steps (``--steps``: the default 800 keeps each job's run near an hour here; DiLoCo at H=50 then
+Left out: fits of 1,600 steps (``--steps``: the default 800 keeps the whole run near an hour here; DiLoCo at H=50 then
 leaves fewer syncs than auto's bound on flat workers and is out of auto's candidates there, while it still runs as a
 fixed method).
 """
@@ -185,16 +189,17 @@ def _worker(args: argparse.Namespace) -> None:
     # slowdown: each fixed method, then auto, every fit slowed at SLOW_AT (the launcher restores between fits); auto
     # ends at its first point at or below the loss every fixed method reaches (a later point moves no figure)
     at, steps = args.slow_at, args.slow_steps
-    finals: list[float] = []
+    finals: list[float] = []  # the fixed fits' final losses, rank 0's on every rank (each rank stops at one step)
     for i, label in enumerate(args.methods):
         method = AutoMethod("auto", auto={"check_every": args.check_every}) if label == "auto" else S.METHODS[label]
-        target = [max(finals) if finals else None]
-        if label == "auto":
-            torch.distributed.broadcast_object_list(target, src=0)  # (rank 0's curves)
-        record = S.FitRecord(S.eval_every(method, sizes), S.val_batch(sizes), stop_below=target[0])
+        stop_below = max(finals) if label == "auto" and finals else None
+        record = S.FitRecord(S.eval_every(method, sizes), S.val_batch(sizes), stop_below=stop_below)
         raw, trainer = _fit(method, shape, sizes, steps, record, [LinkSwitch(out, at, str(i))])
+        if label != "auto":
+            final = [raw["curve"][-1][1] if raw["curve"] else None]  # (the curve is rank 0's)
+            torch.distributed.broadcast_object_list(final, src=0)
+            finals += [final[0]] if final[0] is not None else []
         if rank == 0:
-            finals += [raw["curve"][-1][1]] if label != "auto" and raw["curve"] else []
             (out / f"slow_{i}.json").write_text(json.dumps({
                 "method": label, "curve": raw["curve"], "starts": record.starts, "ends": record.ends,
                 "history": _history(trainer) if label == "auto" else []}))
