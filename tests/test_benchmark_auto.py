@@ -69,6 +69,12 @@ def test_shape_curves_stop_every_curve_at_the_target_and_cap_the_far_ones(monkey
     # on its grid of 10), auto not capped; every other stops at dense's final loss
     assert calls == [("dense", None, None), ("diloco10/int8", 2.0, 3000), ("int8", 2.0, 60),
                      ("auto:diloco10/int8", 2.0, None)]
+    # the next shape takes dense's curve as its own (the same mean gradient), its target with it
+    calls.clear()
+    two_tier = auto.shape_curves(args, "two_tier", methods, step_s, dense={**curves[0], "shape": "flat", "wall_s": 9.0})
+    assert [c for c, _, _ in calls] == ["diloco10/int8", "int8", "auto:diloco10/int8"] and calls[0][1] == 2.0
+    assert {k: two_tier[0][k] for k in ("method", "shape", "run_on", "wall_s")} == {
+        "method": "dense", "shape": "two_tier", "run_on": "flat", "wall_s": 0.0}
 
 
 def test_cells_time_auto_from_its_decision_and_its_choices_steps():

@@ -160,10 +160,6 @@ def _ask(folder: Path, what: str, rate: str = "", timeout_s: float = 120.0) -> N
         time.sleep(0.02)
 
 
-def _file_name(label: str) -> str:
-    return label.replace("/", "_").replace("%", "pct")
-
-
 def _history(trainer: L.Trainer) -> list[dict[str, Any]]:
     return list(features_of(trainer.strategy).sync.history)
 
@@ -184,7 +180,7 @@ def _worker(args: argparse.Namespace) -> None:
             for label in args.methods:
                 timing = S.timing_fit(S.METHODS[label], shape, sizes)
                 if rank == 0:
-                    (out / f"timing_{i}_{_file_name(label)}.json").write_text(json.dumps(timing))
+                    (out / f"timing_{i}_{S.file_label(label)}.json").write_text(json.dumps(timing))
         return
     # slowdown: each fixed method, then auto, every fit slowed at SLOW_AT (the launcher restores between fits); auto
     # ends at its first point at or below the loss every fixed method reaches (a later point moves no figure)
@@ -318,11 +314,12 @@ def shape_curves(args: argparse.Namespace, shape: str, methods: dict[str, S.Meth
     def order(label: str) -> int:
         return 0 if label == "dense" else 3 if label.startswith("auto:") else 1 if methods[label].cycle > 1 else 2
 
-    sizes = args.sizes
-    done = [{**dense, "shape": shape, "run_on": dense["shape"]}] if dense is not None and "dense" in methods else []
+    sizes, done = args.sizes, []
+    if dense is not None and "dense" in methods:  # (its wall time is the shape's it ran on)
+        done.append({**dense, "shape": shape, "run_on": dense["shape"], "wall_s": 0.0})
     for label in sorted((label for label in methods if not (done and label == "dense")), key=order):
-        dense = next((c for c in done if c["method"] == "dense" and not c.get("error")), None)
-        target = dense["final_loss"] if dense is not None else None
+        ran = next((c for c in done if c["method"] == "dense" and not c.get("error")), None)
+        target = ran["final_loss"] if ran is not None else None
         cap = None
         if target is not None and not label.startswith("auto:"):
             cap = curve_cap(label, step_s, best_times(done, target, step_s), S.eval_every(methods[label], sizes))
@@ -625,7 +622,7 @@ def run_cells(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
                 bench.progress(f"[auto] {_where(d)}: chose {d.get('choice')} at step {d.get('step')} after "
                                f"{bench.cell(d.get('decided_s'), '.1f')} s" + (f"; {error}" if error else ""))
                 decisions.append(d)
-                timings += [{**S.timing_record(label, raw.get(f"timing_{i}_{_file_name(label)}"), shape, rate,
+                timings += [{**S.timing_record(label, raw.get(f"timing_{i}_{S.file_label(label)}"), shape, rate,
                                                job.sizes, error), "workload": workload} for label in timed]
             bench.progress(f"[auto] {workload} {shape}: the cells' job {wall:.0f}s")
         sync_args = argparse.Namespace(sizes=job.sizes, run_timeout=args.run_timeout)

@@ -504,8 +504,13 @@ def timing_fit(method: Method, shape: Shape, sizes: Sizes) -> dict[str, Any]:
     return {k: raw[k] for k in TIMING_KEYS}
 
 
+def file_label(label: str) -> str:
+    """A method's label as part of a file name."""
+    return label.replace("/", "_").replace("%", "pct")
+
+
 def _rank_file(out: Path, label: str, rank: int) -> Path:
-    return out / f"{label.replace('/', '_').replace('%', 'pct')}_r{rank}.json"
+    return out / f"{file_label(label)}_r{rank}.json"
 
 
 def cluster_job(args: argparse.Namespace, shape: Shape, rate: float, worker: list[str], log: Path,
