@@ -604,58 +604,71 @@ def _job(args: argparse.Namespace, workload: str) -> argparse.Namespace:
 
 
 def run_cells(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
-    """Per job: auto's decision in every cell, every fixed method's timing jobs, the curves (each record names its
+    """Per job: auto's decision in every cell, every fixed method's time per step, the curves (each record names its
     job)."""
     measured: dict[str, list[dict[str, Any]]] = {"decisions": [], "timings": [], "curves": []}
     for workload in args.workloads:
         job = _job(args, workload)
-        decisions = []
-        timings = []
-        timed = [label for label in job.sizes.methods if S.METHODS[label].steady]
-        for shape in args.shapes:  # one job a shape: per link in turn, auto's decision and every fixed method's time
-            raw, error, wall = cluster_job(job, shape, args.rates[0],
-                                           ["--worker", "cells", "--rates", *map(str, args.rates), "--methods", *timed],
-                                           logs / f"cells_{workload}_{shape}.log", answer=True)
-            raw = raw or {}
-            for i, rate in enumerate(args.rates):
-                d = decision_record(shape, rate, raw.get(f"decide_{i}"), error, workload)
-                bench.progress(f"[auto] {_where(d)}: chose {d.get('choice')} at step {d.get('step')} after "
-                               f"{bench.cell(d.get('decided_s'), '.1f')} s" + (f"; {error}" if error else ""))
-                decisions.append(d)
-                timings += [{**S.timing_record(label, raw.get(f"timing_{i}_{S.file_label(label)}"), shape, rate,
-                                               job.sizes, error), "workload": workload} for label in timed]
-            bench.progress(f"[auto] {workload} {shape}: the cells' job {wall:.0f}s")
-        sync_args = argparse.Namespace(sizes=job.sizes, run_timeout=args.run_timeout)
-        methods = {}
-        for shape in args.shapes:
-            methods[shape] = {label: S.METHODS[label] for label in job.sizes.methods}
-            for d in decisions:
-                if d["shape"] == shape and not d.get("error") and d["choice"] != "dense":
-                    method = forced(d["choice"], d["rows"])
-                    methods[shape][method.label] = method
-        step_s: dict[str, dict[float, dict[str, float]]] = {}  # per shape and link, every method's time per step
-        for t in pooled_local_steps(timings):
-            if t.get("per_step_s") is not None:
-                step_s.setdefault(t["shape"], {}).setdefault(t["rate_mbit"], {})[t["method"]] = t["per_step_s"]
-        curves: list[dict[str, Any]] = []
-        first: list[dict[str, Any]] = []
-        seeds = SEEDS[workload] if not args.quick else min(2, SEEDS[workload])
-        for seed in range(seeds):
-            sync_args.sizes = replace(job.sizes, seed=seed)
-            if seed == 1:  # the first seed's ranking: who runs the others
-                first = cell_rows(decisions, curves, timings)
-            dense = None  # dense's curve, run on the first shape: the same mean gradient on every shape
-            for shape in args.shapes:
-                keep = contenders(first, shape) if seed else set()
-                run = {label: m for label, m in methods[shape].items()
-                       if not seed or label.startswith("auto:") or label in keep}
-                mine = shape_curves(sync_args, shape, run, step_s.get(shape, {}), dense)
-                dense = dense or next((c for c in mine if c["method"] == "dense" and not c.get("error")), None)
-                curves += [{**c, "workload": workload, "seed": seed} for c in mine]
+        decisions, timings = cluster_cells(job, workload, logs)
         measured["decisions"] += decisions
         measured["timings"] += timings
-        measured["curves"] += curves
+        measured["curves"] += job_curves(job, workload, decisions, timings)
     return measured
+
+
+def cluster_cells(job: argparse.Namespace, workload: str, logs: Path
+                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """One cluster job per shape: per link in turn, auto's decision and every fixed method's timing fit. Returns the
+    decisions and the timing records."""
+    decisions: list[dict[str, Any]] = []
+    timings: list[dict[str, Any]] = []
+    timed = [label for label in job.sizes.methods if S.METHODS[label].steady]
+    for shape in job.shapes:
+        raw, error, wall = cluster_job(job, shape, job.rates[0],
+                                       ["--worker", "cells", "--rates", *map(str, job.rates), "--methods", *timed],
+                                       logs / f"cells_{workload}_{shape}.log", answer=True)
+        raw = raw or {}
+        for i, rate in enumerate(job.rates):
+            d = decision_record(shape, rate, raw.get(f"decide_{i}"), error, workload)
+            bench.progress(f"[auto] {_where(d)}: chose {d.get('choice')} at step {d.get('step')} after "
+                           f"{bench.cell(d.get('decided_s'), '.1f')} s" + (f"; {error}" if error else ""))
+            decisions.append(d)
+            timings += [{**S.timing_record(label, raw.get(f"timing_{i}_{S.file_label(label)}"), shape, rate,
+                                           job.sizes, error), "workload": workload} for label in timed]
+        bench.progress(f"[auto] {workload} {shape}: the cells' job {wall:.0f}s")
+    return decisions, timings
+
+
+def job_curves(job: argparse.Namespace, workload: str, decisions: Sequence[dict[str, Any]],
+               timings: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every seed's curves on every shape (:func:`shape_curves`): the fixed methods and auto forced to each of its
+    choices; from the second seed on, only auto's and the first seed's contenders (:func:`contenders`)."""
+    methods = {}
+    for shape in job.shapes:
+        methods[shape] = {label: S.METHODS[label] for label in job.sizes.methods}
+        for d in decisions:
+            if d["shape"] == shape and not d.get("error") and d["choice"] != "dense":
+                method = forced(d["choice"], d["rows"])
+                methods[shape][method.label] = method
+    step_s: dict[str, dict[float, dict[str, float]]] = {}  # per shape and link, every method's time per step
+    for t in pooled_local_steps(timings):
+        if t.get("per_step_s") is not None:
+            step_s.setdefault(t["shape"], {}).setdefault(t["rate_mbit"], {})[t["method"]] = t["per_step_s"]
+    curves: list[dict[str, Any]] = []
+    first: list[dict[str, Any]] = []
+    for seed in range(SEEDS[workload] if not job.quick else min(2, SEEDS[workload])):
+        curve_args = argparse.Namespace(sizes=replace(job.sizes, seed=seed), run_timeout=job.run_timeout)
+        if seed == 1:  # the first seed's ranking: who runs the others
+            first = cell_rows(decisions, curves, timings)
+        dense = None  # dense's curve, run on the first shape: the same mean gradient on every shape
+        for shape in job.shapes:
+            keep = contenders(first, shape) if seed else set()
+            run = {label: m for label, m in methods[shape].items()
+                   if not seed or label.startswith("auto:") or label in keep}
+            mine = shape_curves(curve_args, shape, run, step_s.get(shape, {}), dense)
+            dense = dense or next((c for c in mine if c["method"] == "dense" and not c.get("error")), None)
+            curves += [{**c, "workload": workload, "seed": seed} for c in mine]
+    return curves
 
 
 def run_slowdown(args: argparse.Namespace, logs: Path, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
