@@ -293,7 +293,8 @@ class FitRecord(Callback):
     :class:`~._common.StepRecorder`, no per-step reads of the loss or the strategy in the timed steps). With
     ``every``, rank 0 evaluates ``batch``'s loss after every ``k every + offset``-th step, timed, the others waiting;
     ``trace``: DiLoCo's ``sync/*`` metrics at each change; ``sample=(first, last)``: a :class:`~._streaming.LinkSampler`
-    over those steps; ``stop_below``: every rank stops after the first evaluation at or below this loss (rank 0's)."""
+    over those steps; ``stop_below``: every rank stops after the first evaluation at or below this loss (rank 0's
+    verdict, broadcast: set it, or leave it None, on every rank alike)."""
 
     def __init__(self, every: Optional[int] = None, batch: Optional[tuple] = None, link: bool = False,
                  trace: bool = False, sample: Optional[tuple[int, int]] = None, offset: int = 0,
@@ -1131,7 +1132,7 @@ def run_cluster(args: argparse.Namespace, logs: Path) -> tuple[list[dict[str, An
     methods = [m for m in args.methods if METHODS[m].steady]  # (Method.steady)
     for rate, shape_name in itertools.product(args.rates, args.shapes):
         shape = SHAPES[shape_name]
-        where = f"{shape_name} ({shape.hosts}x{shape.per_host}) @ {rate:g} Mbit/s"
+        where = _cell(shape_name, rate)
         here = (not args.no_validate and VALIDATE_METHOD in methods
                 and (shape_name, rate) == (VALIDATE_SHAPE, VALIDATE_RATE))
         bench.progress(f"[sync] timing {where}: {' '.join(methods)}"
@@ -1151,7 +1152,7 @@ def timing_record(label: str, raw: Optional[dict[str, Any]], shape: str, rate: f
                   error: Optional[str]) -> dict[str, Any]:
     """A method's time per step in a cell from its timing fit's rank 0 (``raw``, from :func:`timing_fit`; None: it
     wrote nothing, ``error`` says why), printed as it comes."""
-    where = f"{shape} ({SHAPES[shape].hosts}x{SHAPES[shape].per_host}) @ {rate:g} Mbit/s"
+    where = _cell(shape, rate)
     rec: dict[str, Any] = {"shape": shape, "rate_mbit": rate, "method": label}
     if raw is None:
         rec.update(per_step_s=None, error=error or "no result written")
@@ -1164,6 +1165,11 @@ def timing_record(label: str, raw: Optional[dict[str, Any]], shape: str, rate: f
                    f"(local {bench.cell(rec['local_step_s'], ',.1f', 1e3)} ms, sync "
                    f"{bench.cell(rec['sync_step_s'], ',.1f', 1e3)} ms)")
     return rec
+
+
+def _cell(shape: str, rate: float) -> str:
+    """A cell as the progress lines name it: ``flat (4x1) @ 10 Mbit/s``."""
+    return f"{shape} ({SHAPES[shape].hosts}x{SHAPES[shape].per_host}) @ {rate:g} Mbit/s"
 
 
 def validation_record(raw: Optional[dict[str, Any]], curves: Sequence[dict[str, Any]],
