@@ -46,12 +46,32 @@ def test_a_curve_stops_where_it_can_no_longer_come_near_the_best():
     assert auto.best_times(curves, 2.0, step_s) == {10.0: 20.0, 100.0: 40.0}  # dense at 100 Mbit/s: 200 x 0.2
 
 
+def test_a_curve_out_of_reach_stops_at_its_second_point_in_a_row_and_never_while_it_can_reach():
+    """CurveStop: the loss going on at its slope over the last window (optimistic where the loss flattens) still above
+    the target at the fit's last step, at two points in a row; never before a window of points."""
+    stop = S.CurveStop(2.0, out_of_reach=True, window=200)
+    flattening = [(100, 3.0), (200, 2.8), (300, 2.7), (400, 2.65)]  # slope over 200 steps: 0.0015/step at 300
+    assert not stop.hopeless(flattening[:2], 1200)  # no point a window back
+    # at 300: 2.7 - 0.0015 x 900 = 1.35 (reachable); at 400: 2.65 - 0.00075 x 800 = 2.05 (not): one point only
+    assert not stop.hopeless(flattening, 1200)
+    flattening.append((500, 2.62))  # 2.62 - 0.0004 x 700 = 2.34: the second in a row
+    assert stop.hopeless(flattening, 1200)
+    assert not stop.hopeless(flattening, 4000)  # 2.62 - 0.0004 x 3,500 = 1.22: in reach of a longer fit
+    assert not S.CurveStop(2.0).hopeless(flattening, 1200)  # out_of_reach off: only reaching ends it
+    rising = [(100, 2.5), (200, 2.6), (300, 2.7)]  # a slope of the wrong sign: no progress, out of reach
+    assert S.CurveStop(2.0, out_of_reach=True, window=100).hopeless(rising, 1200)
+    assert stop.reached(2.0) and not stop.reached(2.01)
+
+
 def test_shape_curves_stop_every_curve_at_the_target_and_cap_the_far_ones(monkeypatch):
     calls = []
 
-    def run_curves(args, shape, methods, steps, horizon, stop_below=None, cap=None):
+    def run_curves(args, shape, methods, steps, horizon, stop=None, cap=None, agreed=True):
         (label, _), = methods.items()
-        calls.append((label, stop_below, cap))
+        assert not agreed  # (theta_global's loss: no figure of this benchmark reads it)
+        calls.append((label, stop and stop.below, cap))
+        if stop is not None:  # fixed methods also end out of reach (a constant rate after warm-up); auto's do not
+            assert stop.out_of_reach == (not label.startswith("auto:"))
         losses = {"dense": [3.0, 2.0], "diloco10/int8": [2.5, 1.9], "int8": [2.9, 2.5], "auto:diloco10/int8": [2.0]}
         return [{"method": label, "curve_steps": [100, 200][:len(losses[label])], "curve_loss": losses[label],
                  "final_loss": losses[label][-1] if len(losses[label]) == 2 else None}]

@@ -32,7 +32,8 @@ of 2; link: 10, 100 and 1,000 Mbit/s and ``unshaped``, a 100 Gbit/s token bucket
 drops to a tenth (100 Mbit/s) after step ``SLOW_AT`` of ``SLOW_STEPS``: auto (its drift check every 50 steps) against
 the fixed methods that were best before the change (the cell's best and auto's choice there), in one job on the same
 hosts, each fit's wall time to the target (the loss every one of them reaches, evaluations left out) and where auto
-decided again. The fixed methods run first; auto's fit ends at its first point at or below the loss they all reach.
+decided again. The fixed methods run first, each fit ending at its first point at or below the loss the fits before
+it all reach.
 
 Left out: fits of 1,600 steps (``--steps``: the default 800 keeps the whole run near an hour here; DiLoCo at H=50 then
 leaves fewer syncs than auto's bound on flat workers and is out of auto's candidates there, while it still runs as a
@@ -71,10 +72,12 @@ UNSHAPED = 100_000.0  # Mbit/s: a token bucket far above anything a step sends (
 FIXED = ("dense", "topk1%", "onebit-adam", "diloco10/int8", "diloco50", "diloco50/int8")  # the LM's
 FIXED_LABEL = {"onebit_adam": "onebit-adam", "powersgd": "powersgd-r2"}  # auto's label -> the fixed method's
 AFTER = 4  # steps the decision job runs after auto's decision
-# the slowdown: 1,600 steps from 1 Gbit/s (dense the best there), the links at a tenth after step 200 (1,400 steps
-# left: DiLoCo at H=50 is a candidate again). From 100 Mbit/s (the first measurement, docs/benchmarks.md) auto starts on
-# DiLoCo, whose sync over H keeps the step within the drift factor at 10 Mbit/s: there is nothing to re-decide
-SLOW_AT, SLOW_STEPS, SLOW_FACTOR, SLOW_RATE, SLOW_SHAPE = 200, 1600, 10.0, 1000.0, "flat"
+# the slowdown: 1,400 steps from 1 Gbit/s (dense the best there), the links at a tenth after step 100 (auto decides
+# again at step 150, the drift check's first window after it all slow: 1,250 steps left, 25 syncs at H=50, so DiLoCo
+# at H=50 is a candidate again, its quality measured at 24). From 100 Mbit/s (the first measurement,
+# docs/benchmarks.md) auto starts on DiLoCo, whose sync over H keeps the step within the drift factor at 10 Mbit/s:
+# there is nothing to re-decide
+SLOW_AT, SLOW_STEPS, SLOW_FACTOR, SLOW_RATE, SLOW_SHAPE = 100, 1400, 10.0, 1000.0, "flat"
 # targets: auto's time to the target within 15% of the best fixed method's, and within 5% of dense's
 VS_BEST, VS_DENSE = 1.15, 1.05
 REDECIDE_WITHIN = 50  # steps after the change
@@ -182,14 +185,16 @@ def _worker(args: argparse.Namespace) -> None:
                 if rank == 0:
                     (out / f"timing_{i}_{S.file_label(label)}.json").write_text(json.dumps(timing))
         return
-    # slowdown: each fixed method, then auto, every fit slowed at SLOW_AT (the launcher restores between fits); auto
-    # ends at its first point at or below the loss every fixed method reaches (a later point moves no figure)
+    # slowdown: each fixed method, then auto, every fit slowed at SLOW_AT (the launcher restores between fits). A fit
+    # ends at its first point at or below the highest final loss of the fixed fits before it: the loss every fixed fit
+    # reaches stays their highest final (a fit that reaches it ends there; one that does not raises it, and every fit
+    # before went below it), and a later point moves no figure
     at, steps = args.slow_at, args.slow_steps
     finals: list[float] = []  # the fixed fits' final losses, rank 0's on every rank (each rank stops at one step)
     for i, label in enumerate(args.methods):
         method = AutoMethod("auto", auto={"check_every": args.check_every}) if label == "auto" else S.METHODS[label]
-        stop_below = max(finals) if label == "auto" and finals else None
-        record = S.FitRecord(S.eval_every(method, sizes), S.val_batch(sizes), stop_below=stop_below)
+        stop = S.CurveStop(max(finals)) if finals else None
+        record = S.FitRecord(S.eval_every(method, sizes), S.val_batch(sizes), stop=stop, agreed=False)
         raw, trainer = _fit(method, shape, sizes, steps, record, [LinkSwitch(out, at, str(i))])
         if label != "auto":
             final = [raw["curve"][-1][1] if raw["curve"] else None]  # (the curve is rank 0's)
@@ -323,8 +328,11 @@ def shape_curves(args: argparse.Namespace, shape: str, methods: dict[str, S.Meth
         cap = None
         if target is not None and not label.startswith("auto:"):
             cap = curve_cap(label, step_s, best_times(done, target, step_s), S.eval_every(methods[label], sizes))
-        done += S.run_curves(args, shape, {label: methods[label]}, sizes.steps, sizes.horizon,
-                             stop_below=None if label == "dense" else target, cap=cap)
+        stop = None
+        if label != "dense" and target is not None:  # (a fixed one also where it is out of reach: CurveStop)
+            stop = S.CurveStop(target, out_of_reach=not label.startswith("auto:") and sizes.schedule == "constant")
+        done += S.run_curves(args, shape, {label: methods[label]}, sizes.steps, sizes.horizon, stop=stop, cap=cap,
+                             agreed=False)
     return done
 
 
