@@ -19,6 +19,7 @@ import torch
 from lightning_dist.benchmarks import _streaming as stream
 from lightning_dist.benchmarks import sync
 from lightning_dist.sync import DiLoCo
+from lightning_dist.testing import run_ranks
 
 
 def _ends(every: int, cycles: int, local_s: float, sync_s: float, first_cycle_s: float) -> list[float]:
@@ -209,6 +210,33 @@ def test_the_digits_job_is_the_cnn_under_sgd_on_its_held_out_split():
         assert loss == pytest.approx(torch.nn.functional.cross_entropy(model(images), labels).item(), rel=1e-5)
     # the per-step compressors auto may take under SGD are fixed methods, each the codec auto would build
     assert sync.METHODS["int8"].compressor == {"name": "int8"} and sync.METHODS["fp16"].compressor == {"name": "fp16"}
+
+
+def _shared_eval_rank(rank, world_size):
+    """Held-out losses on ``world_size`` ranks: a model every rank holds (each evaluating its share), then one rank
+    1 changed (rank 0's alone then); each beside this rank's own whole evaluation."""
+    torch.set_num_threads(1)
+    model, _ = sync.workload(sync.QUICK)  # seeded: the same weights on every rank
+    batch = sync.val_batch(sync.QUICK)
+    group = torch.distributed.group.WORLD
+    shared, own = sync.shared_val_loss(model, batch, group), sync.val_loss(model, batch)
+    if rank == 1:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.1)
+    return shared, own, sync.shared_val_loss(model, batch, group), sync.val_loss(model, batch)
+
+
+@pytest.mark.slow
+def test_every_rank_evaluates_its_share_of_one_model_and_rank_0s_alone_where_they_differ():
+    """The curves' held-out loss split over the ranks (3: the windows do not divide evenly) is the whole evaluation's,
+    and where the ranks' models differ it is rank 0's, never a mix."""
+    outs = run_ranks(_shared_eval_rank, 3, deadline_s=120)
+    assert len(sync.val_batch(sync.QUICK)[0]) % 3 != 0
+    for shared, own, differing, _ in outs:
+        assert shared == pytest.approx(outs[0][1], abs=1e-6) and own == outs[0][1]
+        assert differing == outs[0][3]  # rank 0's own model, exactly (broadcast)
+    assert outs[1][3] != pytest.approx(outs[0][3], abs=1e-4)  # (rank 1's change moves its loss)
 
 
 @pytest.fixture(scope="module")
