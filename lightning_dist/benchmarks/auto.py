@@ -35,7 +35,7 @@ hosts, each fit's wall time to the target (the loss every one of them reaches, e
 decided again. The fixed methods run first, each fit ending at its first point at or below the loss the fits before
 it all reach.
 
-Left out: fits of 1,600 steps (``--steps``: the default 800 keeps the whole run near an hour here; DiLoCo at H=50 then
+Left out: fits of 1,600 steps (``--steps``: the default 800 keeps the whole run under an hour here; DiLoCo at H=50 then
 leaves fewer syncs than auto's bound on flat workers and is out of auto's candidates there, while it still runs as a
 fixed method).
 """
