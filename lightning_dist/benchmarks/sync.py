@@ -324,12 +324,11 @@ class CurveStop:
 class FitRecord(Callback):
     """Per step its start, end, epoch, samples and (``link``) the bytes out of the host's link (no more: unlike
     :class:`~._common.StepRecorder`, no per-step reads of the loss or the strategy in the timed steps). With
-    ``every``, every rank evaluates its share of ``batch``'s loss (:func:`shared_val_loss`) after every ``k every +
-    offset``-th step, timed;
-    ``trace``: DiLoCo's ``sync/*`` metrics at each change; ``sample=(first, last)``: a :class:`~._streaming.LinkSampler`
-    over those steps; ``stop``: every rank stops after the evaluation where it says so (rank 0's verdict, broadcast:
-    set it, or leave it None, on every rank alike); ``agreed``: under DiLoCo also ``theta_global``'s loss at each
-    point."""
+    ``every``, every rank evaluates its share of ``batch``'s loss (:func:`shared_val_loss`) after every
+    ``k every + offset``-th step, timed; ``trace``: DiLoCo's ``sync/*`` metrics at each change;
+    ``sample=(first, last)``: a :class:`~._streaming.LinkSampler` over those steps; ``stop``: every rank stops after
+    the evaluation where it says so (rank 0's verdict, broadcast: set it, or leave it None, on every rank alike);
+    ``agreed``: under DiLoCo also ``theta_global``'s loss at each point."""
 
     def __init__(self, every: Optional[int] = None, batch: Optional[tuple] = None, link: bool = False,
                  trace: bool = False, sample: Optional[tuple[int, int]] = None, offset: int = 0,
@@ -439,9 +438,9 @@ def fit(method: Method, shape: Shape, sizes: Sizes, steps: int, curve: bool, lin
 
 def shared_val_loss(module: ByteLM | DigitsCNN, batch: tuple[torch.Tensor, torch.Tensor],
                     group: Optional[dist.ProcessGroup]) -> float:
-    """:func:`val_loss` of a model every rank of ``group`` holds alike, each rank evaluating every world-th window (one
-    core each: a rank with more threads after a fork can deadlock in OpenMP); rank 0's model alone, the others waiting,
-    where the models differ (a fingerprint of the parameters, agreed first)."""
+    """:func:`val_loss` of a model every rank of ``group`` holds alike, each rank evaluating every world-th window on
+    its one core (rank 0 raising its threads instead hung in a forked rank's first parallel product); rank 0's model
+    alone, the others waiting, where the models differ (a fingerprint of the parameters, agreed first)."""
     world = dist.get_world_size(group) if group is not None else 1
     if world == 1:
         return val_loss(module, batch)
@@ -1236,7 +1235,7 @@ def _cell(shape: str, rate: float) -> str:
 
 def validation_record(raw: Optional[dict[str, Any]], curves: Sequence[dict[str, Any]],
                       combined: Sequence[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """The full shaped run against its prediction: wall time to the end (less rank 0's evaluations) and final loss."""
+    """The full shaped run against its prediction: wall time to the end (less the evaluations) and final loss."""
     if raw is None or raw.get("error"):
         return raw and {"error": raw["error"]}
     row = next((r for r in combined if (r["shape"], r["rate_mbit"], r["method"])
