@@ -536,3 +536,30 @@ def test_the_inner_rates_are_kept_in_the_checkpoint():
         _bound(DiLoCo(every=2), torch.nn.Linear(3, 1)).load_state_dict(state)
     with pytest.raises(ValueError, match="sync.inner_rate=none"):
         DiLoCo(inner_rate="cosine")
+
+
+def test_an_exchange_never_waits_longer_than_it_takes():
+    """``sync/waited_s`` <= ``sync/seconds``: a delayed exchange whose reduction took 0.1 ms on the sync's thread, but
+    whose end the training loop saw 50 ms into its wait (a thread that started late), counts the wait in its seconds
+    (the clean-clone CI once logged a wait 6 us longer than the exchange)."""
+    from concurrent.futures import Future
+    from threading import Timer
+    from types import SimpleNamespace
+
+    from lightning_dist.sync.diloco_exchange import Exchange, Exchanges
+
+    fragment = SimpleNamespace(buckets=[], index=0, compressor=SimpleNamespace(commit=lambda: None))
+    exchange = Exchange(fragment=fragment, step=2, lands=3, samples=[])
+    exchange.seconds = exchange.waited = 1e-3  # the main thread's part
+    exchange.future = Future()
+
+    def reduced() -> None:
+        exchange.seconds += 1e-4  # what the sync's thread measured of its reduction
+        exchange.future.set_result(None)
+
+    exchanges = Exchanges.__new__(Exchanges)  # (settle reads reduced_at alone)
+    exchanges.reduced_at = [0]
+    Timer(0.05, reduced).start()
+    exchanges.settle(exchange)
+    assert exchange.waited >= 0.05 and exchange.seconds == exchange.waited
+    assert exchange.settled and exchanges.reduced_at == [2]

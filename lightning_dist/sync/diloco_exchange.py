@@ -37,7 +37,9 @@ class Exchange:
     stats: Optional[CommStats] = None  # its collectives' records, merged into the step's at landing (a delay only)
     future: Optional[Future] = None  # the reduction on the sync's thread (a delay only)
     locally_finite: bool = True  # this rank's contribution
-    seconds: float = 0.0  # the exchange's own wall time (the main thread's part and the reduction)
+    # the exchange's own wall time: the main thread's part and the reduction, or the main thread's wait for it where
+    # that was longer (the sync's thread started, or was seen to end, late): never less than ``waited``
+    seconds: float = 0.0
     waited: float = 0.0  # the main thread's part
     bytes_sent: int = 0  # this rank's bytes across workers, recorded in the step's stats so far
     norm: Optional[float] = None  # the mean pseudo-gradient's norm, once settled (NaN: skip)
@@ -190,6 +192,7 @@ class Exchanges:
             waiting = time.perf_counter()
             exchange.future.result()  # a failed collective raises here, on the training loop's thread
             exchange.waited += time.perf_counter() - waiting
+            exchange.seconds = max(exchange.seconds, exchange.waited)
             exchange.future = None
         buckets = exchange.fragment.buckets
         totals = torch.stack([b.flat.float().square().sum() for b in buckets]) if buckets else torch.zeros(1)
