@@ -19,7 +19,8 @@ of 2; link: 10, 100 and 1,000 Mbit/s and ``unshaped``, a 100 Gbit/s token bucket
    its own: dense measuring steps, then the choice. Each is only as long as the cells need (:func:`shape_curves`):
    dense's runs whole, once per seed (the same mean gradient on both shapes); every other ends at its first point at
    or below dense's final loss, and a fixed method's also where it could no longer come within :data:`CONTENDER` of
-   the best fixed method so far in any cell (:func:`curve_cap`: its ranking is clear).
+   the best fixed method so far in any cell (:func:`curve_cap`: its ranking is clear) or, under a constant rate, where
+   the target is out of its reach (:class:`~lightning_dist.benchmarks.sync.CurveStop`).
 3. **Time to the target loss**: the target is dense's final loss at equal samples or, where no other method's curve
    reaches it, the lowest loss another method's curve reaches (the loss dense and at least one other method both
    reach). A fixed method's time is its first curve point at or below the target x its time per step; auto's is its

@@ -440,12 +440,12 @@ def shared_val_loss(module: ByteLM | DigitsCNN, batch: tuple[torch.Tensor, torch
                     group: Optional[dist.ProcessGroup]) -> float:
     """:func:`val_loss` of a model every rank of ``group`` holds alike, each rank evaluating every world-th window on
     its one core (rank 0 raising its threads instead hung in a forked rank's first parallel product); rank 0's model
-    alone, the others waiting, where the models differ (a fingerprint of the parameters, agreed first)."""
+    alone, the others waiting, where the models differ (a fingerprint of the parameters and buffers, agreed first)."""
     world = dist.get_world_size(group) if group is not None else 1
     if world == 1:
         return val_loss(module, batch)
     with torch.no_grad():
-        fingerprint = torch.stack([p.detach().double().sum() for p in module.parameters()]).sum()
+        fingerprint = torch.stack([t.detach().double().sum() for t in (*module.parameters(), *module.buffers())]).sum()
     spread = torch.stack([fingerprint, -fingerprint])
     dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=group)
     if spread[0] != -spread[1]:
